@@ -1,0 +1,1 @@
+"""OpenAI-compatible Files and Batches API, auth and tenants, dashboard, metrics."""

@@ -1,0 +1,1 @@
+"""Batch processor: claim jobs, validate and expand JSONL, enqueue fairly, finalize, cancel, expire."""

@@ -1,0 +1,1 @@
+"""Priority-aware gateway: flow control, holdback ceilings, in-flight eviction, endpoint picking."""

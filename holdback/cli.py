@@ -1,0 +1,54 @@
+"""The `holdback` command: one entry point whose subcommands live in their components.
+
+Each subcommand is a module with `main(argv) -> int`; it is imported only when run, so
+`holdback sim` never loads the database layer and `holdback --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("holdback.supervisor", "run the whole platform on this machine (what `make up` runs)"),
+    "api": ("batch_api.cli", "serve the OpenAI-compatible Batch and Files API and the dashboard"),
+    "db": ("holdback.db_cli", "database schema: `holdback db upgrade`"),
+    "keys": ("holdback.keys_cli", "API keys: `holdback keys create --tenant NAME`"),
+    "processor": ("batch_processor.cli", "claim, validate, expand, enqueue, finalize, cancel and expire batches"),
+    "worker": ("async_processor.cli", "send queued batch requests through the gateway (`-n` concurrency)"),
+    "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),
+    "sim": ("model_sim.cli", "vLLM-compatible model server simulator replicas"),
+    "demo": ("holdback.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
+    "bench": ("bench.cli", "benchmarks: `holdback bench study` reproduces the seed study"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="holdback",
+        description="Self-hosted batch inference that shares GPUs with realtime traffic.",
+        epilog="Run `holdback COMMAND --help` for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; choose one of: {', '.join(COMMANDS)}")
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Simulated vLLM replicas: continuous batching, KV blocks, preemption, abort on disconnect."""
