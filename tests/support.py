@@ -1,0 +1,116 @@
+"""Test support shared by every test folder: free ports, readiness waits and child processes.
+
+Child processes are started the way an operator starts them, through the `holdback` CLI, and are
+always stopped (SIGTERM, then SIGKILL) when the test ends, so no test leaves an orphan behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports (the simulator takes --port P for replica 0, P+1 for 1, ...)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65000:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait until GET url answers 2xx; fail early with the child's output if it died."""
+    deadline = time.monotonic() + timeout
+    last: Exception | str = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            r = httpx.get(url, timeout=1.0)
+            if r.status_code < 300:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+class Processes:
+    """Start `holdback ...` children and stop them all on exit."""
+
+    def __init__(self, env: dict[str, str] | None = None, log_dir: Path | None = None):
+        self.env = {**os.environ, **(env or {})}
+        self.log_dir = log_dir
+        self.children: list[tuple[subprocess.Popen, str]] = []
+
+    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        name = name or args[0]
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}-{len(self.children)}.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "holdback.cli", *args],
+            cwd=REPO,
+            env={**self.env, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.children.append((proc, name))
+        return proc
+
+    def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+    def log(self, name: str) -> str:
+        if self.log_dir is None:
+            return ""
+        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.log_dir.glob(f"{name}-*.log")))
+
+    def close(self) -> None:
+        for proc, _ in reversed(self.children):
+            self.stop(proc)
+        self.children.clear()
+
+    def __enter__(self) -> "Processes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
