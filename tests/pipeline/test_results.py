@@ -1,0 +1,72 @@
+"""The compare-and-set that makes a request final: exactly one winner, counters moved once."""
+
+import json
+
+from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.models import Batch, RequestRow, RequestStatus, Tenant
+from holdback.results import (
+    FinalResult,
+    Usage,
+    begin_attempt,
+    close_unfinished,
+    count_unfinished,
+    output_line,
+    record_final,
+)
+
+
+def _batch_with_rows(factory, n):
+    with transaction(factory) as s:
+        t = Tenant(name="t1")
+        s.add(t)
+        s.flush()
+        b = Batch(tenant_id=t.id, endpoint="/v1/chat/completions", input_file_id="file-x",
+                  completion_window="24h", window_seconds=86400, status="in_progress", total=n)
+        s.add(b)
+        s.flush()
+        rows = [RequestRow(batch_id=b.id, tenant_id=t.id, line=i + 1, custom_id=f"c{i}",
+                           url="/v1/chat/completions", body="{}") for i in range(n)]
+        s.add_all(rows)
+        s.flush()
+        return b.id, [r.id for r in rows]
+
+
+def _ok(tokens=3):
+    return FinalResult(RequestStatus.succeeded, 200, {"usage": {"prompt_tokens": 5, "completion_tokens": tokens}},
+                       usage=Usage(5, tokens))
+
+
+def test_second_final_result_is_a_counted_noop(backend):
+    factory = make_sessionmaker(make_engine(backend.database_url))
+    batch_id, (row_id,) = _batch_with_rows(factory, 1)
+    with transaction(factory) as s:
+        assert begin_attempt(s, row_id, "w1").number == 1
+        assert record_final(s, row_id, _ok(3)) is True
+    with transaction(factory) as s:
+        assert record_final(s, row_id, _ok(9)) is False
+        assert begin_attempt(s, row_id, "w2") is None
+    with factory() as s:
+        row, batch = s.get(RequestRow, row_id), s.get(Batch, batch_id)
+        assert (row.status, row.output_tokens, row.duplicates, row.attempts) == ("succeeded", 3, 1, 1)
+        assert (batch.completed, batch.failed, batch.output_tokens, batch.input_tokens) == (1, 0, 3, 5)
+        line = output_line(row)
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert json.dumps(line)
+
+
+def test_cancel_closes_only_unfinished_rows_and_a_late_success_loses(backend):
+    factory = make_sessionmaker(make_engine(backend.database_url))
+    batch_id, rows = _batch_with_rows(factory, 3)
+    with transaction(factory) as s:
+        record_final(s, rows[0], _ok())
+    with transaction(factory) as s:
+        closed = close_unfinished(s, batch_id, RequestStatus.cancelled, "batch_cancelled", "cancelled by the user")
+        assert closed == 2
+        assert count_unfinished(s, batch_id) == 0
+    with transaction(factory) as s:
+        assert record_final(s, rows[1], _ok()) is False
+    with factory() as s:
+        batch = s.get(Batch, batch_id)
+        assert (batch.completed, batch.failed) == (1, 2)
+        line = output_line(s.get(RequestRow, rows[2]))
+        assert line["response"] is None and line["error"]["code"] == "batch_cancelled"
