@@ -1,0 +1,176 @@
+"""`holdback sim`: run N simulated vLLM replicas on consecutive ports in one process.
+
+Replica i listens on --port + i and answers with `x-sim-replica: i`. SIGTERM or SIGINT aborts
+in-flight requests and stops every replica cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from model_sim.config import EngineConfig, SimConfig
+from model_sim.faults import FaultSettings
+from model_sim.generation import OutputLengthMode
+from model_sim.replica import Replica
+from model_sim.request_queue import SchedulingPolicy
+from model_sim.timing import TimingModel
+
+log = logging.getLogger("model_sim")
+
+_DEFAULT_TIMING = TimingModel()
+_DEFAULT_ENGINE = EngineConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="holdback sim",
+        description=(
+            "Simulated vLLM replicas (OpenAI API, vLLM metrics, continuous batching, KV blocks, preemption, "
+            "abort on disconnect). Each engine step takes  step_overhead + prefill_tokens * prefill_per_token "
+            "+ (decode_seqs > 0) * (decode_base + decode_per_seq * decode_seqs)."
+        ),
+        epilog=(
+            "Endpoints: /v1/chat/completions /v1/completions /v1/embeddings /v1/models /tokenize /detokenize "
+            "/health /metrics, GET /admin/state, GET|POST /admin/faults. Header x-sim-force-error: STATUS forces "
+            "an error answer. See model_sim/README.md."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument("--port", type=int, required=True, help="port of replica 0; replica i uses PORT+i")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    srv.add_argument("--replicas", type=int, default=1, help="number of replicas in this process")
+    srv.add_argument("--model", default="sim-model", help="served model name (requests for another name get 400)")
+    srv.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                     help="event loop; auto uses uvloop when it is installed")
+    srv.add_argument("--log-level", default="INFO", help="logging level")
+
+    eng = p.add_argument_group("engine (vLLM v1 scheduler)")
+    eng.add_argument("--max-num-seqs", type=int, default=_DEFAULT_ENGINE.max_num_seqs,
+                     help="most requests running at once")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULT_ENGINE.max_num_batched_tokens,
+                     help="token budget of one step; longer prompts are prefilled in chunks")
+    eng.add_argument("--num-blocks", type=int, default=_DEFAULT_ENGINE.num_blocks, help="KV-cache blocks")
+    eng.add_argument("--block-size", type=int, default=_DEFAULT_ENGINE.block_size, help="tokens per KV block")
+    eng.add_argument("--max-model-len", type=int, default=_DEFAULT_ENGINE.max_model_len,
+                     help="longest prompt + max_tokens accepted")
+    eng.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy], default="fcfs",
+                     help="waiting order and preemption victim; priority: LOWER request priority runs first")
+    eng.add_argument("--enable-prefix-caching", action="store_true", help="share full prompt blocks by prefix hash")
+    eng.add_argument("--default-max-tokens", type=int, default=16,
+                     help="output length cap when a request sets no max_tokens")
+    eng.add_argument("--output-length-mode", choices=[m.value for m in OutputLengthMode], default="fixed",
+                     help="fixed: exactly max_tokens; random: uniform in [1, max_tokens] unless ignore_eos")
+
+    tim = p.add_argument_group("timing model (milliseconds)")
+    tim.add_argument("--step-overhead-ms", type=float, default=_DEFAULT_TIMING.step_overhead_ms,
+                     help="fixed cost of every step")
+    tim.add_argument("--prefill-ms-per-token", type=float, default=_DEFAULT_TIMING.prefill_ms_per_token,
+                     help="cost of each prompt token computed in a step")
+    tim.add_argument("--decode-base-ms", type=float, default=_DEFAULT_TIMING.decode_base_ms,
+                     help="cost of a step that decodes at least one sequence")
+    tim.add_argument("--decode-ms-per-seq", type=float, default=_DEFAULT_TIMING.decode_ms_per_seq,
+                     help="extra cost per decoding sequence in a step")
+    tim.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of gaussian step-time noise")
+    tim.add_argument("--zero-latency", action="store_true",
+                     help="all costs 0 (for throughput tests of other components)")
+    tim.add_argument("--seed", type=int, default=0, help="seed for jitter, random output lengths and faults")
+
+    flt = p.add_argument_group("fault injection (also POST /admin/faults at runtime)")
+    flt.add_argument("--fault-429-rate", type=float, default=0.0, help="fraction of requests answered 429")
+    flt.add_argument("--fault-500-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    flt.add_argument("--fault-503-rate", type=float, default=0.0, help="fraction of requests answered 503")
+    flt.add_argument("--fault-delay-ms", type=float, default=0.0, help="delay added before each request")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    timing = TimingModel.zero() if args.zero_latency else TimingModel(
+        step_overhead_ms=args.step_overhead_ms,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        decode_base_ms=args.decode_base_ms,
+        decode_ms_per_seq=args.decode_ms_per_seq,
+        jitter=args.jitter,
+    )
+    return SimConfig(
+        model=args.model,
+        engine=EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            scheduling_policy=SchedulingPolicy(args.scheduling_policy),
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        timing=timing,
+        faults=FaultSettings(args.fault_429_rate, args.fault_500_rate, args.fault_503_rate, args.fault_delay_ms),
+        default_max_tokens=args.default_max_tokens,
+        output_length_mode=OutputLengthMode(args.output_length_mode),
+        seed=args.seed,
+    )
+
+
+async def serve(config: SimConfig, host: str, port: int, replicas: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    started: list[Replica] = []
+    try:
+        for i in range(replicas):
+            replica = Replica(config, index=i)
+            await replica.start(host, port + i)
+            started.append(replica)
+            log.info(json.dumps({"event": "replica_started", "replica": replica.name, "model": config.model,
+                                 "url": f"http://{host}:{port + i}"}))
+        await stop.wait()
+    finally:
+        for replica in started:
+            await replica.stop()
+        log.info(json.dumps({"event": "stopped", "replicas": len(started)}))
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise SystemExit("--loop uvloop: uvloop is not installed; use --loop asyncio") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.replicas < 1:
+        print("holdback sim: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"holdback sim: {exc}", file=sys.stderr)
+        return 2
+    loop = _new_loop(args.loop)
+    try:
+        loop.run_until_complete(serve(config, args.host, args.port, args.replicas))
+    except OSError as exc:
+        print(f"holdback sim: cannot listen on {args.host}:{args.port}..{args.port + args.replicas - 1}: {exc}",
+              file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Typed settings of one simulated replica, built once by the CLI (or a test) and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model_sim.faults import FaultSettings
+from model_sim.generation import OutputLengthMode
+from model_sim.request_queue import SchedulingPolicy
+from model_sim.timing import TimingModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # 32768 blocks x 16 tokens = 512Ki tokens: 256 sequences of 2048 tokens.
+    num_blocks: int = 32768
+    block_size: int = 16
+    max_model_len: int = 8192
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    enable_prefix_caching: bool = False
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        SchedulingPolicy(self.scheduling_policy)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "sim-model"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timing: TimingModel = field(default_factory=TimingModel)
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    # Used when a request sets neither max_tokens nor max_completion_tokens.
+    default_max_tokens: int = 16
+    output_length_mode: OutputLengthMode = OutputLengthMode.FIXED
+    embedding_dim: int = 384
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.engine.validate()
+        self.timing.validate()
+        self.faults.validate()
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        if self.embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be at least 1, got {self.embedding_dim}")
+        OutputLengthMode(self.output_length_mode)

@@ -1,0 +1,204 @@
+"""The engine loop: schedule a step, wait out its modeled GPU time, apply it, wake the streams.
+
+The loop is deadline based: a step ends at `step_start + step_time` whatever Python spent on
+scheduling and bookkeeping inside it, so that overhead is absorbed instead of added. Timer wakeups
+from the event loop can be up to ~1 ms late, so the last SPIN_SECONDS of a step are waited by
+yielding (`asyncio.sleep(0)`) in a loop, which keeps HTTP handlers running meanwhile. With all
+costs zero a step still yields once, so other tasks are never starved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from model_sim.config import EngineConfig
+from model_sim.generation import OutputLengthSampler
+from model_sim.request import Request
+from model_sim.scheduler import Scheduler, SchedulerOutput, StepOutcome
+from model_sim.timing import TimingModel
+
+SPIN_SECONDS = 0.0015
+
+
+class RequestRejected(ValueError):
+    """A request this engine can never serve; `param` names the body field to change."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class StepResult:
+    output: SchedulerOutput
+    outcome: StepOutcome
+    started: float
+    modeled_seconds: float
+    ended: float
+
+
+class RequestStream:
+    """The handler's view of one request: wakes up whenever the request has news."""
+
+    __slots__ = ("request", "_event")
+
+    def __init__(self, request: Request):
+        self.request = request
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        timing: TimingModel,
+        output_lengths: OutputLengthSampler | None = None,
+        seed: int = 0,
+        id_prefix: str = "req",
+    ):
+        timing.validate()
+        self.config = config
+        self.timing = timing
+        self.scheduler = Scheduler(config)
+        self.output_lengths = output_lengths or OutputLengthSampler()
+        self.step_listeners: list[Callable[[StepResult], None]] = []
+        self._rng = random.Random(seed)
+        self._streams: dict[str, RequestStream] = {}
+        self._id_prefix = id_prefix
+        self._next_id = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected if a request of this shape can never be served."""
+        cfg = self.config
+        if num_prompt_tokens < 1:
+            raise RequestRejected("The prompt is empty; send at least one token of prompt text.", "prompt")
+        if num_prompt_tokens + max_tokens > cfg.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+                f"completion). Reduce max_tokens to at most {max(cfg.max_model_len - num_prompt_tokens, 0)} "
+                f"or shorten the prompt.",
+                "max_tokens",
+            )
+        needed = self.scheduler.kv.blocks_for_tokens(num_prompt_tokens + max_tokens - 1)
+        if needed > cfg.num_blocks:
+            fits = cfg.num_blocks * cfg.block_size - num_prompt_tokens + 1
+            raise RequestRejected(
+                f"This request needs {needed} KV-cache blocks ({num_prompt_tokens} prompt + {max_tokens} max_tokens "
+                f"tokens at {cfg.block_size} tokens per block) but the replica has only {cfg.num_blocks} blocks, "
+                f"so it could never run. Reduce max_tokens to at most {max(fits, 0)} or shorten the prompt.",
+                "max_tokens",
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        priority: int = 0,
+        external_id: str | None = None,
+    ) -> RequestStream:
+        self.check_request(len(prompt_token_ids), max_tokens)
+        self._next_id += 1
+        request = Request(
+            request_id=f"{self._id_prefix}-{self._next_id}",
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens,
+            target_output_tokens=self.output_lengths.sample(max_tokens, min_tokens, ignore_eos),
+            priority=priority,
+            arrival_time=time.perf_counter(),
+            external_id=external_id,
+        )
+        stream = RequestStream(request)
+        self._streams[request.request_id] = stream
+        self.scheduler.add_request(request)
+        self._wakeup.set()
+        return stream
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort now: the request leaves its queue and its blocks are free before this returns."""
+        stream = self._streams.pop(request_id, None)
+        request = self.scheduler.abort_request(request_id, time.perf_counter())
+        if stream is not None:
+            stream.notify()
+        if request is not None:
+            self._wakeup.set()
+        return request is not None
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def step(self) -> StepResult:
+        started = time.perf_counter()
+        out = self.scheduler.schedule(started)
+        modeled = 0.0
+        if not out.is_empty:
+            modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng)
+        await _sleep_until(started + modeled)
+        ended = time.perf_counter()
+        outcome = self.scheduler.update_from_output(out, ended)
+        streams = self._streams
+        for request in outcome.new_token:
+            stream = streams.get(request.request_id)
+            if stream is not None:
+                stream.notify()
+        for request in outcome.finished:
+            streams.pop(request.request_id, None)
+        result = StepResult(out, outcome, started, modeled, ended)
+        for listener in self.step_listeners:
+            listener(result)
+        return result
+
+    async def run(self) -> None:
+        while True:
+            if not self.scheduler.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            result = await self.step()
+            if result.output.is_empty:
+                # Nothing could be scheduled: wait for an arrival, an abort or a finish.
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    continue
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="model_sim-engine")
+
+    async def stop(self) -> None:
+        for request_id in list(self._streams):
+            self.abort_request(request_id)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+async def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > SPIN_SECONDS:
+        await asyncio.sleep(remaining - SPIN_SECONDS)
+    await asyncio.sleep(0)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0)

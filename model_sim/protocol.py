@@ -1,0 +1,194 @@
+"""The OpenAI and vLLM wire formats: request bodies in, response bodies and SSE chunks out.
+
+Parsing raises InvalidRequest with the offending field as `param`. Sampling fields the simulator
+does not model (temperature, top_p, stop, logprobs, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from model_sim.errors import InvalidRequest
+from model_sim.tokenizer import Tokenizer
+
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
+
+
+@dataclass
+class GenerationParams:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    priority: int
+    stream: bool
+    include_usage: bool
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return  # vLLM serves its one model when the field is absent
+    if not isinstance(model, str) or model != served:
+        raise InvalidRequest(f"The model `{model}` does not exist. Set \"model\" to \"{served}\".", "model")
+
+
+def render_chat(messages) -> str:
+    """The simulator's chat template: one `<|role|>` header per message, then the assistant header."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("\"messages\" is required: send a non-empty list of {\"role\", \"content\"} objects.",
+                             "messages")
+    parts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with \"role\" and \"content\".", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}.", "messages")
+        parts.append(f"<|{role}|>\n{_content_text(message.get('content'), i)}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _content_text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise InvalidRequest(
+                    f"messages[{index}].content parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                    "the simulator accepts text only.", "messages")
+        return "\n".join(texts)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts.", "messages")
+
+
+def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return completion_prompt_ids(prompt[0], tokenizer)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest("Send one prompt per request; the simulator does not batch several prompts.", "prompt")
+    raise InvalidRequest("\"prompt\" is required: a string, or a non-empty list of non-negative token ids.", "prompt")
+
+
+def _int_field(body: dict, name: str, default, minimum: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < minimum:
+        raise InvalidRequest(f"\"{name}\" must be an integer of at least {minimum}, got {value!r}.", name)
+    return value
+
+
+def _bool_field(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"\"{name}\" must be true or false, got {value!r}.", name)
+    return value
+
+
+def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens: int, chat: bool) -> GenerationParams:
+    max_tokens = _int_field(body, "max_tokens", None, 1)
+    if chat:
+        max_completion = _int_field(body, "max_completion_tokens", None, 1)
+        if max_completion is not None:
+            max_tokens = max_completion
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    min_tokens = _int_field(body, "min_tokens", 0, 0)
+    if min_tokens > max_tokens:
+        raise InvalidRequest(f"\"min_tokens\" ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
+    n = _int_field(body, "n", 1, 1)
+    if n != 1:
+        raise InvalidRequest("\"n\" must be 1: the simulator returns one choice per request.", "n")
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority):
+        raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
+    stream = _bool_field(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidRequest("\"stream_options\" can only be set when \"stream\" is true.", "stream_options")
+        if not isinstance(options, dict):
+            raise InvalidRequest("\"stream_options\" must be an object such as {\"include_usage\": true}.",
+                                 "stream_options")
+        include_usage = _bool_field(options, "include_usage")
+    return GenerationParams(
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=_bool_field(body, "ignore_eos"),
+        priority=priority,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                    prompt_tokens: int, completion_tokens: int, chat: bool) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class SseFormatter:
+    """Pre-rendered chunk templates: one stream costs one json.dumps of the token text per token."""
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool):
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (f'data: {{"id":{json.dumps(response_id)},"object":"{obj}","created":{created},'
+                      f'"model":{json.dumps(model)},"choices":[')
+        self._field = '{"index":0,"delta":{"content":' if chat else '{"index":0,"text":'
+        self._close = "}," if chat else ","
+        self.role_sent = not chat
+
+    def tokens(self, texts: list[str], finish_reason: str | None) -> bytes:
+        out = []
+        if not self.role_sent:
+            out.append(f'{self._head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                       f'"logprobs":null,"finish_reason":null}}]}}\n\n')
+            self.role_sent = True
+        last = len(texts) - 1
+        for i, text in enumerate(texts):
+            reason = json.dumps(finish_reason) if (i == last and finish_reason) else "null"
+            out.append(f'{self._head}{self._field}{json.dumps(text)}{self._close}'
+                       f'"logprobs":null,"finish_reason":{reason}}}]}}\n\n')
+        return "".join(out).encode()
+
+    def finish_only(self, finish_reason: str) -> bytes:
+        empty = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
+        return f'{self._head}{empty}"logprobs":null,"finish_reason":{json.dumps(finish_reason)}}}]}}\n\n'.encode()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return (f'{self._head}],"usage":{json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n').encode()
+
+    DONE = b"data: [DONE]\n\n"

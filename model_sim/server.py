@@ -1,0 +1,291 @@
+"""HTTP routes of a replica: OpenAI generation and embeddings, vLLM's extras, admin and faults.
+
+Routes stay thin: parse with `protocol`, hand the request to the engine, stream what it emits.
+A cancelled handler (client gone) aborts its engine request in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from model_sim import protocol
+from model_sim.engine import RequestRejected
+from model_sim.errors import ApiError, InvalidRequest, error_response
+from model_sim.faults import FORCE_ERROR_HEADER
+from model_sim.generation import output_text, output_token_text
+from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from model_sim.request import RequestStatus
+
+if TYPE_CHECKING:
+    from model_sim.replica import Replica
+
+log = logging.getLogger("model_sim")
+REPLICA_HEADER = "x-sim-replica"
+REPLICA_KEY: web.AppKey["Replica"] = web.AppKey("replica")
+
+_FAULT_MESSAGES = {
+    429: "Injected fault: too many requests. Retry later.",
+    500: "Injected fault: internal server error.",
+    503: "Injected fault: service unavailable. Retry later.",
+}
+
+
+def build_app(replica: "Replica") -> web.Application:
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 * 1024 * 1024)
+    app[REPLICA_KEY] = replica
+    routes = Routes(replica)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/embeddings", routes.embeddings)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/version", routes.version)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/admin/state", routes.admin_state)
+    app.router.add_get("/admin/faults", routes.get_faults)
+    app.router.add_post("/admin/faults", routes.set_faults)
+    app.on_response_prepare.append(_stamp_headers)
+    return app
+
+
+async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REPLICA_HEADER] = request.app[REPLICA_KEY].name
+    request_id = request.headers.get("x-request-id")
+    if request_id is not None:
+        response.headers["x-request-id"] = request_id
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as err:
+        headers = {"retry-after": "1"} if err.status in (429, 503) else None
+        return error_response(err, headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if exc.status == 404:
+            message = f"No route {request.method} {request.path}; see the simulator's README for its endpoints."
+        return error_response(ApiError(exc.status, message))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "Internal error in the simulator; see its log."))
+
+
+async def _json_object(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON ({exc}); send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+class Routes:
+    def __init__(self, replica: "Replica"):
+        self.replica = replica
+        self.engine = replica.engine
+        self.tokenizer = replica.tokenizer
+        self.model = replica.config.model
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    async def _inject_faults(self, request: web.Request) -> None:
+        forced = request.headers.get(FORCE_ERROR_HEADER)
+        if forced is not None:
+            try:
+                code = int(forced)
+            except ValueError:
+                code = 0
+            if not 400 <= code <= 599:
+                raise InvalidRequest(f"{FORCE_ERROR_HEADER} must be an HTTP error status from 400 to 599, "
+                                     f"got {forced!r}.", FORCE_ERROR_HEADER)
+        faults = self.replica.faults
+        if faults.delay_seconds > 0:
+            await asyncio.sleep(faults.delay_seconds)
+        status = faults.choose(forced)
+        if status is not None:
+            raise ApiError(status, _FAULT_MESSAGES.get(status, f"Injected fault: HTTP {status}."))
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        await self._inject_faults(request)
+        body = await _json_object(request)
+        protocol.check_model(body, self.model)
+        prompt_ids = self.tokenizer.encode(protocol.render_chat(body.get("messages")))
+        return await self._generate(request, body, prompt_ids, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await self._inject_faults(request)
+        body = await _json_object(request)
+        protocol.check_model(body, self.model)
+        prompt_ids = protocol.completion_prompt_ids(body.get("prompt"), self.tokenizer)
+        return await self._generate(request, body, prompt_ids, chat=False)
+
+    async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool):
+        params = protocol.parse_generation(body, prompt_ids, self.replica.config.default_max_tokens, chat)
+        try:
+            stream = self.engine.add_request(
+                params.prompt_token_ids,
+                params.max_tokens,
+                min_tokens=params.min_tokens,
+                ignore_eos=params.ignore_eos,
+                priority=params.priority,
+                external_id=request.headers.get("x-request-id"),
+            )
+        except RequestRejected as exc:
+            raise InvalidRequest(str(exc), exc.param) from None
+        req = stream.request
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
+        created = int(time.time())
+        try:
+            if params.stream:
+                return await self._stream(request, stream, params, response_id, created, chat)
+            while not req.status.is_finished:
+                await stream.wait()
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
+            return web.json_response(protocol.completion_body(
+                response_id, created, self.model, output_text(0, req.num_output_tokens),
+                req.status.finish_reason, req.num_prompt_tokens, req.num_output_tokens, chat))
+        finally:
+            if not req.status.is_finished:
+                self.engine.abort_request(req.request_id)
+
+    async def _stream(self, request, stream, params, response_id: str, created: int, chat: bool):
+        req = stream.request
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        fmt = protocol.SseFormatter(response_id, created, self.model, chat)
+        sent = 0
+        try:
+            while True:
+                n = req.num_output_tokens
+                finished = req.status.is_finished
+                if n > sent:
+                    texts = [output_token_text(i) for i in range(sent, n)]
+                    await resp.write(fmt.tokens(texts, req.status.finish_reason if finished else None))
+                    sent = n
+                elif finished:
+                    await resp.write(fmt.finish_only(req.status.finish_reason))
+                if finished:
+                    break
+                await stream.wait()
+            tail = fmt.usage(req.num_prompt_tokens, sent) if params.include_usage else b""
+            await resp.write(tail + fmt.DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client left between our checks; the caller's `finally` aborts the request.
+            log.debug("client of %s disconnected mid-stream", req.request_id)
+        return resp
+
+    # -- embeddings -----------------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        await self._inject_faults(request)
+        body = await _json_object(request)
+        protocol.check_model(body, self.model)
+        inputs = body.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in inputs)):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs:
+            raise InvalidRequest("\"input\" is required: a string, a list of strings or a list of token-id lists.",
+                                 "input")
+        dims = body.get("dimensions") or self.replica.config.embedding_dim
+        if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 4096:
+            raise InvalidRequest(f"\"dimensions\" must be an integer from 1 to 4096, got {dims!r}.", "dimensions")
+        data, total = [], 0
+        for i, item in enumerate(inputs):
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else protocol.completion_prompt_ids(
+                item, self.tokenizer) if item else []
+            if not ids:
+                raise InvalidRequest(f"input[{i}] is empty; send at least one token.", "input")
+            if len(ids) > self.replica.config.engine.max_model_len:
+                raise InvalidRequest(f"input[{i}] has {len(ids)} tokens, more than the model's maximum context "
+                                     f"length of {self.replica.config.engine.max_model_len}; shorten it.", "input")
+            total += len(ids)
+            data.append({"object": "embedding", "index": i, "embedding": _embedding(ids, dims)})
+        return web.json_response({"object": "list", "data": data, "model": self.model,
+                                  "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+    # -- vLLM extras ----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
+            "parent": None, "max_model_len": self.replica.config.engine.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        protocol.check_model(body, self.model)
+        if "messages" in body:
+            text = protocol.render_chat(body["messages"])
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise InvalidRequest("Send \"prompt\" (a string) or \"messages\" (a chat) to tokenize.", "prompt")
+        ids = self.tokenizer.encode(text)
+        return web.json_response({
+            "count": len(ids), "max_model_len": self.replica.config.engine.max_model_len, "tokens": ids,
+            "token_strs": self.tokenizer.token_strings(ids) if body.get("return_token_strs") else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        protocol.check_model(body, self.model)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in tokens):
+            raise InvalidRequest("\"tokens\" is required: a list of non-negative token ids.", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "model_sim"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.replica.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    # -- admin ----------------------------------------------------------------------------------
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        include_blocks = request.query.get("blocks", "0") not in ("0", "false", "")
+        return web.json_response(self.replica.state(include_blocks))
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.replica.faults.as_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        try:
+            self.replica.faults.update(body)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return web.json_response(self.replica.faults.as_dict())
+
+
+def _embedding(token_ids: list[int], dims: int) -> list[float]:
+    """A unit vector determined by the tokens alone (same input, same vector, on any replica)."""
+    digest = hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    vec = [rng.gauss(0.0, 1.0) for _ in range(dims)]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [v / norm for v in vec]
