@@ -1,0 +1,130 @@
+"""Classification: who is calling (gateway API key → tenant and allowed objectives) and what they ask for.
+
+The objective header (`x-llm-d-inference-objective`, alias `x-gateway-inference-objective`) names an
+objective from the config, which gives the priority. A missing header means the caller's default objective;
+an unknown name means the config's `defaultObjective` (priority 0). Either way the caller must be allowed
+that objective, so a batch key can never reach realtime or priority 0. The fairness id comes from
+`x-llm-d-inference-fairness-id`, else the caller's tenant.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from multidict import CIMultiDictProxy
+
+from gateway.config import LoadedConfig
+
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+TTL_HEADER = "x-llm-d-inference-ttl"
+DEADLINE_HEADER = "x-holdback-deadline"
+
+
+class ClassificationError(Exception):
+    """The request cannot be classified; carries the HTTP status and an OpenAI-style error code."""
+
+    def __init__(self, status: int, code: str, message: str, err_type: str):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.err_type = err_type
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    objectives: frozenset[str]
+    default_objective: str | None
+
+
+@dataclass(frozen=True)
+class Classification:
+    objective: str
+    priority: int
+    fairness_id: str
+    tenant: str
+    # Seconds the request may wait in a queue from now (inf: no request-level limit) and its absolute
+    # deadline as seconds from now (inf: none); the smaller of TTL and deadline bounds the wait.
+    wait_limit: float
+    deadline_in: float
+
+
+class Classifier:
+    def __init__(self, loaded: LoadedConfig):
+        cfg = loaded.config
+        self.priorities = {name: obj.priority for name, obj in cfg.objectives.items()}
+        self.default_objective = cfg.defaultObjective
+        self.keys = {k.key: Caller(k.tenant, k.objectives, k.default_objective) for k in loaded.keys}
+        anon = cfg.anonymous
+        self.anonymous = (Caller(anon.tenant, frozenset(anon.objectives), anon.defaultObjective)
+                          if anon.enabled else None)
+
+    def caller(self, authorization: str | None) -> Caller:
+        token = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                token = value.strip()
+        if self.keys and token is not None:
+            caller = self.keys.get(token)
+            if caller is None:
+                raise ClassificationError(401, "invalid_api_key", "The gateway API key is not valid; send a key "
+                                          "from the gateway config as `Authorization: Bearer KEY`.",
+                                          "authentication_error")
+            return caller
+        if self.anonymous is None:
+            raise ClassificationError(401, "missing_api_key", "This gateway needs an API key: send "
+                                      "`Authorization: Bearer KEY` with a key from the gateway config.",
+                                      "authentication_error")
+        return self.anonymous
+
+    def _allowed(self, caller: Caller, objective: str) -> bool:
+        return "*" in caller.objectives or objective in caller.objectives
+
+    def classify(self, headers: CIMultiDictProxy[str]) -> Classification:
+        caller = self.caller(headers.get("Authorization"))
+        asked = headers.get(OBJECTIVE_HEADERS[0]) or headers.get(OBJECTIVE_HEADERS[1])
+        if asked:
+            objective = asked if asked in self.priorities else self.default_objective
+        else:
+            objective = caller.default_objective or self._first_allowed(caller)
+        if not self._allowed(caller, objective):
+            allowed = "any" if "*" in caller.objectives else ", ".join(sorted(caller.objectives)) or "none"
+            what = f"objective {asked!r}" if asked and asked == objective else (
+                f"unknown objective {asked!r} (served as {objective!r})" if asked else f"objective {objective!r}")
+            raise ClassificationError(403, "objective_not_allowed", f"Tenant {caller.tenant!r} may not use "
+                                      f"{what}; its key allows: {allowed}.", "permission_error")
+        fairness = headers.get(FAIRNESS_HEADERS[0]) or headers.get(FAIRNESS_HEADERS[1]) or caller.tenant
+        wait_limit = deadline_in = math.inf
+        ttl = headers.get(TTL_HEADER)
+        if ttl is not None:
+            wait_limit = _seconds(ttl, TTL_HEADER, "a number of seconds, e.g. 30")
+        deadline = headers.get(DEADLINE_HEADER)
+        if deadline is not None:
+            deadline_in = _seconds(deadline, DEADLINE_HEADER, "unix time in seconds") - time.time()
+            wait_limit = min(wait_limit, deadline_in)
+        return Classification(objective, self.priorities[objective], fairness, caller.tenant, wait_limit,
+                              deadline_in)
+
+    def _first_allowed(self, caller: Caller) -> str:
+        if "*" in caller.objectives or self.default_objective in caller.objectives:
+            return self.default_objective
+        # The lowest-priority objective the caller may use: never escalate by omission.
+        allowed = sorted((o for o in caller.objectives if o in self.priorities), key=lambda o: self.priorities[o])
+        return allowed[0] if allowed else self.default_objective
+
+
+def _seconds(raw: str, header: str, what: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClassificationError(400, "invalid_header", f"Header {header} must be {what}; got {raw!r}.",
+                                  "invalid_request_error") from None
+    if math.isnan(value) or value < 0:
+        raise ClassificationError(400, "invalid_header", f"Header {header} must be {what} (not negative); "
+                                  f"got {raw!r}.", "invalid_request_error")
+    return value

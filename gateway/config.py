@@ -1,0 +1,303 @@
+"""The gateway's configuration: one YAML file, validated into typed models, identified by its sha256 digest.
+
+Read once at the edge (`load_config`) and passed in; key values named by `key_env` are resolved here, so
+nothing deeper reads the environment. A bad file raises `ConfigError` with a message that names the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
+
+
+class ConfigError(ValueError):
+    """The configuration file cannot be used; the message says which key to change."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class Objective(_Model):
+    priority: int = 0
+
+
+class BandSettings(_Model):
+    """Settings of one priority band; every field left unset falls back to `flowControl.defaultBand`."""
+
+    priority: int | None = None
+    maxRequests: int | None = Field(default=None, ge=0)
+    ttl: float | None = Field(default=None, ge=0)
+    ceiling: float | None = Field(default=None, ge=0, le=1)
+    fairness: Literal["global-strict", "round-robin"] | None = None
+    ordering: Literal["fcfs", "edf"] | None = None
+
+
+class FlowControl(_Model):
+    defaultRequestTTL: float = Field(default=60.0, ge=0)
+    maxRequests: int = Field(default=0, ge=0)
+    defaultBand: BandSettings = BandSettings(maxRequests=5000, fairness="global-strict", ordering="fcfs")
+    bands: list[BandSettings] = []
+    tickSeconds: float = Field(default=0.05, gt=0, le=1)
+
+    @field_validator("bands")
+    @classmethod
+    def _bands_have_priorities(cls, bands: list[BandSettings]) -> list[BandSettings]:
+        seen: set[int] = set()
+        for band in bands:
+            if band.priority is None:
+                raise ValueError("every entry of flowControl.bands needs a `priority`")
+            if band.priority in seen:
+                raise ValueError(f"flowControl.bands lists priority {band.priority} twice")
+            seen.add(band.priority)
+        return bands
+
+
+class Saturation(_Model):
+    detector: Literal["concurrency", "utilization"] = "concurrency"
+    maxConcurrency: int = Field(default=48, gt=0)
+    headroom: float = Field(default=0.0, ge=0)
+    queueDepthThreshold: float = Field(default=5.0, gt=0)
+    kvCacheUtilThreshold: float = Field(default=0.8, gt=0, le=1)
+    metricsStalenessSeconds: float = Field(default=2.0, gt=0)
+
+
+class UsageLimit(_Model):
+    policy: Literal["priority-holdback", "static"] = "priority-holdback"
+    minCeiling: float = Field(default=0.5, ge=0, lt=1)
+    maxCeiling: float = Field(default=1.0, gt=0, le=1)
+    domain: Literal["rank", "value"] = "rank"
+    threshold: float = Field(default=1.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "UsageLimit":
+        if self.minCeiling > self.maxCeiling:
+            raise ValueError(f"usageLimit.minCeiling {self.minCeiling} is above maxCeiling {self.maxCeiling}")
+        return self
+
+
+class Eviction(_Model):
+    enabled: bool = True
+    maxPerDecision: int = Field(default=2, ge=1)
+    confirmationTimeoutSeconds: float = Field(default=10.0, gt=0)
+    graceSeconds: float | None = Field(default=None, ge=0)
+
+
+class Admission(_Model):
+    enabled: bool = False
+    kvPoolGiB: float = Field(default=52.0, gt=0)
+    bytesPerToken: int = Field(default=131072, gt=0)
+    kvPoolBlocks: int | None = Field(default=None, gt=0)
+    blockTokens: int = Field(default=16, gt=0)
+    hardWatermark: float = Field(default=0.92, gt=0, le=1)
+    admissionWatermark: float = Field(default=0.82, gt=0, le=1)
+    interactiveReserve: float = Field(default=0.25, ge=0, lt=1)
+    tenantMaxShare: float = Field(default=0.15, gt=0, le=1)
+    queueDeadlineMs: int = Field(default=8000, ge=0)
+    maxNewTokensDefault: int = Field(default=1024, gt=0)
+    charsPerToken: float = Field(default=4.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Admission":
+        if self.admissionWatermark > self.hardWatermark:
+            raise ValueError("admission.admissionWatermark must not exceed admission.hardWatermark")
+        return self
+
+
+class Picker(_Model):
+    inFlightWeight: float = Field(default=1.0, ge=0)
+    kvUsageWeight: float = Field(default=1.0, ge=0)
+
+
+class Health(_Model):
+    intervalSeconds: float = Field(default=1.0, gt=0)
+    timeoutSeconds: float = Field(default=2.0, gt=0)
+    failuresToDown: int = Field(default=2, ge=1)
+
+
+class Metrics(_Model):
+    scrapeIntervalSeconds: float = Field(default=0.25, gt=0)
+
+
+class Upstream(_Model):
+    connectTimeoutSeconds: float = Field(default=5.0, gt=0)
+    timeoutSeconds: float = Field(default=0.0, ge=0)
+    connectionLimit: int = Field(default=0, ge=0)
+    apiKey: str | None = None
+    apiKey_env: str | None = None
+
+
+class KeyEntry(_Model):
+    key: str | None = None
+    key_env: str | None = Field(default=None, alias="keyEnv")
+    tenant: str
+    objectives: list[str] = ["*"]
+    defaultObjective: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "KeyEntry":
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError(f"key entry for tenant {self.tenant!r} needs exactly one of `key` or `key_env`")
+        return self
+
+
+class Anonymous(_Model):
+    enabled: bool = True
+    tenant: str = "anonymous"
+    objectives: list[str] = ["*"]
+    defaultObjective: str | None = None
+
+
+class GatewayConfig(_Model):
+    replicas: list[str] = []
+    objectives: dict[str, Objective] = {
+        "realtime": Objective(priority=100),
+        "standard": Objective(priority=0),
+        "batch": Objective(priority=-10),
+    }
+    defaultObjective: str = "standard"
+    anonymous: Anonymous = Anonymous()
+    keys: list[KeyEntry] = []
+    flowControl: FlowControl = FlowControl()
+    saturation: Saturation = Saturation()
+    usageLimit: UsageLimit = UsageLimit()
+    eviction: Eviction = Eviction()
+    admission: Admission = Admission()
+    picker: Picker = Picker()
+    health: Health = Health()
+    metrics: Metrics = Metrics()
+    upstream: Upstream = Upstream()
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica {url!r} must be an http:// or https:// URL")
+            out.append(url.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError("replicas lists the same URL twice")
+        return out
+
+    @model_validator(mode="after")
+    def _objective_names(self) -> "GatewayConfig":
+        names = set(self.objectives)
+        if self.defaultObjective not in names:
+            raise ValueError(f"defaultObjective {self.defaultObjective!r} is not one of objectives: {sorted(names)}")
+        grants = [("anonymous", self.anonymous.objectives, self.anonymous.defaultObjective)]
+        grants += [(f"key of tenant {k.tenant!r}", k.objectives, k.defaultObjective) for k in self.keys]
+        for who, allowed, default in grants:
+            for name in allowed:
+                if name != "*" and name not in names:
+                    raise ValueError(f"{who} allows unknown objective {name!r}; configured: {sorted(names)}")
+            if default is not None and default not in names:
+                raise ValueError(f"{who} has unknown defaultObjective {default!r}")
+        return self
+
+    def band_priorities(self) -> list[int]:
+        """Every provisioned band, highest priority first: objectives, the default 0, and listed bands."""
+        prios = {o.priority for o in self.objectives.values()} | {0}
+        prios |= {b.priority for b in self.flowControl.bands if b.priority is not None}
+        return sorted(prios, reverse=True)
+
+    def band_settings(self, priority: int) -> BandSettings:
+        """The band's own settings merged over `flowControl.defaultBand`."""
+        base = self.flowControl.defaultBand
+        own = next((b for b in self.flowControl.bands if b.priority == priority), None)
+        merged = {k: getattr(base, k) for k in BandSettings.model_fields}
+        if own is not None:
+            merged.update({k: v for k, v in own.model_dump().items() if v is not None})
+        merged["priority"] = priority
+        if merged["ttl"] is None:
+            merged["ttl"] = self.flowControl.defaultRequestTTL
+        if merged["maxRequests"] is None:
+            merged["maxRequests"] = 5000
+        merged["fairness"] = merged["fairness"] or "global-strict"
+        merged["ordering"] = merged["ordering"] or "fcfs"
+        return BandSettings(**merged)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    tenant: str
+    objectives: frozenset[str]
+    default_objective: str | None
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config plus where it came from, its digest and its resolved API keys."""
+
+    config: GatewayConfig
+    digest: str
+    source: str
+    keys: tuple[ApiKey, ...]
+    upstream_api_key: str | None
+    skipped_key_envs: tuple[str, ...]
+
+
+def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Validate YAML text; raise ConfigError naming the offending key."""
+    env = os.environ if env is None else env
+    try:
+        raw = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    try:
+        config = GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{source}: {problems}") from exc
+    keys: list[ApiKey] = []
+    skipped: list[str] = []
+    for entry in config.keys:
+        value = entry.key
+        if entry.key_env is not None:
+            value = env.get(entry.key_env) or None
+            if value is None:
+                skipped.append(entry.key_env)
+                continue
+        keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective))
+    if len({k.key for k in keys}) != len(keys):
+        raise ConfigError(f"{source}: two keys entries have the same key value")
+    upstream_key = config.upstream.apiKey
+    if config.upstream.apiKey_env:
+        upstream_key = env.get(config.upstream.apiKey_env) or upstream_key
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped))
+
+
+def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Load `path`, or the shipped default config when path is None."""
+    file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc.strerror or exc}") from exc
+    return parse_config(text, str(file), env)
+
+
+def with_replicas(loaded: LoadedConfig, replicas: list[str]) -> LoadedConfig:
+    """The same config with its replica list replaced (the `--replicas` flag wins over the file)."""
+    try:
+        config = GatewayConfig.model_validate({**loaded.config.model_dump(by_alias=True), "replicas": replicas})
+    except ValidationError as exc:
+        raise ConfigError(f"--replicas: {exc.errors()[0]['msg']}") from exc
+    return LoadedConfig(config, loaded.digest, loaded.source, loaded.keys, loaded.upstream_api_key,
+                        loaded.skipped_key_envs)

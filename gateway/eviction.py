@@ -1,0 +1,106 @@
+"""In-flight eviction of sheddable requests (priority < 0) when higher-priority work is blocked.
+
+The `Evictor` tracks dispatched sheddable requests and decides, never acts: the flow controller asks it for
+victims when a dispatch cycle hits a head-of-line block, then cancels each victim's proxy task, which answers
+the caller 429 `evicted` and closes the upstream connection so the replica aborts the request.
+Victim order: lowest priority first, then most recently dispatched (least work lost).
+Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
+n = max(1, ceil((deficit − pending) / credit)), at most `maxPerDecision`, victims strictly below the demand.
+Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
+and a short grace for the detector to see the freed capacity has passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from gateway.request import FlowRequest
+
+
+@dataclass(frozen=True)
+class BandDemand:
+    """What the evictor needs to know about one band: its priority, ceiling and queued count."""
+
+    priority: int
+    ceiling: float
+    queued: int
+
+
+@dataclass(frozen=True)
+class EvictionDecision:
+    victims: list[FlowRequest]
+    demand_priority: int
+    deficit: float
+    credit: float
+
+
+class Evictor:
+    def __init__(self, *, max_per_decision: int = 2, confirmation_timeout: float = 10.0, grace: float = 0.01):
+        self.max_per_decision = max_per_decision
+        self.confirmation_timeout = confirmation_timeout
+        self.grace = grace
+        self.candidates: set[FlowRequest] = set()
+        # victim -> monotonic time of the decision that chose it
+        self.pending: dict[FlowRequest, float] = {}
+        self.last_settled = -math.inf
+
+    def track(self, req: FlowRequest) -> None:
+        if req.sheddable:
+            self.candidates.add(req)
+
+    def untrack(self, req: FlowRequest) -> None:
+        self.candidates.discard(req)
+
+    def gate_open(self, now: float) -> bool:
+        return not self.pending and now >= self.last_settled + self.grace
+
+    def decide(self, saturation: float, bands: Sequence[BandDemand], blocked_priority: int,
+               tracked_in_flight: int, now: float) -> EvictionDecision | None:
+        """Victims to evict so the blocked band (or a lower one still above the victims) can dispatch."""
+        if not self.candidates or tracked_in_flight <= 0 or not self.gate_open(now):
+            return None
+        lowest = min(r.priority for r in self.candidates)
+        demand = None
+        for band in sorted(bands, key=lambda b: -b.priority):
+            if band.priority > blocked_priority:
+                continue
+            if band.priority <= lowest:
+                break
+            if band.ceiling > 0 and saturation >= band.ceiling and band.queued > 0:
+                demand = band
+                break
+        if demand is None:
+            return None
+        deficit = saturation - demand.ceiling
+        credit = saturation / tracked_in_flight
+        pending_reclaim = len(self.pending) * credit
+        wanted = max(1, math.ceil((deficit - pending_reclaim) / credit - 1e-9)) if credit > 0 else 1
+        eligible = sorted((r for r in self.candidates if r.priority < demand.priority),
+                          key=lambda r: (r.priority, -r.dispatched_at, -r.seq))
+        victims = eligible[:min(wanted, self.max_per_decision)]
+        if not victims:
+            return None
+        for victim in victims:
+            self.candidates.discard(victim)
+            self.pending[victim] = now
+        return EvictionDecision(victims, demand.priority, deficit, credit)
+
+    def confirm(self, req: FlowRequest, now: float) -> float | None:
+        """The victim's upstream connection has closed; returns decision→close latency."""
+        decided = self.pending.pop(req, None)
+        if decided is None:
+            return None
+        if not self.pending:
+            self.last_settled = now
+        return now - decided
+
+    def expire(self, now: float) -> list[FlowRequest]:
+        """Give up waiting for victims not confirmed within the timeout (counted as timed out)."""
+        late = [r for r, t in self.pending.items() if now - t > self.confirmation_timeout]
+        for r in late:
+            del self.pending[r]
+        if late and not self.pending:
+            self.last_settled = now
+        return late

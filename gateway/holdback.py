@@ -1,0 +1,78 @@
+"""Usage-limit policies ("priority holdback"): one ceiling in [0, 1] per priority band.
+
+A band dispatches only while pool saturation is below its ceiling, so lower bands stop earlier as the pool
+fills and the rest stays reserved for higher ones. Ceilings depend only on the band list, so they are
+computed once per config; explicit per-band `ceiling` overrides win over the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence
+
+
+class HoldbackPolicy(Protocol):
+    name: str
+
+    def ceilings(self, priorities: Sequence[int]) -> dict[int, float]: ...
+
+
+class StaticPolicy:
+    """The same threshold for every band (1.0: no holdback)."""
+
+    name = "static"
+
+    def __init__(self, threshold: float = 1.0):
+        self.threshold = threshold
+
+    def ceilings(self, priorities: Sequence[int]) -> dict[int, float]:
+        return {p: self.threshold for p in priorities}
+
+
+class PriorityHoldbackPolicy:
+    """Linear ceilings from maxCeiling (highest band) down to minCeiling (lowest band).
+
+    rank:  c_i = max − i·(max − min)/(N − 1), i = 0 for the highest priority.
+    value: c_i = min + (p_i − p_min)/(p_max − p_min)·(max − min).
+    One band (or all bands of equal priority) gets maxCeiling.
+    """
+
+    name = "priority-holdback"
+
+    def __init__(self, min_ceiling: float, max_ceiling: float = 1.0, domain: str = "rank"):
+        if not 0 <= min_ceiling <= max_ceiling <= 1:
+            raise ValueError(f"need 0 <= minCeiling ({min_ceiling}) <= maxCeiling ({max_ceiling}) <= 1")
+        if domain not in ("rank", "value"):
+            raise ValueError(f"unknown holdback domain {domain!r}; choose rank or value")
+        self.min_ceiling = min_ceiling
+        self.max_ceiling = max_ceiling
+        self.domain = domain
+
+    def ceilings(self, priorities: Sequence[int]) -> dict[int, float]:
+        ordered = sorted(set(priorities), reverse=True)
+        n = len(ordered)
+        lo, hi = self.min_ceiling, self.max_ceiling
+        if n <= 1:
+            return {p: hi for p in ordered}
+        if self.domain == "rank":
+            step = (hi - lo) / (n - 1)
+            return {p: hi - i * step for i, p in enumerate(ordered)}
+        p_max, p_min = ordered[0], ordered[-1]
+        return {p: lo + (p - p_min) / (p_max - p_min) * (hi - lo) for p in ordered}
+
+
+def band_ceilings(policy: HoldbackPolicy, priorities: Sequence[int],
+                  overrides: Mapping[int, float | None]) -> dict[int, float]:
+    ceilings = policy.ceilings(priorities)
+    for p, value in overrides.items():
+        if value is not None and p in ceilings:
+            ceilings[p] = value
+    return ceilings
+
+
+def holdback_policy(name: str, *, min_ceiling: float, max_ceiling: float, domain: str,
+                    threshold: float) -> HoldbackPolicy:
+    if name == "static":
+        return StaticPolicy(threshold)
+    if name == "priority-holdback":
+        return PriorityHoldbackPolicy(min_ceiling, max_ceiling, domain)
+    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback or static")

@@ -1,0 +1,93 @@
+"""Prometheus metrics of the gateway, in its own CollectorRegistry.
+
+Event metrics (counters, histograms) are updated where things happen, through label children bound once.
+State gauges (queue sizes, in-flight, saturation, ceilings, replicas) are read from the flow controller at
+scrape time by a collector, so the hot path never touches them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "holdback_gateway"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.dispatches = Counter(f"{PREFIX}_dispatches", "Requests dispatched to a replica, by band and path "
+                                  "(inline when nothing was queued, loop when the dispatch loop sent it).",
+                                  ["band", "path"], registry=r)
+        self.rejections = Counter(f"{PREFIX}_rejections", "Requests answered without a result, by drop reason.",
+                                  ["reason", "band"], registry=r)
+        self.evictions = Counter(f"{PREFIX}_evictions", "In-flight evictions by outcome: issued, confirmed "
+                                 "(upstream closed), timed_out, mid_stream (response had begun streaming).",
+                                 ["outcome"], registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "Arrival to dispatch, for requests that "
+                                    "waited in a queue.", ["band"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.eviction_confirmation = Histogram(
+            f"{PREFIX}_eviction_confirmation_seconds", "Eviction decision to the victim's upstream connection "
+            "closed.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
+                              "byte from the replica, by objective.", ["objective"], buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.upstream_errors = Counter(f"{PREFIX}_upstream_errors", "Transport failures talking to a replica.",
+                                       ["replica"], registry=r)
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def watch(self, snapshot: Callable[[], dict]) -> None:
+        """Export the state gauges from `snapshot()` (the /admin/state document) at each scrape."""
+        self.registry.register(_StateCollector(snapshot))
+
+
+class _StateCollector:
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.snapshot()
+        sat = GaugeMetricFamily(f"{PREFIX}_saturation", "Pool saturation from the configured detector "
+                                "(1.0 = set point).")
+        sat.add_metric([], s["saturation"])
+        queue = GaugeMetricFamily(f"{PREFIX}_queue_size", "Queued requests by band.", labels=["band"])
+        inflight = GaugeMetricFamily(f"{PREFIX}_in_flight", "Dispatched requests not yet finished, by band.",
+                                     labels=["band"])
+        ceiling = GaugeMetricFamily(f"{PREFIX}_band_ceiling", "Holdback ceiling by band.", labels=["band"])
+        for band in s["bands"]:
+            label = [str(band["priority"])]
+            queue.add_metric(label, band["queued"])
+            inflight.add_metric(label, band["in_flight"])
+            ceiling.add_metric(label, band["ceiling"])
+        r_inflight = GaugeMetricFamily(f"{PREFIX}_replica_in_flight", "Gateway requests in flight per replica.",
+                                       labels=["replica"])
+        r_healthy = GaugeMetricFamily(f"{PREFIX}_replica_healthy", "1 when the replica passes health checks.",
+                                      labels=["replica"])
+        r_kv = GaugeMetricFamily(f"{PREFIX}_replica_kv_usage", "Scraped vllm:kv_cache_usage_perc per replica.",
+                                 labels=["replica"])
+        for rep in s["replicas"]:
+            r_inflight.add_metric([rep["url"]], rep["in_flight"])
+            r_healthy.add_metric([rep["url"]], 1.0 if rep["healthy"] else 0.0)
+            if rep["kv_usage"] is not None:
+                r_kv.add_metric([rep["url"]], rep["kv_usage"])
+        stale = GaugeMetricFamily(f"{PREFIX}_stale_replicas", "Replicas scored by the stale-metrics fallback.")
+        stale.add_metric([], s["stale_replicas"])
+        pending = GaugeMetricFamily(f"{PREFIX}_eviction_pending", "Evictions issued and not yet confirmed.")
+        pending.add_metric([], s["eviction"]["pending"])
+        info = GaugeMetricFamily(f"{PREFIX}_config_info", "The running config's digest.", labels=["digest"])
+        info.add_metric([s["config"]["digest"]], 1.0)
+        yield from (sat, queue, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)

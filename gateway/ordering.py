@@ -1,0 +1,45 @@
+"""Ordering policies: which request of one flow's queue goes first.
+
+A policy turns a request into a sort key; smaller keys go first. Keys end with the arrival sequence number,
+so ties always fall back to first-come-first-served.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gateway.request import FlowRequest
+
+
+class OrderingPolicy(Protocol):
+    name: str
+
+    def key(self, req: FlowRequest) -> tuple: ...
+
+
+class FCFS:
+    """First come, first served: the logical arrival order."""
+
+    name = "fcfs"
+
+    def key(self, req: FlowRequest) -> tuple:
+        return (req.seq,)
+
+
+class EarliestDeadline:
+    """Earliest deadline first: the request's own deadline, else its queue expiry; none sorts last."""
+
+    name = "edf"
+
+    def key(self, req: FlowRequest) -> tuple:
+        return (min(req.deadline, req.expires_at), req.seq)
+
+
+ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "edf": EarliestDeadline}
+
+
+def ordering_policy(name: str) -> OrderingPolicy:
+    try:
+        return ORDERING_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown ordering policy {name!r}; choose one of {sorted(ORDERING_POLICIES)}") from None

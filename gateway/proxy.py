@@ -1,0 +1,213 @@
+"""The proxy: classify, pass flow control, forward to the picked replica, relay the answer byte for byte.
+
+Non-streaming answers are read whole and returned; event streams are relayed chunk by chunk, and the
+response headers are sent with the first body chunk, so an eviction before the first token still gets a
+clean 429. Eviction and client disconnects both arrive as cancellation of the handler task: the upstream
+response is closed (the TCP connection is dropped, never pooled), so the replica aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.classification import ClassificationError, Classifier
+from gateway.flow_control import FlowController, Outcome
+from gateway.log import log_event
+from gateway.metrics import GatewayMetrics
+from gateway.request import DropReason, FlowRequest, Status
+from gateway.responses import drop_response, error_response, evicted_sse_event
+
+logger = logging.getLogger("gateway.proxy")
+
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length",
+})
+# Our own request headers are not forwarded (the gateway key is ours, not the replica's).
+_NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
+
+
+def _request_id(headers) -> str:
+    return headers.get("x-request-id") or os.urandom(16).hex()
+
+
+class Proxy:
+    def __init__(self, controller: FlowController, metrics: GatewayMetrics):
+        self.controller = controller
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+        self.classifier = Classifier(controller.loaded)
+        self.upstream_api_key = controller.loaded.upstream_api_key
+
+    def reconfigure(self) -> None:
+        self.classifier = Classifier(self.controller.loaded)
+        self.upstream_api_key = self.controller.loaded.upstream_api_key
+
+    # -- routes ---------------------------------------------------------------------------------------------
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        headers = request.headers
+        request_id = _request_id(headers)
+        try:
+            cls = self.classifier.classify(headers)
+        except ClassificationError as exc:
+            log_event(logger, logging.INFO, "refused", request_id=request_id, status=exc.status, code=exc.code)
+            return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
+        body = await request.read()
+        controller = self.controller
+        req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
+                          expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in)
+        if controller.admission is not None:
+            req.kv_blocks = controller.admission.estimate_blocks(body)
+        req.task = asyncio.current_task()
+        outcome = controller.submit(req)
+        if outcome is Outcome.REJECTED:
+            return drop_response(req.drop_reason, request_id)  # type: ignore[arg-type]
+        try:
+            if outcome is Outcome.QUEUED:
+                outcome = await req.waiter  # type: ignore[misc]
+                if outcome is Outcome.REJECTED:
+                    return drop_response(req.drop_reason, request_id)  # type: ignore[arg-type]
+            return await self._forward(request, req, body)
+        except asyncio.CancelledError:
+            if req.status is Status.QUEUED:
+                controller.withdraw(req)
+                raise
+            if req.drop_reason is DropReason.EVICTED and req.status is Status.DISPATCHED:
+                # Evicted before the upstream call started: nothing to close.
+                _uncancel()
+                controller.finish(req)
+                return drop_response(DropReason.EVICTED, request_id)
+            controller.finish(req)
+            raise
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        request_id = _request_id(request.headers)
+        try:
+            self.classifier.caller(request.headers.get("Authorization"))
+        except ClassificationError as exc:
+            return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
+        healthy = self.controller.pool.healthy()
+        if not healthy:
+            return drop_response(DropReason.NO_ENDPOINTS, request_id)
+        replica = min(healthy, key=lambda r: r.in_flight)
+        assert self.session is not None
+        try:
+            async with self.session.get(replica.url + request.path_qs,
+                                        headers=self._upstream_headers(request, request_id)) as resp:
+                data = await resp.read()
+                return web.Response(status=resp.status, body=data,
+                                    headers=self._response_headers(resp, request_id))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            return self._upstream_failure(replica, exc, request_id)
+
+    # -- forwarding -----------------------------------------------------------------------------------------
+    def _upstream_headers(self, request: web.Request, request_id: str) -> CIMultiDict:
+        out = CIMultiDict()
+        for k, v in request.headers.items():
+            if k.lower() not in _NOT_FORWARDED:
+                out.add(k, v)
+        out["x-request-id"] = request_id
+        if self.upstream_api_key:
+            out["Authorization"] = f"Bearer {self.upstream_api_key}"
+        return out
+
+    @staticmethod
+    def _response_headers(resp: aiohttp.ClientResponse, request_id: str) -> CIMultiDict:
+        out = CIMultiDict()
+        for k, v in resp.headers.items():
+            if k.lower() not in _HOP_BY_HOP:
+                out.add(k, v)
+        out["x-request-id"] = request_id
+        return out
+
+    def _upstream_failure(self, replica, exc: BaseException, request_id: str) -> web.Response:
+        self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            self.controller.pool.mark_down(replica, f"connect: {exc.os_error or exc}")
+        log_event(logger, logging.WARNING, "upstream_error", request_id=request_id, replica=replica.url,
+                  error=f"{type(exc).__name__}: {exc}")
+        return error_response(502, f"The model replica failed: {type(exc).__name__}; retry the request.",
+                              "upstream_error", "upstream_error", request_id)
+
+    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes) -> web.StreamResponse:
+        replica = req.replica
+        assert self.session is not None and replica is not None
+        controller = self.controller
+        request_id = req.request_id
+        resp: aiohttp.ClientResponse | None = None
+        stream: web.StreamResponse | None = None
+        try:
+            try:
+                resp = await self.session.request(request.method, replica.url + request.path_qs, data=body,
+                                                  headers=self._upstream_headers(request, request_id))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                controller.finish(req)
+                return self._upstream_failure(replica, exc, request_id)
+            headers = self._response_headers(resp, request_id)
+            if req.waiter is not None:
+                headers["x-holdback-queue-ms"] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
+            content_type = resp.headers.get("Content-Type", "")
+            if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
+                data = await resp.read()
+                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                resp.release()
+                controller.finish(req)
+                return web.Response(status=resp.status, body=data, headers=headers)
+            stream = web.StreamResponse(status=resp.status, headers=headers)
+            first = True
+            async for chunk in resp.content.iter_any():
+                if first:
+                    first = False
+                    self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                    await stream.prepare(request)
+                await stream.write(chunk)
+            resp.release()
+            controller.finish(req)
+            if first:
+                await stream.prepare(request)
+            await stream.write_eof()
+            return stream
+        except asyncio.CancelledError:
+            if resp is not None:
+                resp.close()
+            if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
+                controller.finish(req)  # the caller left: the closed upstream frees the replica's slot
+                raise
+            _uncancel()
+            controller.finish(req)
+            if stream is not None and stream.prepared:
+                controller.count_mid_stream_eviction()
+                log_event(logger, logging.INFO, "evicted_mid_stream", request_id=request_id)
+                try:
+                    await stream.write(evicted_sse_event())
+                    await stream.write_eof()
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    pass
+                return stream
+            return drop_response(DropReason.EVICTED, request_id)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            if resp is not None:
+                resp.close()
+            controller.finish(req)
+            if stream is not None and stream.prepared:
+                # Status and part of the body are out; dropping the connection is the only honest signal.
+                log_event(logger, logging.WARNING, "stream_broken", request_id=request_id,
+                          replica=replica.url, error=f"{type(exc).__name__}: {exc}")
+                raise
+            return self._upstream_failure(replica, exc, request_id)
+
+
+def _uncancel() -> None:
+    """We answered a cancellation ourselves (eviction): later awaits in this task must run normally."""
+    task = asyncio.current_task()
+    if task is not None:
+        while task.cancelling():
+            task.uncancel()

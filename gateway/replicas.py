@@ -1,0 +1,210 @@
+"""The model replicas behind the gateway: their health, their scraped vLLM metrics and our own load on them.
+
+`ReplicaPool` owns the list. A background task GETs each replica's /health (a replica is taken out after
+`failuresToDown` failed checks, or at once when its port refuses connections, and is put back on the first
+success) and scrapes /metrics for the utilization detector, the KV admission policy and /admin/state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import aiohttp
+
+from gateway.log import log_event
+
+logger = logging.getLogger("gateway.replicas")
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_NUM_GPU_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    healthy: bool = False
+    failures: int = 0
+    # Requests the gateway has dispatched here and not yet seen finish.
+    in_flight: int = 0
+    # Worst-case KV blocks reserved by those requests (KV admission).
+    committed_blocks: int = 0
+    # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
+    kv_usage: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    kv_blocks_total: int | None = None
+    metrics_at: float = 0.0
+    # Dispatches counted here since start, and their value when the last scrape began: the difference is
+    # work the scraped numbers cannot show yet.
+    dispatches: int = 0
+    dispatches_at_scrape: int = 0
+    requests: set = field(default_factory=set, repr=False)
+
+    def metrics_fresh(self, now: float, staleness: float) -> bool:
+        return self.metrics_at > 0 and now - self.metrics_at <= staleness
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum the samples of the vLLM gauges we use over their label sets; read num_gpu_blocks when exported."""
+    wanted = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
+              "vllm:num_requests_running")
+    out: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#" or not line.startswith("vllm:"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name = m.group(1)
+        if name == "vllm:cache_config_info":
+            blocks = _NUM_GPU_BLOCKS.search(m.group(2) or "")
+            if blocks:
+                out["num_gpu_blocks"] = float(blocks.group(1))
+            continue
+        if name not in wanted:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        out[name] = out.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+    # KV usage is a fraction per engine: average it over label sets (data-parallel ranks) instead of summing.
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        if name in out:
+            out[name] /= counts[name]
+    if "vllm:kv_cache_usage_perc" not in out and "vllm:gpu_cache_usage_perc" in out:
+        out["vllm:kv_cache_usage_perc"] = out["vllm:gpu_cache_usage_perc"]
+    return out
+
+
+class ReplicaPool:
+    """The configured replicas, checked and scraped in the background."""
+
+    def __init__(self, urls: list[str], *, on_change: Callable[[], None] = lambda: None):
+        self.replicas: list[Replica] = [Replica(url) for url in urls]
+        self.on_change = on_change
+        self.health_interval = 1.0
+        self.health_timeout = 2.0
+        self.failures_to_down = 2
+        self.scrape_interval = 0.25
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- membership -----------------------------------------------------------------------------------------
+    def set_urls(self, urls: list[str]) -> None:
+        """Keep the replicas whose URL stays (with their state), add new ones as not yet healthy."""
+        by_url = {r.url: r for r in self.replicas}
+        self.replicas = [by_url.get(url) or Replica(url) for url in urls]
+        self.on_change()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take a replica out at once (its port refused a connection)."""
+        replica.failures = max(replica.failures, self.failures_to_down)
+        if replica.healthy:
+            replica.healthy = False
+            log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason)
+            self.on_change()
+
+    # -- background checks ----------------------------------------------------------------------------------
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """First health check inline (so the gateway does not serve 503s at start), then run in background."""
+        self._session = session
+        await self.check_all()
+        await self.scrape_all()
+        self._tasks = [asyncio.create_task(self._health_loop(), name="gateway-health"),
+                       asyncio.create_task(self._scrape_loop(), name="gateway-scrape")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                logger.exception("event=health_check_failed")
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.scrape_interval)
+            try:
+                await self.scrape_all()
+            except Exception:
+                logger.exception("event=metrics_scrape_failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas)))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(r) for r in list(self.replicas) if r.healthy))
+        self.on_change()
+
+    async def _check(self, replica: Replica) -> None:
+        assert self._session is not None
+        ok, reason, refused = False, "", False
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.health_timeout)
+            async with self._session.get(replica.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status < 300
+                reason = f"HTTP {resp.status}"
+        except aiohttp.ClientConnectorError as exc:
+            reason, refused = f"connect: {exc.os_error or exc}", True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        if ok:
+            replica.failures = 0
+            if not replica.healthy:
+                replica.healthy = True
+                log_event(logger, logging.INFO, "replica_up", replica=replica.url)
+                self.on_change()
+            return
+        replica.failures += 1
+        if replica.healthy and (refused or replica.failures >= self.failures_to_down):
+            replica.healthy = False
+            log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason,
+                      failures=replica.failures)
+            self.on_change()
+
+    async def _scrape(self, replica: Replica) -> None:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
+            dispatches_before = replica.dispatches
+            async with self._session.get(replica.url + "/metrics", timeout=timeout) as resp:
+                if resp.status >= 300:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+            return
+        values = parse_vllm_metrics(text)
+        if "vllm:kv_cache_usage_perc" not in values and "vllm:num_requests_waiting" not in values:
+            return
+        replica.kv_usage = values.get("vllm:kv_cache_usage_perc")
+        replica.waiting = values.get("vllm:num_requests_waiting")
+        replica.running = values.get("vllm:num_requests_running")
+        if "num_gpu_blocks" in values:
+            replica.kv_blocks_total = int(values["num_gpu_blocks"])
+        replica.metrics_at = time.monotonic()
+        replica.dispatches_at_scrape = dispatches_before

@@ -1,0 +1,71 @@
+"""A request as flow control sees it: its classification, its life-cycle status and its final outcome.
+
+Status moves only forward: QUEUED → DISPATCHED → FINISHED, or it ends early as REJECTED, WITHDRAWN
+(client left while queued) or EVICTED. The flow controller owns every transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    WITHDRAWN = "withdrawn"
+    EVICTED = "evicted"
+
+
+class DropReason(str, enum.Enum):
+    """Values of the `x-llm-d-request-dropped-reason` header."""
+
+    EVICTED = "evicted"
+    SATURATED = "rejected-saturated"
+    TTL_EXPIRED = "rejected-ttl-expired"
+    NO_ENDPOINTS = "rejected-no-endpoints"
+    CONTEXT_CANCELLED = "rejected-context-cancelled"
+    KV_ADMISSION = "rejected-kv-admission"
+    TENANT_QUOTA = "rejected-tenant-quota"
+
+
+@dataclass(eq=False)
+class FlowRequest:
+    """One proxied inference request from arrival to its outcome."""
+
+    request_id: str
+    objective: str
+    priority: int
+    fairness_id: str
+    tenant: str
+    arrived: float
+    # Monotonic time after which the request may no longer wait in a queue (inf: no limit).
+    expires_at: float = math.inf
+    # Requested deadline (monotonic), used by earliest-deadline ordering; inf when none.
+    deadline: float = math.inf
+    kv_blocks: int = 0
+    seq: int = 0
+    status: Status = Status.NEW
+    enqueued_at: float = 0.0
+    dispatched_at: float = 0.0
+    replica: object | None = None
+    drop_reason: DropReason | None = None
+    # KV admission: set the first time the request waits for KV room.
+    kv_wait_deadline: float = math.inf
+    evicted_at: float = 0.0
+    # The task proxying this request; eviction cancels it so the upstream connection closes.
+    task: asyncio.Task | None = None
+    waiter: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+    @property
+    def queue_wait(self) -> float:
+        return self.dispatched_at - self.arrived if self.dispatched_at else 0.0

@@ -1,0 +1,57 @@
+"""Responses the gateway writes itself, all in the OpenAI error envelope {"error": {message, type, param, code}}.
+
+Drop reasons travel in `x-llm-d-request-dropped-reason`: 429 while the pool has replicas, 503 when it has
+none, with `Retry-After` so well-behaved callers back off.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from gateway.request import DropReason
+
+DROPPED_HEADER = "x-llm-d-request-dropped-reason"
+
+_DROPS: dict[DropReason, tuple[int, str, str]] = {
+    DropReason.EVICTED: (429, "1", "The request was evicted by flow control to free capacity for "
+                         "higher-priority work; retry it later."),
+    DropReason.SATURATED: (429, "1", "The gateway queue for this priority band is full; retry later."),
+    DropReason.TTL_EXPIRED: (429, "1", "The request waited in the gateway queue past its TTL or deadline "
+                             "without capacity to dispatch it; retry later or allow a longer TTL."),
+    DropReason.NO_ENDPOINTS: (503, "2", "No model replica is available behind the gateway; retry later."),
+    DropReason.CONTEXT_CANCELLED: (503, "1", "The request was cancelled by the caller."),
+    DropReason.KV_ADMISSION: (429, "2", "KV-cache admission refused the request: its worst-case KV "
+                              "commitment (prompt + max_tokens) does not fit; lower max_tokens or retry later."),
+    DropReason.TENANT_QUOTA: (429, "2", "This tenant already holds its maximum share of the KV-cache pool; "
+                              "retry after some of its requests finish."),
+}
+
+
+def error_body(message: str, err_type: str, code: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}}).encode()
+
+
+def error_response(status: int, message: str, err_type: str, code: str, request_id: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    h = dict(headers or {})
+    if request_id:
+        h["x-request-id"] = request_id
+    return web.Response(status=status, body=error_body(message, err_type, code), headers=h,
+                        content_type="application/json")
+
+
+def drop_response(reason: DropReason, request_id: str) -> web.Response:
+    status, retry_after, message = _DROPS[reason]
+    err_type = "rate_limit_error" if status == 429 else "service_unavailable"
+    return error_response(status, message, err_type, reason.value, request_id,
+                          {DROPPED_HEADER: reason.value, "Retry-After": retry_after})
+
+
+def evicted_sse_event() -> bytes:
+    """The last event of a stream cut by eviction: the client sees an error, not a silent truncation."""
+    _status, _retry, message = _DROPS[DropReason.EVICTED]
+    payload = {"error": {"message": message, "type": "rate_limit_error", "param": None,
+                         "code": DropReason.EVICTED.value}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"

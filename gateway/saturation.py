@@ -1,0 +1,109 @@
+"""Saturation detectors: how full the pool is (1.0 is the set point), and whether one replica can take more.
+
+`concurrency` counts the gateway's own in-flight requests: Σ in-flight ÷ (healthy replicas × maxConcurrency).
+It moves the moment a request is dispatched or finishes, which is what eviction pacing needs.
+`utilization` reads each replica's scraped `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`.
+Stale-metrics policy: a replica whose last good scrape is older than `metricsStalenessSeconds` is scored by
+its concurrency ratio instead (it never scores 1.0 just for being stale), so a metrics outage degrades to the
+concurrency detector rather than halting all dispatch. An empty pool is saturated (1.0).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+from gateway.replicas import Replica
+
+
+class SaturationDetector(Protocol):
+    name: str
+    # How long after an eviction is confirmed before the next decision may use this detector's reading.
+    confirmation_grace: float
+
+    def saturation(self, replicas: Iterable[Replica], now: float) -> float: ...
+
+    def has_room(self, replica: Replica, now: float) -> bool: ...
+
+    def replica_score(self, replica: Replica, now: float) -> float: ...
+
+    def stale_count(self, replicas: Iterable[Replica], now: float) -> int: ...
+
+
+class ConcurrencyDetector:
+    """Pool saturation from the gateway's own in-flight counts."""
+
+    name = "concurrency"
+    confirmation_grace = 0.01
+
+    def __init__(self, max_concurrency: int = 48, headroom: float = 0.0):
+        self.max_concurrency = max_concurrency
+        self.headroom = headroom
+        # Headroom only raises the per-replica filter limit; pool saturation ignores it.
+        self.replica_limit = max_concurrency * (1.0 + headroom)
+
+    def saturation(self, replicas: Iterable[Replica], now: float) -> float:
+        total, n = 0, 0
+        for r in replicas:
+            total += r.in_flight
+            n += 1
+        if n == 0:
+            return 1.0
+        return total / (n * self.max_concurrency)
+
+    def replica_score(self, replica: Replica, now: float) -> float:
+        return replica.in_flight / self.max_concurrency
+
+    def has_room(self, replica: Replica, now: float) -> bool:
+        return replica.in_flight < self.replica_limit
+
+    def stale_count(self, replicas: Iterable[Replica], now: float) -> int:
+        return 0
+
+
+class UtilizationDetector:
+    """Pool saturation from scraped queue depth and KV usage; stale replicas fall back to their concurrency."""
+
+    name = "utilization"
+
+    def __init__(self, *, max_concurrency: int = 48, headroom: float = 0.0, queue_depth_threshold: float = 5.0,
+                 kv_util_threshold: float = 0.8, staleness: float = 2.0, scrape_interval: float = 0.25):
+        self.max_concurrency = max_concurrency
+        self.headroom = headroom
+        self.queue_depth_threshold = queue_depth_threshold
+        self.kv_util_threshold = kv_util_threshold
+        self.staleness = staleness
+        self.limit = 1.0 + headroom
+        # Evicted work shows in the scraped numbers only after the next scrape.
+        self.confirmation_grace = scrape_interval + 0.05
+
+    def replica_score(self, replica: Replica, now: float) -> float:
+        if not replica.metrics_fresh(now, self.staleness):
+            return replica.in_flight / self.max_concurrency
+        score = max((replica.waiting or 0.0) / self.queue_depth_threshold,
+                    (replica.kv_usage or 0.0) / self.kv_util_threshold)
+        # Requests sent since the scrape began are not in the scraped numbers yet; count each as one
+        # concurrency slot so a burst between two scrapes cannot overshoot.
+        return score + (replica.dispatches - replica.dispatches_at_scrape) / self.max_concurrency
+
+    def saturation(self, replicas: Iterable[Replica], now: float) -> float:
+        scores = [self.replica_score(r, now) for r in replicas]
+        if not scores:
+            return 1.0
+        return sum(scores) / len(scores)
+
+    def has_room(self, replica: Replica, now: float) -> bool:
+        return self.replica_score(replica, now) < self.limit
+
+    def stale_count(self, replicas: Iterable[Replica], now: float) -> int:
+        return sum(1 for r in replicas if not r.metrics_fresh(now, self.staleness))
+
+
+def saturation_detector(name: str, *, max_concurrency: int, headroom: float, queue_depth_threshold: float,
+                        kv_util_threshold: float, staleness: float, scrape_interval: float) -> SaturationDetector:
+    if name == "concurrency":
+        return ConcurrencyDetector(max_concurrency, headroom)
+    if name == "utilization":
+        return UtilizationDetector(max_concurrency=max_concurrency, headroom=headroom,
+                                   queue_depth_threshold=queue_depth_threshold, kv_util_threshold=kv_util_threshold,
+                                   staleness=staleness, scrape_interval=scrape_interval)
+    raise ValueError(f"unknown saturation detector {name!r}; choose concurrency or utilization")
