@@ -1,0 +1,407 @@
+"""How one batch request goes to the gateway and what its answer means.
+
+Shared by the async workers and the processor's sync mode: the request headers, the outcome class of
+an answer, the retry backoff, and the two transactions of an attempt — `begin` opens it, and
+`record_outcome` closes it as exactly one of: a final result (through `holdback.results`' compare-and-set),
+a retry, or a row left for the batch's expiry. Callers do the HTTP themselves and own the transactions.
+
+Outcome classes (DESIGN.md "Contracts"): 2xx → success; 429 with any drop reason → retry with backoff
+until the batch deadline, never counted against a budget; 5xx and transport errors → retry within a
+budget of transient failures, then fail; other 4xx → final failure whose response goes to the error file.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import enum
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from holdback.models import (
+    REQUEST_TERMINAL_VALUES,
+    Attempt,
+    AttemptOutcome,
+    Batch,
+    BatchStatus,
+    RequestRow,
+    RequestStatus,
+)
+from holdback.results import FinalResult, Usage, begin_attempt, end_attempt, record_final, schedule_retry
+
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+REQUEST_ID_HEADER = "x-request-id"
+DEADLINE_HEADER = "x-holdback-deadline"  # the batch's expires_at, unix seconds
+DROP_REASON_HEADER = "x-llm-d-request-dropped-reason"
+# Where the answer says which replica served it: the simulator's, then the gateway's, then llm-d's.
+REPLICA_HEADERS = ("x-sim-replica", "x-holdback-replica", "x-gateway-destination-endpoint")
+BATCH_OBJECTIVE = "batch"
+EVICTED = "evicted"
+
+
+def request_headers(
+    request_id: str,
+    tenant_id: str,
+    deadline: float | None,
+    gateway_key: str | None = None,
+    objective: str = BATCH_OBJECTIVE,
+) -> dict[str, str]:
+    """The headers of every attempt: objective, fairness id, the row id (stable across attempts), deadline, key."""
+    headers = {
+        "content-type": "application/json",
+        OBJECTIVE_HEADER: objective,
+        FAIRNESS_HEADER: tenant_id,
+        REQUEST_ID_HEADER: request_id,
+    }
+    if deadline is not None:
+        headers[DEADLINE_HEADER] = str(int(deadline))
+    if gateway_key:
+        headers["authorization"] = f"Bearer {gateway_key}"
+    return headers
+
+
+# --- outcome classes ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The class of one attempt's answer; `kind` is what the Attempt row records."""
+
+    kind: AttemptOutcome
+    status: int | None = None
+    drop_reason: str | None = None
+    retry_after: float | None = None  # seconds the server asked us to wait, if it did
+
+    @property
+    def evicted(self) -> bool:
+        return self.kind is AttemptOutcome.evicted
+
+    @property
+    def transient(self) -> bool:
+        """5xx and transport errors: retried, but only within the transient-failure budget."""
+        return self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error)
+
+    @property
+    def shed(self) -> bool:
+        """429 from the gateway (evicted or rejected): retried until the deadline, never budgeted."""
+        return self.kind in (AttemptOutcome.evicted, AttemptOutcome.rejected)
+
+
+def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None) -> Outcome:
+    """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error)."""
+    headers = headers or {}
+    drop_reason = _header(headers, DROP_REASON_HEADER)
+    retry_after = parse_retry_after(_header(headers, "retry-after"), now=now)
+    if status is None:
+        return Outcome(AttemptOutcome.transport_error)
+    if 200 <= status < 300:
+        return Outcome(AttemptOutcome.success, status)
+    if status == 429:
+        kind = AttemptOutcome.evicted if drop_reason == EVICTED else AttemptOutcome.rejected
+        return Outcome(kind, status, drop_reason, retry_after)
+    if 400 <= status < 500:
+        return Outcome(AttemptOutcome.client_error, status, drop_reason)
+    # 5xx, and anything else a proxy might answer (1xx/3xx): transient.
+    return Outcome(AttemptOutcome.server_error, status, drop_reason, retry_after)
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """`Retry-After` as seconds from now: delta-seconds or an HTTP date; None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        # Plain dicts are case-sensitive; multidicts and httpx headers are not.
+        lowered = name.lower()
+        for key, v in headers.items():
+            if key.lower() == lowered:
+                return v
+    return value
+
+
+# --- backoff ------------------------------------------------------------------------------------------
+
+
+class Jitter(str, enum.Enum):
+    full = "full"  # uniform in [0, x)
+    equal = "equal"  # uniform in [x/2, x): never retries sooner than half the step
+
+
+def backoff(
+    attempt: int,
+    retry_after: float | None = None,
+    *,
+    base: float = 2.0,
+    cap: float = 60.0,
+    jitter: Jitter | str = Jitter.equal,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait after failed attempt number `attempt` (1-based): base doubling to cap, jittered.
+
+    A server's `Retry-After` is a floor: we never come back sooner than it asked.
+    """
+    step = min(cap, base * (2 ** max(0, attempt - 1)))
+    if Jitter(jitter) is Jitter.full:
+        delay = step * rand()
+    else:
+        delay = step / 2 + (step / 2) * rand()
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    return delay
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How retries are paced and bounded; the defaults are DESIGN.md's (2 s doubling to 60 s, 5 transient)."""
+
+    base: float = 2.0
+    cap: float = 60.0
+    jitter: Jitter = Jitter.equal
+    transient_budget: int = 5  # the row fails on its N-th transient failure (5xx or transport error)
+    # A row whose batch is past its deadline (or being cancelled) waits this long for the processor to
+    # close it before its job looks again.
+    closing_recheck: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.base <= 0 or self.cap < self.base:
+            raise ValueError(f"backoff needs 0 < base <= cap, got base={self.base} cap={self.cap}")
+        if self.transient_budget < 1:
+            raise ValueError(f"transient_budget must be at least 1, got {self.transient_budget}")
+        if self.closing_recheck <= 0:
+            raise ValueError(f"closing_recheck must be positive, got {self.closing_recheck}")
+
+    def delay(self, attempt: int, retry_after: float | None = None, rand: Callable[[], float] = random.random) -> float:
+        return backoff(attempt, retry_after, base=self.base, cap=self.cap, jitter=self.jitter, rand=rand)
+
+
+# --- the attempt's first transaction --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One open attempt: everything needed to send it and to record its answer."""
+
+    row_id: str
+    batch_id: str
+    tenant_id: str
+    custom_id: str
+    url: str
+    body: str
+    deadline: float | None  # the batch's expires_at
+    attempt_id: int
+    attempt: int  # 1-based attempt number
+    transient_failures: int  # before this attempt
+
+    def headers(self, gateway_key: str | None = None) -> dict[str, str]:
+        return request_headers(self.row_id, self.tenant_id, self.deadline, gateway_key)
+
+
+class Skip(str, enum.Enum):
+    """Why `begin` opened no attempt."""
+
+    final = "final"  # the row is final or gone: drop the delivery
+    closing = "closing"  # its batch is past its deadline or being cancelled: the processor will close it
+
+
+_CLOSED_BATCH = {s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
+                                   BatchStatus.failed, BatchStatus.completed)}
+
+
+def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
+    """Open the row's next attempt (row → running), unless the row is final or its batch is closing."""
+    now = time.time() if now is None else now
+    found = session.execute(
+        select(RequestRow.status, Batch.status, Batch.expires_at)
+        .join(Batch, Batch.id == RequestRow.batch_id)
+        .where(RequestRow.id == row_id)
+    ).one_or_none()
+    if found is None or found[0] in REQUEST_TERMINAL_VALUES:
+        return Skip.final
+    previous_status, batch_status, expires_at = found
+    if batch_status in _CLOSED_BATCH or (expires_at is not None and now >= expires_at):
+        return Skip.closing
+    attempt = begin_attempt(session, row_id, worker)
+    if attempt is None:
+        return Skip.final
+    if previous_status == RequestStatus.running.value:
+        # The row was running: an earlier delivery's worker died (or is a racing duplicate, whose own
+        # end_attempt will overwrite this). Close its open attempt so the history stays truthful.
+        session.execute(
+            update(Attempt)
+            .where(Attempt.request_id == row_id, Attempt.ended_at.is_(None), Attempt.number < attempt.number)
+            .values(ended_at=now, outcome=AttemptOutcome.abandoned.value, error="superseded by a later delivery")
+            .execution_options(synchronize_session=False)
+        )
+    row = session.get(RequestRow, row_id)
+    return Dispatch(
+        row_id=row_id, batch_id=row.batch_id, tenant_id=row.tenant_id, custom_id=row.custom_id, url=row.url,
+        body=row.body, deadline=expires_at, attempt_id=attempt.id, attempt=attempt.number,
+        transient_failures=row.transient_failures,
+    )
+
+
+# --- the attempt's second transaction -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What one attempt got back: an HTTP answer, a transport error, or an abort by us."""
+
+    status: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    error: str | None = None  # transport error, or why we aborted
+    aborted: bool = False  # we closed the connection: the batch was cancelled or expired
+
+    @classmethod
+    def transport_error(cls, error: str) -> "Reply":
+        return cls(error=error)
+
+    @classmethod
+    def cancelled(cls, reason: str = "batch cancelled or expired") -> "Reply":
+        return cls(error=reason, aborted=True)
+
+    @property
+    def replica(self) -> str | None:
+        for name in REPLICA_HEADERS:
+            value = _header(self.headers, name)
+            if value:
+                return value[:256]
+        return None
+
+
+class Disposition(str, enum.Enum):
+    """What became of the row after one attempt."""
+
+    final = "final"  # this attempt made the row final (succeeded or failed)
+    duplicate = "duplicate"  # the row was already final: a counted no-op
+    retry = "retry"  # row → retry_wait; run the job again at `wake_at`
+    closing = "closing"  # the next try would land past the deadline: left for the batch's expiry
+    cancelled = "cancelled"  # aborted because the batch was cancelled or expired
+
+
+@dataclass(frozen=True)
+class Recorded:
+    disposition: Disposition
+    outcome: Outcome
+    final_status: RequestStatus | None = None  # set when disposition is final
+    wake_at: float | None = None  # when the job should run again (retry, closing)
+    delay: float | None = None  # the backoff chosen (retry)
+    usage: Usage = Usage()
+
+
+def record_outcome(
+    session: Session,
+    dispatch: Dispatch,
+    reply: Reply,
+    policy: RetryPolicy,
+    *,
+    now: float | None = None,
+    rand: Callable[[], float] = random.random,
+) -> Recorded:
+    """Close the attempt and move the row: final result, retry, or left for expiry. One transaction."""
+    now = time.time() if now is None else now
+    if reply.aborted:
+        return _record_abort(session, dispatch, reply, policy, now)
+
+    outcome = classify(reply.status, reply.headers, now=now)
+    body: dict | str | None = None
+    usage = Usage()
+    error = reply.error
+    if reply.body:
+        try:
+            body = json.loads(reply.body)
+        except ValueError:
+            body = reply.body.decode("utf-8", errors="replace")
+    if outcome.kind is AttemptOutcome.success:
+        if not isinstance(body, dict):
+            # A 2xx whose body is not one JSON object was cut short or is not an OpenAI answer.
+            outcome = Outcome(AttemptOutcome.transport_error, reply.status)
+            error = "truncated or invalid response body from a 2xx answer"
+        else:
+            usage = Usage.from_body(body)
+
+    end_attempt(
+        session, dispatch.attempt_id, outcome.kind.value, status_code=outcome.status, replica=reply.replica,
+        drop_reason=outcome.drop_reason, evicted=outcome.evicted, usage=usage,
+        error=error if outcome.kind is not AttemptOutcome.success else None,
+    )
+
+    if outcome.kind is AttemptOutcome.success:
+        return _final(session, dispatch, outcome, FinalResult(RequestStatus.succeeded, outcome.status, body,
+                                                               usage=usage), usage)
+    if outcome.kind is AttemptOutcome.client_error:
+        return _final(session, dispatch, outcome, FinalResult(RequestStatus.failed, outcome.status, body))
+    if outcome.transient and dispatch.transient_failures + 1 >= policy.transient_budget:
+        session.execute(
+            update(RequestRow).where(RequestRow.id == dispatch.row_id)
+            .values(transient_failures=RequestRow.transient_failures + 1)
+            .execution_options(synchronize_session=False)
+        )
+        code = outcome.kind.value  # server_error | transport_error
+        what = f"HTTP {outcome.status}" if outcome.status else (error or "no answer")
+        message = (f"gave up after {dispatch.transient_failures + 1} transient failures "
+                   f"(budget {policy.transient_budget}); last: {what}")
+        return _final(session, dispatch, outcome, FinalResult(
+            RequestStatus.failed, outcome.status, body if outcome.status else None,
+            error_code=code, error_message=message))
+    return _retry(session, dispatch, outcome, policy, now, rand)
+
+
+def _final(session: Session, dispatch: Dispatch, outcome: Outcome, result: FinalResult,
+           usage: Usage = Usage()) -> Recorded:
+    if record_final(session, dispatch.row_id, result):
+        return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage)
+    return Recorded(Disposition.duplicate, outcome)
+
+
+def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: RetryPolicy, now: float,
+           rand: Callable[[], float]) -> Recorded:
+    delay = policy.delay(dispatch.attempt, outcome.retry_after, rand)
+    next_at = now + delay
+    closing = dispatch.deadline is not None and next_at >= dispatch.deadline
+    if closing:
+        # Never past the deadline, and never failed for it: the row waits for the batch's expiry.
+        next_at = dispatch.deadline
+    parked = schedule_retry(session, dispatch.row_id, next_at, evicted=outcome.evicted, transient=outcome.transient)
+    if not parked:
+        return Recorded(Disposition.duplicate, outcome)
+    if closing:
+        return Recorded(Disposition.closing, outcome, wake_at=next_at + policy.closing_recheck, delay=delay)
+    return Recorded(Disposition.retry, outcome, wake_at=next_at, delay=delay)
+
+
+def _record_abort(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy, now: float) -> Recorded:
+    outcome = Outcome(AttemptOutcome.cancelled)
+    end_attempt(session, dispatch.attempt_id, outcome.kind.value, error=reply.error)
+    status = session.scalar(select(RequestRow.status).where(RequestRow.id == dispatch.row_id))
+    if status is None or status in REQUEST_TERMINAL_VALUES:
+        return Recorded(Disposition.cancelled, outcome)
+    # Aborted although nobody closed the row: park it rather than strand it.
+    wake_at = now + policy.closing_recheck
+    schedule_retry(session, dispatch.row_id, wake_at, evicted=False, transient=False)
+    return Recorded(Disposition.closing, outcome, wake_at=wake_at)

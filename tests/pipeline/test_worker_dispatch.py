@@ -1,0 +1,228 @@
+"""holdback.dispatch: outcome classes, backoff, and the two transactions of an attempt on a real database."""
+
+import json
+import time
+
+import pytest
+
+from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.dispatch import (
+    DEADLINE_HEADER,
+    Disposition,
+    Jitter,
+    Reply,
+    RetryPolicy,
+    Skip,
+    backoff,
+    begin,
+    classify,
+    parse_retry_after,
+    record_outcome,
+    request_headers,
+)
+from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, RequestStatus, Tenant
+from holdback.results import output_line
+
+OK_BODY = json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}).encode()
+
+
+def test_classify_covers_every_outcome_class():
+    assert classify(200, {}).kind is AttemptOutcome.success
+    evicted = classify(429, {"X-LLM-D-Request-Dropped-Reason": "evicted", "Retry-After": "3"})
+    assert (evicted.kind, evicted.evicted, evicted.shed, evicted.retry_after) == (AttemptOutcome.evicted, True, True, 3)
+    saturated = classify(429, {"x-llm-d-request-dropped-reason": "rejected-saturated"})
+    assert (saturated.kind, saturated.evicted, saturated.drop_reason) == (
+        AttemptOutcome.rejected, False, "rejected-saturated")
+    assert classify(503, {}).transient and classify(500, {}).kind is AttemptOutcome.server_error
+    assert classify(None, {}).kind is AttemptOutcome.transport_error
+    assert classify(400, {}).kind is AttemptOutcome.client_error
+    assert classify(404, {}).kind is AttemptOutcome.client_error
+
+
+def test_retry_after_reads_seconds_and_http_dates():
+    assert parse_retry_after("2.5") == 2.5
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def test_backoff_doubles_to_the_cap_with_jitter_and_honours_retry_after():
+    low, high = (lambda: 0.0), (lambda: 0.999999)
+    assert backoff(1, base=2, cap=60, rand=low) == 1.0  # equal jitter: at least half the step
+    assert backoff(3, base=2, cap=60, rand=high) == pytest.approx(8.0)
+    assert backoff(10, base=2, cap=60, rand=high) == pytest.approx(60.0)
+    assert backoff(1, base=2, cap=60, jitter=Jitter.full, rand=low) == 0.0
+    assert backoff(1, 30.0, base=2, cap=60) == 30.0  # Retry-After is a floor
+    assert backoff(6, 0.5, base=2, cap=60, rand=low) == 30.0
+
+
+def test_headers_carry_identity_deadline_and_key():
+    h = request_headers("batch_req_1", "tnt_1", 1700000000.7, "k")
+    assert h["x-request-id"] == "batch_req_1" and h["x-llm-d-inference-fairness-id"] == "tnt_1"
+    assert h["x-llm-d-inference-objective"] == "batch" and h[DEADLINE_HEADER] == "1700000000"
+    assert h["authorization"] == "Bearer k"
+    assert "authorization" not in request_headers("r", "t", None)
+
+
+@pytest.fixture
+def db(backend):
+    engine = make_engine(backend.database_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+def _rows(factory, n=1, expires_in=3600.0):
+    with transaction(factory) as s:
+        t = Tenant(name=f"t{time.time_ns()}")
+        s.add(t)
+        s.flush()
+        b = Batch(tenant_id=t.id, endpoint="/v1/chat/completions", input_file_id="file-x", completion_window="24h",
+                  window_seconds=86400, status="in_progress", total=n, expires_at=int(time.time() + expires_in))
+        s.add(b)
+        s.flush()
+        rows = [RequestRow(batch_id=b.id, tenant_id=t.id, line=i + 1, custom_id=f"c{i}", url="/v1/chat/completions",
+                           body="{}", status="queued") for i in range(n)]
+        s.add_all(rows)
+        s.flush()
+        return b.id, [r.id for r in rows]
+
+
+def _attempt(factory, row_id, reply, policy=RetryPolicy(base=0.1, cap=1.0), now=None):
+    with transaction(factory) as s:
+        d = begin(s, row_id, "w-test")
+        assert not isinstance(d, Skip), d
+    with transaction(factory) as s:
+        return d, record_outcome(s, d, reply, policy, now=now)
+
+
+def test_success_records_usage_and_a_second_delivery_is_a_counted_duplicate(db):
+    batch_id, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        first = begin(s, row_id, "w1")
+    with transaction(db) as s:
+        second = begin(s, row_id, "w2")  # a duplicate delivery while the first is still out
+    assert (first.attempt, second.attempt) == (1, 2)
+    with transaction(db) as s:
+        rec = record_outcome(s, second, Reply(200, {"x-sim-replica": "r0"}, OK_BODY), RetryPolicy())
+    with transaction(db) as s:
+        late = record_outcome(s, first, Reply(200, {}, OK_BODY), RetryPolicy())
+    assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.succeeded
+    assert late.disposition is Disposition.duplicate
+    with transaction(db) as s:
+        assert begin(s, row_id, "w3") is Skip.final
+    with db() as s:
+        row, batch = s.get(RequestRow, row_id), s.get(Batch, batch_id)
+        assert (row.status, row.input_tokens, row.output_tokens, row.duplicates) == ("succeeded", 7, 3, 1)
+        assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens) == (1, 0, 7, 3)
+        attempts = s.query(Attempt).filter_by(request_id=row_id).order_by(Attempt.number).all()
+        assert [a.outcome for a in attempts] == ["success", "success"]
+        assert attempts[1].replica == "r0" and attempts[1].output_tokens == 3
+
+
+def test_eviction_retries_without_budget_and_keeps_the_drop_reason(db):
+    _, (row_id,) = _rows(db)
+    now = time.time()
+    for _ in range(8):  # far past the transient budget: evictions are never budgeted
+        d, rec = _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "evicted"}, b"{}"), now=now)
+        assert rec.disposition is Disposition.retry and rec.outcome.evicted
+        assert now + 0.05 <= rec.wake_at <= now + 1.0
+    with db() as s:
+        row = s.get(RequestRow, row_id)
+        assert (row.status, row.evictions, row.transient_failures, row.attempts) == ("retry_wait", 8, 0, 8)
+        a = s.query(Attempt).filter_by(request_id=row_id, number=8).one()
+        assert (a.outcome, a.evicted, a.drop_reason, a.status_code) == ("evicted", True, "evicted", 429)
+
+
+def test_transient_failures_fail_the_row_when_the_budget_is_spent(db):
+    batch_id, (row_id,) = _rows(db)
+    policy = RetryPolicy(base=0.1, cap=1.0, transient_budget=3)
+    replies = [Reply(503, {}, b'{"error": {"message": "busy"}}'), Reply.transport_error("connection refused"),
+               Reply(500, {}, b'{"error": {"message": "boom"}}')]
+    dispositions = [_attempt(db, row_id, r, policy)[1].disposition for r in replies]
+    assert dispositions == [Disposition.retry, Disposition.retry, Disposition.final]
+    with db() as s:
+        row = s.get(RequestRow, row_id)
+        assert (row.status, row.error_code, row.response_status, row.transient_failures) == (
+            "failed", "server_error", 500, 3)
+        assert "budget 3" in row.error_message
+        assert s.get(Batch, batch_id).failed == 1
+        assert output_line(row)["response"]["status_code"] == 500
+
+
+def test_transport_failure_at_the_budget_fails_with_an_error_line(db):
+    _, (row_id,) = _rows(db)
+    _, rec = _attempt(db, row_id, Reply.transport_error("connection reset"), RetryPolicy(transient_budget=1))
+    assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.failed
+    with db() as s:
+        line = output_line(s.get(RequestRow, row_id))
+        assert line["response"] is None and line["error"]["code"] == "transport_error"
+        assert "connection reset" in line["error"]["message"]
+
+
+def test_client_error_is_final_and_keeps_the_response(db):
+    _, (row_id,) = _rows(db)
+    body = b'{"error": {"message": "model not found", "type": "invalid_request_error"}}'
+    _, rec = _attempt(db, row_id, Reply(404, {}, body))
+    assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.failed
+    with db() as s:
+        line = output_line(s.get(RequestRow, row_id))
+        assert line["response"]["status_code"] == 404
+        assert line["response"]["body"]["error"]["message"] == "model not found"
+
+
+def test_truncated_2xx_body_is_a_transport_error(db):
+    _, (row_id,) = _rows(db)
+    _, rec = _attempt(db, row_id, Reply(200, {}, OK_BODY[:20]))
+    assert rec.disposition is Disposition.retry and rec.outcome.kind is AttemptOutcome.transport_error
+
+
+def test_retry_that_would_land_past_the_deadline_is_left_for_expiry(db):
+    _, (row_id,) = _rows(db, expires_in=5.0)
+    now = time.time()
+    d, rec = _attempt(db, row_id, Reply(429, {"retry-after": "30"}, b""), now=now)
+    assert rec.disposition is Disposition.closing
+    with db() as s:
+        row = s.get(RequestRow, row_id)
+        assert row.status == "retry_wait" and row.next_attempt_at == pytest.approx(d.deadline)
+    # Retry-After within the deadline is honoured.
+    _, (row2,) = _rows(db, expires_in=3600.0)
+    _, rec2 = _attempt(db, row2, Reply(429, {"retry-after": "30"}, b""), now=now)
+    assert rec2.disposition is Disposition.retry and rec2.wake_at >= now + 30
+
+
+def test_begin_skips_batches_past_deadline_or_cancelling(db):
+    batch_id, (row_id,) = _rows(db, expires_in=-1.0)
+    with transaction(db) as s:
+        assert begin(s, row_id, "w") is Skip.closing
+    batch_id, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        s.get(Batch, batch_id).status = "cancelling"
+    with transaction(db) as s:
+        assert begin(s, row_id, "w") is Skip.closing
+    with transaction(db) as s:
+        assert begin(s, "batch_req_missing", "w") is Skip.final
+
+
+def test_abort_after_the_processor_closed_the_row_is_cancelled(db):
+    from holdback.results import close_unfinished
+
+    batch_id, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        d = begin(s, row_id, "w")
+    with transaction(db) as s:
+        close_unfinished(s, batch_id, RequestStatus.cancelled, "batch_cancelled", "cancelled")
+    with transaction(db) as s:
+        rec = record_outcome(s, d, Reply.cancelled(), RetryPolicy())
+    assert rec.disposition is Disposition.cancelled
+    with db() as s:
+        a = s.query(Attempt).filter_by(request_id=row_id).one()
+        assert a.outcome == "cancelled" and a.ended_at is not None
+
+
+def test_a_later_delivery_closes_the_dead_workers_open_attempt(db):
+    _, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        begin(s, row_id, "dead-worker")
+    _attempt(db, row_id, Reply(200, {}, OK_BODY))
+    with db() as s:
+        first = s.query(Attempt).filter_by(request_id=row_id, number=1).one()
+        assert first.outcome == "abandoned" and first.ended_at is not None
