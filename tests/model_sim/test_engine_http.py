@@ -1,0 +1,240 @@
+"""Scheduling behaviour seen from outside: KV growth, aborts on disconnect, preemption, prefix
+sharing, priority order, and /metrics agreeing with /admin/state.
+
+Assertions are structural (counts, orders, block ids, step counters), never wall-clock limits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from model_sim.generation import output_text
+from model_sim.request_queue import SchedulingPolicy
+from model_sim.timing import TimingModel
+from tests.model_sim.conftest import sim_config, slow
+
+
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def prompt_of(n: int, word: str = "w") -> str:
+    """A prompt of exactly n tokens of the simulator's tokenizer."""
+    return " ".join([word] * n)
+
+
+def sse_events(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def test_blocks_grow_with_output(start_sim):
+    sim = start_sim(timing=slow(decode_ms=10), block_size=16)
+    body = {"prompt": prompt_of(10), "max_tokens": 60, "stream": True}
+    seen = []
+    with sim.http.stream("POST", "/v1/completions", json=body) as r:
+        for event in sse_events(r):
+            if not event["choices"]:
+                continue
+            state = sim.state()
+            if state["running_requests"]:
+                req = state["running_requests"][0]
+                tokens = req["num_prompt_tokens"] + req["num_output_tokens"]
+                # Between steps a request holds blocks for all its tokens but possibly the newest one.
+                assert -(-(tokens - 1) // 16) <= req["num_blocks"] <= -(-tokens // 16), req
+                m = sim.metrics()
+                seen.append(req["num_blocks"])
+                assert state["kv"]["used"] >= req["num_blocks"]
+                assert abs(m["vllm:kv_cache_usage_perc"] * state["kv"]["num_blocks"] - state["kv"]["used"]) <= 5
+    assert seen == sorted(seen) and seen[0] == 1 and seen[-1] == 5, seen  # 10 + 59 tokens -> 5 blocks
+    assert sim.state()["kv"]["used"] == 0 and sim.metrics()["vllm:kv_cache_usage_perc"] == 0
+
+
+def _idle(sim) -> bool:
+    m = sim.metrics()
+    return (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0)
+
+
+def test_disconnect_mid_stream_frees_everything_within_one_step(start_sim):
+    # One-second decode steps: an abort that waited for the step to end would show up as a step.
+    sim = start_sim(timing=slow(decode_ms=1000), block_size=16)
+    body = json.dumps({"prompt": prompt_of(100), "max_tokens": 500, "stream": True}).encode()
+    sock = sim.raw_request("/v1/completions", body)
+    buf = b""
+    while buf.count(b"data: ") < 2:
+        buf += sock.recv(65536)
+    state = sim.state()
+    assert state["running"] == 1 and state["kv"]["used"] >= 7
+    steps_before = state["num_steps"]
+    sock.close()
+    wait_until(lambda: _idle(sim), what="running, waiting and KV usage back to 0")
+    state = sim.state()
+    assert state["num_steps"] - steps_before <= 1
+    assert state["finished"]["abort"] == 1 and state["generation_tokens"] < 5
+    m = sim.metrics()
+    assert m['vllm:request_success_total{finished_reason="abort"}'] == 1
+
+
+def test_disconnect_while_waiting_frees_it_streaming_or_not(start_sim):
+    sim = start_sim(timing=slow(decode_ms=50), max_num_seqs=1)
+    holder = sim.raw_request("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 400, "stream": True}).encode())
+    wait_until(lambda: sim.state()["running"] == 1, what="the first request running")
+    for stream in (True, False):
+        sock = sim.raw_request("/v1/completions",
+                               json.dumps({"prompt": prompt_of(40), "max_tokens": 20, "stream": stream}).encode())
+        wait_until(lambda: sim.metrics()["vllm:num_requests_waiting"] == 1, what="a waiting request")
+        used = sim.state()["kv"]["used"]
+        sock.close()
+        wait_until(lambda: sim.metrics()["vllm:num_requests_waiting"] == 0, what="the waiting request gone")
+        state = sim.state()
+        assert state["running"] == 1 and state["kv"]["used"] <= used + 1
+    assert sim.state()["finished"]["abort"] == 2
+    holder.close()
+    wait_until(lambda: _idle(sim), what="idle after the holder left")
+    assert sim.state()["finished"] == {"stop": 0, "length": 0, "abort": 3}
+
+
+def test_disconnect_of_a_running_non_streaming_request_aborts_it(start_sim):
+    sim = start_sim(timing=slow(decode_ms=20))
+    sock = sim.raw_request("/v1/completions", json.dumps({"prompt": prompt_of(30), "max_tokens": 1000}).encode())
+    wait_until(lambda: sim.state()["generation_tokens"] >= 3, what="tokens generated")
+    sock.close()
+    wait_until(lambda: _idle(sim), what="idle after disconnect")
+    state = sim.state()
+    assert state["finished"]["abort"] == 1 and state["generation_tokens"] < 1000
+
+
+def test_kv_full_run_preempts_and_still_completes_every_request(start_sim):
+    # 24 blocks x 16 tokens; 12 requests that each grow to 6 blocks.
+    sim = start_sim(num_blocks=24, block_size=16, max_num_seqs=16)
+    body = {"prompt": prompt_of(20), "max_tokens": 70, "ignore_eos": True}
+
+    def one(i: int) -> dict:
+        r = httpx.post(sim.url + "/v1/completions", json=body | {"stream": i % 2 == 0}, timeout=60)
+        assert r.status_code == 200
+        if i % 2 == 0:
+            return {"text": "".join(e["choices"][0]["text"] for e in
+                                    (json.loads(l[6:]) for l in r.text.splitlines()
+                                     if l.startswith("data: {")) if e["choices"])}
+        return {"text": r.json()["choices"][0]["text"]}
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    assert all(res["text"] == output_text(0, 70) for res in results)
+    m = sim.metrics()
+    assert m["vllm:num_preemptions_total"] > 0
+    assert m["vllm:generation_tokens_total"] == 12 * 70
+    assert m['vllm:request_success_total{finished_reason="length"}'] == 12
+    assert _idle(sim)
+    assert sim.state()["num_preemptions"] == m["vllm:num_preemptions_total"]
+
+
+def test_prefix_caching_reuses_blocks_and_never_frees_a_shared_block_early(start_sim):
+    sim = start_sim(timing=slow(decode_ms=15), enable_prefix_caching=True, block_size=16)
+    shared = prompt_of(64, "s")
+    short = {"prompt": shared + " a", "max_tokens": 15, "stream": True}
+    long = {"prompt": shared + " b", "max_tokens": 80, "stream": True}
+    with sim.http.stream("POST", "/v1/completions", json=short) as ra:
+        events_a = sse_events(ra)
+        next(events_a)
+        with httpx.Client(base_url=sim.url, timeout=30) as other, other.stream("POST", "/v1/completions",
+                                                                                 json=long) as rb:
+            events_b = sse_events(rb)
+            next(events_b)
+            state = sim.state(blocks=True)
+            a, b = sorted(state["running_requests"], key=lambda r: r["max_tokens"])
+            assert b["num_cached_tokens"] == 64
+            assert a["block_ids"][:4] == b["block_ids"][:4]
+            shared_ids = b["block_ids"][:4]
+            for _ in events_a:
+                pass  # a runs to its end while b keeps running
+            wait_until(lambda: sim.state()["running"] == 1, what="the short request finished")
+            state = sim.state(blocks=True)
+            (b,) = state["running_requests"]
+            assert b["block_ids"][:4] == shared_ids
+            assert state["kv"]["used"] == b["num_blocks"], "shared blocks stay allocated, a's own ones are free"
+            m = sim.metrics()
+            assert m["vllm:prefix_cache_hits_total"] == 64
+            assert m["vllm:prefix_cache_queries_total"] == state["prefix_cache_queries"] > 64
+            assert "".join(e["choices"][0]["text"] for e in events_b if e["choices"])
+    wait_until(lambda: _idle(sim), what="idle")
+    state = sim.state()
+    assert state["kv"]["cached_free"] >= 4, "finished prefixes stay cached for reuse"
+    r = sim.http.post("/v1/completions", json={"prompt": shared + " c", "max_tokens": 2})
+    assert r.status_code == 200
+    assert sim.metrics()["vllm:prefix_cache_hits_total"] == 128
+
+
+def test_priority_policy_admits_lower_values_first(start_sim):
+    sim = start_sim(timing=slow(decode_ms=20), max_num_seqs=1, scheduling_policy=SchedulingPolicy.PRIORITY)
+    holder = sim.raw_request("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 40, "stream": True}).encode())
+    wait_until(lambda: sim.state()["running"] == 1, what="holder running")
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def send(priority: int) -> None:
+        r = httpx.post(sim.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2, "priority": priority},
+                       timeout=60)
+        assert r.status_code == 200
+        with lock:
+            finished.append(priority)
+
+    priorities = [5, -3, 0, 10, -3, 2]
+    threads = []
+    for p in priorities:
+        threads.append(threading.Thread(target=send, args=(p,)))
+        threads[-1].start()
+        wait_until(lambda: sim.state()["waiting"] == len(threads), what="request queued")
+    waiting = sim.state()["waiting_requests"]
+    assert [r["priority"] for r in waiting] == sorted(priorities)
+    holder.close()
+    for t in threads:
+        t.join(60)
+    assert finished == sorted(priorities)
+
+
+def test_metrics_agree_with_admin_state_under_load(start_sim):
+    sim = start_sim(timing=TimingModel(step_overhead_ms=100.0, prefill_ms_per_token=0.0, decode_base_ms=0.0,
+                                       decode_ms_per_seq=0.0),
+                    max_num_seqs=4, num_blocks=64, enable_prefix_caching=True)
+    socks = [sim.raw_request("/v1/completions", json.dumps(
+        {"prompt": prompt_of(40 + i, "l"), "max_tokens": 30 + i, "stream": i % 2 == 0}).encode()) for i in range(7)]
+    wait_until(lambda: sim.state()["running"] == 4 and sim.state()["waiting"] == 3, what="4 running, 3 waiting")
+    checked = 0
+    for _ in range(40):
+        before = sim.state()
+        m = sim.metrics()
+        after = sim.state(blocks=True)
+        if before["num_steps"] != after["num_steps"]:
+            continue  # a step ended between the reads; take another snapshot
+        checked += 1
+        assert m["vllm:num_requests_running"] == after["running"] == len(after["running_requests"])
+        assert m["vllm:num_requests_waiting"] == after["waiting"] == len(after["waiting_requests"])
+        assert m["vllm:kv_cache_usage_perc"] == after["kv"]["used"] / after["kv"]["num_blocks"]
+        held = {b for r in after["running_requests"] + after["waiting_requests"] for b in r["block_ids"]}
+        assert after["kv"]["used"] == len(held), "every used block is held by a live request"
+        assert sum(r["num_blocks"] for r in after["running_requests"]) > len(held), "prefix blocks are shared"
+        assert m["vllm:num_preemptions_total"] == after["num_preemptions"]
+        assert m["vllm:prefix_cache_queries_total"] == after["prefix_cache_queries"]
+        assert m["vllm:prefix_cache_hits_total"] == after["prefix_cache_hits"]
+        assert m["vllm:generation_tokens_total"] == after["generation_tokens"]
+        assert m["vllm:prompt_tokens_total"] == after["prompt_tokens"]
+        if checked >= 5:
+            break
+    assert checked >= 5
+    for s in socks:
+        s.close()
+    wait_until(lambda: _idle(sim), what="idle after all clients left")
