@@ -1,0 +1,69 @@
+"""The API server's app factory: `create_app(settings)` wires routes, errors, metrics and resources.
+
+Start-up applies the migrations (when `settings.migrate_on_start`) and connects Redis (starting
+the embedded one when REDIS_URL is unset); shutdown closes Redis and the DB pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from batch_api import admin, batches, files, ops
+from batch_api.context import ApiContext
+from batch_api.errors import install_error_handlers
+from batch_api.observability import ObserveRequests, create_metrics, log_event
+from holdback import __version__
+from holdback.broker import connect
+from holdback.db import make_engine, make_sessionmaker
+from holdback.schema import upgrade
+from holdback.settings import Settings
+from holdback.storage import LocalFileStore
+
+log = logging.getLogger("batch_api.app")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    engine = make_engine(settings.sqlalchemy_url)
+    context = ApiContext(
+        settings=settings,
+        engine=engine,
+        sessions=make_sessionmaker(engine),
+        store=LocalFileStore(settings.files_dir),
+        metrics=create_metrics(),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if settings.migrate_on_start:
+            await run_in_threadpool(upgrade, engine)
+        context.redis = await run_in_threadpool(connect, settings)
+        log_event(
+            log, "api.started", database=engine.url.render_as_string(hide_password=True),
+            files_dir=str(settings.files_dir), migrated=settings.migrate_on_start,
+        )
+        try:
+            yield
+        finally:
+            context.redis.close()
+            engine.dispose()
+            log_event(log, "api.stopped")
+
+    app = FastAPI(
+        title="holdback Batch API",
+        version=__version__,
+        description="OpenAI-compatible Files and Batches API. Authenticate with 'Authorization: Bearer <tenant key>'.",
+        lifespan=lifespan,
+    )
+    app.state.context = context
+    install_error_handlers(app)
+    app.add_middleware(ObserveRequests, metrics=context.metrics)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(admin.router)
+    app.include_router(ops.router)
+    return app

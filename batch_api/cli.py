@@ -1,0 +1,27 @@
+"""`holdback api`: serve the OpenAI-compatible Batch and Files API with uvicorn.
+
+Configuration comes from the environment (HOLDBACK_*, DATABASE_URL, REDIS_URL), read once here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from batch_api.app import create_app
+from batch_api.observability import configure_logging
+from holdback.settings import Settings
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="holdback api", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    app = create_app(Settings())
+    # Our middleware logs every request as one JSON event, so uvicorn's access log is off.
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level)
+    return 0

@@ -1,0 +1,165 @@
+"""Every error the API returns, in the OpenAI envelope `{"error": {message, type, param, code}}`.
+
+Routes raise `ApiError` (or a subclass); the handlers installed by `install_error_handlers` turn
+it, FastAPI's validation errors, Starlette's 404/405 and any unexpected exception into that
+envelope. 409 is never used: the OpenAI SDK retries it, and our conflicts are permanent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("batch_api.errors")
+
+
+class ApiError(Exception):
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers=None):  # noqa: ANN001
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers
+
+    def envelope(self) -> dict:
+        return envelope(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
+
+
+class BadRequest(ApiError):
+    status = 400
+    code = "invalid_value"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class NotFound(ApiError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    code = "file_too_large"
+
+
+class ServerError(ApiError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class ServiceUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "not_ready"
+
+
+def envelope(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param_name(loc: tuple) -> str | None:
+    # ("body", "metadata", "k") -> "metadata.k"; ("query", "limit") -> "limit"
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else [str(p) for p in loc]
+    return ".".join(parts) or None
+
+
+def _validation_message(err: dict) -> str:
+    kind = err.get("type", "")
+    param = _param_name(tuple(err.get("loc", ())))
+    if kind == "json_invalid":
+        return "The request body is not valid JSON; send a JSON object with Content-Type: application/json."
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument: '{param}'. Remove it."
+    if kind == "missing":
+        if param is None:
+            return "The request body is missing; send a JSON object."
+        return f"Missing required parameter: '{param}'."
+    msg = str(err.get("msg", "invalid value"))
+    # Our own validators raise ValueError with a complete sentence; pydantic prefixes it.
+    msg = msg.removeprefix("Value error, ")
+    if not msg.endswith((".", "?", "!")):
+        msg += "."
+    if param is None:
+        return f"Invalid request: {msg}"
+    return f"Invalid value for '{param}': {msg}"
+
+
+async def _on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = _param_name(tuple(first.get("loc", ())))
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return JSONResponse(
+        envelope(_validation_message(first), "invalid_request_error", param, code), status_code=400
+    )
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = (
+            f"Unknown route {request.method} {request.url.path}. The API serves /v1/files and /v1/batches; "
+            "check the base URL (it should end in /v1)."
+        )
+        code = "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow") or ""
+        message = f"Method {request.method} is not allowed on {request.url.path}." + (
+            f" Use one of: {allowed}." if allowed else ""
+        )
+        code = "method_not_allowed"
+    else:
+        message = str(exc.detail)
+        code = None
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(envelope(message, type_, None, code), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error(
+        "request.failed",
+        exc_info=exc,
+        extra={"fields": {"method": request.method, "path": request.url.path, "error": repr(exc)}},
+    )
+    return JSONResponse(
+        envelope(
+            "The server hit an internal error; the request may be retried. "
+            "If it keeps failing, the operator will find the cause in the API server's log.",
+            "server_error",
+            None,
+            "internal_error",
+        ),
+        status_code=500,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
