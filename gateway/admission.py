@@ -107,11 +107,11 @@ class KvAdmission:
         healthy = [r for r in replicas if r.healthy]
         if not healthy:
             return Verdict.DISPATCH  # the no-endpoint path answers; admission has nothing to measure
+        if all(blocks > self.cap(priority) * self.pool_blocks(r) for r in healthy):
+            return Verdict.REJECT_KV
         total = sum(self.pool_blocks(r) for r in healthy)
         if tenant_blocks.get(fairness_id, 0) + blocks > self.cfg.tenantMaxShare * total:
             return Verdict.REJECT_QUOTA
-        if all(blocks > self.cap(priority) * self.pool_blocks(r) for r in healthy):
-            return Verdict.REJECT_KV
         if any(self.fits(blocks, priority, r) for r in healthy):
             return Verdict.DISPATCH
         return Verdict.QUEUE

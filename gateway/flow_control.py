@@ -233,6 +233,26 @@ class FlowController:
             self._drop_idle_bands(keep=self._configured)
             self._refresh_ceilings()
 
+    def reassign(self, req: FlowRequest) -> Replica | None:
+        """Move a dispatched request whose replica refused the connection to another replica, if any."""
+        if req.status is not Status.DISPATCHED:
+            return None
+        old: Replica = req.replica  # type: ignore[assignment]
+        others = [r for r in self.pool.healthy() if r is not old]
+        fits = self._fits(req) if self.admission is not None else None
+        new = self.picker.pick(others, self.detector, self.clock(), fits)
+        if new is None:
+            return None
+        old.in_flight -= 1
+        old.requests.discard(req)
+        old.committed_blocks -= req.kv_blocks
+        new.in_flight += 1
+        new.dispatches += 1
+        new.requests.add(req)
+        new.committed_blocks += req.kv_blocks
+        req.replica = new
+        return new
+
     def count_mid_stream_eviction(self) -> None:
         self.evictions["mid_stream"] += 1
         self.metrics.child(self.metrics.evictions, "mid_stream").inc()

@@ -145,12 +145,21 @@ class Proxy:
         resp: aiohttp.ClientResponse | None = None
         stream: web.StreamResponse | None = None
         try:
-            try:
-                resp = await self.session.request(request.method, replica.url + request.path_qs, data=body,
-                                                  headers=self._upstream_headers(request, request_id))
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                controller.finish(req)
-                return self._upstream_failure(replica, exc, request_id)
+            upstream_headers = self._upstream_headers(request, request_id)
+            while resp is None:
+                try:
+                    resp = await self.session.request(request.method, replica.url + request.path_qs, data=body,
+                                                      headers=upstream_headers)
+                except aiohttp.ClientConnectorError as exc:
+                    # Nothing reached the replica, so another one may take the request (once per replica).
+                    failed = self._upstream_failure(replica, exc, request_id)
+                    replica = controller.reassign(req)
+                    if replica is None:
+                        controller.finish(req)
+                        return failed
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                    controller.finish(req)
+                    return self._upstream_failure(req.replica, exc, request_id)
             headers = self._response_headers(resp, request_id)
             if req.waiter is not None:
                 headers["x-holdback-queue-ms"] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"

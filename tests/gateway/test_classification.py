@@ -1,0 +1,85 @@
+"""Classification: API keys to tenants and objectives, 401/403, fairness id, TTL and deadline headers."""
+
+import math
+import time
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.classification import ClassificationError, Classifier
+from gateway.config import parse_config
+
+CONFIG = """
+keys:
+  - {key: rt-key, tenant: acme, objectives: [realtime, batch]}
+  - {key: batch-key, tenant: workers, objectives: [batch]}
+anonymous: {enabled: true, tenant: anon, objectives: [standard, batch]}
+"""
+
+
+def classify(config=CONFIG, **headers):
+    h = CIMultiDictProxy(CIMultiDict({k.replace("_", "-"): v for k, v in headers.items()}))
+    return Classifier(parse_config(config, "t")).classify(h)
+
+
+def test_objective_header_gives_priority_and_tenant_is_the_default_fairness_id():
+    c = classify(Authorization="Bearer rt-key", x_llm_d_inference_objective="realtime")
+    assert (c.objective, c.priority, c.tenant, c.fairness_id) == ("realtime", 100, "acme", "acme")
+
+
+def test_alias_header_and_explicit_fairness_id():
+    c = classify(Authorization="Bearer batch-key", x_gateway_inference_objective="batch",
+                 x_llm_d_inference_fairness_id="tenant-7")
+    assert (c.priority, c.fairness_id, c.tenant) == (-10, "tenant-7", "workers")
+
+
+def test_batch_key_asking_for_realtime_is_forbidden_with_a_clear_message():
+    with pytest.raises(ClassificationError) as exc:
+        classify(Authorization="Bearer batch-key", x_llm_d_inference_objective="realtime")
+    assert exc.value.status == 403 and "realtime" in exc.value.message and "batch" in exc.value.message
+
+
+def test_no_escalation_through_unknown_or_missing_objective():
+    # Unknown names are served as the default objective (priority 0), which a batch key may not use.
+    with pytest.raises(ClassificationError) as exc:
+        classify(Authorization="Bearer batch-key", x_llm_d_inference_objective="gold")
+    assert exc.value.status == 403
+    # Missing header: the lowest objective the key allows.
+    assert classify(Authorization="Bearer batch-key").priority == -10
+
+
+def test_anonymous_gets_priority_zero_for_unknown_or_missing():
+    assert classify().priority == 0
+    assert classify(x_llm_d_inference_objective="whatever").priority == 0
+    with pytest.raises(ClassificationError) as exc:
+        classify(x_llm_d_inference_objective="realtime")
+    assert exc.value.status == 403
+
+
+def test_unknown_key_is_401_even_with_anonymous_access():
+    with pytest.raises(ClassificationError) as exc:
+        classify(Authorization="Bearer nope")
+    assert exc.value.status == 401
+
+
+def test_missing_key_is_401_without_anonymous_access():
+    config = CONFIG.replace("enabled: true", "enabled: false")
+    with pytest.raises(ClassificationError) as exc:
+        classify(config)
+    assert exc.value.status == 401 and "Authorization" in exc.value.message
+
+
+def test_without_keys_any_bearer_is_anonymous():
+    c = classify("anonymous: {objectives: ['*']}", Authorization="Bearer EMPTY",
+                 x_llm_d_inference_objective="realtime")
+    assert (c.priority, c.tenant) == (100, "anonymous")
+
+
+def test_ttl_and_deadline_headers_smaller_wins():
+    c = classify(x_llm_d_inference_ttl="30")
+    assert c.wait_limit == 30 and c.deadline_in == math.inf
+    c = classify(x_llm_d_inference_ttl="30", x_holdback_deadline=str(time.time() + 5))
+    assert 3 < c.wait_limit <= 5 and c.deadline_in == pytest.approx(c.wait_limit)
+    with pytest.raises(ClassificationError) as exc:
+        classify(x_llm_d_inference_ttl="soon")
+    assert exc.value.status == 400 and "x-llm-d-inference-ttl" in exc.value.message

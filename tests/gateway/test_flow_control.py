@@ -1,0 +1,242 @@
+"""The flow controller with real policies and a real (not network-checked) replica pool.
+
+Strict band order, head-of-line blocking, holdback ceilings, queue limits, TTL expiry, withdrawal and
+eviction decisions, driven one cycle at a time with a controllable clock.
+"""
+
+import asyncio
+
+import pytest
+
+from gateway.config import parse_config
+from gateway.flow_control import FlowController, Outcome
+from gateway.metrics import GatewayMetrics
+from gateway.replicas import ReplicaPool
+from gateway.request import DropReason, FlowRequest, Status
+
+PRIO = {"realtime": 100, "standard": 0, "batch": -10}
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def controller(extra="", replicas=1, max_concurrency=4):
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
+    text = f"replicas: {urls}\nsaturation: {{maxConcurrency: {max_concurrency}}}\n{extra}"
+    pool = ReplicaPool(urls)
+    for r in pool.replicas:
+        r.healthy = True
+    clock = Clock()
+    return FlowController(parse_config(text, "test"), pool, GatewayMetrics(), clock=clock), clock
+
+
+def req(fc, clock, objective, n=[0], fid="t", ttl=None):
+    n[0] += 1
+    r = FlowRequest(f"{objective}-{n[0]}", objective, PRIO[objective], fid, fid, arrived=clock())
+    if ttl is not None:
+        r.expires_at = clock() + ttl
+    return r
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_inline_dispatch_until_the_batch_ceiling_then_queue():
+    async def main():
+        fc, clock = controller()  # default holdback: batch ceiling 0.5 of 4 slots
+        batch = [req(fc, clock, "batch") for _ in range(4)]
+        outcomes = [fc.submit(r) for r in batch]
+        assert outcomes == [Outcome.DISPATCHED] * 2 + [Outcome.QUEUED] * 2
+        assert fc.bands[-10].in_flight == 2 and fc.bands[-10].queued == 2
+        assert fc.dispatched_total == 2
+    run(main())
+
+
+def test_queued_realtime_goes_before_queued_batch():
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\neviction: {enabled: false}")
+        running = [req(fc, clock, "batch") for _ in range(4)]
+        assert all(fc.submit(r) is Outcome.DISPATCHED for r in running)
+        b = req(fc, clock, "batch")
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(b) is Outcome.QUEUED
+        assert fc.submit(rt) is Outcome.QUEUED
+        fc.finish(running[0])
+        fc.cycle()
+        assert rt.status is Status.DISPATCHED and b.status is Status.QUEUED
+        fc.finish(running[1])
+        fc.cycle()
+        assert b.status is Status.DISPATCHED
+        assert rt.waiter.result() is Outcome.DISPATCHED
+    run(main())
+
+
+def test_head_of_line_blocking_stops_lower_bands():
+    async def main():
+        # Odd on purpose: realtime capped below batch, to see that a blocked higher band stops the walk.
+        fc, clock = controller("flowControl: {bands: [{priority: 100, ceiling: 0.5}, {priority: -10, ceiling: 1.0}]}"
+                               "\neviction: {enabled: false}")
+        for _ in range(2):
+            assert fc.submit(req(fc, clock, "realtime")) is Outcome.DISPATCHED
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(rt) is Outcome.QUEUED          # saturation 0.5 >= 0.5
+        b = req(fc, clock, "batch")
+        assert fc.submit(b) is Outcome.QUEUED           # a higher band has queued work: no inline dispatch
+        fc.cycle()
+        assert b.status is Status.QUEUED                # 0.5 < 1.0, but realtime is blocked ahead of it
+    run(main())
+
+
+def test_band_queue_limit_rejects_saturated():
+    async def main():
+        fc, clock = controller("flowControl: {bands: [{priority: -10, maxRequests: 1}]}")
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        assert fc.submit(req(fc, clock, "batch")) is Outcome.QUEUED
+        r = req(fc, clock, "batch")
+        assert fc.submit(r) is Outcome.REJECTED and r.drop_reason is DropReason.SATURATED
+        assert fc.rejections["rejected-saturated"] == 1
+    run(main())
+
+
+def test_ttl_expiry_and_request_deadline():
+    async def main():
+        fc, clock = controller("flowControl: {bands: [{priority: -10, ttl: 5}]}")
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        band_ttl = req(fc, clock, "batch")
+        short = req(fc, clock, "batch", ttl=1.0)
+        assert fc.submit(band_ttl) is Outcome.QUEUED and fc.submit(short) is Outcome.QUEUED
+        clock.t += 1.5
+        fc.cycle()
+        assert short.status is Status.REJECTED and short.drop_reason is DropReason.TTL_EXPIRED
+        assert band_ttl.status is Status.QUEUED
+        clock.t += 4
+        fc.cycle()
+        assert band_ttl.drop_reason is DropReason.TTL_EXPIRED
+        assert fc.total_queued == 0 and fc.bands[-10].queued == 0
+        past = req(fc, clock, "realtime")
+        past.deadline = clock.t - 1
+        assert fc.submit(past) is Outcome.REJECTED and past.drop_reason is DropReason.TTL_EXPIRED
+    run(main())
+
+
+def test_withdrawn_request_leaves_the_queue_at_once():
+    async def main():
+        fc, clock = controller()
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        gone = req(fc, clock, "batch", fid="a")
+        stays = req(fc, clock, "batch", fid="b")
+        fc.submit(gone)
+        fc.submit(stays)
+        fc.withdraw(gone)
+        assert fc.bands[-10].queued == 1 and fc.bands[-10].queue_sizes() == {"b": 1}
+        assert fc.rejections["rejected-context-cancelled"] == 1
+        fc.bands[-10].ceiling_override = None
+        fc.ceilings[-10] = 1.0
+        fc.cycle()
+        assert stays.status is Status.DISPATCHED and gone.status is Status.WITHDRAWN
+    run(main())
+
+
+def test_no_healthy_replica_is_no_endpoints():
+    async def main():
+        fc, clock = controller()
+        fc.pool.replicas[0].healthy = False
+        r = req(fc, clock, "realtime")
+        assert fc.submit(r) is Outcome.REJECTED and r.drop_reason is DropReason.NO_ENDPOINTS
+    run(main())
+
+
+def test_blocked_realtime_evicts_newest_batch_and_waits_for_confirmation():
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", replicas=2, max_concurrency=2)
+        loop = asyncio.get_running_loop()
+        batch = []
+        for i in range(4):
+            r = req(fc, clock, "batch")
+            r.task = loop.create_task(asyncio.sleep(60))
+            clock.t += 0.01
+            assert fc.submit(r) is Outcome.DISPATCHED
+            batch.append(r)
+        rt1, rt2 = req(fc, clock, "realtime"), req(fc, clock, "realtime")
+        assert fc.submit(rt1) is Outcome.QUEUED
+        fc.cycle()  # saturation 1.0 >= 1.0, deficit 0 -> exactly one victim: the newest batch request
+        victims = [r for r in batch if r.drop_reason is DropReason.EVICTED]
+        assert victims == [batch[-1]]
+        await asyncio.sleep(0)
+        assert batch[-1].task.cancelled()
+        assert fc.submit(rt2) is Outcome.QUEUED
+        fc.cycle()  # stop-and-wait: nothing new while the first victim is unconfirmed
+        assert sum(r.drop_reason is DropReason.EVICTED for r in batch) == 1
+        fc.finish(batch[-1])  # the proxy closed the victim's upstream
+        assert fc.evictions == {"issued": 1, "confirmed": 1}
+        fc.cycle()
+        assert rt1.status is Status.DISPATCHED and rt2.status is Status.QUEUED
+        clock.t += 0.05  # past the grace
+        fc.cycle()
+        assert batch[-2].drop_reason is DropReason.EVICTED  # next decision for rt2
+        for r in batch:
+            r.task.cancel()
+    run(main())
+
+
+def test_eviction_off_means_realtime_waits():
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\neviction: {enabled: false}")
+        batch = [req(fc, clock, "batch") for _ in range(4)]
+        for r in batch:
+            fc.submit(r)
+        rt = req(fc, clock, "realtime")
+        fc.submit(rt)
+        fc.cycle()
+        assert not fc.evictions and rt.status is Status.QUEUED
+    run(main())
+
+
+def test_reload_keeps_queued_requests_and_applies_new_ceilings():
+    async def main():
+        fc, clock = controller()
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        waiting = req(fc, clock, "batch")
+        fc.submit(waiting)
+        assert fc.ceilings[-10] == pytest.approx(0.5)
+        fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
+                                     "usageLimit: {minCeiling: 0.75}", "reloaded"))
+        assert fc.ceilings[-10] == pytest.approx(0.75) and fc.loaded.source == "reloaded"
+        fc.cycle()
+        assert waiting.status is Status.DISPATCHED
+    run(main())
+
+
+def test_kv_admission_queues_then_rejects_after_its_deadline():
+    async def main():
+        fc, clock = controller("admission: {enabled: true, kvPoolBlocks: 100, queueDeadlineMs: 500, "
+                               "tenantMaxShare: 1.0}\nusageLimit: {policy: static}")
+        big = req(fc, clock, "batch")
+        big.kv_blocks = 70
+        assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (sheddable cap)
+        nxt = req(fc, clock, "batch")
+        nxt.kv_blocks = 10
+        assert fc.submit(nxt) is Outcome.QUEUED       # 80 > 75: wait for room
+        rt = req(fc, clock, "realtime")
+        rt.kv_blocks = 20
+        assert fc.submit(rt) is Outcome.DISPATCHED     # 90 <= 92: the interactive reserve
+        never = req(fc, clock, "batch")
+        never.kv_blocks = 80
+        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_ADMISSION
+        clock.t += 0.6
+        fc.cycle()
+        assert nxt.drop_reason is DropReason.KV_ADMISSION
+        assert fc.pool.replicas[0].committed_blocks == 90
+        fc.finish(big)
+        assert fc.pool.replicas[0].committed_blocks == 20
+    run(main())

@@ -1,0 +1,324 @@
+"""The gateway over real HTTP in front of real simulator replicas, each started as a subprocess.
+
+Nothing of ours is mocked: the gateway and `holdback sim` run as `holdback` children, and the tests read
+both sides (the gateway's /admin/state and the simulator's /admin/state and /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import httpx
+
+from tests.gateway.conftest import sim_metric, sim_state
+
+PROMPT_LONG = "lorem ipsum dolor sit amet " * 120
+
+
+def body(max_tokens: int, prompt: str = "hello there", stream: bool = False) -> dict:
+    b = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    if stream:
+        b["stream"] = True
+    return b
+
+
+def obj(name: str, **extra: str) -> dict:
+    return {"x-llm-d-inference-objective": name, **extra}
+
+
+async def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+
+
+def test_batch_in_flight_never_exceeds_its_ceiling(stack):
+    sims = stack.sim(2)
+    # 2 replicas x maxConcurrency 4 = 8 slots; the default holdback gives batch a 0.5 ceiling: 4 in flight.
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 4}\n")
+    assert gw.band(-10)["ceiling"] == 0.5
+
+    async def main():
+        samples_gw, samples_sim, queued_seen = [], [], []
+        done = asyncio.Event()
+
+        def sample():
+            s = gw.state()
+            band = next(b for b in s["bands"] if b["priority"] == -10)
+            samples_gw.append(band["in_flight"])
+            queued_seen.append(band["queued"])
+            samples_sim.append(sum(sim_state(u)["running"] for u in sims))
+
+        async def sampler():
+            while not done.is_set():
+                await asyncio.to_thread(sample)
+                await asyncio.sleep(0.01)
+
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            task = asyncio.create_task(sampler())
+            results = await asyncio.gather(*(client.post("/v1/completions", json=body(25), headers=obj("batch"))
+                                             for _ in range(16)))
+            done.set()
+            await task
+        assert [r.status_code for r in results] == [200] * 16
+        return samples_gw, samples_sim, queued_seen
+
+    samples_gw, samples_sim, queued_seen = asyncio.run(main())
+    assert max(samples_gw) == 4, samples_gw       # reached the ceiling ...
+    assert max(samples_sim) <= 4, samples_sim     # ... and the replicas never ran more batch than that
+    assert max(queued_seen) > 0                   # the rest waited in the gateway
+    assert gw.state()["totals"]["dispatched"] == 16
+
+
+def test_queued_realtime_dispatches_ahead_of_queued_batch(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 1}\nusageLimit: {policy: static}\n"
+                             "eviction: {enabled: false}\n")
+
+    async def main():
+        finished: list[str] = []
+
+        async def call(client, name, objective, max_tokens):
+            r = await client.post("/v1/completions", json=body(max_tokens), headers=obj(objective))
+            assert r.status_code == 200, r.text
+            finished.append(name)
+
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            tasks = [asyncio.create_task(call(client, "running-batch", "batch", 60))]
+            await wait_until(lambda: gw.band(-10)["in_flight"] == 1)
+            for i in range(3):
+                tasks.append(asyncio.create_task(call(client, f"queued-batch-{i}", "batch", 3)))
+            await wait_until(lambda: gw.band(-10)["queued"] == 3)
+            tasks.append(asyncio.create_task(call(client, "realtime", "realtime", 3)))
+            await wait_until(lambda: gw.band(100)["queued"] == 1)
+            await asyncio.gather(*tasks)
+        return finished
+
+    finished = asyncio.run(main())
+    # One slot: completion order is dispatch order. Realtime arrived last but goes first.
+    assert finished[:2] == ["running-batch", "realtime"], finished
+    assert sorted(finished[2:]) == ["queued-batch-0", "queued-batch-1", "queued-batch-2"]
+
+
+def test_blocked_realtime_evicts_batch_and_frees_the_replica(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 4}\nusageLimit: {policy: static}\n")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            batch = [asyncio.create_task(client.post("/v1/completions", json=body(3000, PROMPT_LONG),
+                                                     headers=obj("batch", **{"x-request-id": f"batch-{i}"})))
+                     for i in range(4)]
+            await wait_until(lambda: sim_state(sims[0])["running"] == 4)
+            await asyncio.sleep(0.3)  # let the batch requests grow their KV
+            kv_before = sim_metric(sims[0], "vllm:kv_cache_usage_perc")
+            running_before = sim_metric(sims[0], "vllm:num_requests_running")
+            rt = await client.post("/v1/completions", json=body(5), headers=obj("realtime"))
+            assert rt.status_code == 200, rt.text
+            assert rt.headers["x-holdback-queue-ms"]  # it had to wait for the eviction
+            done, pending = await asyncio.wait(batch, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1, "exactly one batch request should have been evicted"
+            evicted = done.pop().result()
+            # Realtime is done and no batch is queued: the replica now runs only the 3 surviving batch requests.
+            running_after = await wait_until(
+                lambda: (n := sim_metric(sims[0], "vllm:num_requests_running")) <= 3 and n)
+            kv_after = sim_metric(sims[0], "vllm:kv_cache_usage_perc")
+            survivors = {r["external_id"] for r in sim_state(sims[0])["running_requests"]}
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            return evicted, kv_before, kv_after, running_before, running_after, survivors
+
+    evicted, kv_before, kv_after, running_before, running_after, survivors = asyncio.run(main())
+    assert evicted.status_code == 429
+    assert evicted.headers["x-llm-d-request-dropped-reason"] == "evicted"
+    assert evicted.headers["retry-after"]
+    err = evicted.json()["error"]
+    assert err["code"] == "evicted" and set(err) == {"message", "type", "param", "code"}
+    victim = evicted.headers["x-request-id"]
+    assert victim.startswith("batch-") and victim not in survivors and len(survivors) == 3
+    assert running_before == 4 and running_after == 3
+    assert kv_after < kv_before, (kv_before, kv_after)
+    totals = gw.state()["totals"]["evictions"]
+    assert totals["issued"] == 1 and totals["confirmed"] == 1
+
+
+def test_eviction_after_streaming_began_ends_the_stream_with_an_error_event(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 2}\nusageLimit: {policy: static}\n")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            started = [asyncio.Event(), asyncio.Event()]
+
+            async def stream(i):
+                chunks = []
+                async with client.stream("POST", "/v1/completions", json=body(3000, stream=True),
+                                         headers=obj("batch")) as r:
+                    async for chunk in r.aiter_text():
+                        chunks.append(chunk)
+                        started[i].set()
+                return r.status_code, "".join(chunks)
+
+            first = asyncio.create_task(stream(0))
+            await started[0].wait()
+            second = asyncio.create_task(stream(1))
+            await started[1].wait()
+            rt = await client.post("/v1/completions", json=body(3), headers=obj("realtime"))
+            assert rt.status_code == 200
+            status, text = await asyncio.wait_for(second, 10)  # the newest batch stream is the victim
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            return status, text
+
+    status, text = asyncio.run(main())
+    assert status == 200  # headers had gone out already
+    events = [e for e in text.split("\n\n") if e.strip()]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "evicted"
+    assert "[DONE]" not in text
+    assert gw.state()["totals"]["evictions"]["mid_stream"] == 1
+
+
+def test_ttl_expiry_and_client_disconnects(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 1}\neviction: {enabled: false}\n"
+                             "usageLimit: {policy: static}\n")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            # A long request the client will walk away from while it runs.
+            running = asyncio.create_task(client.post("/v1/completions", json=body(3000), headers=obj("batch")))
+            await wait_until(lambda: sim_state(sims[0])["running"] == 1)
+
+            expired = await client.post("/v1/completions", json=body(3),
+                                        headers=obj("batch", **{"x-llm-d-inference-ttl": "0.3"}))
+
+            queued = asyncio.create_task(client.post("/v1/completions", json=body(3), headers=obj("batch")))
+            await wait_until(lambda: gw.band(-10)["queued"] == 1)
+            queued.cancel()  # closes the connection while the request is queued
+            await asyncio.gather(queued, return_exceptions=True)
+            await wait_until(lambda: gw.band(-10)["queued"] == 0)
+
+            running.cancel()  # closes the connection while the request is in flight
+            await asyncio.gather(running, return_exceptions=True)
+            await wait_until(lambda: sim_state(sims[0])["running"] == 0)
+            await wait_until(lambda: gw.state()["in_flight"] == 0)
+            return expired
+
+    expired = asyncio.run(main())
+    assert expired.status_code == 429
+    assert expired.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
+    assert expired.json()["error"]["code"] == "rejected-ttl-expired"
+    rejections = gw.state()["totals"]["rejections"]
+    assert rejections == {"rejected-ttl-expired": 1, "rejected-context-cancelled": 1}
+
+
+def test_keys_objectives_models_and_sse_passthrough(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "keys:\n  - {key: rt-key, tenant: app, objectives: [realtime, batch]}\n"
+                             "  - {key_env: TEST_BATCH_KEY, tenant: workers, objectives: [batch]}\n"
+                             "anonymous: {enabled: false}\n", env={"TEST_BATCH_KEY": "batch-key"})
+    batch_auth = {"Authorization": "Bearer batch-key"}
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/completions", json=body(2), headers={**batch_auth, **obj("realtime")})
+        assert r.status_code == 403
+        assert "realtime" in r.json()["error"]["message"] and r.json()["error"]["type"] == "permission_error"
+        assert c.post("/v1/completions", json=body(2), headers={**batch_auth, **obj("batch")}).status_code == 200
+        r = c.post("/v1/completions", json=body(2))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        assert c.post("/v1/completions", json=body(2), headers={"Authorization": "Bearer nope"}).status_code == 401
+        r = c.get("/v1/models", headers=batch_auth)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "sim-model"
+
+        # Upstream 4xx passes through unchanged (the simulator refuses an unknown model).
+        bad = {**body(2), "model": "no-such-model"}
+        direct_bad = httpx.post(sims[0] + "/v1/completions", json=bad, timeout=30)
+        via_bad = c.post("/v1/completions", json=bad, headers=batch_auth)
+        assert via_bad.status_code == direct_bad.status_code == 400
+        assert via_bad.content == direct_bad.content
+
+        # SSE passes through byte for byte, apart from the ids and timestamps the simulator makes up.
+        chat = {"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}],
+                "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+        direct = httpx.post(sims[0] + "/v1/chat/completions", json=chat, timeout=30)
+        via = c.post("/v1/chat/completions", json=chat, headers={**batch_auth, "x-request-id": "sse-1"})
+        assert via.status_code == 200 and via.headers["x-request-id"] == "sse-1"
+        assert via.headers["content-type"].startswith("text/event-stream")
+
+    def normalise(raw: bytes) -> bytes:
+        raw = re.sub(rb'"id": ?"[^"]*"', b'"id":"X"', raw)
+        return re.sub(rb'"created": ?\d+', b'"created":0', raw)
+
+    assert direct.content.count(b"data: ") == 15  # role + 12 tokens + usage + [DONE]
+    assert normalise(via.content) == normalise(direct.content)
+
+
+def test_dead_replica_is_taken_out_and_back_in(stack):
+    a = stack.sim(1)[0]
+    port_b = int(stack.sim(1)[0].rsplit(":", 1)[1])
+    b = f"http://127.0.0.1:{port_b}"
+    gw = stack.gateway([a, b], "health: {intervalSeconds: 0.2, timeoutSeconds: 1.0}\n")
+    sim_b = stack.procs.children[1][0]
+    stack.procs.stop(sim_b, signal.SIGKILL)
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        codes = [c.post("/v1/completions", json=body(2)).status_code for _ in range(10)]
+        assert codes == [200] * 10
+        healthy = {r["url"]: r["healthy"] for r in gw.state()["replicas"]}
+        assert healthy == {a: True, b: False}
+        # Bring B back on the same port: it rejoins on a health check and receives traffic again.
+        proc = stack.procs.start("sim", "--port", str(port_b), "--replicas", "1", "--log-level", "WARNING",
+                                 name="sim")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not all(r["healthy"] for r in gw.state()["replicas"]):
+            assert proc.poll() is None
+            time.sleep(0.1)
+        assert all(r["healthy"] for r in gw.state()["replicas"])
+        before = sim_metric(b, "vllm:request_success_total")
+        for _ in range(6):
+            assert c.post("/v1/completions", json=body(2)).status_code == 200
+        assert sim_metric(b, "vllm:request_success_total") > before
+    # With every replica gone the gateway answers 503 rejected-no-endpoints.
+    stack.procs.stop(stack.procs.children[0][0], signal.SIGKILL)
+    stack.procs.stop(proc, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    r = None
+    while time.monotonic() < deadline:
+        r = httpx.post(gw.url + "/v1/completions", json=body(2), timeout=10)
+        if r.status_code == 503:
+            break
+        time.sleep(0.1)
+    assert r is not None and r.status_code == 503
+    assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
+
+
+def test_sighup_rejects_a_bad_config_and_applies_a_good_one(stack):
+    sims = stack.sim(1)
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 8}\n")
+    first = gw.state()["config"]["digest"]
+    gw.config_path.write_text("saturation: {maxConcurrency: -3}\n")
+    gw.reload()
+    deadline = time.monotonic() + 10
+    while "config_rejected" not in gw.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "config_rejected" in gw.log() and "maxConcurrency" in gw.log()
+    assert gw.state()["config"]["digest"] == first
+    assert gw.proc.poll() is None
+    assert httpx.post(gw.url + "/v1/completions", json=body(2), timeout=10).status_code == 200
+
+    gw.config_path.write_text("saturation: {maxConcurrency: 8}\nusageLimit: {minCeiling: 0.25}\n")
+    gw.reload()
+    deadline = time.monotonic() + 10
+    while gw.state()["config"]["digest"] == first and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = gw.state()
+    assert state["config"]["digest"] != first
+    assert next(b for b in state["bands"] if b["priority"] == -10)["ceiling"] == 0.25
