@@ -1,0 +1,401 @@
+"""Gateway overhead and eviction release latency, measured against baselines from the same run.
+
+Throughput and latency: short non-streaming completions against a zero-latency simulator replica, three
+ways — direct to the replica, through a bare aiohttp pass-through proxy (defined in this file), and through
+`holdback gateway`. The load generator runs in its own process; targets are interleaved over several rounds
+so drift on a small shared machine hits all three alike. Reported: gateway ÷ bare-proxy throughput
+(goal ≥ 0.8) and the added p50 latency at concurrency 1 (goal ≤ 1 ms), as medians over rounds.
+
+Eviction release: a simulator with real step timing is kept full of long batch requests through the
+gateway (eviction on, no holdback); realtime requests then arrive one at a time, each blocked, and the
+gateway's own timestamps give arrival → dispatch (`x-holdback-queue-ms`: the eviction decision, the victim's
+upstream close and the dispatch) and decision → upstream closed (eviction confirmation histogram).
+Goal p99 < 50 ms.
+
+    python bench/gateway_overhead.py --rounds 5 --duration 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+# -- the bare pass-through proxy (baseline) ------------------------------------------------------------------
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+
+
+def serve_bare_proxy(port: int, upstream: str) -> None:
+    """An aiohttp server forwarding to `upstream` with one shared aiohttp client session: nothing else."""
+
+    async def startup(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
+                                               auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    async def cleanup(app: web.Application) -> None:
+        await app["session"].close()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        data = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        async with session.request(request.method, upstream + request.path_qs, data=data, headers=headers) as r:
+            out = {k: v for k, v in r.headers.items() if k.lower() not in _HOP}
+            if "Content-Length" in r.headers and not r.headers.get("Content-Type", "").startswith("text/event"):
+                return web.Response(status=r.status, body=await r.read(), headers=out)
+            stream = web.StreamResponse(status=r.status, headers=out)
+            await stream.prepare(request)
+            async for chunk in r.content.iter_any():
+                await stream.write(chunk)
+            await stream.write_eof()
+            return stream
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=1024, reuse_address=True).start()
+        await asyncio.Event().wait()  # until SIGTERM ends the process
+
+    _run(serve())
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+# -- the load generator (its own process) ----------------------------------------------------------------------
+PAYLOAD = json.dumps({"model": "sim-model", "prompt": "hello", "max_tokens": 1}).encode()
+
+
+async def _load(url: str, concurrency: int, duration: float, warmup: float) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+        measure_from = start + warmup
+        stop_at = measure_from + duration
+
+        async def worker() -> None:
+            nonlocal errors
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= stop_at:
+                    return
+                try:
+                    async with session.post(url, data=PAYLOAD, headers=headers) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                t1 = time.perf_counter()
+                if t0 >= measure_from and t1 <= stop_at:
+                    if ok:
+                        latencies.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    latencies.sort()
+    n = len(latencies)
+    return {"requests": n, "errors": errors, "rps": n / duration,
+            "p50_ms": latencies[n // 2] * 1000 if n else None,
+            "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000 if n else None}
+
+
+def run_load(url: str, concurrency: int, duration: float, warmup: float) -> dict:
+    out = subprocess.run([PY, __file__, "--load", url, "--concurrency", str(concurrency), "--duration",
+                          str(duration), "--warmup", str(warmup)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+# -- process helpers -------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 300:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+class Children:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+def holdback(*args: str) -> list[str]:
+    return [PY, "-m", "holdback.cli", *args]
+
+
+# -- phase 1: overhead -----------------------------------------------------------------------------------------
+def overhead(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    sim_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
+    sim = f"http://127.0.0.1:{sim_port}"
+    p = children.start(holdback("sim", "--port", str(sim_port), "--replicas", "1", "--zero-latency",
+                                "--max-num-seqs", "1024", "--log-level", "WARNING"), tmp / "sim.log")
+    _wait(sim + "/health", p)
+    p = children.start([PY, __file__, "--serve-bare-proxy", str(bare_port), "--upstream", sim], tmp / "bare.log")
+    _wait(f"http://127.0.0.1:{bare_port}/health", p)
+    config = tmp / "gateway.yaml"
+    # Capacity far above the load: this phase measures the proxy path, not queueing.
+    config.write_text("saturation: {maxConcurrency: 1024}\nanonymous: {objectives: ['*']}\n")
+    p = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", sim,
+                                "--log-level", "WARNING"), tmp / "gateway.log")
+    _wait(f"http://127.0.0.1:{gw_port}/health", p)
+    targets = {"direct": sim, "bare_proxy": f"http://127.0.0.1:{bare_port}",
+               "gateway": f"http://127.0.0.1:{gw_port}"}
+    results: dict[str, dict[str, list[dict]]] = {t: {"high": [], "low": []} for t in targets}
+    rng = random.Random(args.seed)
+    for rnd in range(args.rounds):
+        order = list(targets)
+        rng.shuffle(order)
+        for name in order:
+            url = targets[name] + "/v1/completions"
+            results[name]["high"].append(run_load(url, args.concurrency, args.duration, args.warmup))
+            results[name]["low"].append(run_load(url, 1, args.duration, args.warmup))
+        print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {results[n]['high'][-1]['rps']:.0f} rps / p50@1 {results[n]['low'][-1]['p50_ms']:.3f} ms"
+            for n in targets), file=sys.stderr, flush=True)
+    ratios = [g["rps"] / b["rps"] for g, b in zip(results["gateway"]["high"], results["bare_proxy"]["high"])]
+    added = [g["p50_ms"] - b["p50_ms"] for g, b in zip(results["gateway"]["low"], results["bare_proxy"]["low"])]
+    summary = {
+        name: {"rps_median": statistics.median(r["rps"] for r in res["high"]),
+               "p50_ms_at_c1_median": statistics.median(r["p50_ms"] for r in res["low"]),
+               "p99_ms_at_c1_median": statistics.median(r["p99_ms"] for r in res["low"]),
+               "errors": sum(r["errors"] for r in res["high"] + res["low"])}
+        for name, res in results.items()
+    }
+    summary["throughput_ratio_gateway_over_bare"] = {"median": statistics.median(ratios),
+                                                     "per_round": [round(x, 3) for x in ratios]}
+    summary["added_p50_ms_gateway_minus_bare"] = {"median": statistics.median(added),
+                                                  "per_round": [round(x, 3) for x in added]}
+    return summary
+
+
+# -- phase 2: eviction release latency -------------------------------------------------------------------------
+def _histogram_quantile(metrics_text: str, name: str, q: float) -> tuple[float | None, int]:
+    buckets: list[tuple[float, float]] = []
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None, 0
+    total = buckets[-1][1]
+    for le, count in buckets:
+        if count >= q * total:
+            return le, int(total)
+    return None, int(total)
+
+
+async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
+    import httpx
+    queue_ms: list[float] = []
+    client_ms: list[float] = []
+    stop = asyncio.Event()
+    evicted = 0
+    batch_body = {"model": "sim-model", "prompt": "batch work " * 50, "max_tokens": 4000, "ignore_eos": True}
+    rt_body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    limits = httpx.Limits(max_connections=batch_slots + 8, max_keepalive_connections=batch_slots + 8)
+    async with httpx.AsyncClient(base_url=gw, timeout=120, limits=limits) as client:
+
+        async def batch_worker() -> None:
+            nonlocal evicted
+            while not stop.is_set():
+                try:
+                    r = await client.post("/v1/completions", json=batch_body,
+                                          headers={"x-llm-d-inference-objective": "batch"})
+                    if r.headers.get("x-llm-d-request-dropped-reason") == "evicted":
+                        evicted += 1
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.05)
+
+        async def batch_in_flight() -> int:
+            s = (await client.get("/admin/state")).json()
+            return next(b for b in s["bands"] if b["priority"] == -10)["in_flight"]
+
+        workers = [asyncio.create_task(batch_worker()) for _ in range(batch_slots)]
+        for _ in range(trials):
+            deadline = time.monotonic() + 30
+            while await batch_in_flight() < batch_slots:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("batch never refilled the pool")
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            r = await client.post("/v1/completions", json=rt_body,
+                                  headers={"x-llm-d-inference-objective": "realtime"})
+            client_ms.append((time.perf_counter() - t0) * 1000)
+            if r.status_code != 200:
+                raise RuntimeError(f"realtime request failed: {r.status_code} {r.text[:200]}")
+            queue_ms.append(float(r.headers.get("x-holdback-queue-ms", "0")))
+        stop.set()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        metrics = (await client.get("/metrics")).text
+    queue_ms.sort()
+    client_ms.sort()
+    n = len(queue_ms)
+    p99_conf, confirmations = _histogram_quantile(metrics, "holdback_gateway_eviction_confirmation_seconds", 0.99)
+    return {"trials": n, "evicted_batch_responses": evicted,
+            "arrival_to_dispatch_ms": {"p50": queue_ms[n // 2], "p99": queue_ms[min(n - 1, int(n * 0.99))],
+                                       "max": queue_ms[-1]},
+            "realtime_client_latency_ms": {"p50": client_ms[n // 2], "p99": client_ms[min(n - 1, int(n * 0.99))]},
+            "confirmation_p99_bucket_ms": p99_conf * 1000 if p99_conf is not None else None,
+            "confirmations": confirmations}
+
+
+def eviction(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    sim_port, gw_port = _free_port(), _free_port()
+    sim = f"http://127.0.0.1:{sim_port}"
+    p = children.start(holdback("sim", "--port", str(sim_port), "--replicas", "1", "--log-level", "WARNING"),
+                       tmp / "sim-evict.log")
+    _wait(sim + "/health", p)
+    config = tmp / "gateway-evict.yaml"
+    config.write_text(f"saturation: {{maxConcurrency: {args.eviction_slots}}}\nusageLimit: {{policy: static}}\n"
+                      "anonymous: {objectives: ['*']}\n")
+    gw = f"http://127.0.0.1:{gw_port}"
+    p = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", sim,
+                                "--log-level", "WARNING"), tmp / "gateway-evict.log")
+    _wait(gw + "/health", p)
+    return asyncio.run(_eviction_trials(gw, args.eviction_slots, args.eviction_trials))
+
+
+def _table(o: dict, e: dict | None) -> str:
+    lines = ["| target | throughput (req/s, c={c}) | p50 @ c=1 (ms) | p99 @ c=1 (ms) |".format(c=o["concurrency"]),
+             "|---|---|---|---|"]
+    for name in ("direct", "bare_proxy", "gateway"):
+        s = o[name]
+        lines.append(f"| {name} | {s['rps_median']:.0f} | {s['p50_ms_at_c1_median']:.3f} | "
+                     f"{s['p99_ms_at_c1_median']:.3f} |")
+    r = o["throughput_ratio_gateway_over_bare"]
+    a = o["added_p50_ms_gateway_minus_bare"]
+    lines += ["", f"gateway / bare proxy throughput: median {r['median']:.3f} (rounds {r['per_round']}) — goal >= 0.8",
+              f"gateway - bare proxy p50 at c=1: median {a['median']:.3f} ms (rounds {a['per_round']}) — goal <= 1 ms"]
+    if e is not None:
+        lines += ["", f"eviction release over {e['trials']} blocked realtime arrivals: arrival -> dispatch "
+                  f"p50 {e['arrival_to_dispatch_ms']['p50']:.2f} ms, p99 {e['arrival_to_dispatch_ms']['p99']:.2f} ms, "
+                  f"max {e['arrival_to_dispatch_ms']['max']:.2f} ms — goal p99 < 50 ms",
+                  f"decision -> upstream closed: p99 <= {e['confirmation_p99_bucket_ms']} ms (histogram bucket, "
+                  f"{e['confirmations']} confirmations); realtime client latency p50 "
+                  f"{e['realtime_client_latency_ms']['p50']:.2f} ms, p99 {e['realtime_client_latency_ms']['p99']:.2f} ms"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Children are started with the "
+                                 "`holdback` CLI and stopped at the end; results go to stdout (table or --json).")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per target (default 5)")
+    ap.add_argument("--duration", type=float, default=4.0, help="measured seconds per run (default 4)")
+    ap.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run (default 0.5)")
+    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop clients for throughput (default 32)")
+    ap.add_argument("--eviction-slots", type=int, default=8, help="pool slots kept full of batch (default 8)")
+    ap.add_argument("--eviction-trials", type=int, default=100, help="blocked realtime arrivals (default 100)")
+    ap.add_argument("--skip-overhead", action="store_true", help="only the eviction phase")
+    ap.add_argument("--skip-eviction", action="store_true", help="only the overhead phase")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the interleaving order")
+    ap.add_argument("--json", action="store_true", help="print the raw results as JSON")
+    # Internal roles of this file in its child processes.
+    ap.add_argument("--serve-bare-proxy", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--load", metavar="URL", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.serve_bare_proxy:
+        serve_bare_proxy(args.serve_bare_proxy, args.upstream)
+        return 0
+    if args.load:
+        result: dict = {}
+
+        async def go() -> None:
+            result.update(await _load(args.load, args.concurrency, args.duration, args.warmup))
+
+        _run(go())
+        print(json.dumps(result))
+        return 0
+
+    children = Children()
+    out: dict = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="gw-bench-") as tmp:
+            if not args.skip_overhead:
+                out["overhead"] = overhead(args, children, Path(tmp))
+                out["overhead"]["concurrency"] = args.concurrency
+                children.close()
+                children.procs.clear()
+            if not args.skip_eviction:
+                out["eviction"] = eviction(args, children, Path(tmp))
+    finally:
+        children.close()
+    if args.json:
+        print(json.dumps(out, indent=2))
+    elif "overhead" in out:
+        print(_table(out["overhead"], out.get("eviction")))
+    else:
+        print(json.dumps(out["eviction"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
