@@ -16,7 +16,7 @@ import httpx
 
 from tests.gateway.conftest import sim_metric, sim_state
 
-PROMPT_LONG = "lorem ipsum dolor sit amet " * 120
+PROMPT_LONG = "lorem ipsum dolor sit amet " * 400  # ~2000 tokens: ~125 KV blocks per request
 
 
 def body(max_tokens: int, prompt: str = "hello there", stream: bool = False) -> dict:
@@ -92,20 +92,23 @@ def test_queued_realtime_dispatches_ahead_of_queued_batch(stack):
             finished.append(name)
 
         async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
-            tasks = [asyncio.create_task(call(client, "running-batch", "batch", 60))]
+            running = asyncio.create_task(call(client, "running-batch", "batch", 3000))
             await wait_until(lambda: gw.band(-10)["in_flight"] == 1)
+            tasks = []
             for i in range(3):
                 tasks.append(asyncio.create_task(call(client, f"queued-batch-{i}", "batch", 3)))
             await wait_until(lambda: gw.band(-10)["queued"] == 3)
             tasks.append(asyncio.create_task(call(client, "realtime", "realtime", 3)))
             await wait_until(lambda: gw.band(100)["queued"] == 1)
+            running.cancel()  # its client leaves: the one slot frees up
+            await asyncio.gather(running, return_exceptions=True)
             await asyncio.gather(*tasks)
         return finished
 
     finished = asyncio.run(main())
     # One slot: completion order is dispatch order. Realtime arrived last but goes first.
-    assert finished[:2] == ["running-batch", "realtime"], finished
-    assert sorted(finished[2:]) == ["queued-batch-0", "queued-batch-1", "queued-batch-2"]
+    assert finished[0] == "realtime", finished
+    assert sorted(finished[1:]) == ["queued-batch-0", "queued-batch-1", "queued-batch-2"]
 
 
 def test_blocked_realtime_evicts_batch_and_frees_the_replica(stack):
