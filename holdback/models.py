@@ -159,6 +159,8 @@ class RequestRow(Base):
         UniqueConstraint("batch_id", "custom_id", name="uq_request_rows_batch_custom_id"),
         Index("ix_request_rows_batch_status", "batch_id", "status"),
         Index("ix_request_rows_status_next", "status", "next_attempt_at"),
+        # The processor takes a batch's next pending rows, and finalizes by status, in line order.
+        Index("ix_request_rows_batch_status_line", "batch_id", "status", "line"),
     )
 
     # Stable across every attempt and every re-run: it is the RQ job id and the gateway x-request-id.

@@ -1,0 +1,94 @@
+"""Cancel and expiry: close a batch's unfinished rows, stop their jobs, keep the partial output.
+
+The order is the database first (the source of truth), then Redis: rows are made final in one
+UPDATE (`holdback.results.close_unfinished`), so a worker's late success either landed before and
+is kept, or loses the compare-and-set after. Then waiting jobs are removed, a cancel event tells
+workers to abort the batch's in-flight requests, and finalization writes both files. Every step
+is safe to repeat, so a processor that dies half-way is simply re-run by the next lease holder.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from batch_processor.enqueue import IN_FLIGHT
+from batch_processor.finalize import FinalizeResult, finalize_batch
+from batch_processor.lease import held_by
+from batch_processor.log import log_event
+from holdback.db import transaction
+from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+from holdback.results import close_unfinished
+from holdback.storage import FileStore
+
+log = logging.getLogger("batch_processor.closing")
+
+CANCELLED_CODE = "batch_cancelled"
+CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
+EXPIRED_CODE = "batch_expired"
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+
+
+class BatchStopper(Protocol):
+    def stop_batch(self, batch_id: str, row_ids: list[str]) -> None:
+        """Remove these rows' waiting jobs and make in-flight requests of the batch abort."""
+
+
+def close_rows(factory: sessionmaker[Session], batch_id: str, owner: str | None, from_statuses: tuple[BatchStatus, ...],
+               status: RequestStatus, code: str, message: str) -> tuple[int, list[str]] | None:
+    """Make every unfinished row final; returns (rows closed, ids that may have a job), or None if the
+    batch is not in `from_statuses` under this owner."""
+    with transaction(factory) as session:
+        held = session.scalar(
+            select(Batch.id).where(Batch.id == batch_id, Batch.status.in_([s.value for s in from_statuses]),
+                                   held_by(owner))
+        )
+        if held is None:
+            return None
+        dispatched = list(session.scalars(
+            select(RequestRow.id).where(RequestRow.batch_id == batch_id, RequestRow.status.in_(IN_FLIGHT))
+        ))
+        closed = close_unfinished(session, batch_id, status, code, message)
+    return closed, dispatched
+
+
+def cancel_batch(factory: sessionmaker[Session], store: FileStore, stopper: BatchStopper, batch_id: str, *,
+                 owner: str | None, keepalive: Callable[[], None] | None = None) -> FinalizeResult | None:
+    """cancelling -> cancelled, keeping what finished; a batch cancelled while validating has no rows
+    and goes straight to cancelled with no files."""
+    from_statuses = (BatchStatus.cancelling,)
+    closed = close_rows(factory, batch_id, owner, from_statuses, RequestStatus.cancelled, CANCELLED_CODE,
+                        CANCELLED_MESSAGE)
+    if closed is None:
+        return None
+    count, dispatched = closed
+    stopper.stop_batch(batch_id, dispatched)
+    log_event(log, "batch_rows_cancelled", batch_id=batch_id, closed=count, jobs_removed=len(dispatched))
+    return finalize_batch(factory, store, batch_id, to_status=BatchStatus.cancelled, from_statuses=from_statuses,
+                          owner=owner, keepalive=keepalive)
+
+
+def expire_batch(factory: sessionmaker[Session], store: FileStore, stopper: BatchStopper, batch_id: str, *,
+                 owner: str | None, keepalive: Callable[[], None] | None = None) -> FinalizeResult | None:
+    """validating|in_progress -> expired at the end of the completion window, keeping what finished."""
+    from_statuses = (BatchStatus.validating, BatchStatus.in_progress)
+    closed = close_rows(factory, batch_id, owner, from_statuses, RequestStatus.expired, EXPIRED_CODE,
+                        EXPIRED_MESSAGE)
+    if closed is None:
+        return None
+    count, dispatched = closed
+    stopper.stop_batch(batch_id, dispatched)
+    log_event(log, "batch_rows_expired", batch_id=batch_id, closed=count, jobs_removed=len(dispatched))
+    return finalize_batch(factory, store, batch_id, to_status=BatchStatus.expired, from_statuses=from_statuses,
+                          owner=owner, keepalive=keepalive)
+
+
+def was_expiring(session: Session, batch_id: str) -> bool:
+    """True if an expiry already closed rows of this batch (a processor died before finishing it)."""
+    return session.scalar(
+        select(RequestRow.id).where(RequestRow.batch_id == batch_id, RequestRow.status == RequestStatus.expired.value,
+                                    RequestRow.error_code == EXPIRED_CODE).limit(1)
+    ) is not None

@@ -1,0 +1,116 @@
+"""Window refill: move a batch's next pending rows to `queued`, in the fair order of `fairness`.
+
+The move is a conditional UPDATE (`status = 'pending'`) committed before anything is pushed, so a
+row is handed to dispatch once per transition even if two processors raced for it; if the push
+itself is lost (crash, Redis down), reconciliation finds the row `queued` without a job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from batch_processor.lease import held_by
+from holdback.db import transaction
+from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+
+IN_FLIGHT = (RequestStatus.queued.value, RequestStatus.running.value, RequestStatus.retry_wait.value)
+ID_CHUNK = 500
+
+
+def in_flight_counts(session: Session, batch_ids: list[str]) -> dict[str, int]:
+    """Rows queued, running or waiting to retry, per batch (0 for a batch with none)."""
+    counts = dict.fromkeys(batch_ids, 0)
+    for start in range(0, len(batch_ids), ID_CHUNK):
+        chunk = batch_ids[start:start + ID_CHUNK]
+        for batch_id, n in session.execute(
+            select(RequestRow.batch_id, func.count())
+            .where(RequestRow.batch_id.in_(chunk), RequestRow.status.in_(IN_FLIGHT))
+            .group_by(RequestRow.batch_id)
+        ):
+            counts[batch_id] = n
+    return counts
+
+
+def has_pending(session: Session, batch_id: str) -> bool:
+    return session.scalar(
+        select(RequestRow.id).where(RequestRow.batch_id == batch_id,
+                                    RequestRow.status == RequestStatus.pending.value).limit(1)
+    ) is not None
+
+
+def take_pending(factory: sessionmaker[Session], steps: list[tuple[str, int]],
+                 owner: str | None) -> list[tuple[str, str]]:
+    """Queue the rows the plan asks for; returns (row_id, batch_id) in the plan's interleaved order."""
+    wanted: dict[str, int] = defaultdict(int)
+    for batch_id, n in steps:
+        wanted[batch_id] += n
+    if not wanted:
+        return []
+    taken: dict[str, deque[str]] = {}
+    now = time.time()
+    with transaction(factory) as session:
+        open_batches = set(session.scalars(
+            select(Batch.id).where(Batch.id.in_(list(wanted)), Batch.status == BatchStatus.in_progress.value,
+                                   held_by(owner))
+        ))
+        for batch_id, n in wanted.items():
+            if batch_id not in open_batches:
+                continue
+            ids = session.scalars(
+                select(RequestRow.id)
+                .where(RequestRow.batch_id == batch_id, RequestRow.status == RequestStatus.pending.value)
+                .order_by(RequestRow.line)
+                .limit(n)
+            ).all()
+            if not ids:
+                continue
+            moved = set(session.scalars(
+                update(RequestRow)
+                .where(RequestRow.id.in_(ids), RequestRow.status == RequestStatus.pending.value)
+                .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now)
+                .returning(RequestRow.id)
+                .execution_options(synchronize_session=False)
+            ))
+            taken[batch_id] = deque(row_id for row_id in ids if row_id in moved)  # keep line order
+    ordered: list[tuple[str, str]] = []
+    for batch_id, n in steps:
+        rows = taken.get(batch_id)
+        while rows and n > 0:
+            ordered.append((rows.popleft(), batch_id))
+            n -= 1
+    return ordered
+
+
+def take_due_retries(factory: sessionmaker[Session], batch_ids: list[str], owner: str | None,
+                     limit: int) -> list[tuple[str, str]]:
+    """Sync dispatch: rows whose retry time has come go back to `queued`; returns (row_id, batch_id)."""
+    if not batch_ids or limit <= 0:
+        return []
+    now = time.time()
+    with transaction(factory) as session:
+        open_batches = list(session.scalars(
+            select(Batch.id).where(Batch.id.in_(batch_ids), Batch.status == BatchStatus.in_progress.value,
+                                   held_by(owner))
+        ))
+        if not open_batches:
+            return []
+        ids = session.scalars(
+            select(RequestRow.id)
+            .where(RequestRow.batch_id.in_(open_batches), RequestRow.status == RequestStatus.retry_wait.value,
+                   RequestRow.next_attempt_at <= now)
+            .order_by(RequestRow.next_attempt_at)
+            .limit(limit)
+        ).all()
+        if not ids:
+            return []
+        return [tuple(row) for row in session.execute(
+            update(RequestRow)
+            .where(RequestRow.id.in_(ids), RequestRow.status == RequestStatus.retry_wait.value)
+            .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now, next_attempt_at=None)
+            .returning(RequestRow.id, RequestRow.batch_id)
+            .execution_options(synchronize_session=False)
+        )]

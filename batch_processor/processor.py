@@ -1,0 +1,333 @@
+"""The processor loop: one `tick()` does a round of every lifecycle step for the batches it leases.
+
+A round: renew leases and claim new batches; expand `validating` batches; cancel `cancelling` ones;
+expire those past their window; finalize those whose rows are all final; refill every in_progress
+batch's window in fair order and hand the rows to dispatch (RQ jobs, or the in-process sync
+dispatcher); and every `reconcile_interval`, reconcile the database with Redis. Each step commits
+before the next starts, so a processor can die anywhere and the next lease holder carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from batch_processor.closing import cancel_batch, expire_batch, was_expiring
+from batch_processor.enqueue import has_pending, in_flight_counts, take_due_retries, take_pending
+from batch_processor.fairness import BatchWindow, RoundRobin
+from batch_processor.finalize import begin_finalizing, finalize_batch
+from batch_processor.ingest import expand_batch
+from batch_processor.jobqueue import RequestQueue
+from batch_processor.lease import BatchLease
+from batch_processor.log import log_event
+from batch_processor.metrics import ProcessorMetrics
+from batch_processor.reconcile import reconcile
+from batch_processor.sync_dispatch import SyncDispatcher
+from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+from holdback.settings import Settings
+from holdback.storage import FileStore, LocalFileStore
+
+log = logging.getLogger("batch_processor.processor")
+
+
+def default_name() -> str:
+    return f"processor-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    name: str = field(default_factory=default_name)
+    poll_interval: float = 0.2
+    window: int = 256  # most rows of one batch in flight (queued + running + retry_wait)
+    dispatch: str = "async"  # async: RQ jobs for the workers; sync: this process calls the gateway
+    sync_concurrency: int = 64
+    lease_seconds: float = 30.0
+    claim_per_round: int = 16  # new batches claimed per round, so several processors share the work
+    max_batches: int = 1000  # most batches one processor holds
+    reconcile_interval: float = 5.0
+    reconcile_grace: float = 30.0  # a queued / due retry row with no job this long is re-dispatched
+    running_grace: float = 30.0  # a running row untouched this long with no live job is abandoned
+    backoff_base: float = 2.0  # sync dispatch retry pacing (holdback.dispatch.RetryPolicy)
+    backoff_cap: float = 60.0
+    request_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("async", "sync"):
+            raise ValueError(f"dispatch must be 'async' or 'sync', got {self.dispatch!r}")
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}")
+        if self.sync_concurrency < 1:
+            raise ValueError(f"sync concurrency must be at least 1, got {self.sync_concurrency}")
+        if self.poll_interval <= 0 or self.lease_seconds <= 3 * self.poll_interval:
+            raise ValueError("poll interval must be positive and the lease at least three poll intervals long")
+
+
+@dataclass
+class Round:
+    """What one tick did (tests and logs read it)."""
+
+    claimed: list[str] = field(default_factory=list)
+    expanded: list[str] = field(default_factory=list)
+    failed_validation: list[str] = field(default_factory=list)
+    finished: dict[str, str] = field(default_factory=dict)  # batch id -> terminal status
+    dispatched: list[tuple[str, str]] = field(default_factory=list)
+    reconciled: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Owned:
+    id: str
+    tenant_id: str
+    status: str
+    expires_at: int
+    seq: int
+
+
+class Processor:
+    def __init__(
+        self,
+        settings: Settings,
+        config: ProcessorConfig | None = None,
+        *,
+        factory: sessionmaker[Session] | None = None,
+        connection: redis.Redis | None = None,
+        store: FileStore | None = None,
+        metrics: ProcessorMetrics | None = None,
+    ):
+        from holdback.broker import connect
+
+        self.settings = settings
+        self.config = config or ProcessorConfig()
+        self.factory = factory or make_sessionmaker(make_engine(settings.sqlalchemy_url))
+        self.redis = connection or connect(settings)
+        self.store = store or LocalFileStore(settings.files_dir)
+        self.metrics = metrics or ProcessorMetrics()
+        self.queue = RequestQueue(self.redis, settings.redis_namespace)
+        self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
+        self.fair = RoundRobin(self.config.window)
+        self.owned: set[str] = set()
+        self._last_reconcile = float("-inf")
+        self._lease_renewed: dict[str, float] = {}
+        self.sync: SyncDispatcher | None = None
+        if self.config.dispatch == "sync":
+            from holdback.dispatch import RetryPolicy
+
+            self.sync = SyncDispatcher(
+                self.factory, gateway_url=settings.gateway_url, gateway_key=settings.gateway_key,
+                worker_name=f"{self.config.name}/sync", max_concurrency=self.config.sync_concurrency,
+                policy=RetryPolicy(base=self.config.backoff_base, cap=self.config.backoff_cap),
+                request_timeout=self.config.request_timeout, metrics=self.metrics,
+            )
+
+    # --- one round ------------------------------------------------------------------------------
+
+    def tick(self) -> Round:
+        done = Round()
+        self.owned = self.lease.renew(self.owned)
+        room = self.config.max_batches - len(self.owned)
+        if room > 0:
+            done.claimed = self.lease.claim(min(room, self.config.claim_per_round))
+            self.owned.update(done.claimed)
+            for batch_id in done.claimed:
+                log_event(log, "batch_claimed", batch_id=batch_id, owner=self.config.name)
+        now = time.time()
+        self._lease_renewed = dict.fromkeys(self.owned, now)
+        batches = self._load_owned()
+
+        in_progress: list[_Owned] = []
+        for batch in batches:
+            try:
+                if batch.status == BatchStatus.validating.value:
+                    if now >= batch.expires_at:
+                        self._expire(batch, done)
+                    elif self._expand(batch, done):
+                        batch.status = BatchStatus.in_progress.value
+                        in_progress.append(batch)  # its first window goes out in this same round
+                elif batch.status == BatchStatus.cancelling.value:
+                    self._finish(batch, done, cancel_batch(self.factory, self.store, self, batch.id,
+                                                           owner=self.config.name, keepalive=self._keepalive(batch.id)))
+                elif batch.status == BatchStatus.finalizing.value:
+                    self._finish(batch, done, self._finalize_completed(batch.id))
+                elif batch.status == BatchStatus.in_progress.value:
+                    if now >= batch.expires_at:
+                        self._expire(batch, done)
+                    else:
+                        in_progress.append(batch)
+            except Exception:
+                log.exception("batch_step_failed", extra={"fields": {"batch_id": batch.id, "status": batch.status}})
+
+        self._advance(in_progress, done)
+        if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
+            self._last_reconcile = time.monotonic()
+            self._reconcile([b.id for b in in_progress if b.id not in done.finished], done)
+        self.owned -= set(done.finished)
+        self.metrics.batches_owned.set(len(self.owned))
+        self.metrics.queue_depth.set(self.queue.depth())
+        return done
+
+    def _load_owned(self) -> list[_Owned]:
+        if not self.owned:
+            return []
+        with self.factory() as session:
+            rows = session.execute(
+                select(Batch.id, Batch.tenant_id, Batch.status, Batch.expires_at, Batch.created_at,
+                       Batch.window_seconds, Batch.seq)
+                .where(Batch.id.in_(sorted(self.owned)))
+                .order_by(Batch.seq)
+            ).all()
+        return [_Owned(r.id, r.tenant_id, r.status, r.expires_at or (r.created_at + r.window_seconds), r.seq)
+                for r in rows]
+
+    def _expand(self, batch: _Owned, done: Round) -> bool:
+        """Validate and expand; True if the batch is now in_progress."""
+        result = expand_batch(self.factory, self.store, batch.id, max_requests=self.settings.max_batch_requests,
+                              owner=self.config.name)
+        if result.status == BatchStatus.in_progress.value:
+            done.expanded.append(batch.id)
+            self.metrics.ingest_seconds.observe(result.seconds)
+            self.metrics.batch_transitions.labels(BatchStatus.in_progress.value).inc()
+            return True
+        if result.status == BatchStatus.failed.value:
+            done.failed_validation.append(batch.id)
+            done.finished[batch.id] = BatchStatus.failed.value
+            self.metrics.batch_transitions.labels(BatchStatus.failed.value).inc()
+            for error in result.errors:
+                self.metrics.validation_failures.labels(error["code"]).inc()
+        return False
+
+    def _expire(self, batch: _Owned, done: Round) -> None:
+        self._finish(batch, done, expire_batch(self.factory, self.store, self, batch.id, owner=self.config.name,
+                                               keepalive=self._keepalive(batch.id)))
+
+    def _finalize_completed(self, batch_id: str):
+        started = time.perf_counter()
+        result = finalize_batch(self.factory, self.store, batch_id, to_status=BatchStatus.completed,
+                                from_statuses=(BatchStatus.finalizing,), owner=self.config.name,
+                                keepalive=self._keepalive(batch_id))
+        if result is not None:
+            self.metrics.finalize_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def _finish(self, batch: _Owned, done: Round, result) -> None:
+        if result is None:
+            return
+        done.finished[batch.id] = result.status
+        self.metrics.batch_transitions.labels(result.status).inc()
+
+    def _advance(self, in_progress: list[_Owned], done: Round) -> None:
+        """Finalize batches with nothing left to run, refill the windows of the others, dispatch."""
+        if not in_progress:
+            self.metrics.rows_in_flight.set(0)
+            return
+        with self.factory() as session:
+            counts = in_flight_counts(session, [b.id for b in in_progress])
+            idle = [b for b in in_progress if counts[b.id] == 0 and not has_pending(session, b.id)]
+            expiring = {b.id for b in idle if was_expiring(session, b.id)}
+        for batch in idle:
+            try:
+                if batch.id in expiring:
+                    self._expire(batch, done)  # an expiry that a dead processor left half-way
+                elif begin_finalizing(self.factory, batch.id, self.config.name):
+                    self.metrics.batch_transitions.labels(BatchStatus.finalizing.value).inc()
+                    self._finish(batch, done, self._finalize_completed(batch.id))
+            except Exception:
+                log.exception("batch_step_failed", extra={"fields": {"batch_id": batch.id, "status": batch.status}})
+        open_batches = [b for b in in_progress if b not in idle]
+        self.metrics.rows_in_flight.set(sum(counts[b.id] for b in open_batches))
+        steps = self.fair.plan([BatchWindow(b.id, b.tenant_id, counts[b.id]) for b in open_batches])
+        jobs: list[tuple[str, str]] = []
+        if self.sync is not None:
+            # Due retries first: they already waited their backoff, and they count against the window.
+            jobs += take_due_retries(self.factory, [b.id for b in open_batches], self.config.name,
+                                     limit=self.config.window * max(1, len(open_batches)))
+        jobs += take_pending(self.factory, steps, self.config.name)
+        self._dispatch(jobs)
+        done.dispatched = jobs
+
+    def _dispatch(self, jobs: list[tuple[str, str]]) -> None:
+        if not jobs:
+            return
+        if self.sync is not None:
+            self.sync.push(jobs)
+        else:
+            self.queue.push(jobs)
+        self.metrics.rows_enqueued.labels(self.config.dispatch).inc(len(jobs))
+
+    def _reconcile(self, batch_ids: list[str], done: Round) -> None:
+        found = reconcile(self.factory, batch_ids, self.live_ids, self.queue.heartbeating_ids,
+                          grace=self.config.reconcile_grace, running_grace=self.config.running_grace)
+        for kind, n in found.counts().items():
+            if n:
+                self.metrics.reconciled_rows.labels(kind).inc(n)
+        self._dispatch(found.rows)
+        done.reconciled = found.counts()
+
+    def live_ids(self) -> set[str]:
+        """Row ids some dispatcher holds: RQ (any worker) and, in sync mode, this process."""
+        live = self.queue.live_ids()
+        if self.sync is not None:
+            live |= self.sync.live_ids()
+        return live
+
+    # --- BatchStopper (cancel and expiry) -------------------------------------------------------
+
+    def stop_batch(self, batch_id: str, row_ids: list[str]) -> None:
+        self.queue.remove(row_ids)
+        listeners = self.queue.publish_cancel(batch_id)
+        if self.sync is not None:
+            self.sync.abort_batch(batch_id)
+        log_event(log, "batch_cancel_published", batch_id=batch_id, listeners=listeners, jobs=len(row_ids))
+
+    def _keepalive(self, batch_id: str):
+        """Renew one batch's lease during a long step (finalizing a huge batch), at most every ttl/3."""
+        def renew() -> None:
+            if time.time() - self._lease_renewed.get(batch_id, 0) >= self.config.lease_seconds / 3:
+                self.lease.renew({batch_id})
+                self._lease_renewed[batch_id] = time.time()
+        return renew
+
+    # --- running ----------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, once: bool = False) -> None:
+        log_event(log, "processor_started", owner=self.config.name, dispatch=self.config.dispatch,
+                  window=self.config.window, namespace=self.settings.redis_namespace)
+        failures = 0
+        while not stop.is_set():
+            try:
+                self.tick()
+                failures = 0
+            except Exception:
+                # Database or Redis trouble: keep the process, back off, and try again.
+                failures += 1
+                self.metrics.tick_errors.inc()
+                log.exception("tick_failed", extra={"fields": {"owner": self.config.name, "failures": failures}})
+            if once:
+                break
+            stop.wait(min(self.config.poll_interval * (2 ** min(failures, 5)), 5.0))
+
+    def close(self) -> None:
+        """Clean stop: hand unstarted sync rows back to pending and release every lease."""
+        if self.sync is not None:
+            unstarted = self.sync.close()
+            if unstarted:
+                with transaction(self.factory) as session:
+                    session.execute(
+                        update(RequestRow)
+                        .where(RequestRow.id.in_(unstarted), RequestRow.status == RequestStatus.queued.value)
+                        .values(status=RequestStatus.pending.value, enqueued_at=None)
+                        .execution_options(synchronize_session=False)
+                    )
+        try:
+            self.lease.release(self.owned)
+        finally:
+            log_event(log, "processor_stopped", owner=self.config.name, released=len(self.owned))
+            self.owned.clear()

@@ -1,0 +1,155 @@
+"""Validation of a batch input file, one JSONL line at a time (OpenAI Batch input format).
+
+`InputValidator.check(line_no, raw)` returns the parsed request or records a `LineError` with the
+line number, the parameter at fault and a message that says what to change. The codes follow the
+vocabulary OpenAI-compatible servers report: invalid_json_line, missing_custom_id,
+duplicate_custom_id, invalid_method, url_mismatch, invalid_body, missing_model, model_mismatch,
+streaming_unsupported, too_many_tasks, empty_file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+MAX_ERRORS = 100
+# Column widths in holdback.models: longer values could not be stored.
+MAX_CUSTOM_ID_CHARS = 512
+MAX_MODEL_CHARS = 256
+
+
+@dataclass(frozen=True)
+class LineError:
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "line": self.line, "param": self.param}
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    line: int
+    custom_id: str
+    url: str
+    body: str  # compact JSON of the line's `body`, what the worker sends upstream
+    model: str
+
+
+class InputValidator:
+    """Checks lines in order; `errors` fills up (to `max_errors`) instead of raising."""
+
+    def __init__(self, endpoint: str, max_requests: int, max_errors: int = MAX_ERRORS):
+        self.endpoint = endpoint
+        self.max_requests = max_requests
+        self.max_errors = max_errors
+        self.errors: list[LineError] = []
+        self.model: str | None = None
+        self.model_line: int | None = None
+        self.count = 0
+        self._seen: dict[str, int] = {}
+        # Set once reading further cannot change the verdict: too many lines, or the error list is full.
+        self.stopped = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def _fail(self, code: str, message: str, line: int | None, param: str | None = None) -> None:
+        self.errors.append(LineError(code, message, line, param))
+        if len(self.errors) >= self.max_errors:
+            self.stopped = True
+
+    def check(self, line_no: int, raw: bytes) -> ValidRequest | None:
+        if not raw.strip():
+            return None  # blank lines (a trailing newline, a blank separator) are not requests
+        self.count += 1
+        if self.count > self.max_requests:
+            self._fail("too_many_tasks",
+                       f"The input file has more than {self.max_requests} requests; a batch may hold at most "
+                       f"{self.max_requests}. Split the file into several batches.", line_no)
+            self.stopped = True
+            return None
+        try:
+            item = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            self._fail("invalid_json_line",
+                       "This line is not parseable as valid JSON. Each line must be one complete JSON object "
+                       "in UTF-8.", line_no)
+            return None
+        if not isinstance(item, dict):
+            self._fail("invalid_json_line",
+                       f"This line is valid JSON but a {type(item).__name__}, not an object; each line must be "
+                       'an object like {"custom_id": ..., "method": "POST", "url": ..., "body": {...}}.', line_no)
+            return None
+        return self._check_request(line_no, item)
+
+    def _check_request(self, line_no: int, item: dict) -> ValidRequest | None:
+        custom_id = item.get("custom_id")
+        if custom_id is None or custom_id == "":
+            self._fail("missing_custom_id", "The line has no custom_id; give every request a custom_id string that "
+                       "is unique within the batch.", line_no, "custom_id")
+            return None
+        if not isinstance(custom_id, str):
+            self._fail("missing_custom_id", f"custom_id must be a string, not {type(custom_id).__name__}.",
+                       line_no, "custom_id")
+            return None
+        if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+            self._fail("missing_custom_id", f"custom_id is {len(custom_id)} characters long; use at most "
+                       f"{MAX_CUSTOM_ID_CHARS}.", line_no, "custom_id")
+            return None
+        first = self._seen.get(custom_id)
+        if first is not None:
+            self._fail("duplicate_custom_id", f"custom_id {custom_id!r} was already used on line {first}; "
+                       "custom_id must be unique within the batch.", line_no, "custom_id")
+            return None
+        self._seen[custom_id] = line_no
+
+        method = item.get("method")
+        if method != "POST":
+            self._fail("invalid_method", f"method is {method!r}; batch requests must use \"POST\".",
+                       line_no, "method")
+            return None
+        url = item.get("url")
+        if url != self.endpoint:
+            self._fail("url_mismatch", f"url is {url!r} but this batch's endpoint is {self.endpoint!r}; every line's "
+                       "url must equal the endpoint the batch was created with.", line_no, "url")
+            return None
+        body = item.get("body")
+        if not isinstance(body, dict):
+            what = "missing" if body is None else f"a {type(body).__name__}"
+            self._fail("invalid_body", f"body is {what}; it must be a JSON object with the endpoint's request "
+                       "parameters, including model.", line_no, "body")
+            return None
+
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            self._fail("missing_model", "body.model is missing; name the model every request of this batch "
+                       "should use.", line_no, "body.model")
+            return None
+        if len(model) > MAX_MODEL_CHARS:
+            self._fail("missing_model", f"body.model is {len(model)} characters long; use at most "
+                       f"{MAX_MODEL_CHARS}.", line_no, "body.model")
+            return None
+        if self.model is None:
+            self.model, self.model_line = model, line_no
+        elif model != self.model:
+            self._fail("model_mismatch", f"body.model is {model!r} but line {self.model_line} uses "
+                       f"{self.model!r}; a batch may target only one model. Split the file by model.",
+                       line_no, "body.model")
+            return None
+        if body.get("stream") is True:
+            self._fail("streaming_unsupported", "body.stream is true; batch requests cannot stream. Remove "
+                       "stream or set it to false.", line_no, "body.stream")
+            return None
+        return ValidRequest(line_no, custom_id, url, json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+                            model)
+
+    def finish(self) -> list[LineError]:
+        """Call after the last line: adds `empty_file` when there was nothing to run."""
+        if self.count == 0 and not self.errors:
+            self._fail("empty_file", "The input file has no requests; upload a JSONL file with one request per "
+                       "line.", None)
+        return self.errors

@@ -1,0 +1,149 @@
+"""Shared setup for the processor tests (no tests here): batches written straight into the
+database and the file store, the real processor driven one round at a time, and the worker's
+side of a request played through `holdback.results` (the functions the worker itself calls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Iterator
+
+import pytest
+from rq.job import Job
+from sqlalchemy import select
+
+from batch_processor.jobqueue import RequestQueue
+from batch_processor.processor import Processor, ProcessorConfig
+from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.models import Batch, File, RequestRow, RequestStatus, new_id
+from holdback.results import FinalResult, Usage, begin_attempt, record_final
+from holdback.storage import LocalFileStore
+from holdback.tenancy import get_or_create_tenant
+
+ENDPOINT = "/v1/chat/completions"
+
+
+def chat(i: int, model: str = "m1", **body) -> dict:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": ENDPOINT,
+            "body": {"model": model, "messages": [{"role": "user", "content": f"hello {i}"}], **body}}
+
+
+def jsonl(items) -> bytes:
+    out = []
+    for item in items:
+        if isinstance(item, bytes):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(item.encode())
+        else:
+            out.append(json.dumps(item).encode())
+    return b"".join(line + b"\n" for line in out)
+
+
+class Harness:
+    def __init__(self, backend, **settings):
+        self.backend = backend
+        self.settings = backend.settings(**settings)
+        self.engine = make_engine(self.settings.sqlalchemy_url)
+        self.factory = make_sessionmaker(self.engine)
+        self.store = LocalFileStore(self.settings.files_dir)
+        self.redis = backend.redis()
+        self.queue = RequestQueue(self.redis, self.settings.redis_namespace)
+        self.processors: list[Processor] = []
+
+    def submit(self, content: bytes, *, tenant: str = "t1", endpoint: str = ENDPOINT,
+               expires_in: float = 86400, status: str = "validating") -> str:
+        """Upload `content` as a batch input file and create a batch over it, as the API does."""
+        file_id = new_id("file-")
+        with self.store.open_writer(file_id) as writer:
+            writer.write(content)
+            size = writer.commit()
+        now = int(time.time())
+        with transaction(self.factory) as s:
+            t = get_or_create_tenant(s, tenant)
+            s.add(File(id=file_id, tenant_id=t.id, filename="input.jsonl", purpose="batch", bytes=size,
+                       storage_key=file_id))
+            batch = Batch(tenant_id=t.id, endpoint=endpoint, input_file_id=file_id, completion_window="24h",
+                          window_seconds=86400, status=status, created_at=now, expires_at=int(now + expires_in))
+            s.add(batch)
+            s.flush()
+            return batch.id
+
+    def processor(self, **config) -> Processor:
+        config.setdefault("name", f"p{len(self.processors)}")
+        config.setdefault("reconcile_interval", 3600.0)  # tests reconcile explicitly
+        p = Processor(self.settings, ProcessorConfig(**config), factory=self.factory,
+                      connection=self.backend.redis(), store=self.store)
+        self.processors.append(p)
+        return p
+
+    def batch(self, batch_id: str) -> Batch:
+        with self.factory() as s:
+            return s.get(Batch, batch_id)
+
+    def rows(self, batch_id: str) -> list[RequestRow]:
+        with self.factory() as s:
+            return list(s.scalars(select(RequestRow).where(RequestRow.batch_id == batch_id).order_by(RequestRow.line)))
+
+    def set_batch(self, batch_id: str, **values) -> None:
+        with transaction(self.factory) as s:
+            batch = s.get(Batch, batch_id)
+            for k, v in values.items():
+                setattr(batch, k, v)
+
+    def take_job(self, row_id: str) -> None:
+        """A worker dequeued the row's job (and, with result_ttl=0, its hash goes when it finishes)."""
+        self.redis.lrem(self.queue.queue.key, 0, row_id)
+        self.redis.delete(Job.key_for(row_id))
+
+    def succeed(self, row_id: str, tokens: int = 3) -> None:
+        """What a worker does for a 200: take the job, open the attempt, then the compare-and-set."""
+        self.take_job(row_id)
+        with transaction(self.factory) as s:
+            begin_attempt(s, row_id, "test-worker")
+            body = {"id": "x", "choices": [{"message": {"content": "hi"}}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens}}
+            assert record_final(s, row_id, FinalResult(RequestStatus.succeeded, 200, body, usage=Usage(5, tokens)))
+
+    def fail(self, row_id: str, status: int = 400) -> None:
+        self.take_job(row_id)
+        with transaction(self.factory) as s:
+            begin_attempt(s, row_id, "test-worker")
+            body = {"error": {"message": "bad request", "type": "invalid_request_error", "param": None, "code": None}}
+            assert record_final(s, row_id, FinalResult(RequestStatus.failed, status, body))
+
+    def queued_job_ids(self) -> list[str]:
+        return [x.decode() for x in self.redis.lrange(self.queue.queue.key, 0, -1)]
+
+    def read_file(self, file_id: str) -> list[dict]:
+        with self.factory() as s:
+            f = s.get(File, file_id)
+        with self.store.open_read(f.storage_key) as fh:
+            return [json.loads(line) for line in fh]
+
+    def file_digest(self, file_id: str) -> str:
+        with self.factory() as s:
+            key = s.get(File, file_id).storage_key
+        return hashlib.sha256(b"".join(self.store.iter_chunks(key))).hexdigest()
+
+    def close(self) -> None:
+        for p in self.processors:
+            if p.sync is not None:
+                p.sync.close(drain_timeout=1)
+        # RQ's job hashes live under rq:job:<row id>, outside the test namespace: remove ours.
+        with self.factory() as s:
+            ids = list(s.scalars(select(RequestRow.id)))
+        for start in range(0, len(ids), 1000):
+            self.redis.delete(*(Job.key_for(i) for i in ids[start:start + 1000]))
+        self.engine.dispose()
+
+
+@pytest.fixture
+def harness(backend) -> Iterator[Harness]:
+    h = Harness(backend)
+    try:
+        yield h
+    finally:
+        h.close()
