@@ -1,0 +1,157 @@
+"""One attempt of one request row: open it in the database, send it through the gateway, record the answer.
+
+The asyncio worker runs many of these at once; `async_processor.job.run_request` runs one for a plain RQ
+worker — the same code path. Database work is two transactions (`holdback.dispatch.begin`, then
+`record_outcome`), each run in a thread of the pool because SQLAlchemy's engine is synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import aiohttp
+from sqlalchemy import Engine, event
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
+
+T = TypeVar("T")
+
+
+def make_worker_engine(url: str, pool_size: int) -> Engine:
+    """holdback's engine; on SQLite every transaction starts with BEGIN IMMEDIATE.
+
+    Both of an attempt's transactions read, then write. SQLite's default deferred BEGIN would fail such a
+    transaction at once with "database is locked" when another process wrote in between (WAL snapshot);
+    taking the write lock up front makes it wait on the busy timeout instead.
+    """
+    engine = make_engine(url, pool_size=pool_size)
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _autocommit_driver(dbapi_conn, _record):  # noqa: ANN001
+            dbapi_conn.isolation_level = None  # let SQLAlchemy's BEGIN below be the only one
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn):  # noqa: ANN001
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass
+class Runtime:
+    """What every attempt of one process shares."""
+
+    sessions: sessionmaker[Session]
+    executor: Executor | None
+    gateway_url: str
+    gateway_key: str | None
+    policy: RetryPolicy
+    worker_name: str
+    request_timeout: float
+
+    @classmethod
+    def build(cls, database_url: str, executor: Executor | None, *, gateway_url: str, gateway_key: str | None,
+              policy: RetryPolicy, worker_name: str, request_timeout: float, pool_size: int = 8) -> "Runtime":
+        sessions = make_sessionmaker(make_worker_engine(database_url, pool_size))
+        return cls(sessions, executor, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout)
+
+    def close(self) -> None:
+        self.sessions.kw["bind"].dispose()
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(session, *args) in one transaction in the thread pool; retried while the DB is busy or away."""
+        loop = asyncio.get_running_loop()
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception_type(OperationalError), reraise=True,
+        ):
+            with attempt:
+                return await loop.run_in_executor(self.executor, partial(self._in_transaction, fn, *args))
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    def _in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        with transaction(self.sessions) as session:
+            return fn(session, *args)
+
+
+class InFlight:
+    """One job in flight in this process: what a batch cancel needs to abort it."""
+
+    __slots__ = ("row_id", "batch_id", "send_task", "abort_reason", "started")
+
+    def __init__(self, row_id: str):
+        self.row_id = row_id
+        self.batch_id: str | None = None  # known once the attempt is open
+        self.send_task: asyncio.Task | None = None
+        self.abort_reason: str | None = None
+        self.started = time.time()
+
+    def abort(self, reason: str) -> bool:
+        """Close this request's gateway connection; the gateway then aborts it at the replica."""
+        self.abort_reason = reason
+        if self.send_task is not None and not self.send_task.done():
+            self.send_task.cancel()
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    skip: Skip | None = None
+    dispatch: Dispatch | None = None
+    recorded: Recorded | None = None
+    seconds: float = 0.0  # time spent on the gateway request
+
+
+async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gateway_key: str | None,
+               timeout: float) -> Reply:
+    """POST the row's body to the gateway; every failure to get a complete answer is a transport error."""
+    try:
+        async with http.post(url, data=dispatch.body.encode(), headers=dispatch.headers(gateway_key),
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            body = await resp.read()
+            return Reply(resp.status, resp.headers, body)
+    except aiohttp.ClientPayloadError as exc:
+        return Reply.transport_error(f"truncated answer: {exc}")
+    except asyncio.TimeoutError:
+        return Reply.transport_error(f"no complete answer within {timeout:g}s")
+    except (aiohttp.ClientError, OSError) as exc:
+        return Reply.transport_error(f"{type(exc).__name__}: {exc}")
+
+
+async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
+                      cancelled_batch: Callable[[str], bool] = lambda _batch_id: False) -> AttemptResult:
+    """Begin, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises."""
+    opened = await rt.db(begin, job.row_id, rt.worker_name)
+    if isinstance(opened, Skip):
+        return AttemptResult(skip=opened)
+    dispatch = opened
+    job.batch_id = dispatch.batch_id
+    started = time.monotonic()
+    if cancelled_batch(dispatch.batch_id):
+        # The cancel was published while this attempt was opening: do not send it at all.
+        reply = Reply.cancelled("batch cancelled or expired before the request was sent")
+    else:
+        job.send_task = asyncio.ensure_future(
+            send(http, rt.gateway_url + dispatch.url, dispatch, rt.gateway_key, rt.request_timeout))
+        try:
+            reply = await job.send_task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if job.abort_reason is None or (current is not None and current.cancelling()):
+                raise
+            reply = Reply.cancelled(job.abort_reason)
+    seconds = time.monotonic() - started
+    recorded = await rt.db(record_outcome, dispatch, reply, rt.policy)
+    return AttemptResult(dispatch=dispatch, recorded=recorded, seconds=seconds)

@@ -1,0 +1,172 @@
+"""`holdback worker`: send queued batch requests through the gateway, N in flight per process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from async_processor import log
+from async_processor.config import WorkerConfig, WorkerSettings
+from async_processor.metrics import WorkerMetrics
+from async_processor.registration import WorkerNameTaken
+from holdback.broker import requests_queue_name, resolve_redis_url
+from holdback.dispatch import Jitter, RetryPolicy
+from holdback.settings import Settings
+
+
+def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="holdback worker",
+        description="Async workers: take request jobs from the RQ queue, send each through the gateway with the "
+                    "batch objective, retry evictions and transient failures with backoff (parked in RQ's "
+                    "ScheduledJobRegistry, not holding a slot), and record exactly one final result per request. "
+                    "Defaults come from HOLDBACK_WORKER_* variables, e.g. HOLDBACK_WORKER_BACKOFF_BASE.")
+    p.add_argument("-n", "--concurrency", type=int, default=env.concurrency,
+                   help="requests in flight per process (default %(default)s)")
+    p.add_argument("--processes", type=int, default=1, help="worker processes to run (default %(default)s)")
+    p.add_argument("--name", help="worker name in Redis (default <namespace>.<host>.<pid>; .1, .2, ... per process)")
+    p.add_argument("--gateway-url", help="where requests go (default HOLDBACK_GATEWAY_URL or http://127.0.0.1:8200)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port (process i of --processes uses PORT+i)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
+    p.add_argument("--burst", action="store_true", help="exit once the queue is empty and nothing is in flight")
+    p.add_argument("--backoff-base", type=float, default=env.backoff_base,
+                   help="first retry step in seconds, doubling per attempt (default %(default)s)")
+    p.add_argument("--backoff-cap", type=float, default=env.backoff_cap,
+                   help="largest retry step in seconds (default %(default)s)")
+    p.add_argument("--jitter", choices=[j.value for j in Jitter], default=env.jitter.value,
+                   help="full: wait in [0, step); equal: in [step/2, step) (default %(default)s)")
+    p.add_argument("--transient-budget", type=int, default=env.transient_budget,
+                   help="a request fails on this many 5xx/transport failures (default %(default)s)")
+    p.add_argument("--closing-recheck", type=float, default=env.closing_recheck,
+                   help="seconds a request of a batch past its deadline waits for the processor to close it "
+                        "(default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=env.request_timeout,
+                   help="seconds one gateway request may take (default %(default)s)")
+    p.add_argument("--heartbeat-ttl", type=int, default=env.heartbeat_ttl,
+                   help="seconds a running job survives without a heartbeat before it is requeued "
+                        "(default %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before requeueing them "
+                        "(default %(default)s)")
+    p.add_argument("--scheduler-interval", type=float, default=env.scheduler_interval,
+                   help="seconds between moves of due retries to the queue (default %(default)s)")
+    p.add_argument("--db-threads", type=int, default=env.db_threads,
+                   help="database threads and pooled connections per process (default %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="DEBUG also logs every successful request (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = WorkerSettings()
+    parser = _parser(env)
+    args = parser.parse_args(argv)
+    log.configure(args.log_level)
+    if args.processes < 1:
+        parser.error("--processes must be at least 1")
+    settings = Settings()
+    name = args.name or f"{settings.redis_namespace}.{socket.gethostname()}.{os.getpid()}"
+    if args.processes > 1:
+        return _supervise(argv if argv is not None else sys.argv[1:], args, name)
+    try:
+        policy = RetryPolicy(base=args.backoff_base, cap=args.backoff_cap, jitter=Jitter(args.jitter),
+                             transient_budget=args.transient_budget, closing_recheck=args.closing_recheck)
+        config = WorkerConfig(
+            name=name,
+            queue_name=requests_queue_name(settings.redis_namespace),
+            namespace=settings.redis_namespace,
+            redis_url=resolve_redis_url(settings),
+            database_url=settings.sqlalchemy_url,
+            gateway_url=args.gateway_url or settings.gateway_url,
+            gateway_key=settings.gateway_key,
+            concurrency=args.concurrency,
+            policy=policy,
+            request_timeout=args.request_timeout,
+            heartbeat_ttl=args.heartbeat_ttl,
+            scheduler_interval=args.scheduler_interval,
+            db_threads=args.db_threads,
+            burst=args.burst,
+            metrics_port=args.metrics_port,
+            drain_timeout=args.drain_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    metrics = WorkerMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, args.metrics_host)
+    from async_processor.worker import AsyncWorker
+
+    worker = AsyncWorker(config, metrics)
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    try:
+        return uvloop.run(worker.run()) if uvloop is not None else asyncio.run(worker.run())
+    except WorkerNameTaken as exc:
+        log.event(logging.ERROR, "worker_name_taken", error=str(exc))
+        return 2
+
+
+def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
+    """Run --processes single-process workers; restart one that dies; pass SIGTERM/SIGINT on."""
+    base = _without(argv, {"--processes", "--name", "--metrics-port"})
+    stopping = False
+
+    def child_argv(i: int) -> list[str]:
+        extra = ["--processes", "1", "--name", f"{name}.{i}"]
+        if args.metrics_port:
+            extra += ["--metrics-port", str(args.metrics_port + i)]
+        return [sys.executable, "-m", "holdback.cli", "worker", *base, *extra]
+
+    children = {i: subprocess.Popen(child_argv(i)) for i in range(args.processes)}
+    log.event(logging.INFO, "worker_pool_started", processes=args.processes, name=name)
+
+    def forward(signum, _frame):  # noqa: ANN001
+        nonlocal stopping
+        stopping = True
+        for proc in children.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        alive = False
+        for i, proc in list(children.items()):
+            code = proc.poll()
+            if code is None:
+                alive = True
+            elif not stopping and not args.burst and code != 0:
+                log.event(logging.WARNING, "worker_process_died", index=i, exit_code=code)
+                time.sleep(1.0)
+                children[i] = subprocess.Popen(child_argv(i))
+                alive = True
+        if not alive:
+            break
+        time.sleep(0.5)
+    return max((p.returncode or 0) for p in children.values())
+
+
+def _without(argv: list[str], flags: set[str]) -> list[str]:
+    """argv minus the given flags and their values (both `--flag v` and `--flag=v`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in flags:
+            skip = True
+            continue
+        if arg.split("=", 1)[0] in flags:
+            continue
+        out.append(arg)
+    return out

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "holdback_worker_queue_depth", "Jobs in the request queue and its RQ registries.", ["state"], registry=r)
+        self.in_flight = Gauge("holdback_worker_in_flight", "Requests this process has in flight.", registry=r)
+        self.attempts = Counter(
+            "holdback_worker_attempts_total", "Finished attempts by outcome class.", ["outcome"], registry=r)
+        self.retries = Counter(
+            "holdback_worker_retries_total", "Rows parked for a retry, by the outcome that caused it.", ["outcome"],
+            registry=r)
+        self.evictions = Counter(
+            "holdback_worker_evictions_total", "429 answers with drop reason `evicted`.", registry=r)
+        self.results = Counter(
+            "holdback_worker_results_recorded_total", "Final results this process recorded.", ["status"], registry=r)
+        self.duplicates = Counter(
+            "holdback_worker_duplicates_suppressed_total",
+            "Deliveries of a row that was already final (stage=delivery) and final results that lost the "
+            "compare-and-set (stage=result).", ["stage"], registry=r)
+        self.left_for_expiry = Counter(
+            "holdback_worker_left_for_expiry_total", "Rows whose next try would land past the batch deadline.",
+            registry=r)
+        self.cancelled = Counter(
+            "holdback_worker_cancelled_total", "In-flight requests aborted by a batch cancel or expiry.", registry=r)
+        self.internal_errors = Counter(
+            "holdback_worker_internal_errors_total", "Jobs put back because the database or Redis failed.",
+            registry=r)
+        self.requeued_abandoned = Counter(
+            "holdback_worker_requeued_abandoned_total", "Jobs of dead workers put back on the queue.", registry=r)
+        self.attempt_seconds = Histogram(
+            "holdback_worker_attempt_seconds", "Gateway request time of one attempt.", ["outcome"], registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

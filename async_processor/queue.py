@@ -1,0 +1,248 @@
+"""The request queue in RQ's own Redis structures, as an asyncio worker with many jobs in flight uses it.
+
+Keys come from RQ's classes (`rq:queue:<name>`, `rq:job:<id>`, `rq:wip:<name>` = StartedJobRegistry,
+`rq:scheduled:<name>`, `rq:failed:<name>`, `rq:execution:<job>:<exec>`, `rq:worker:<name>:executions`),
+so `rq info`, RQ's registries and the dashboard count queued/started/scheduled/failed jobs as usual.
+Every change of a job's place is one Lua script, so a job is always in exactly one of: the queue, the
+started registry (with a live execution), the scheduled registry, the failed registry, or deleted —
+there is no window in which a killed worker loses it. Job id = request row id (the processor's contract);
+the job's arguments are never deserialized here: the database row is the truth.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, ExecutionRegistry
+from rq.job import Job
+from rq.queue import Queue
+from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.defaults import RQ_KEY_PREFIX
+from rq.utils import now as rq_now, utcformat
+
+JOB_PREFIX = Job.redis_job_namespace_prefix  # rq:job:
+EXECUTION_PREFIX = f"{RQ_KEY_PREFIX}:execution:"
+EXECUTIONS_REGISTRY_PREFIX = ExecutionRegistry.key_template.format("")  # rq:executions:
+RESULTS_PREFIX = Result.get_key("")  # rq:results:
+
+# Pop up to N job ids and start an execution for each, as RQ's prepare_execution + prepare_job_execution do.
+_CLAIM = """
+-- KEYS: queue, started registry, worker executions set
+-- ARGV: n, score, now(float), now(utc string), worker, ttl, job prefix, execution prefix, executions prefix,
+--       then n execution ids
+local n = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[6])
+local claimed = {}
+local missing = 0
+for i = 1, n do
+  local job_id = redis.call('LPOP', KEYS[1])
+  if not job_id then break end
+  local job_key = ARGV[7] .. job_id
+  if redis.call('EXISTS', job_key) == 1 then
+    local exec_id = ARGV[9 + i]
+    local composite = job_id .. ':' .. exec_id
+    redis.call('HSET', job_key, 'status', 'started', 'worker_name', ARGV[5], 'started_at', ARGV[4],
+               'last_heartbeat', ARGV[4])
+    redis.call('PERSIST', job_key)
+    local exec_key = ARGV[8] .. composite
+    redis.call('HSET', exec_key, 'id', exec_id, 'job_id', job_id, 'created_at', ARGV[3],
+               'last_heartbeat', ARGV[3], 'worker_name', ARGV[5])
+    redis.call('EXPIRE', exec_key, ttl)
+    redis.call('ZADD', ARGV[9] .. job_id, tonumber(ARGV[2]) + 60, exec_id)
+    redis.call('EXPIRE', ARGV[9] .. job_id, ttl + 60)
+    redis.call('ZADD', KEYS[2], ARGV[2], composite)
+    redis.call('SADD', KEYS[3], composite)
+    claimed[#claimed + 1] = job_id
+    claimed[#claimed + 1] = exec_id
+  else
+    missing = missing + 1
+  end
+end
+if #claimed > 0 then redis.call('EXPIRE', KEYS[3], ttl + 60) end
+claimed[#claimed + 1] = tostring(missing)
+return claimed
+"""
+
+# End one execution and move its job: delete | failed | schedule | requeue | none (execution only).
+_FINISH = """
+-- KEYS: started registry, worker executions set, worker key, queue, scheduled registry, failed registry
+-- ARGV: job id, execution id, mode, when(float: schedule time or failed-registry expiry), now(utc),
+--       job prefix, execution prefix, executions prefix, results prefix, counter field, seconds worked,
+--       failure ttl
+local job_id, exec_id, mode = ARGV[1], ARGV[2], ARGV[3]
+local composite = job_id .. ':' .. exec_id
+local job_key = ARGV[6] .. job_id
+redis.call('ZREM', KEYS[1], composite)
+redis.call('DEL', ARGV[7] .. composite)
+redis.call('ZREM', ARGV[8] .. job_id, exec_id)
+redis.call('SREM', KEYS[2], composite)
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], ARGV[10], 1)
+  redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', ARGV[11])
+end
+if mode == 'delete' then
+  redis.call('DEL', job_key, job_key .. ':dependents', job_key .. ':dependencies', ARGV[9] .. job_id,
+             ARGV[8] .. job_id)
+  return 1
+end
+if mode == 'none' or redis.call('EXISTS', job_key) == 0 then return 0 end
+if mode == 'schedule' then
+  redis.call('HSET', job_key, 'status', 'scheduled', 'ended_at', ARGV[5])
+  redis.call('ZADD', KEYS[5], ARGV[4], job_id)
+elseif mode == 'failed' then
+  redis.call('HSET', job_key, 'status', 'failed', 'ended_at', ARGV[5])
+  redis.call('EXPIRE', job_key, ARGV[12])
+  redis.call('ZADD', KEYS[6], ARGV[4], job_id)
+elseif mode == 'requeue' then
+  redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[5])
+  redis.call('LPUSH', KEYS[4], job_id)
+end
+return 1
+"""
+
+# The scheduler role: move due jobs from the ScheduledJobRegistry to the queue (sub-second scores).
+_MOVE_DUE = """
+-- KEYS: scheduled registry, queue; ARGV: now(float), limit, job prefix, now(utc)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local moved = 0
+for _, job_id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], job_id)
+  local job_key = ARGV[3] .. job_id
+  if redis.call('EXISTS', job_key) == 1 then
+    redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[4])
+    redis.call('RPUSH', KEYS[2], job_id)
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
+# Executions whose heartbeat expired belong to a dead worker: put their jobs back on the queue (front).
+_REQUEUE_ABANDONED = """
+-- KEYS: started registry, queue; ARGV: now(float), job prefix, execution prefix, executions prefix, now(utc)
+local entries = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1000)
+local requeued = {}
+for _, composite in ipairs(entries) do
+  redis.call('ZREM', KEYS[1], composite)
+  local job_id, exec_id = string.match(composite, '^(.*):([^:]*)$')
+  if job_id then
+    redis.call('DEL', ARGV[3] .. composite)
+    redis.call('ZREM', ARGV[4] .. job_id, exec_id)
+    local job_key = ARGV[2] .. job_id
+    if redis.call('HGET', job_key, 'status') == 'started' then
+      redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[5])
+      redis.call('LPUSH', KEYS[2], job_id)
+      requeued[#requeued + 1] = job_id
+    end
+  end
+end
+return requeued
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    job_id: str  # = the request row id
+    execution_id: str
+    claimed_at: float
+
+
+class Finish:
+    """What to do with a job when its execution ends."""
+
+    delete = "delete"  # the row is final (succeeded, or nothing left to do): result_ttl=0, like RQ
+    failed = "failed"  # the row failed: keep the job in the FailedJobRegistry for operators
+    schedule = "schedule"  # run again at a time: ScheduledJobRegistry
+    requeue = "requeue"  # back to the front of the queue (worker shutting down)
+    none = "none"  # only end this execution (another one of the same job is still running)
+
+
+class RequestQueue:
+    """One RQ queue of request jobs, driven by an asyncio worker named `worker_name`."""
+
+    def __init__(self, redis: aioredis.Redis, queue_name: str, worker_name: str, ttl: int, failure_ttl: int):
+        self.redis = redis
+        self.name = queue_name
+        self.worker_name = worker_name
+        self.ttl = ttl
+        self.failure_ttl = failure_ttl
+        self.key = Queue.redis_queue_namespace_prefix + queue_name
+        self.started_key = StartedJobRegistry.key_template.format(queue_name)
+        self.scheduled_key = ScheduledJobRegistry.key_template.format(queue_name)
+        self.failed_key = FailedJobRegistry.key_template.format(queue_name)
+        self.worker_key = f"{RQ_KEY_PREFIX}:worker:{worker_name}"
+        self.executions_key = WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name)
+        self._claim = redis.register_script(_CLAIM)
+        self._finish = redis.register_script(_FINISH)
+        self._move_due = redis.register_script(_MOVE_DUE)
+        self._requeue_abandoned = redis.register_script(_REQUEUE_ABANDONED)
+
+    async def claim(self, n: int) -> tuple[list[Claim], int]:
+        """Pop up to n jobs into the StartedJobRegistry; also returns how many popped ids had no job hash."""
+        now = time.time()
+        execution_ids = [uuid.uuid4().hex for _ in range(n)]
+        raw = await self._claim(
+            keys=[self.key, self.started_key, self.executions_key],
+            args=[n, now + self.ttl, now, utcformat(rq_now()), self.worker_name, self.ttl, JOB_PREFIX,
+                  EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, *execution_ids],
+        )
+        missing = int(raw[-1])
+        pairs = [x.decode() if isinstance(x, bytes) else x for x in raw[:-1]]
+        return [Claim(pairs[i], pairs[i + 1], now) for i in range(0, len(pairs), 2)], missing
+
+    async def finish(self, claim: Claim, mode: str, when: float | None = None, *, succeeded: bool = True) -> None:
+        """End the claim's execution and move its job according to `mode` (see `Finish`)."""
+        now = time.time()
+        if mode == Finish.failed:
+            when = now + self.failure_ttl
+        await self._finish(
+            keys=[self.started_key, self.executions_key, self.worker_key, self.key, self.scheduled_key,
+                  self.failed_key],
+            args=[claim.job_id, claim.execution_id, mode, repr(when or now), utcformat(rq_now()), JOB_PREFIX,
+                  EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, RESULTS_PREFIX,
+                  "successful_job_count" if succeeded else "failed_job_count", repr(max(0.0, now - claim.claimed_at)),
+                  self.failure_ttl],
+        )
+
+    async def heartbeat(self, claims: list[Claim]) -> None:
+        """Keep in-flight executions in the StartedJobRegistry (ZADD XX: never resurrect a removed one)."""
+        if not claims:
+            return
+        score = time.time() + self.ttl
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for c in claims:
+                composite = f"{c.job_id}:{c.execution_id}"
+                pipe.zadd(self.started_key, {composite: score}, xx=True)
+                pipe.expire(EXECUTION_PREFIX + composite, self.ttl)
+            pipe.expire(self.executions_key, self.ttl + 60)
+            await pipe.execute()
+
+    async def move_due(self, limit: int = 1000) -> int:
+        """Move scheduled jobs whose time has come to the queue; returns how many were moved."""
+        return int(await self._move_due(
+            keys=[self.scheduled_key, self.key], args=[repr(time.time()), limit, JOB_PREFIX, utcformat(rq_now())]))
+
+    async def requeue_abandoned(self) -> list[str]:
+        """Put jobs whose executions stopped heart-beating (their worker died) back on the queue."""
+        ids = await self._requeue_abandoned(
+            keys=[self.started_key, self.key],
+            args=[repr(time.time()), JOB_PREFIX, EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, utcformat(rq_now())])
+        return [x.decode() if isinstance(x, bytes) else x for x in ids]
+
+    async def depth(self) -> dict[str, int]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.llen(self.key)
+            pipe.zcard(self.started_key)
+            pipe.zcard(self.scheduled_key)
+            pipe.zcard(self.failed_key)
+            queued, started, scheduled, failed = await pipe.execute()
+        return {"queued": queued, "started": started, "scheduled": scheduled, "failed": failed}
+
+    async def next_due_in(self) -> float | None:
+        """Seconds until the earliest scheduled job is due (<= 0: due now), None if none is scheduled."""
+        first = await self.redis.zrange(self.scheduled_key, 0, 0, withscores=True)
+        return first[0][1] - time.time() if first else None

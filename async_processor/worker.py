@@ -1,0 +1,321 @@
+"""The asyncio worker: up to N request jobs in flight per process on one shared HTTP session.
+
+It consumes RQ's queue itself (see `async_processor.queue`), keeps every running job in the
+StartedJobRegistry with a heartbeat, parks retries in the ScheduledJobRegistry instead of holding a slot,
+takes turns at RQ's scheduler lock to move due retries back, requeues the jobs of dead workers, and
+aborts the in-flight requests of a batch when the processor publishes its id on `<namespace>:cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from async_processor import log
+from async_processor.attempt import AttemptResult, InFlight, Runtime, run_attempt
+from async_processor.config import WorkerConfig
+from async_processor.metrics import WorkerMetrics
+from async_processor.queue import Claim, Finish, RequestQueue
+from async_processor.registration import Registration
+from holdback.dispatch import Disposition, Skip
+from holdback.models import RequestStatus
+
+IDLE_POLL_MIN = 0.01
+IDLE_POLL_MAX = 0.25
+INTERNAL_ERROR_DELAY = 5.0  # a job whose database or Redis work failed runs again after this
+CANCEL_MEMORY = 600.0  # seconds a cancelled batch id is remembered (for attempts opening meanwhile)
+
+
+class AsyncWorker:
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or WorkerMetrics()
+        self.inflight: dict[str, InFlight] = {}
+        self.claims: dict[str, Claim] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.cancelled_batches: dict[str, float] = {}
+        self.stopping = asyncio.Event()
+        self.slot_freed = asyncio.Event()
+        self.holds_scheduler = False
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            log.event(logging.INFO, "worker_stopping", worker=self.config.name, in_flight=len(self.inflight))
+        self.stopping.set()
+        self.slot_freed.set()
+
+    # -- life cycle -------------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        self.redis = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
+        self.queue = RequestQueue(self.redis, cfg.queue_name, cfg.name, cfg.heartbeat_ttl, cfg.failure_ttl)
+        self.registration = Registration(self.redis, self.queue, cfg.concurrency, cfg.heartbeat_ttl)
+        executor = ThreadPoolExecutor(max_workers=cfg.db_threads, thread_name_prefix="db")
+        self.rt = Runtime.build(cfg.database_url, executor, gateway_url=cfg.gateway_url, gateway_key=cfg.gateway_key,
+                                policy=cfg.policy, worker_name=cfg.name, request_timeout=cfg.request_timeout,
+                                pool_size=cfg.db_threads)
+        connector = aiohttp.TCPConnector(limit=cfg.concurrency + 8, limit_per_host=0, keepalive_timeout=30)
+        self.http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        try:
+            await self.registration.register_birth()
+            log.event(logging.INFO, "worker_started", worker=cfg.name, queue=cfg.queue_name,
+                      concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
+            helpers = [asyncio.create_task(c) for c in (
+                self._heartbeat_loop(), self._scheduler_loop(), self._cancel_listener(), self._depth_loop())]
+            try:
+                await self._claim_loop()
+                await self._drain()
+            finally:
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
+                if self.holds_scheduler:
+                    await _quietly(self.registration.release_scheduler())
+                await _quietly(self.registration.register_death())
+        finally:
+            await self.http.close()
+            await self.redis.aclose()
+            self.rt.close()
+            executor.shutdown(wait=False, cancel_futures=True)
+        log.event(logging.INFO, "worker_stopped", worker=cfg.name)
+        return 0
+
+    async def _drain(self) -> None:
+        """Let in-flight requests finish for drain_timeout; put the rest back on the queue."""
+        if not self.tasks:
+            return
+        log.event(logging.INFO, "worker_draining", worker=self.config.name, in_flight=len(self.tasks),
+                  timeout=self.config.drain_timeout)
+        _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.drain_timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- claiming -----------------------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        cfg = self.config
+        idle = IDLE_POLL_MIN
+        while not self.stopping.is_set():
+            free = cfg.concurrency - len(self.tasks)
+            if free <= 0:
+                self.slot_freed.clear()
+                await self.slot_freed.wait()
+                await asyncio.sleep(0)  # let a few more finish: claim them in one round trip
+                continue
+            try:
+                claims, missing = await self.queue.claim(min(free, cfg.claim_batch))
+            except RedisError as exc:
+                log.event(logging.WARNING, "claim_failed", worker=cfg.name, error=f"{type(exc).__name__}: {exc}")
+                await self._sleep(1.0)
+                continue
+            if missing:
+                log.event(logging.INFO, "dropped_jobs_without_hash", worker=cfg.name, count=missing)
+            if not claims:
+                if cfg.burst and not self.tasks:
+                    log.event(logging.INFO, "burst_done", worker=cfg.name)
+                    return
+                await self._sleep(idle)
+                idle = min(idle * 2, IDLE_POLL_MAX)
+                continue
+            idle = IDLE_POLL_MIN
+            for claim in claims:
+                task = asyncio.create_task(self._handle(claim))
+                self.tasks.add(task)
+                task.add_done_callback(self._task_done)
+            self.metrics.in_flight.set(len(self.tasks))
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.metrics.in_flight.set(len(self.tasks))
+        self.slot_freed.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- one job --------------------------------------------------------------------------------------------
+
+    async def _handle(self, claim: Claim) -> None:
+        row_id = claim.job_id
+        if row_id in self.inflight:
+            # The same row is already in flight here: a duplicate delivery; the running one decides.
+            self.metrics.duplicates.labels("delivery").inc()
+            log.event(logging.INFO, "duplicate_delivery", request_id=row_id, worker=self.config.name)
+            await _quietly(self.queue.finish(claim, Finish.none))
+            return
+        job = InFlight(row_id)
+        self.inflight[row_id] = job
+        self.claims[row_id] = claim
+        try:
+            result = await run_attempt(self.rt, self.http, job, self._was_cancelled)
+        except asyncio.CancelledError:
+            # Shutdown after the drain timeout: the job goes back to the front of the queue; the next
+            # delivery's begin closes this attempt as abandoned.
+            await asyncio.shield(_quietly(self.queue.finish(claim, Finish.requeue)))
+            log.event(logging.INFO, "requeued_on_shutdown", batch_id=job.batch_id, request_id=row_id)
+            raise
+        except Exception as exc:  # the database or Redis failed beyond its retries
+            self.metrics.internal_errors.inc()
+            log.event(logging.ERROR, "job_error", batch_id=job.batch_id, request_id=row_id,
+                      error=f"{type(exc).__name__}: {exc}", retry_in=INTERNAL_ERROR_DELAY, exc_info=True)
+            await _quietly(self.queue.finish(claim, Finish.schedule, time.time() + INTERNAL_ERROR_DELAY,
+                                             succeeded=False))
+            return
+        finally:
+            self.inflight.pop(row_id, None)
+            self.claims.pop(row_id, None)
+        try:
+            await self._place(claim, job, result)
+        except RedisError as exc:
+            # The row is recorded; the job's execution will expire and be requeued, then dropped as final.
+            self.metrics.internal_errors.inc()
+            log.event(logging.WARNING, "finish_failed", batch_id=job.batch_id, request_id=row_id,
+                      error=f"{type(exc).__name__}: {exc}")
+
+    async def _place(self, claim: Claim, job: InFlight, result: AttemptResult) -> None:
+        """Move the job in Redis to match what the attempt did to the row; count and log it."""
+        m, row_id = self.metrics, claim.job_id
+        if result.skip is Skip.final:
+            m.duplicates.labels("delivery").inc()
+            log.event(logging.INFO, "already_final", request_id=row_id)
+            await self.queue.finish(claim, Finish.delete)
+            return
+        if result.skip is Skip.closing:
+            wake = time.time() + self.rt.policy.closing_recheck
+            log.event(logging.INFO, "batch_closing", request_id=row_id, recheck_in=self.rt.policy.closing_recheck)
+            await self.queue.finish(claim, Finish.schedule, wake)
+            return
+        d, rec = result.dispatch, result.recorded
+        outcome = rec.outcome
+        m.attempts.labels(outcome.kind.value).inc()
+        m.attempt_seconds.labels(outcome.kind.value).observe(result.seconds)
+        if outcome.evicted:
+            m.evictions.inc()
+        fields = dict(batch_id=d.batch_id, request_id=row_id, custom_id=d.custom_id, attempt=d.attempt,
+                      outcome=outcome.kind.value, status=outcome.status, drop_reason=outcome.drop_reason,
+                      seconds=result.seconds)
+        if rec.disposition is Disposition.final:
+            m.results.labels(rec.final_status.value).inc()
+            failed = rec.final_status is not RequestStatus.succeeded
+            log.event(logging.WARNING if failed else logging.DEBUG, "request_final",
+                      final=rec.final_status.value, **fields)
+            await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed)
+        elif rec.disposition is Disposition.duplicate:
+            m.duplicates.labels("result").inc()
+            log.event(logging.INFO, "duplicate_result", **fields)
+            await self.queue.finish(claim, Finish.delete)
+        elif rec.disposition is Disposition.retry:
+            m.retries.labels(outcome.kind.value).inc()
+            log.event(logging.INFO, "retry_scheduled", delay=rec.delay, **fields)
+            await self.queue.finish(claim, Finish.schedule, rec.wake_at)
+        elif rec.disposition is Disposition.closing:
+            m.left_for_expiry.inc()
+            log.event(logging.INFO, "left_for_expiry", **fields)
+            await self.queue.finish(claim, Finish.schedule, rec.wake_at)
+        else:  # cancelled
+            m.cancelled.inc()
+            log.event(logging.INFO, "request_aborted", reason=job.abort_reason, **fields)
+            await self.queue.finish(claim, Finish.delete)
+
+    # -- cancel ----------------------------------------------------------------------------------------------
+
+    def _was_cancelled(self, batch_id: str) -> bool:
+        return batch_id in self.cancelled_batches
+
+    def cancel_batch(self, batch_id: str) -> int:
+        """Abort every in-flight request of the batch; returns how many were aborted."""
+        now = time.time()
+        self.cancelled_batches[batch_id] = now
+        for b, at in list(self.cancelled_batches.items()):
+            if now - at > CANCEL_MEMORY:
+                del self.cancelled_batches[b]
+        aborted = sum(1 for job in list(self.inflight.values())
+                      if job.batch_id == batch_id and job.abort("batch cancelled or expired"))
+        log.event(logging.INFO, "batch_cancel_received", batch_id=batch_id, aborted=aborted, worker=self.config.name)
+        return aborted
+
+    async def _cancel_listener(self) -> None:
+        channel = self.config.cancel_channel
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        data = message["data"]
+                        self.cancel_batch(data.decode() if isinstance(data, bytes) else str(data))
+            except RedisError as exc:
+                log.event(logging.WARNING, "cancel_channel_lost", channel=channel, error=str(exc))
+                await asyncio.sleep(1.0)
+            finally:
+                await _quietly(pubsub.aclose())
+
+    # -- heartbeat, scheduler, gauges --------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            try:
+                self.registration.state = "busy" if self.inflight else "idle"
+                await self.registration.heartbeat(len(self.inflight))
+                await self.queue.heartbeat(list(self.claims.values()))
+            except RedisError as exc:
+                log.event(logging.WARNING, "heartbeat_failed", worker=self.config.name, error=str(exc))
+
+    async def _scheduler_loop(self) -> None:
+        cfg = self.config
+        refresh = min(5.0, cfg.heartbeat_interval)
+        lock_ttl = max(6, int(3 * refresh))
+        next_lock = next_maintenance = 0.0
+        while True:
+            now = time.monotonic()
+            try:
+                if now >= next_lock:
+                    held = await self.registration.acquire_scheduler(lock_ttl)
+                    if held != self.holds_scheduler:
+                        log.event(logging.INFO, "scheduler_role", worker=cfg.name, held=held)
+                    self.holds_scheduler = held
+                    next_lock = now + refresh
+                if self.holds_scheduler:
+                    await self.queue.move_due()
+                    if now >= next_maintenance:
+                        next_maintenance = now + cfg.heartbeat_interval
+                        for row_id in await self.queue.requeue_abandoned():
+                            self.metrics.requeued_abandoned.inc()
+                            log.event(logging.WARNING, "requeued_abandoned", request_id=row_id)
+            except RedisError as exc:
+                log.event(logging.WARNING, "scheduler_failed", worker=cfg.name, error=str(exc))
+                self.holds_scheduler = False
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(cfg.scheduler_interval if self.holds_scheduler else refresh)
+
+    async def _depth_loop(self) -> None:
+        while True:
+            try:
+                for state, n in (await self.queue.depth()).items():
+                    self.metrics.queue_depth.labels(state).set(n)
+            except RedisError:
+                pass  # the gauges keep their last values; claim/heartbeat log the outage
+            await asyncio.sleep(1.0)
+
+
+async def _quietly(coro) -> None:
+    """Best-effort cleanup: a Redis outage here is repaired by heartbeat expiry and reconciliation."""
+    try:
+        await coro
+    except (RedisError, OSError) as exc:
+        log.event(logging.WARNING, "cleanup_failed", error=f"{type(exc).__name__}: {exc}")
