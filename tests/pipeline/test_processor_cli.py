@@ -1,0 +1,109 @@
+"""`holdback processor` run the operator's way: several at once on one database, sync dispatch
+against the simulator, metrics, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from holdback.models import Attempt
+from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
+from tests.support import Processes, free_port, wait_http
+
+
+def _wait(predicate, timeout: float, what: str, procs: Processes | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    logs = procs.log("processor") if procs else ""
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def _events(text: str, event: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            out.append(record)
+    return out
+
+
+def _metric(scrape: str, sample: str) -> float:
+    for line in scrape.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_path):
+    batches = [harness.submit(jsonl([chat(i) for i in range(300)]), tenant=f"t{n % 3}") for n in range(6)]
+    ports = [free_port(), free_port()]
+    with Processes(env=harness.backend.env, log_dir=tmp_path) as procs:
+        common = ["--poll-interval", "0.05", "--window", "20"]
+        children = [procs.start("processor", "--id", f"proc-{n}", "--metrics-port", str(port), *common,
+                                name="processor") for n, port in enumerate(ports)]
+        _wait(lambda: all(harness.batch(b_id).status == "in_progress" for b_id in batches), 30,
+              "every batch in_progress", procs)
+        _wait(lambda: len(harness.queued_job_ids()) == 6 * 20, 10, "every first window queued", procs)
+        scrapes = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for port in ports]
+        for child in children:
+            procs.stop(child, signal.SIGTERM)
+            assert child.returncode == 0
+        logs = procs.log("processor")
+
+    expanded = [e["batch_id"] for e in _events(logs, "batch_expanded")]
+    assert sorted(expanded) == sorted(batches)
+    queue = harness.queued_job_ids()
+    assert len(queue) == len(set(queue)) == 120
+    for batch_id in batches:
+        rows = harness.rows(batch_id)
+        assert len(rows) == 300 and sum(r.status == "queued" for r in rows) == 20
+        assert harness.batch(batch_id).claimed_by is None  # SIGTERM handed the leases back
+    transitions = 'holdback_processor_batch_transitions_total{status="in_progress"}'
+    assert sum(_metric(s, transitions) for s in scrapes) == 6
+    assert sum(_metric(s, 'holdback_processor_rows_enqueued_total{dispatch="async"}') for s in scrapes) == 120
+
+
+def test_sync_dispatch_completes_a_batch_through_429s(harness: Harness, tmp_path):
+    sim_port = free_port()
+    batch_id = harness.submit(jsonl([chat(i, model="sim-model", max_tokens=4) for i in range(40)]))
+    env = {**harness.backend.env, "HOLDBACK_GATEWAY_URL": f"http://127.0.0.1:{sim_port}"}
+    with Processes(env=env, log_dir=tmp_path) as procs:
+        sim = procs.start("sim", "--port", str(sim_port), "--zero-latency", "--model", "sim-model",
+                          "--fault-429-rate", "0.3", "--seed", "7", name="sim")
+        wait_http(f"http://127.0.0.1:{sim_port}/health", proc=sim)
+        procs.start("processor", "--id", "syncer", "--dispatch", "sync", "--sync-concurrency", "8",
+                    "--poll-interval", "0.05", "--backoff-base", "0.05", "--backoff-cap", "0.2", name="processor")
+        _wait(lambda: harness.batch(batch_id).status == "completed", 45, "the batch to complete", procs)
+
+    batch = harness.batch(batch_id)
+    assert (batch.total, batch.completed, batch.failed) == (40, 40, 0)
+    assert batch.error_file_id is None
+    output = harness.read_file(batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(40))
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    with harness.factory() as s:
+        attempts = list(s.scalars(select(Attempt).where(Attempt.batch_id == batch_id)))
+    outcomes = [a.outcome for a in attempts]
+    assert outcomes.count("success") == 40
+    assert outcomes.count("rejected") >= 1  # the simulator's 429s were retried, not failed
+    assert {a.worker for a in attempts} == {"syncer/sync"}
+    assert all(a.ended_at is not None for a in attempts)
+
+
+@pytest.mark.parametrize("argv", [["--window", "0"], ["--sync-concurrency", "0"]])
+def test_bad_settings_are_refused_with_exit_code_2(argv, capsys):
+    from batch_processor.cli import main
+
+    assert main(argv) == 2
+    assert "must be at least 1" in capsys.readouterr().err
