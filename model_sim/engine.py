@@ -1,10 +1,14 @@
 """The engine loop: schedule a step, wait out its modeled GPU time, apply it, wake the streams.
 
 The loop is deadline based: a step ends at `step_start + step_time` whatever Python spent on
-scheduling and bookkeeping inside it, so that overhead is absorbed instead of added. Timer wakeups
-from the event loop can be up to ~1 ms late, so the last SPIN_SECONDS of a step are waited by
-yielding (`asyncio.sleep(0)`) in a loop, which keeps HTTP handlers running meanwhile. With all
-costs zero a step still yields once, so other tasks are never starved.
+scheduling and bookkeeping inside it, so that overhead is absorbed instead of added. A busy step
+starts at the previous step's deadline, not when the loop got round to it: streaming tokens to
+clients runs between steps (in vLLM it runs in another process, beside the GPU), so a loop that
+wakes a little late catches up on the next step instead of adding the delay to every token. It
+never catches up more than CATCHUP_SECONDS; past that the simulator is overloaded and shows it.
+Timer wakeups can be ~1 ms late, so the last SPIN_SECONDS of a step are waited by yielding
+(`asyncio.sleep(0)`), which keeps HTTP handlers running. With all costs zero a step still yields
+once, so other tasks are never starved.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from model_sim.scheduler import Scheduler, SchedulerOutput, StepOutcome
 from model_sim.timing import TimingModel
 
 SPIN_SECONDS = 0.0015
+CATCHUP_SECONDS = 0.02
 
 
 class RequestRejected(ValueError):
@@ -80,6 +85,7 @@ class Engine:
         self._next_id = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._last_deadline: float | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -146,16 +152,23 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------------
 
     async def step(self) -> StepResult:
-        started = time.perf_counter()
-        out = self.scheduler.schedule(started)
+        now = time.perf_counter()
+        last = self._last_deadline
+        started = last if last is not None and 0.0 <= now - last <= CATCHUP_SECONDS else now
+        out = self.scheduler.schedule(now)
         modeled = 0.0
         if not out.is_empty:
             modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng)
+        self._last_deadline = started + modeled if not out.is_empty else None
         await _sleep_until(started + modeled)
         ended = time.perf_counter()
         outcome = self.scheduler.update_from_output(out, ended)
         streams = self._streams
-        for request in outcome.new_token:
+        # First tokens are sent first: with hundreds of streams, the last handler woken writes
+        # milliseconds after the step ended, and that serving delay should not land on TTFT.
+        woken = [r for r in outcome.new_token if r.num_output_tokens == 1]
+        woken += [r for r in outcome.new_token if r.num_output_tokens > 1]
+        for request in woken:
             stream = streams.get(request.request_id)
             if stream is not None:
                 stream.notify()
@@ -169,6 +182,7 @@ class Engine:
     async def run(self) -> None:
         while True:
             if not self.scheduler.has_unfinished():
+                self._last_deadline = None  # idle: the next step starts when work arrives
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
