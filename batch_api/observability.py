@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("batch_api.requests")
 
 # Standard LogRecord attributes; anything else passed via `extra` is an event field.
-_RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields"}
+_RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "color_message"}
 
 
 class JsonLines(logging.Formatter):

@@ -284,6 +284,10 @@ async def receive_upload(request: Request, store: LocalFileStore, limits: Upload
         upload.abort()
         await _discard(body, limits.max_upload_bytes + FORM_OVERHEAD)
         raise
+    except ClientDisconnect:
+        upload.abort()
+        # Nobody is left to read the answer; it is for the request log and metrics, not a server error.
+        raise BadRequest("The client disconnected before the upload finished; send the whole file again.") from None
     except BaseException:
         upload.abort()
         raise

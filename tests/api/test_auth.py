@@ -72,8 +72,7 @@ ROUTES = [
 ]
 
 
-@pytest.mark.parametrize("method, path", ROUTES)
-def test_missing_wrong_and_admin_keys(api, method, path):
+def test_missing_wrong_and_admin_keys(api):
     api.create_key("acme")
     cases = [
         ({}, 401),
@@ -82,15 +81,16 @@ def test_missing_wrong_and_admin_keys(api, method, path):
         ({"authorization": "Bearer hb-not-a-real-key"}, 401),
         ({"authorization": f"Bearer {api.settings.admin_key}"}, 403),
     ]
-    for headers, status in cases:
-        r = httpx.request(method, api.url + path, headers=headers)
-        assert r.status_code == status, (headers, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}
-        if status == 403:
-            assert "tenant key" in error["message"]
-        else:
-            assert "Authorization: Bearer" in error["message"]
+    for method, path in ROUTES:
+        for headers, status in cases:
+            r = httpx.request(method, api.url + path, headers=headers)
+            assert r.status_code == status, (method, path, headers, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            if status == 403:
+                assert "tenant key" in error["message"]
+            else:
+                assert "Authorization: Bearer" in error["message"]
 
 
 def test_sdk_sees_authentication_and_permission_errors(api):
