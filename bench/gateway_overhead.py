@@ -2,9 +2,10 @@
 
 Throughput and latency: short non-streaming completions against a zero-latency simulator replica, three
 ways — direct to the replica, through a bare aiohttp pass-through proxy (defined in this file), and through
-`holdback gateway`. The load generator runs in its own process; targets are interleaved over several rounds
-so drift on a small shared machine hits all three alike. Reported: gateway ÷ bare-proxy throughput
-(goal ≥ 0.8) and the added p50 latency at concurrency 1 (goal ≤ 1 ms), as medians over rounds.
+`holdback gateway`. The load generator runs in its own process for each run; every round runs the targets in
+a shuffled order and then in reverse (A B C C B A), so drift on a small shared machine hits all three alike.
+Reported: gateway ÷ bare-proxy throughput (goal ≥ 0.8) and the added p50 latency at concurrency 1
+(goal ≤ 1 ms), each computed within a round and then taken as the median over rounds.
 
 Eviction release: a simulator with real step timing is kept full of long batch requests through the
 gateway (eviction on, no holdback); realtime requests then arrive one at a time, each blocked, and the
@@ -12,13 +13,14 @@ gateway's own timestamps give arrival → dispatch (`x-holdback-queue-ms`: the e
 upstream close and the dispatch) and decision → upstream closed (eviction confirmation histogram).
 Goal p99 < 50 ms.
 
-    python bench/gateway_overhead.py --rounds 5 --duration 4
+    python bench/gateway_overhead.py --rounds 5 --duration 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -153,11 +155,9 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=1).status_code < 300:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.05)
     raise TimeoutError(url)
 
@@ -206,18 +206,26 @@ def overhead(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                "gateway": f"http://127.0.0.1:{gw_port}"}
     results: dict[str, dict[str, list[dict]]] = {t: {"high": [], "low": []} for t in targets}
     rng = random.Random(args.seed)
+    ratios: list[float] = []
+    added: list[float] = []
     for rnd in range(args.rounds):
         order = list(targets)
         rng.shuffle(order)
-        for name in order:
+        # A B C C B A: each target runs once early and once late in the round, so drift cancels in the ratio.
+        runs: dict[str, list[tuple[dict, dict]]] = {n: [] for n in targets}
+        for name in order + order[::-1]:
             url = targets[name] + "/v1/completions"
-            results[name]["high"].append(run_load(url, args.concurrency, args.duration, args.warmup))
-            results[name]["low"].append(run_load(url, 1, args.duration, args.warmup))
+            high = run_load(url, args.concurrency, args.duration, args.warmup)
+            low = run_load(url, 1, args.duration / 2, args.warmup)
+            runs[name].append((high, low))
+            results[name]["high"].append(high)
+            results[name]["low"].append(low)
+        rps = {n: sum(h["rps"] for h, _ in r) / len(r) for n, r in runs.items()}
+        p50 = {n: sum(lo["p50_ms"] for _, lo in r) / len(r) for n, r in runs.items()}
+        ratios.append(rps["gateway"] / rps["bare_proxy"])
+        added.append(p50["gateway"] - p50["bare_proxy"])
         print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {results[n]['high'][-1]['rps']:.0f} rps / p50@1 {results[n]['low'][-1]['p50_ms']:.3f} ms"
-            for n in targets), file=sys.stderr, flush=True)
-    ratios = [g["rps"] / b["rps"] for g, b in zip(results["gateway"]["high"], results["bare_proxy"]["high"])]
-    added = [g["p50_ms"] - b["p50_ms"] for g, b in zip(results["gateway"]["low"], results["bare_proxy"]["low"])]
+            f"{n} {rps[n]:.0f} rps / p50@1 {p50[n]:.3f} ms" for n in targets), file=sys.stderr, flush=True)
     summary = {
         name: {"rps_median": statistics.median(r["rps"] for r in res["high"]),
                "p50_ms_at_c1_median": statistics.median(r["p50_ms"] for r in res["low"]),
@@ -347,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Children are started with the "
                                  "`holdback` CLI and stopped at the end; results go to stdout (table or --json).")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per target (default 5)")
-    ap.add_argument("--duration", type=float, default=4.0, help="measured seconds per run (default 4)")
+    ap.add_argument("--duration", type=float, default=3.0, help="measured seconds per throughput run; latency runs take half (default 3)")
     ap.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run (default 0.5)")
     ap.add_argument("--concurrency", type=int, default=32, help="closed-loop clients for throughput (default 32)")
     ap.add_argument("--eviction-slots", type=int, default=8, help="pool slots kept full of batch (default 8)")

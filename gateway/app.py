@@ -7,6 +7,7 @@ Routes: the OpenAI inference paths (through flow control), /v1/models, /health, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -74,20 +75,16 @@ class Gateway:
         self._loop_task = asyncio.create_task(self.controller.run(), name="gateway-dispatch-loop")
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
-        except (NotImplementedError, RuntimeError, ValueError):
+        except (RuntimeError, ValueError):  # not the main thread: reload only through Gateway.reload()
             logger.warning("event=sighup_unavailable")
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
         await self.pool.stop()
         if self._session is not None:
             await self._session.close()

@@ -11,6 +11,7 @@ reached stops the walk (head-of-line blocking), which is where in-flight evictio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import heapq
 import itertools
@@ -265,10 +266,8 @@ class FlowController:
         while True:
             timeout = self.tick if (self.total_queued or self.evictor.pending) else None
             if not self._wake.is_set():
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):  # the tick: expire TTLs, time out evictions
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
             self._wake.clear()
             try:
                 self.cycle()

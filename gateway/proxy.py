@@ -9,6 +9,7 @@ response is closed (the TCP connection is dropped, never pooled), so the replica
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -195,11 +196,9 @@ class Proxy:
             if stream is not None and stream.prepared:
                 controller.count_mid_stream_eviction()
                 log_event(logger, logging.INFO, "evicted_mid_stream", request_id=request_id)
-                try:
+                with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
                     await stream.write(evicted_sse_event())
                     await stream.write_eof()
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    pass
                 return stream
             return drop_response(DropReason.EVICTED, request_id)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:

@@ -8,6 +8,7 @@ success) and scrapes /metrics for the utilization detector, the KV admission pol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -131,10 +132,8 @@ class ReplicaPool:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         self._tasks = []
 
     async def _health_loop(self) -> None:
