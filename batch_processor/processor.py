@@ -26,7 +26,7 @@ from batch_processor.fairness import BatchWindow, RoundRobin
 from batch_processor.finalize import begin_finalizing, finalize_batch
 from batch_processor.ingest import expand_batch
 from batch_processor.jobqueue import RequestQueue
-from batch_processor.lease import BatchLease
+from batch_processor.lease import ACTIVE_STATUSES, BatchLease
 from batch_processor.log import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
@@ -116,6 +116,7 @@ class Processor:
         self.fair = RoundRobin(self.config.window)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
+        self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}
         self.sync: SyncDispatcher | None = None
         if self.config.dispatch == "sync":
@@ -132,15 +133,23 @@ class Processor:
 
     def tick(self) -> Round:
         done = Round()
-        self.owned = self.lease.renew(self.owned)
+        now = time.time()
+        # Renewing every round would be a write per round; a sixth of the lease leaves ample margin,
+        # and every transition is fenced by `claimed_by` in the meantime anyway.
+        if now - self._last_renewal >= self.config.lease_seconds / 6:
+            held = self.lease.renew(self.owned)
+            for batch_id in self.owned - held:
+                log_event(log, "batch_lease_lost", logging.WARNING, batch_id=batch_id, owner=self.config.name)
+            self.owned = held
+            self._last_renewal = now
+            self._lease_renewed = dict.fromkeys(self.owned, now)
         room = self.config.max_batches - len(self.owned)
         if room > 0:
             done.claimed = self.lease.claim(min(room, self.config.claim_per_round))
             self.owned.update(done.claimed)
             for batch_id in done.claimed:
+                self._lease_renewed[batch_id] = time.time()
                 log_event(log, "batch_claimed", batch_id=batch_id, owner=self.config.name)
-        now = time.time()
-        self._lease_renewed = dict.fromkeys(self.owned, now)
         batches = self._load_owned()
 
         in_progress: list[_Owned] = []
@@ -180,12 +189,15 @@ class Processor:
         with self.factory() as session:
             rows = session.execute(
                 select(Batch.id, Batch.tenant_id, Batch.status, Batch.expires_at, Batch.created_at,
-                       Batch.window_seconds, Batch.seq)
+                       Batch.window_seconds, Batch.seq, Batch.claimed_by)
                 .where(Batch.id.in_(sorted(self.owned)))
                 .order_by(Batch.seq)
             ).all()
-        return [_Owned(r.id, r.tenant_id, r.status, r.expires_at or (r.created_at + r.window_seconds), r.seq)
-                for r in rows]
+        mine = [_Owned(r.id, r.tenant_id, r.status, r.expires_at or (r.created_at + r.window_seconds), r.seq)
+                for r in rows if r.status in ACTIVE_STATUSES and r.claimed_by == self.config.name]
+        # Finished elsewhere (failed by another path, say) or taken over after our lease ran out: let go.
+        self.owned = {b.id for b in mine}
+        return mine
 
     def _expand(self, batch: _Owned, done: Round) -> bool:
         """Validate and expand; True if the batch is now in_progress."""
