@@ -325,3 +325,26 @@ def test_sighup_rejects_a_bad_config_and_applies_a_good_one(stack):
     state = gw.state()
     assert state["config"]["digest"] != first
     assert next(b for b in state["bands"] if b["priority"] == -10)["ceiling"] == 0.25
+
+
+def test_utilization_detector_reads_the_replicas_metrics(stack):
+    sims = stack.sim(1, "--max-num-seqs", "1")
+    # With one sequence at a time the replica queues the rest: waiting / queueDepthThreshold drives saturation.
+    gw = stack.gateway(sims, "saturation: {detector: utilization, queueDepthThreshold: 2}\n"
+                             "metrics: {scrapeIntervalSeconds: 0.05}\nusageLimit: {policy: static}\n")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            calls = [asyncio.create_task(client.post("/v1/completions", json=body(30))) for _ in range(6)]
+            state = await wait_until(lambda: (s := gw.state())["saturation"] >= 1.0 and s)
+            calls += [asyncio.create_task(client.post("/v1/completions", json=body(5))) for _ in range(2)]
+            held = await wait_until(lambda: (s := gw.state())["queued"] and s)
+            results = await asyncio.gather(*calls)
+        return state, held, results
+
+    state, held, results = asyncio.run(main())
+    assert [r.status_code for r in results] == [200] * 8
+    assert state["detector"] == "utilization" and state["stale_replicas"] == 0
+    assert state["replicas"][0]["waiting"] >= 2  # the scraped vllm:num_requests_waiting, 2 = the threshold
+    assert held["queued"] >= 1 and held["saturation"] >= 1.0  # saturated: the gateway holds new work
+    assert all(r.headers.get("x-holdback-queue-ms") for r in results[6:])
