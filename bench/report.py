@@ -1,0 +1,380 @@
+"""Turn a study's raw records into its figures, summary JSON, Markdown report and PNG plots.
+
+Nothing here is typed in by hand except the seed's own published numbers (SEED), which the report
+prints beside ours. Run `holdback bench report DIR` to regenerate everything from DIR/raw/*.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from bench.stack import metric_sum
+
+# The seed study's published medians (000_b20857e45f36b932.txt).
+SEED = {
+    "realtime_only": {"p95_ttft_ms": 342},
+    "no_controls": {"p95_ttft_ms": 561},
+    "holdback_50": {"p95_ttft_ms": 341, "batch_completions": 1648},
+    "holdback_50_evict": {"p95_ttft_ms": 348, "batch_completions": 1798, "evictions": 38, "evicted_completed": 38},
+    "reserve_25_evict": {"p95_ttft_ms": 1055, "evictions": 25, "recomputed_tokens": 9076, "batch_p95_e2e_s": 12.24},
+    "reserve_75_evict": {"p95_ttft_ms": 1019},
+    "reserve_25_noevict": {"p95_ttft_ms": 1350, "batch_p95_e2e_s": 8.51},
+}
+SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict", 75)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _completed_at(samples: list[dict], t: float) -> float | None:
+    """Completed count at time t, interpolated between the two samples around it."""
+    pts = [(s["t"], s["completed"]) for s in samples if "completed" in s]
+    if not pts:
+        return None
+    before = [p for p in pts if p[0] <= t]
+    after = [p for p in pts if p[0] >= t]
+    if not before:
+        return after[0][1]
+    if not after:
+        return before[-1][1]
+    (t0, c0), (t1, c1) = before[-1], after[0]
+    return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+
+def _histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float | None:
+    buckets = []
+    for key, value in metrics.items():
+        if key.startswith(f"{name}_bucket{{"):
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((math.inf if le == "+Inf" else float(le), value))
+    if not buckets:
+        return None
+    merged: dict[float, float] = {}
+    for le, v in buckets:
+        merged[le] = merged.get(le, 0.0) + v
+    ordered = sorted(merged.items())
+    total = ordered[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in ordered:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def figures(record: dict) -> dict:
+    """Every figure of one run, derived from its raw record."""
+    rt = record.get("realtime", [])
+    ok = [r for r in rt if r["status"] == 200 and r["ttft_s"] is not None]
+    ttfts = [r["ttft_s"] * 1000 for r in ok]
+    rows = record.get("rows") or []
+    samples = record.get("samples") or []
+    win = record.get("window") or {}
+    f: dict = {
+        "scenario": record["scenario"]["name"],
+        "repeat": record["repeat"],
+        "realtime_requests": len(rt),
+        "realtime_ok": len(ok),
+        "realtime_errors": len(rt) - len(ok),
+        "p95_ttft_ms": percentile(ttfts, 0.95),
+        "p50_ttft_ms": percentile(ttfts, 0.50),
+        "realtime_queued_p95_ms": percentile([r["queue_ms"] for r in rt if r.get("queue_ms") is not None], 0.95),
+    }
+    if not record["scenario"]["batch"]:
+        return f
+    start = win.get("realtime_start", 0.0)
+    c0, c1 = _completed_at(samples, start), _completed_at(samples, start + win.get("window_s", 0.0))
+    f["batch_completions"] = None if c0 is None or c1 is None else round(c1 - c0)
+    evicted_rows = [r for r in rows if r.get("evictions", 0) > 0]
+    f["evictions"] = sum(r.get("evictions", 0) for r in rows)
+    f["evicted_requests"] = len(evicted_rows)
+    f["evicted_completed"] = sum(1 for r in evicted_rows if r["status"] == "succeeded")
+    ids = record.get("output_custom_ids") or []
+    f["duplicate_final_results"] = len(ids) - len(set(ids))
+    f["duplicates_suppressed"] = sum(r.get("duplicates", 0) for r in rows)
+    f["gateway_evictions"] = metric_sum(record.get("gateway_metrics", {}), "holdback_gateway_evictions_total",
+                                        outcome="issued")
+    # Tokens the replicas computed that no final result returned: prompts recomputed after an eviction
+    # and outputs cut short by one.
+    sim = record.get("sim_metrics") or []
+    computed = sum(metric_sum(m, "vllm:prompt_tokens_total") + metric_sum(m, "vllm:generation_tokens_total")
+                   for m in sim)
+    returned = sum(r.get("input_tokens", 0) + r.get("output_tokens", 0) for r in rows if r["status"] == "succeeded")
+    returned += sum(r.get("prompt_tokens", 0) + r.get("output_tokens", 0) for r in rt if r["status"] == 200)
+    f["recomputed_tokens"] = int(computed - returned)
+    window_end = record.get("started_at", 0) + 1e12  # rows carry wall-clock times; keep every finished row
+    e2e = [r["finished_at"] - r["first_attempt_at"] for r in rows
+           if r["status"] == "succeeded" and r.get("first_attempt_at") and r.get("finished_at")
+           and r["finished_at"] < window_end]
+    f["batch_p95_e2e_s"] = percentile(e2e, 0.95)
+    gm = record.get("gateway_metrics", {})
+    f["release_p50_ms"] = _ms(_histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.5))
+    f["release_p99_ms"] = _ms(_histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.99))
+    f["evicted_all_done"] = record.get("evicted_all_done")
+    return f
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _median(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(run_figures: list[dict]) -> dict[str, dict]:
+    by: dict[str, list[dict]] = {}
+    for f in run_figures:
+        by.setdefault(f["scenario"], []).append(f)
+    out = {}
+    for name, runs in by.items():
+        keys = sorted({k for r in runs for k in r if k not in ("scenario", "repeat", "evicted_all_done")})
+        med = {k: _median([r.get(k) for r in runs]) for k in keys}
+        # Counts that must hold in every run are summed, not medianed.
+        for k in ("evictions", "evicted_requests", "evicted_completed", "duplicate_final_results",
+                  "duplicates_suppressed", "realtime_errors"):
+            if any(k in r for r in runs):
+                med[f"{k}_sum"] = sum(r.get(k) or 0 for r in runs)
+        med["repeats"] = len(runs)
+        out[name] = med
+    return out
+
+
+def load(out_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    meta = json.loads((out_dir / "study.json").read_text()) if (out_dir / "study.json").exists() else {}
+    records = [json.loads(p.read_text()) for p in sorted((out_dir / "raw").glob("*.json"))]
+    return meta, records, [figures(r) for r in records]
+
+
+def _fmt(v, digits: int = 0, suffix: str = "") -> str:  # noqa: ANN001
+    if v is None:
+        return "—"
+    if isinstance(v, float) and digits == 0:
+        return f"{v:,.0f}{suffix}"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}{suffix}"
+    return f"{v:,}{suffix}"
+
+
+def _pct(a, b) -> str:  # noqa: ANN001
+    if a is None or b in (None, 0):
+        return "—"
+    return f"{(a / b - 1) * 100:+.0f}%"
+
+
+def headline(summary: dict[str, dict]) -> list[tuple[str, bool | None, str]]:
+    """The issue's three checks against the seed, each with a verdict and the numbers behind it."""
+    g = lambda s, k: (summary.get(s) or {}).get(k)  # noqa: E731
+    base, nc, hb = g("realtime_only", "p95_ttft_ms"), g("no_controls", "p95_ttft_ms"), g("holdback_50", "p95_ttft_ms")
+    checks: list[tuple[str, bool | None, str]] = []
+    if base and nc:
+        rise = nc / base - 1
+        checks.append(("No controls raises realtime p95 TTFT well above baseline (seed +64%)", rise >= 0.25,
+                       f"ours {_fmt(base)} → {_fmt(nc)} ms ({rise * 100:+.0f}%)"))
+    if base and hb:
+        diff = hb / base - 1
+        checks.append(("Holdback brings realtime p95 TTFT back within 5% of baseline (seed 341 vs 342 ms)",
+                       abs(diff) <= 0.05 or hb <= base, f"ours {_fmt(hb)} vs {_fmt(base)} ms ({diff * 100:+.1f}%)"))
+    c_hb, c_ev = g("holdback_50", "batch_completions"), g("holdback_50_evict", "batch_completions")
+    ev = g("holdback_50_evict", "evicted_requests_sum")
+    done = g("holdback_50_evict", "evicted_completed_sum")
+    dup = sum((v.get("duplicate_final_results_sum") or 0) for v in summary.values())
+    if c_hb and c_ev is not None:
+        checks.append(("Eviction and retry raise batch completions (seed +9%)", c_ev > c_hb,
+                       f"ours {_fmt(c_hb)} → {_fmt(c_ev)} ({_pct(c_ev, c_hb)})"))
+    if ev is not None:
+        checks.append(("Every evicted request completed after retry, zero duplicates (seed 38 of 38)",
+                       ev == done and dup == 0 and ev > 0,
+                       f"ours {done} of {ev} evicted requests completed; {dup} duplicate final results in all runs"))
+    return checks
+
+
+def render(out_dir: Path) -> Path:
+    meta, records, run_figs = load(out_dir)
+    summary = summarize(run_figs)
+    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "scenarios": summary, "runs": run_figs,
+                                                      "headline": headline(summary)}, indent=2))
+    plots = make_plots(out_dir, records, summary)
+    md = report_markdown(meta, summary, run_figs, plots)
+    path = out_dir / "report.md"
+    path.write_text(md)
+    return path
+
+
+def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], plots: list[str]) -> str:
+    from bench.study import SCENARIOS
+
+    w = meta.get("workload", {})
+    s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
+    lines = ["# Holdback and eviction study: ours beside the seed", ""]
+    lines += [f"Mode: {'quick' if w.get('window_s', 300) < 300 else 'full'} — window {w.get('window_s')} s per "
+              f"scenario, batch lead {w.get('lead_s')} s, {meta.get('repeats')} repeat(s), seed {meta.get('seed')}. "
+              f"Figures are medians over repeats; every number below is computed by `bench/report.py` from "
+              f"the raw records in `raw/`.", ""]
+    lines += ["## Headline", "", "| check | verdict | figures |", "|---|---|---|"]
+    for text, ok, detail in headline(summary):
+        lines.append(f"| {text} | {'yes' if ok else 'NO'} | {detail} |")
+    base = s("realtime_only", "p95_ttft_ms")
+    lines += ["", "## Realtime result (seed: table 'Realtime latency was preserved under mixed load')", "",
+              "| scenario | seed p95 TTFT | ours p95 TTFT | seed vs baseline | ours vs baseline | realtime errors |",
+              "|---|---|---|---|---|---|"]
+    for name in ("realtime_only", "no_controls", "holdback_50", "holdback_50_evict"):
+        seed_v = SEED.get(name, {}).get("p95_ttft_ms")
+        ours = s(name, "p95_ttft_ms")
+        lines.append(f"| {SCENARIOS[name].title} | {_fmt(seed_v, suffix=' ms')} | {_fmt(ours, suffix=' ms')} | "
+                     f"{_pct(seed_v, SEED['realtime_only']['p95_ttft_ms'])} | {_pct(ours, base)} | "
+                     f"{_fmt(s(name, 'realtime_errors_sum'))} |")
+    lines += ["", "## Eviction result (seed: 'Eviction and retry completed 9% more batch requests')", "",
+              "| figure | seed holdback | seed + eviction | ours holdback | ours + eviction |", "|---|---|---|---|---|",
+              f"| batch completions in window | 1,648 | 1,798 (+9%) | {_fmt(s('holdback_50', 'batch_completions'))} | "
+              f"{_fmt(s('holdback_50_evict', 'batch_completions'))} "
+              f"({_pct(s('holdback_50_evict', 'batch_completions'), s('holdback_50', 'batch_completions'))}) |",
+              f"| realtime p95 TTFT | 341 ms | 348 ms | {_fmt(s('holdback_50', 'p95_ttft_ms'), suffix=' ms')} | "
+              f"{_fmt(s('holdback_50_evict', 'p95_ttft_ms'), suffix=' ms')} |",
+              f"| evicted requests completed after retry | — | 38 of 38 | — | "
+              f"{_fmt(s('holdback_50_evict', 'evicted_completed_sum'))} of {_fmt(s('holdback_50_evict', 'evicted_requests_sum'))} |",
+              f"| batch p95 end-to-end | — | — | {_fmt(s('holdback_50', 'batch_p95_e2e_s'), 2, ' s')} | "
+              f"{_fmt(s('holdback_50_evict', 'batch_p95_e2e_s'), 2, ' s')} |"]
+    lines += ["", "## Reserve sweep with eviction (seed: 1,055 / 967 / 1,019 ms)", "",
+              "| reserve | batch ceiling | seed p95 TTFT | ours p95 TTFT | ours batch completions | ours evictions |",
+              "|---|---|---|---|---|---|"]
+    for name, reserve in SWEEP:
+        lines.append(f"| {reserve}% | {100 - reserve}% | {_fmt(SEED[name]['p95_ttft_ms'], suffix=' ms')} | "
+                     f"{_fmt(s(name, 'p95_ttft_ms'), suffix=' ms')} | {_fmt(s(name, 'batch_completions'))} | "
+                     f"{_fmt(s(name, 'evictions'))} |")
+    lines += ["", "## Eviction off versus on at 25% reserve (seed: 1,350 → 1,055 ms, 25 evictions, 9,076 tokens, "
+              "batch p95 8.51 → 12.24 s)", "",
+              "| figure | seed off | seed on | ours off | ours on |", "|---|---|---|---|---|",
+              f"| realtime p95 TTFT | 1,350 ms | 1,055 ms | {_fmt(s('reserve_25_noevict', 'p95_ttft_ms'), suffix=' ms')} | "
+              f"{_fmt(s('reserve_25_evict', 'p95_ttft_ms'), suffix=' ms')} |",
+              f"| evictions | 0 | 25 | {_fmt(s('reserve_25_noevict', 'evictions'))} | {_fmt(s('reserve_25_evict', 'evictions'))} |",
+              f"| recomputed or unreturned tokens | — | 9,076 | {_fmt(s('reserve_25_noevict', 'recomputed_tokens'))} | "
+              f"{_fmt(s('reserve_25_evict', 'recomputed_tokens'))} |",
+              f"| batch p95 end-to-end | 8.51 s | 12.24 s | {_fmt(s('reserve_25_noevict', 'batch_p95_e2e_s'), 2, ' s')} | "
+              f"{_fmt(s('reserve_25_evict', 'batch_p95_e2e_s'), 2, ' s')} |",
+              f"| blocked arrival → capacity released, p50 / p99 | — | — | — | "
+              f"{_fmt(s('reserve_25_evict', 'release_p50_ms'), 1, ' ms')} / {_fmt(s('reserve_25_evict', 'release_p99_ms'), 1, ' ms')} |"]
+    lines += ["", "## Two replicas and the standard-priority check", "",
+              "| scenario | p95 TTFT | batch completions | evictions | evicted completed | duplicates |",
+              "|---|---|---|---|---|---|"]
+    for name in ("holdback_50_evict", "two_replicas", "standard_check"):
+        lines.append(f"| {SCENARIOS[name].title} | {_fmt(s(name, 'p95_ttft_ms'), suffix=' ms')} | "
+                     f"{_fmt(s(name, 'batch_completions'))} | {_fmt(s(name, 'evictions_sum'))} | "
+                     f"{_fmt(s(name, 'evicted_completed_sum'))} of {_fmt(s(name, 'evicted_requests_sum'))} | "
+                     f"{_fmt(s(name, 'duplicate_final_results_sum'))} |")
+    lines += ["", "## Every run", "",
+              "| run | p95 TTFT ms | batch done | evictions | evicted → completed | dup | recomputed tok | "
+              "batch p95 e2e s | release p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in run_figs:
+        lines.append(f"| {f['scenario']} r{f['repeat']} | {_fmt(f.get('p95_ttft_ms'))} | {_fmt(f.get('batch_completions'))} | "
+                     f"{_fmt(f.get('evictions'))} | {_fmt(f.get('evicted_completed'))}/{_fmt(f.get('evicted_requests'))} | "
+                     f"{_fmt(f.get('duplicate_final_results'))} | {_fmt(f.get('recomputed_tokens'))} | "
+                     f"{_fmt(f.get('batch_p95_e2e_s'), 2)} | {_fmt(f.get('release_p99_ms'), 1)} |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Workload", "", "```json", json.dumps(w, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.study import SCENARIOS
+
+    made = []
+    names = [n for n in SCENARIOS if n in summary]
+    labels = [SCENARIOS[n].title.replace(" + ", "\n+ ").replace(", ", ",\n") for n in names]
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    ours = [summary[n].get("p95_ttft_ms") or 0 for n in names]
+    seed = [SEED.get(n, {}).get("p95_ttft_ms") for n in names]
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], ours, width=0.4, label="holdback (ours)", color="#3b6fb6")
+    ax.bar([i + 0.2 for i in x], [v or 0 for v in seed], width=0.4, label="seed", color="#b0b0b0")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("realtime p95 TTFT (ms)")
+    ax.set_title("Realtime p95 time to first token by scenario (median over repeats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "p95_ttft_by_scenario.png", dpi=110)
+    plt.close(fig)
+    made.append("p95_ttft_by_scenario.png")
+
+    bnames = [n for n in names if SCENARIOS[n].batch]
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    ax.bar(range(len(bnames)), [summary[n].get("batch_completions") or 0 for n in bnames], color="#7a4fb0")
+    ax.set_xticks(range(len(bnames)), [SCENARIOS[n].title.replace(" + ", "\n+ ").replace(", ", ",\n") for n in bnames],
+                  fontsize=7)
+    ax.set_ylabel("batch completions in the window")
+    ax.set_title("Batch completions by scenario (median over repeats)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "batch_completions_by_scenario.png", dpi=110)
+    plt.close(fig)
+    made.append("batch_completions_by_scenario.png")
+
+    sweep = [(r, summary[n]) for n, r in SWEEP if n in summary]
+    if sweep:
+        fig, ax1 = plt.subplots(figsize=(7, 4.2))
+        ax1.plot([r for r, _ in sweep], [v.get("p95_ttft_ms") or 0 for _, v in sweep], "o-", color="#3b6fb6",
+                 label="ours p95 TTFT")
+        ax1.plot([r for _, r in SWEEP], [SEED[n]["p95_ttft_ms"] for n, _ in SWEEP], "s--", color="#999999",
+                 label="seed p95 TTFT")
+        ax1.set_xlabel("reserved capacity for realtime (%)")
+        ax1.set_ylabel("realtime p95 TTFT (ms)")
+        ax2 = ax1.twinx()
+        ax2.bar([r for r, _ in sweep], [v.get("batch_completions") or 0 for _, v in sweep], width=8, alpha=0.25,
+                color="#7a4fb0", label="ours batch completions")
+        ax2.set_ylabel("batch completions in the window")
+        ax1.set_title("Reserve sweep with eviction")
+        h1, l1 = ax1.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax1.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(out_dir / "reserve_sweep.png", dpi=110)
+        plt.close(fig)
+        made.append("reserve_sweep.png")
+
+    for name in ("reserve_25_evict", "holdback_50_evict"):
+        rec = next((r for r in records if r["scenario"]["name"] == name), None)
+        if rec is None:
+            continue
+        fig, ax = plt.subplots(figsize=(10, 4))
+        start = (rec.get("window") or {}).get("realtime_start", 0.0)
+        pts = [(r["sent_s"], r["ttft_s"] * 1000) for r in rec["realtime"] if r.get("ttft_s") is not None]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color="#3b6fb6", label="realtime TTFT")
+        prev = None
+        first = True
+        for smp in rec.get("samples") or []:
+            ev = smp.get("evictions")
+            if ev is not None and prev is not None and ev > prev:
+                ax.axvline(smp["t"] - start, color="#d04040", alpha=0.5, lw=1, label="eviction" if first else None)
+                first = False
+            if ev is not None:
+                prev = ev
+        ax.set_xlabel("seconds since realtime traffic started")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"Realtime TTFT over time with evictions marked — {SCENARIOS[name].title}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fname = f"ttft_over_time_{name}.png"
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        made.append(fname)
+    return made

@@ -1,0 +1,244 @@
+"""A whole holdback stack for one benchmark run, started through the CLI like an operator would.
+
+Each run gets a fresh data dir (SQLite and an embedded Redis), fresh ports, its own gateway config
+and simulated replicas; everything is stopped and the Redis shut down when the run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def _free_port_block(n: int) -> int:
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65000:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
+
+@dataclass
+class StackSpec:
+    replicas: int = 1
+    sim_args: list[str] = field(default_factory=list)
+    gateway: dict = field(default_factory=dict)  # merged over the base gateway config
+    worker_concurrency: int = 64
+    backoff_base: float = 2.0
+    backoff_cap: float = 60.0
+
+
+class Stack:
+    """Start with `with Stack(spec, log_dir) as stack:`; `stack.start_workers()` when batch should begin."""
+
+    def __init__(self, spec: StackSpec, log_dir: Path):
+        self.spec = spec
+        self.log_dir = log_dir
+        self.data_dir = Path(tempfile.mkdtemp(prefix="hbb-"))
+        base = _free_port_block(4 + spec.replicas)
+        self.api_port, self.gateway_port, self.sim_port = base, base + 1, base + 2
+        self.admin_key = "hb-admin-" + secrets.token_urlsafe(12)
+        self.realtime_key = "hb-rt-" + secrets.token_urlsafe(12)
+        self.batch_key = "hb-bw-" + secrets.token_urlsafe(12)
+        self.tenant_key: str | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {
+            **os.environ,
+            "HOLDBACK_DATA_DIR": str(self.data_dir),
+            "HOLDBACK_ADMIN_KEY": self.admin_key,
+            "HOLDBACK_GATEWAY_URL": self.gateway_url,
+            "HOLDBACK_GATEWAY_KEY": self.batch_key,
+            "HOLDBACK_GATEWAY_BATCH_KEY": self.batch_key,
+            "HOLDBACK_GATEWAY_REALTIME_KEY": self.realtime_key,
+            "PYTHONUNBUFFERED": "1",
+        }
+        for var in ("DATABASE_URL", "REDIS_URL"):
+            self.env.pop(var, None)
+
+    # -- addresses ---------------------------------------------------------
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.sim_port + i}" for i in range(self.spec.replicas)]
+
+    # -- lifecycle ---------------------------------------------------------
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "holdback.cli", *args], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def _wait(self, name: str, url: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited early; see {self.log_dir / (name + '.log')}")
+            try:
+                if httpx.get(url, timeout=1).status_code < 300:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} not ready at {url}; see {self.log_dir / (name + '.log')}")
+
+    def gateway_config(self) -> dict:
+        config = {
+            "replicas": self.replica_urls,
+            "anonymous": {"enabled": False},
+            "keys": [
+                {"key_env": "HOLDBACK_GATEWAY_REALTIME_KEY", "tenant": "realtime",
+                 "objectives": ["realtime", "standard", "batch"], "defaultObjective": "realtime"},
+                {"key_env": "HOLDBACK_GATEWAY_BATCH_KEY", "tenant": "batch", "objectives": ["batch"]},
+            ],
+        }
+        return _merge(config, self.spec.gateway)
+
+    def start(self) -> "Stack":
+        db = self.data_dir / "holdback.db"
+        subprocess.run([sys.executable, "-m", "holdback.cli", "db", "upgrade"], env=self.env, check=True,
+                       stdout=subprocess.DEVNULL)
+        assert db.exists(), "db upgrade did not create the SQLite file"
+        cfg = self.data_dir / "gateway.yaml"
+        cfg.write_text(yaml.safe_dump(self.gateway_config(), sort_keys=False))
+        self._start("sim", "sim", "--port", str(self.sim_port), "--replicas", str(self.spec.replicas),
+                    *self.spec.sim_args)
+        self._start("gateway", "gateway", "--config", str(cfg), "--port", str(self.gateway_port))
+        self._start("api", "api", "--port", str(self.api_port))
+        self._start("processor", "processor", "--poll-interval", "0.1")
+        for i in range(self.spec.replicas):
+            self._wait("sim", f"{self.replica_urls[i]}/health")
+        self._wait("gateway", f"{self.gateway_url}/health")
+        self._wait("api", f"{self.api_url}/readyz")
+        r = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "study"},
+                       headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
+        r.raise_for_status()
+        self.tenant_key = r.json()["key"]
+        return self
+
+    def start_workers(self) -> None:
+        self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
+                    "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap))
+
+    def stop_workers(self, timeout: float = 60.0) -> None:
+        """SIGTERM the workers and wait: they finish what is in flight (drain) before exiting."""
+        proc = self.procs.get("worker")
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        subprocess.run([sys.executable, "-c",
+                        "import sys; from pathlib import Path; from holdback.broker import stop_embedded_redis; "
+                        "stop_embedded_redis(Path(sys.argv[1]))", str(self.data_dir)],
+                       env=self.env, check=False)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "Stack":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- public read-outs --------------------------------------------------
+    def gateway_state(self) -> dict:
+        return httpx.get(f"{self.gateway_url}/admin/state", timeout=5).json()
+
+    def sim_metrics(self) -> list[dict[str, float]]:
+        return [parse_prometheus(httpx.get(f"{u}/metrics", timeout=5).text) for u in self.replica_urls]
+
+    def gateway_metrics(self) -> dict[str, float]:
+        return parse_prometheus(httpx.get(f"{self.gateway_url}/metrics", timeout=5).text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Flat {'name{labels}': value} of a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        try:
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a metric over every series whose labels include `labels`."""
+    total = 0.0
+    for key, value in metrics.items():
+        base = key.split("{", 1)[0]
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,286 @@
+"""The seed's holdback-and-eviction study, run against a real holdback stack.
+
+Each scenario starts a fresh stack (simulated replicas, gateway, Batch API, processor, workers),
+submits one real batch job through the Batch API, starts the workers `lead` seconds before realtime
+traffic, then sends the same seeded realtime schedule to the gateway for `window` seconds. After the
+window it lets every evicted request finish its retry, drains the workers, reads the figures through
+public interfaces (Batch API, admin API, gateway and simulator metrics) and writes one raw record per
+run. `bench.report` turns the raw records into the summary, the Markdown report and the plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from bench.stack import Stack, StackSpec, metric_sum
+from bench.traffic import prompt_text, run_realtime, schedule
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every scenario sends; the same for all of them within one study."""
+
+    lead_s: float = 60.0  # batch workers start this long before realtime traffic
+    window_s: float = 300.0
+    burst: int = 32
+    rate: float = 4.0
+    realtime_prompt_words: int = 1200
+    realtime_max_tokens: int = 24
+    batch_prompt_words: int = 600
+    batch_max_tokens: int = 256
+    batch_requests: int = 4000
+    worker_concurrency: int = 64
+    max_concurrency: int = 48
+    backoff_base: float = 2.0
+    backoff_cap: float = 60.0
+    # The simulator's calibrated timing (see docs/study/README or the report's calibration section).
+    sim_args: tuple[str, ...] = (
+        "--step-overhead-ms", "3", "--prefill-ms-per-token", "0.06", "--decode-base-ms", "9",
+        "--decode-ms-per-seq", "0.35", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+        "--num-blocks", "40000", "--jitter", "0.05",
+    )
+    drain_timeout_s: float = 120.0
+
+
+QUICK = Workload(lead_s=12.0, window_s=40.0, batch_requests=1200, backoff_base=1.0, backoff_cap=8.0,
+                 drain_timeout_s=60.0)
+FULL = Workload()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    batch: bool = True
+    batch_ceiling: float | None = 0.5  # None: no holdback (batch may fill the whole budget)
+    eviction: bool = False
+    replicas: int = 1
+    objective: str = "realtime"  # what the interactive traffic asks for
+
+    def gateway_overrides(self, w: Workload) -> dict:
+        # Explicit ceilings per band: realtime and standard may use the whole pool, batch stops at its ceiling
+        # (no holdback: batch may fill the whole request budget too).
+        batch_ceiling = 1.0 if self.batch_ceiling is None else self.batch_ceiling
+        bands = [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
+                 {"priority": -10, "ceiling": batch_ceiling, "fairness": "round-robin"}]
+        return {
+            "saturation": {"detector": "concurrency", "maxConcurrency": w.max_concurrency, "headroom": 0.0},
+            "usageLimit": {"policy": "static", "threshold": 1.0},
+            "flowControl": {"bands": bands},
+            "eviction": {"enabled": self.eviction, "maxPerDecision": 2},
+        }
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("realtime_only", "Realtime only", batch=False),
+    Scenario("no_controls", "Realtime + batch, no controls", batch_ceiling=None),
+    Scenario("holdback_50", "Priority holdback (50% reserve)", batch_ceiling=0.5),
+    Scenario("holdback_50_evict", "Holdback (50%) + eviction and retry", batch_ceiling=0.5, eviction=True),
+    Scenario("reserve_25_evict", "Reserve 25% + eviction", batch_ceiling=0.75, eviction=True),
+    Scenario("reserve_75_evict", "Reserve 75% + eviction", batch_ceiling=0.25, eviction=True),
+    Scenario("reserve_25_noevict", "Reserve 25%, eviction off", batch_ceiling=0.75, eviction=False),
+    Scenario("two_replicas", "Holdback (50%) + eviction, two replicas", batch_ceiling=0.5, eviction=True, replicas=2),
+    Scenario("standard_check", "Standard (priority 0) reclaims from batch", batch_ceiling=0.5, eviction=True,
+             objective="standard"),
+)}
+
+
+@dataclass
+class Sampler(threading.Thread):
+    """Samples batch progress and the gateway's state once per `interval` while a run goes on."""
+
+    stack: Stack
+    batch_id: str
+    interval: float = 0.5
+    samples: list[dict] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        threading.Thread.__init__(self, daemon=True)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.stack.tenant_key}"}
+        with httpx.Client(timeout=5) as client:
+            while not self._stop_event.is_set():
+                t = time.monotonic() - self.t0
+                sample: dict = {"t": t}
+                try:
+                    b = client.get(f"{self.stack.api_url}/v1/batches/{self.batch_id}", headers=headers).json()
+                    sample["completed"] = (b.get("request_counts") or {}).get("completed", 0)
+                    sample["failed"] = (b.get("request_counts") or {}).get("failed", 0)
+                    st = client.get(f"{self.stack.gateway_url}/admin/state").json()
+                    sample["bands"] = {str(x.get("priority")): {"queued": x.get("queued"), "in_flight": x.get("in_flight")}
+                                       for x in st.get("bands", [])}
+                    sample["evictions"] = _eviction_total(st)
+                    sample["saturation"] = st.get("saturation")
+                except (httpx.HTTPError, ValueError) as exc:
+                    sample["error"] = repr(exc)[:120]
+                self.samples.append(sample)
+                self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(10)
+
+
+def _eviction_total(state: dict) -> int:
+    ev = state.get("evictions")
+    if isinstance(ev, dict):
+        for key in ("issued", "total"):
+            if isinstance(ev.get(key), (int, float)):
+                return int(ev[key])
+        return int(sum(v for v in ev.values() if isinstance(v, (int, float))))
+    return int(ev or 0)
+
+
+def batch_file(w: Workload, model: str, seed: int) -> bytes:
+    rng = random.Random(seed + 2)
+    out = io.StringIO()
+    for i in range(w.batch_requests):
+        out.write(json.dumps({
+            "custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": w.batch_max_tokens, "ignore_eos": True,
+                     "messages": [{"role": "user", "content": prompt_text(rng, w.batch_prompt_words)}]},
+        }) + "\n")
+    return out.getvalue().encode()
+
+
+def _admin_rows(stack: Stack, batch_id: str) -> list[dict]:
+    rows: list[dict] = []
+    after = None
+    headers = {"Authorization": f"Bearer {stack.admin_key}"}
+    while True:
+        params = {"limit": 1000, **({"after": after} if after else {})}
+        page = httpx.get(f"{stack.api_url}/admin/batches/{batch_id}/requests", params=params, headers=headers,
+                         timeout=30).json()
+        rows.extend(page["data"])
+        if not page.get("has_more") or not page["data"]:
+            return rows
+        after = page["data"][-1]["id"]
+
+
+def _wait_evicted_done(stack: Stack, batch_id: str, timeout: float) -> bool:
+    """Wait until every request that was evicted has a final result (its retry completed)."""
+    deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {stack.admin_key}"}
+    while time.monotonic() < deadline:
+        page = httpx.get(f"{stack.api_url}/admin/batches/{batch_id}/requests",
+                         params={"evicted": "true", "unfinished": "true", "limit": 1}, headers=headers, timeout=30).json()
+        if not page["data"]:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Path, log=print) -> dict:  # noqa: ANN001
+    spec = StackSpec(replicas=scenario.replicas, sim_args=list(w.sim_args), gateway=scenario.gateway_overrides(w),
+                     worker_concurrency=w.worker_concurrency, backoff_base=w.backoff_base, backoff_cap=w.backoff_cap)
+    run_name = f"{scenario.name}-r{repeat}"
+    record: dict = {"scenario": asdict(scenario), "repeat": repeat, "seed": seed, "workload": asdict(w),
+                    "started_at": time.time()}
+    with Stack(spec, out_dir / "logs" / run_name) as stack:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{stack.api_url}/v1", api_key=stack.tenant_key, max_retries=2)
+        model = httpx.get(f"{stack.gateway_url}/v1/models",
+                          headers={"Authorization": f"Bearer {stack.realtime_key}"}, timeout=10).json()["data"][0]["id"]
+        batch_id = None
+        if scenario.batch:
+            f = client.files.create(file=("study.jsonl", io.BytesIO(batch_file(w, model, seed))), purpose="batch")
+            batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                          metadata={"scenario": scenario.name, "repeat": str(repeat)})
+            batch_id = batch.id
+            deadline = time.monotonic() + 60
+            while client.batches.retrieve(batch_id).status == "validating":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{run_name}: batch still validating after 60 s")
+                time.sleep(0.2)
+            stack.start_workers()
+        sampler = Sampler(stack, batch_id) if batch_id else None
+        if sampler:
+            sampler.start()
+        time.sleep(w.lead_s if scenario.batch else 1.0)
+        t_rt = time.monotonic()
+        offsets = schedule(seed, w.burst, w.rate, w.window_s)
+        realtime = asyncio.run(run_realtime(stack.gateway_url, stack.realtime_key, model, offsets,
+                                            objective=scenario.objective, prompt_words=w.realtime_prompt_words,
+                                            max_tokens=w.realtime_max_tokens, seed=seed))
+        t_end = time.monotonic()
+        record["realtime"] = [r.to_json() for r in realtime]
+        record["window"] = {"realtime_start": (t_rt - sampler.t0) if sampler else 0.0,
+                            "window_s": w.window_s, "traffic_done": (t_end - sampler.t0) if sampler else t_end - t_rt}
+        record["evicted_all_done"] = None
+        if batch_id:
+            record["evicted_all_done"] = _wait_evicted_done(stack, batch_id, w.drain_timeout_s)
+            # Drain: the workers finish what is in flight, so every token the replicas computed is either
+            # returned in a final result or was lost to an eviction.
+            stack.stop_workers()
+        record["sim_metrics"] = stack.sim_metrics()
+        record["gateway_metrics"] = {k: v for k, v in stack.gateway_metrics().items() if k.startswith("holdback_gateway")}
+        record["gateway_state"] = stack.gateway_state()
+        if sampler:
+            sampler.stop()
+            record["samples"] = sampler.samples
+        if batch_id:
+            record["rows"] = _admin_rows(stack, batch_id)
+            client.batches.cancel(batch_id)
+            deadline = time.monotonic() + 60
+            b = client.batches.retrieve(batch_id)
+            while b.status not in ("cancelled", "completed") and time.monotonic() < deadline:
+                time.sleep(0.3)
+                b = client.batches.retrieve(batch_id)
+            record["batch_final"] = b.model_dump()
+            lines = []
+            if b.output_file_id:
+                lines = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines() if x.strip()]
+            record["output_custom_ids"] = [x["custom_id"] for x in lines]
+    record["finished_at"] = time.time()
+    (out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    (out_dir / "raw" / f"{run_name}.json").write_text(json.dumps(record))
+    return record
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def show(self, label: str) -> None:
+        width = 30
+        filled = int(width * self.done / self.total) if self.total else width
+        elapsed = time.monotonic() - self.t0
+        sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} runs, "
+                         f"{elapsed:5.0f}s  {label:<40}")
+        sys.stdout.flush()
+
+
+def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "study.json").write_text(json.dumps({"workload": asdict(w), "repeats": repeats, "seed": seed,
+                                                    "scenarios": names}, indent=2))
+    plan = [(SCENARIOS[n], r) for r in range(repeats) for n in names]
+    progress = Progress(len(plan))
+    written = []
+    for scenario, repeat in plan:
+        progress.show(f"{scenario.name} (repeat {repeat + 1}/{repeats})")
+        # Same traffic schedule for every scenario within a repeat; a new one per repeat.
+        run_one(scenario, w, repeat, seed + repeat, out_dir)
+        written.append(out_dir / "raw" / f"{scenario.name}-r{repeat}.json")
+        progress.done += 1
+    progress.show("done")
+    print()
+    return written
+
+
+def with_overrides(w: Workload, **kw) -> Workload:  # noqa: ANN003
+    return replace(w, **{k: v for k, v in kw.items() if v is not None})

@@ -1,0 +1,105 @@
+"""Realtime traffic for the study: an opening burst, then seeded arrivals around a mean rate.
+
+Every request streams; time to first token is measured at the client, from just before the request
+is sent to the first SSE chunk that carries content. The schedule depends only on the seed, so every
+scenario sees the same traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+
+
+@dataclass
+class RealtimeRecord:
+    index: int
+    scheduled_s: float  # offset from the traffic start in the schedule
+    sent_s: float  # offset when actually sent
+    status: int
+    ttft_s: float | None
+    e2e_s: float | None
+    output_tokens: int
+    prompt_tokens: int
+    queue_ms: float | None  # the gateway's x-holdback-queue-ms: arrival to dispatch
+    drop_reason: str | None
+    error: str | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def schedule(seed: int, burst: int, rate: float, seconds: float) -> list[float]:
+    """Send offsets: `burst` at 0, then a Poisson process of `rate` per second until `seconds`."""
+    rng = random.Random(seed)
+    offsets = [0.0] * burst
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return offsets
+        offsets.append(t)
+
+
+def prompt_text(rng: random.Random, words: int) -> str:
+    vocab = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta")
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+async def _one(session: aiohttp.ClientSession, url: str, key: str, objective: str, model: str, prompt: str,
+               max_tokens: int, index: int, scheduled: float, t0: float) -> RealtimeRecord:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
+    headers = {"Authorization": f"Bearer {key}", "x-llm-d-inference-objective": objective}
+    sent = time.monotonic()
+    ttft = None
+    tokens = prompt_tokens = 0
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+            queue_ms = r.headers.get("x-holdback-queue-ms")
+            drop = r.headers.get("x-llm-d-request-dropped-reason")
+            if r.status != 200:
+                text = await r.text()
+                return RealtimeRecord(index, scheduled, sent - t0, r.status, None, None, 0, 0,
+                                      float(queue_ms) if queue_ms else None, drop, text[:200])
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                    ttft = time.monotonic() - sent
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
+            return RealtimeRecord(index, scheduled, sent - t0, 200, ttft, time.monotonic() - sent, tokens, prompt_tokens,
+                                  float(queue_ms) if queue_ms else None, None, None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        return RealtimeRecord(index, scheduled, sent - t0, 0, ttft, None, tokens, prompt_tokens, None, None,
+                              repr(exc)[:200])
+
+
+async def run_realtime(url: str, key: str, model: str, offsets: list[float], *, objective: str = "realtime",
+                       prompt_words: int, max_tokens: int, seed: int) -> list[RealtimeRecord]:
+    rng = random.Random(seed + 1)
+    prompts = [prompt_text(rng, prompt_words) for _ in offsets]
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.monotonic()
+        tasks = []
+        for i, offset in enumerate(offsets):
+            delay = t0 + offset - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                _one(session, url, key, objective, model, prompts[i], max_tokens, i, offset, t0)))
+        return list(await asyncio.gather(*tasks))
