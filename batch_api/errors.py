@@ -22,7 +22,9 @@ class ApiError(Exception):
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers=None):  # noqa: ANN001
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -45,6 +47,9 @@ class BadRequest(ApiError):
 class Unauthorized(ApiError):
     status = 401
     code = "invalid_api_key"
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message, code=code, headers={"www-authenticate": "Bearer"})
 
 
 class Forbidden(ApiError):
@@ -141,20 +146,23 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # This handler runs outside the request middleware, so it repeats the request id itself.
+    request_id = request.scope.get("state", {}).get("request_id", "")
     log.error(
         "request.failed",
         exc_info=exc,
-        extra={"fields": {"method": request.method, "path": request.url.path, "error": repr(exc)}},
+        extra={"fields": {"request_id": request_id, "method": request.method, "path": request.url.path, "error": repr(exc)}},
     )
     return JSONResponse(
         envelope(
-            "The server hit an internal error; the request may be retried. "
-            "If it keeps failing, the operator will find the cause in the API server's log.",
+            "The server hit an internal error; the request may be retried. If it keeps failing, "
+            f"the operator will find the cause in the API server's log under request id {request_id}.",
             "server_error",
             None,
             "internal_error",
         ),
         status_code=500,
+        headers={"x-request-id": request_id},
     )
 
 

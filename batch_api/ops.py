@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from batch_api.auth import ContextDep
 from batch_api.context import ApiContext
-from batch_api.errors import envelope
+from batch_api.errors import ServiceUnavailable
 
 router = APIRouter(tags=["operations"])
 
@@ -26,10 +26,11 @@ async def readyz(context: ContextDep) -> JSONResponse:
     failing = {name: result for name, result in checks.items() if result != "ok"}
     if not failing:
         return JSONResponse({"status": "ready", "checks": checks})
-    message = "Not ready: " + "; ".join(f"{name} unreachable ({result})" for name, result in failing.items())
-    body = envelope(message, "server_error", None, "not_ready")
-    body["checks"] = checks
-    return JSONResponse(body, status_code=503, headers={"retry-after": "5"})
+    error = ServiceUnavailable(
+        "Not ready: " + "; ".join(f"{name} unreachable ({result})" for name, result in failing.items()),
+        headers={"retry-after": "5"},
+    )
+    return JSONResponse({**error.envelope(), "checks": checks}, status_code=error.status, headers=error.headers)
 
 
 @router.get("/metrics", summary="Prometheus metrics")

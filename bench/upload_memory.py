@@ -104,10 +104,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"holdback api exited with {proc.returncode} during start-up")
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            ready = httpx.get(url, timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
+            ready = False
+        if ready:
+            return
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready after {timeout}s")
 

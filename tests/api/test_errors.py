@@ -271,6 +271,7 @@ def test_server_errors_use_the_envelope_too(api, backend):
     r = httpx.get(f"{api.url}/v1/batches", headers={"authorization": f"Bearer {key}"})
     err = assert_error(r, 500, "internal error")
     assert err["type"] == "server_error"
+    assert r.headers["x-request-id"] in err["message"]
     assert "batches" not in err["message"]  # no internals leak to the client
 
 
