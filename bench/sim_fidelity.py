@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-base-ms", type=float, default=8.0)
     p.add_argument("--decode-ms-per-seq", type=float, default=0.08)
-    p.add_argument("--sim-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+    p.add_argument("--sim-loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="event loop of the simulator process")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the simulator and client to CPUs")
     p.add_argument("--sim-cpu", type=int, default=0, help="CPU for the simulator")

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     srv.add_argument("--replicas", type=int, default=1, help="number of replicas in this process")
     srv.add_argument("--model", default="sim-model", help="served model name (requests for another name get 400)")
-    srv.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
-                     help="event loop; auto uses uvloop when it is installed")
+    srv.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                     help="event loop (asyncio keeps step timing closer to the model under load)")
     srv.add_argument("--log-level", default="INFO", help="logging level")
 
     eng = p.add_argument_group("engine (vLLM v1 scheduler)")
@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     tim.add_argument("--zero-latency", action="store_true",
                      help="all costs 0 (for throughput tests of other components)")
     tim.add_argument("--seed", type=int, default=0, help="seed for jitter, random output lengths and faults")
+    tim.add_argument("--timer-spin-ms", type=float, default=1.5,
+                     help="end of each step waited by yielding, not a timer (accuracy; 0 saves CPU)")
 
     flt = p.add_argument_group("fault injection (also POST /admin/faults at runtime)")
     flt.add_argument("--fault-429-rate", type=float, default=0.0, help="fraction of requests answered 429")
@@ -113,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         default_max_tokens=args.default_max_tokens,
         output_length_mode=OutputLengthMode(args.output_length_mode),
         seed=args.seed,
+        timer_spin_ms=args.timer_spin_ms,
     )
 
 
@@ -137,14 +140,12 @@ async def serve(config: SimConfig, host: str, port: int, replicas: int) -> None:
 
 
 def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
-    if kind in ("auto", "uvloop"):
+    if kind == "uvloop":
         try:
             import uvloop
         except ImportError:
-            if kind == "uvloop":
-                raise SystemExit("--loop uvloop: uvloop is not installed; use --loop asyncio") from None
-        else:
-            return uvloop.new_event_loop()
+            raise SystemExit("--loop uvloop: uvloop is not installed; use --loop asyncio") from None
+        return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 

@@ -39,6 +39,8 @@ class SimConfig:
     output_length_mode: OutputLengthMode = OutputLengthMode.FIXED
     embedding_dim: int = 384
     seed: int = 0
+    # Last part of each step waited by yielding instead of a timer, for sub-millisecond accuracy.
+    timer_spin_ms: float = 1.5
 
     def validate(self) -> None:
         self.engine.validate()
@@ -46,6 +48,8 @@ class SimConfig:
         self.faults.validate()
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        if self.timer_spin_ms < 0:
+            raise ValueError(f"timer_spin_ms must not be negative, got {self.timer_spin_ms}")
         if self.embedding_dim < 1:
             raise ValueError(f"embedding_dim must be at least 1, got {self.embedding_dim}")
         OutputLengthMode(self.output_length_mode)

@@ -6,9 +6,10 @@ starts at the previous step's deadline, not when the loop got round to it: strea
 clients runs between steps (in vLLM it runs in another process, beside the GPU), so a loop that
 wakes a little late catches up on the next step instead of adding the delay to every token. It
 never catches up more than CATCHUP_SECONDS; past that the simulator is overloaded and shows it.
-Timer wakeups can be ~1 ms late, so the last SPIN_SECONDS of a step are waited by yielding
-(`asyncio.sleep(0)`), which keeps HTTP handlers running. With all costs zero a step still yields
-once, so other tasks are never starved.
+Timer wakeups can be ~1 ms late, so the last `spin_seconds` (default 1.5 ms) of a step are
+waited by yielding (`asyncio.sleep(0)`) in a loop, which keeps HTTP handlers running; 0 turns
+that off and saves the CPU it costs. With all costs zero a step still yields once, so other
+tasks are never starved.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Engine:
         output_lengths: OutputLengthSampler | None = None,
         seed: int = 0,
         id_prefix: str = "req",
+        spin_seconds: float = SPIN_SECONDS,
     ):
         timing.validate()
         self.config = config
@@ -86,6 +88,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._last_deadline: float | None = None
+        self._spin = spin_seconds
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -160,7 +163,7 @@ class Engine:
         if not out.is_empty:
             modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng)
         self._last_deadline = started + modeled if not out.is_empty else None
-        await _sleep_until(started + modeled)
+        await _sleep_until(started + modeled, self._spin)
         ended = time.perf_counter()
         outcome = self.scheduler.update_from_output(out, ended)
         streams = self._streams
@@ -209,10 +212,10 @@ class Engine:
             self._task = None
 
 
-async def _sleep_until(deadline: float) -> None:
+async def _sleep_until(deadline: float, spin: float) -> None:
     remaining = deadline - time.perf_counter()
-    if remaining > SPIN_SECONDS:
-        await asyncio.sleep(remaining - SPIN_SECONDS)
+    if remaining > spin:
+        await asyncio.sleep(remaining - spin)
     await asyncio.sleep(0)
     while time.perf_counter() < deadline:
         await asyncio.sleep(0)

@@ -32,6 +32,7 @@ class Replica:
             OutputLengthSampler(config.output_length_mode, seed),
             seed=seed,
             id_prefix=f"r{index}",
+            spin_seconds=config.timer_spin_ms / 1000.0,
         )
         self.metrics = ReplicaMetrics(self.engine, config.model)
         self.faults = FaultInjector(config.faults, seed)
