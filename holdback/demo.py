@@ -51,13 +51,12 @@ class RealtimeTraffic(threading.Thread):
                 if r.status_code != 200:
                     r.read()
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+                first = True
                 for line in r.iter_lines():
-                    if line.startswith("data:"):
+                    if first and line.startswith("data:"):
+                        first = False
                         with self._lock:
                             self.ttfts.append(time.monotonic() - start)
-                        break
-                for _ in r.iter_lines():
-                    continue
         except httpx.HTTPError:
             with self._lock:
                 self.errors += 1
@@ -108,7 +107,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="batch output length (default %(default)s)")
     p.add_argument("--realtime-seconds", type=float, default=30.0, help="how long realtime traffic runs")
     p.add_argument("--realtime-rate", type=float, default=4.0, help="realtime arrivals per second")
-    p.add_argument("--burst", type=int, default=32, help="realtime opening burst")
+    p.add_argument("--burst", type=int, default=64,
+                   help="realtime opening burst; above the pool's realtime reserve it forces evictions (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the batch after this many seconds")
     args = p.parse_args(argv)
     if args.requests < 1:
