@@ -6,9 +6,12 @@ max_tokens M, ignore_eos) against one `holdback sim` replica and measures, at th
 - ITL: the gaps between consecutive tokens while all C streams are decoding and nothing else
   runs. The model predicts every such step takes  overhead + decode_base + decode_per_seq * C.
 - TTFT: while the C streams decode, probe requests (prompt P, max_tokens 1) are sent one at a
-  time at random moments. A probe waits for the step in flight to end (on average half a decode
-  step), then is prefilled in a step beside the C decodes:
-      predicted TTFT = step(0, C) / 2 + step(P, C).
+  time, from a process of their own, at uniformly random moments. A probe waits for the step in
+  flight to end (uniform over one decode step), then is prefilled in a step beside the C decodes:
+      predicted TTFT (mean and median) = step(0, C) / 2 + step(P, C).
+  The table compares the median, which a stray scheduling hiccup on a shared machine cannot move.
+
+The server-side columns are the simulator's own histograms over the same windows.
 
 The replica runs in a child process pinned to CPU 0 (taskset) and this client to CPU 1, so the
 simulator's one core is not shared with the load generator. Only the CLI and HTTP are used.
@@ -185,7 +188,7 @@ async def run_level(url: str, args, timing: Timing, concurrency: int, rng: rando
                     prober: Prober) -> LevelResult:
     prompt = " ".join(["w"] * args.prompt_tokens)  # one simulator token per word
     decode_step = timing.step_ms(0, concurrency)
-    probe_window_steps = args.probes * 4 + 10
+    probe_window_steps = args.probes * 6 + 10
     max_tokens = args.itl_steps + probe_window_steps + 20
     body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -226,7 +229,7 @@ async def run_level(url: str, args, timing: Timing, concurrency: int, rng: rando
         itl_measured_ms=statistics.fmean(gaps),
         itl_predicted_ms=decode_step,
         ttft_probes=len(ttfts),
-        ttft_measured_ms=statistics.fmean(ttfts),
+        ttft_measured_ms=statistics.median(ttfts),
         ttft_predicted_ms=decode_step / 2 + timing.step_ms(args.prompt_tokens, concurrency),
         server_itl_ms=(itl_after[0] - itl_before[0]) / max(itl_after[1] - itl_before[1], 1) * 1000,
         server_ttft_ms=(ttft_after[0] - ttft_before[0]) / max(ttft_after[1] - ttft_before[1], 1) * 1000,
@@ -246,7 +249,7 @@ async def _server_histogram(session: aiohttp.ClientSession, url: str, name: str)
 
 
 def table(results: list[LevelResult]) -> str:
-    head = ("| concurrency | ITL measured ms | ITL predicted ms | ITL ratio | TTFT measured ms | TTFT predicted ms "
+    head = ("| concurrency | ITL measured ms | ITL predicted ms | ITL ratio | TTFT p50 measured ms | TTFT predicted ms "
             "| TTFT ratio | server ITL ms | server TTFT ms | gaps | probes |")
     rows = [head, "|" + "---|" * 11]
     for r in results:
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated numbers of concurrent streams")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of every request")
     p.add_argument("--itl-steps", type=int, default=60, help="decode steps in the ITL window")
-    p.add_argument("--probes", type=int, default=20, help="TTFT probes per concurrency level")
+    p.add_argument("--probes", type=int, default=30, help="TTFT probes per concurrency level")
     p.add_argument("--step-overhead-ms", type=float, default=2.0)
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-base-ms", type=float, default=8.0)
