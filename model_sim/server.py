@@ -213,8 +213,13 @@ class Routes:
             raise InvalidRequest(f"\"dimensions\" must be an integer from 1 to 4096, got {dims!r}.", "dimensions")
         data, total = [], 0
         for i, item in enumerate(inputs):
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else protocol.completion_prompt_ids(
-                item, self.tokenizer) if item else []
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item)
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in item):
+                ids = item
+            else:
+                raise InvalidRequest(f"input[{i}] must be a string or a list of non-negative token ids.", "input")
             if not ids:
                 raise InvalidRequest(f"input[{i}] is empty; send at least one token.", "input")
             if len(ids) > self.replica.config.engine.max_model_len:
