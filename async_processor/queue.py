@@ -209,14 +209,16 @@ class RequestQueue:
         )
 
     async def heartbeat(self, claims: list[Claim]) -> None:
-        """Keep in-flight executions in the StartedJobRegistry (ZADD XX: never resurrect a removed one)."""
+        """Keep in-flight executions in the StartedJobRegistry, re-adding any that Redis lost (a flush):
+        while a request runs, reconciliation must see its job as live. A finished job's entry that a
+        racing heartbeat re-adds expires harmlessly (requeue_abandoned only requeues `started` jobs)."""
         if not claims:
             return
         score = time.time() + self.ttl
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in claims:
                 composite = f"{c.job_id}:{c.execution_id}"
-                pipe.zadd(self.started_key, {composite: score}, xx=True)
+                pipe.zadd(self.started_key, {composite: score})
                 pipe.expire(EXECUTION_PREFIX + composite, self.ttl)
             pipe.expire(self.executions_key, self.ttl + 60)
             await pipe.execute()
