@@ -137,9 +137,6 @@ class FlowController:
         return band
 
     # -- entry points from the proxy ------------------------------------------------------------------------
-    def new_seq(self) -> int:
-        return next(self._seq)
-
     def submit(self, req: FlowRequest) -> Outcome:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
         now = self.clock()
@@ -208,7 +205,6 @@ class FlowController:
         req.status = Status.EVICTED if evicted else Status.FINISHED
         replica: Replica = req.replica  # type: ignore[assignment]
         replica.in_flight -= 1
-        replica.requests.discard(req)
         if req.kv_blocks:
             replica.committed_blocks -= req.kv_blocks
             self.tenant_blocks[req.fairness_id] -= req.kv_blocks
@@ -245,11 +241,9 @@ class FlowController:
         if new is None:
             return None
         old.in_flight -= 1
-        old.requests.discard(req)
         old.committed_blocks -= req.kv_blocks
         new.in_flight += 1
         new.dispatches += 1
-        new.requests.add(req)
         new.committed_blocks += req.kv_blocks
         req.replica = new
         return new
@@ -358,7 +352,6 @@ class FlowController:
         req.replica = replica
         replica.in_flight += 1
         replica.dispatches += 1
-        replica.requests.add(req)
         if req.kv_blocks:
             replica.committed_blocks += req.kv_blocks
             self.tenant_blocks[req.fairness_id] += req.kv_blocks

@@ -13,7 +13,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import aiohttp
@@ -45,7 +45,6 @@ class Replica:
     # work the scraped numbers cannot show yet.
     dispatches: int = 0
     dispatches_at_scrape: int = 0
-    requests: set = field(default_factory=set, repr=False)
 
     def metrics_fresh(self, now: float, staleness: float) -> bool:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
