@@ -91,3 +91,27 @@ def resolve_redis_url(settings: Settings) -> str:
 
 def connect(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(resolve_redis_url(settings))
+
+
+# ---- queue pause: operators stop and restart dispatch from a queue ---------------------------------------
+# A flag key beside RQ's own keys. `holdback worker` reads it in its claim loop (at most every ~0.5 s) and
+# takes no new job from a paused queue; jobs already in flight finish. Enqueueing, scheduled retries moving
+# back to the queue and reconciliation go on, so the queued count holds while paused. A stock `rq worker`
+# does not know this flag.
+
+
+def pause_key(namespace: str, queue_name: str) -> str:
+    return f"{namespace}:paused:{queue_name}"
+
+
+def is_paused(connection: redis.Redis, namespace: str, queue_name: str) -> bool:
+    return bool(connection.exists(pause_key(namespace, queue_name)))
+
+
+def set_paused(connection: redis.Redis, namespace: str, queue_name: str, paused: bool) -> bool:
+    """Pause or resume dispatch from the queue; returns whether the flag changed."""
+    key = pause_key(namespace, queue_name)
+    if paused:
+        # The value records when, for operators reading Redis directly.
+        return bool(connection.set(key, repr(time.time()), nx=True))
+    return bool(connection.delete(key))
