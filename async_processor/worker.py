@@ -24,6 +24,7 @@ from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
 from async_processor.queue import Claim, Finish, RequestQueue
 from async_processor.registration import Registration
+from holdback.broker import pause_key
 from holdback.dispatch import Disposition, Skip
 from holdback.models import RequestStatus
 
@@ -31,6 +32,7 @@ IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.25
 INTERNAL_ERROR_DELAY = 5.0  # a job whose database or Redis work failed runs again after this
 CANCEL_MEMORY = 600.0  # seconds a cancelled batch id is remembered (for attempts opening meanwhile)
+PAUSE_CHECK = 0.5  # seconds between reads of the operator's pause flag (holdback.broker.pause_key)
 
 
 class AsyncWorker:
@@ -44,6 +46,8 @@ class AsyncWorker:
         self.stopping = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.holds_scheduler = False
+        self.paused = False
+        self.pause_checked_at = float("-inf")
 
     def stop(self) -> None:
         if not self.stopping.is_set():
@@ -115,6 +119,9 @@ class AsyncWorker:
                 await asyncio.sleep(0)  # let a few more finish: claim them in one round trip
                 continue
             try:
+                if await self._paused():  # in-flight jobs go on; no new ones until resumed
+                    await self._sleep(PAUSE_CHECK)
+                    continue
                 claims, missing = await self.queue.claim(min(free, cfg.claim_batch))
             except RedisError as exc:
                 log.event(logging.WARNING, "claim_failed", worker=cfg.name, error=f"{type(exc).__name__}: {exc}")
@@ -135,6 +142,13 @@ class AsyncWorker:
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
             self.metrics.in_flight.set(len(self.tasks))
+
+    async def _paused(self) -> bool:
+        now = time.monotonic()
+        if now - self.pause_checked_at >= PAUSE_CHECK:
+            self.pause_checked_at = now
+            self.paused = bool(await self.redis.exists(pause_key(self.config.namespace, self.config.queue_name)))
+        return self.paused
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
