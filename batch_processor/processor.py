@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import has_pending, in_flight_counts, take_due_retries, take_pending
 from batch_processor.fairness import BatchWindow, RoundRobin
-from batch_processor.finalize import begin_finalizing, finalize_batch
+from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
 from batch_processor.ingest import expand_batch
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
@@ -33,6 +33,7 @@ from batch_processor.reconcile import reconcile
 from batch_processor.sync_dispatch import SyncDispatcher
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+from holdback.results import count_unfinished
 from holdback.settings import Settings
 from holdback.storage import FileStore, LocalFileStore
 
@@ -167,10 +168,10 @@ class Processor:
                 elif batch.status == BatchStatus.finalizing.value:
                     self._finish(batch, done, self._finalize_completed(batch.id))
                 elif batch.status == BatchStatus.in_progress.value:
-                    if now >= batch.expires_at:
+                    if now >= batch.expires_at and self._has_unfinished(batch.id):
                         self._expire(batch, done)
                     else:
-                        in_progress.append(batch)
+                        in_progress.append(batch)  # a batch that finished in time still completes
             except Exception:
                 log.exception("batch_step_failed", extra={"fields": {"batch_id": batch.id, "status": batch.status}})
 
@@ -220,20 +221,21 @@ class Processor:
         self._finish(batch, done, expire_batch(self.factory, self.store, self, batch.id, owner=self.config.name,
                                                keepalive=self._keepalive(batch.id)))
 
-    def _finalize_completed(self, batch_id: str):
-        started = time.perf_counter()
-        result = finalize_batch(self.factory, self.store, batch_id, to_status=BatchStatus.completed,
-                                from_statuses=(BatchStatus.finalizing,), owner=self.config.name,
-                                keepalive=self._keepalive(batch_id))
-        if result is not None:
-            self.metrics.finalize_seconds.observe(time.perf_counter() - started)
-        return result
+    def _finalize_completed(self, batch_id: str) -> FinalizeResult | None:
+        return finalize_batch(self.factory, self.store, batch_id, to_status=BatchStatus.completed,
+                              from_statuses=(BatchStatus.finalizing,), owner=self.config.name,
+                              keepalive=self._keepalive(batch_id))
 
-    def _finish(self, batch: _Owned, done: Round, result) -> None:
+    def _has_unfinished(self, batch_id: str) -> bool:
+        with self.factory() as session:
+            return count_unfinished(session, batch_id) > 0
+
+    def _finish(self, batch: _Owned, done: Round, result: FinalizeResult | None) -> None:
         if result is None:
             return
         done.finished[batch.id] = result.status
         self.metrics.batch_transitions.labels(result.status).inc()
+        self.metrics.finalize_seconds.observe(result.seconds)
 
     def _advance(self, in_progress: list[_Owned], done: Round) -> None:
         """Finalize batches with nothing left to run, refill the windows of the others, dispatch."""

@@ -189,3 +189,15 @@ def test_an_expiry_a_dead_processor_left_half_way_is_finished(harness: Harness):
     done = p.tick()
     assert done.finished == {batch_id: "expired"}
     assert harness.batch(batch_id).completed == 1
+
+
+def test_a_batch_that_finished_in_time_completes_even_if_finalized_late(harness: Harness):
+    batch_id = harness.submit(jsonl([chat(i) for i in range(2)]))
+    p = harness.processor()
+    p.tick()
+    for row in harness.rows(batch_id):
+        harness.succeed(row.id)
+    harness.set_batch(batch_id, expires_at=int(time.time()) - 1)  # the processor only looks after the window
+    p.tick()
+    batch = harness.batch(batch_id)
+    assert batch.status == "completed" and batch.expired_at is None and batch.completed == 2
