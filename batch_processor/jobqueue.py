@@ -92,16 +92,20 @@ class RequestQueue:
         return int(self.connection.llen(self.queue.key))
 
     def live_ids(self) -> set[str]:
-        """Job ids RQ still holds somewhere: waiting, being taken, running (live heartbeat) or scheduled.
+        """Job ids RQ holds somewhere: waiting, being taken, running (live heartbeat) or scheduled.
 
-        Read in the order a job moves (queue -> intermediate -> started), so a job moving while we
-        read is seen in the later structure; a job that finished meanwhile has changed its row's
-        state, which the caller's conditional UPDATE notices."""
-        live: set[str] = set()
-        live.update(_text(x) for x in self.connection.lrange(self.queue.key, 0, -1))
-        live.update(_text(x) for x in self.connection.lrange(self.queue.intermediate_queue_key, 0, -1))
-        live.update(self._started_ids())
-        live.update(_text(x) for x in self.connection.zrange(self.queue.scheduled_job_registry.key, 0, -1))
+        One MULTI/EXEC, so the four reads are a single snapshot: a job moving between them (a due
+        retry going back to the queue, a dead worker's job requeued) is seen exactly where it is.
+        A job that finished before the snapshot has changed its row's state, which the caller's
+        conditional UPDATE notices."""
+        with self.connection.pipeline(transaction=True) as pipe:
+            pipe.lrange(self.queue.key, 0, -1)
+            pipe.lrange(self.queue.intermediate_queue_key, 0, -1)
+            pipe.zrangebyscore(self.queue.started_job_registry.key, time.time(), "+inf")
+            pipe.zrange(self.queue.scheduled_job_registry.key, 0, -1)
+            queued, taking, started, scheduled = pipe.execute()
+        live = {_text(x) for x in queued} | {_text(x) for x in taking} | {_text(x) for x in scheduled}
+        live.update(_text(entry).split(":", 1)[0] for entry in started)
         return live
 
     def _started_ids(self) -> set[str]:
