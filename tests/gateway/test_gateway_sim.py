@@ -191,10 +191,10 @@ def test_eviction_after_streaming_began_ends_the_stream_with_an_error_event(stac
     assert gw.state()["totals"]["evictions"]["mid_stream"] == 1
 
 
-def test_ttl_expiry_and_client_disconnects(stack):
+def test_ttl_expiry_queue_limit_and_client_disconnects(stack):
     sims = stack.sim(1)
     gw = stack.gateway(sims, "saturation: {maxConcurrency: 1}\neviction: {enabled: false}\n"
-                             "usageLimit: {policy: static}\n")
+                             "usageLimit: {policy: static}\nflowControl: {bands: [{priority: -10, maxRequests: 1}]}\n")
 
     async def main():
         async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
@@ -207,6 +207,7 @@ def test_ttl_expiry_and_client_disconnects(stack):
 
             queued = asyncio.create_task(client.post("/v1/completions", json=body(3), headers=obj("batch")))
             await wait_until(lambda: gw.band(-10)["queued"] == 1)
+            full = await client.post("/v1/completions", json=body(3), headers=obj("batch"))
             queued.cancel()  # closes the connection while the request is queued
             await asyncio.gather(queued, return_exceptions=True)
             await wait_until(lambda: gw.band(-10)["queued"] == 0)
@@ -215,14 +216,16 @@ def test_ttl_expiry_and_client_disconnects(stack):
             await asyncio.gather(running, return_exceptions=True)
             await wait_until(lambda: sim_state(sims[0])["running"] == 0)
             await wait_until(lambda: gw.state()["in_flight"] == 0)
-            return expired
+            return expired, full
 
-    expired = asyncio.run(main())
+    expired, full = asyncio.run(main())
+    assert full.status_code == 429  # the band's queue holds one request
+    assert full.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
     assert expired.status_code == 429
     assert expired.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
     assert expired.json()["error"]["code"] == "rejected-ttl-expired"
     rejections = gw.state()["totals"]["rejections"]
-    assert rejections == {"rejected-ttl-expired": 1, "rejected-context-cancelled": 1}
+    assert rejections == {"rejected-ttl-expired": 1, "rejected-context-cancelled": 1, "rejected-saturated": 1}
 
 
 def test_keys_objectives_models_and_sse_passthrough(stack):
