@@ -99,11 +99,11 @@ def start_sim(args, timing: Timing, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
 
 
-async def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+async def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:
                 raise SystemExit(f"simulator exited with {proc.returncode}")
             try:
                 async with session.get(url + "/health") as r:
@@ -263,7 +263,7 @@ async def amain(args) -> int:
     timing = Timing(args.step_overhead_ms, args.prefill_ms_per_token, args.decode_base_ms, args.decode_ms_per_seq)
     port = args.port or _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_sim(args, timing, port)
+    proc = None if args.external else start_sim(args, timing, port)
     rng = random.Random(args.seed)
     prober = Prober(port, args.client_cpu if args.pin else None)
     try:
@@ -276,7 +276,7 @@ async def amain(args) -> int:
             results.append(result)
     finally:
         prober.close()
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(15)
     print(table(results))
@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-cpu", type=int, default=0, help="CPU for the simulator")
     p.add_argument("--client-cpu", type=int, default=1, help="CPU for this client")
     p.add_argument("--port", type=int, default=0, help="simulator port (default: a free one)")
+    p.add_argument("--external", action="store_true",
+                   help="measure a simulator already listening on --port (started with the timing flags given "
+                        "here and --max-num-seqs above the largest concurrency) instead of starting one")
     p.add_argument("--seed", type=int, default=1, help="seed of the probe timing")
     p.add_argument("--tolerance", type=float, default=0.10, help="exit 1 if any ratio is further than this from 1")
     p.add_argument("--json", help="also write the results to this file")

@@ -28,7 +28,7 @@ from model_sim.scheduler import Scheduler, SchedulerOutput, StepOutcome
 from model_sim.timing import TimingModel
 
 SPIN_SECONDS = 0.0015
-CATCHUP_SECONDS = 0.02
+CATCHUP_SECONDS = 0.1
 
 
 class RequestRejected(ValueError):
