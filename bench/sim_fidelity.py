@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import multiprocessing
@@ -105,12 +106,10 @@ async def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 3
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise SystemExit(f"simulator exited with {proc.returncode}")
-            try:
+            with contextlib.suppress(aiohttp.ClientError):
                 async with session.get(url + "/health") as r:
                     if r.status == 200:
                         return
-            except aiohttp.ClientError:
-                pass
             await asyncio.sleep(0.1)
     raise SystemExit(f"simulator at {url} not ready after {timeout}s")
 
