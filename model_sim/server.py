@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -151,7 +152,7 @@ class Routes:
         except RequestRejected as exc:
             raise InvalidRequest(str(exc), exc.param) from None
         req = stream.request
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         try:
             if params.stream:
