@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 from rq import Queue
+from sqlalchemy import select
 
 from batch_processor.fairness import BatchWindow, RoundRobin
 from batch_processor.jobqueue import JOB_FUNCTION
 from holdback.db import transaction
-from holdback.models import Attempt, RequestStatus
+from holdback.models import Attempt, RequestRow
 from holdback.results import begin_attempt, schedule_retry
 from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
@@ -83,17 +84,12 @@ def test_window_counts_running_and_retrying_rows(harness: Harness):
 
 
 def _wipe_namespace(harness: Harness) -> None:
-    """Redis lost everything of ours: the queue, its registries and the job hashes."""
+    """Redis lost everything of ours (a restart without persistence): the queue, its registries and
+    the job hashes. The machine's Redis is shared, so no FLUSHALL: only this test's keys go."""
     r = harness.redis
     for key in r.scan_iter(match=f"*{harness.settings.redis_namespace}*"):
         r.delete(key)
-    for row_id in harness.queued_job_ids():
-        r.delete(f"rq:job:{row_id}")
     with harness.factory() as s:
-        from sqlalchemy import select
-
-        from holdback.models import RequestRow
-
         for row_id in s.scalars(select(RequestRow.id)):
             r.delete(f"rq:job:{row_id}")
 
@@ -144,4 +140,3 @@ def test_reconcile_requeues_lost_retries_and_abandoned_attempts(harness: Harness
     # The requeued row keeps its history: the next attempt is number 2.
     with transaction(harness.factory) as s:
         assert begin_attempt(s, dead, "w2").number == 2
-    assert RequestStatus.queued.value == "queued"
