@@ -351,19 +351,19 @@ def attempts_of(session: Session, row_id: str) -> list[dict]:
 
 @router.get("/admin/queues", response_model=QueueList, summary="Each RQ queue of this namespace, with counts")
 def list_queues(context: ContextDep) -> dict:
-    connection, namespace = _redis(context), context.settings.redis_namespace
+    connection, namespace = queue_redis(context), context.settings.redis_namespace
     return {"object": "list", "data": [queue_counts(connection, namespace, name)
                                        for name in queue_names(connection, namespace)]}
 
 
 @router.post("/admin/queues/{name}/pause", response_model=QueuePaused, summary="Stop dispatch from a queue")
 def pause_queue(name: str, context: ContextDep) -> dict:
-    return _set_paused(context, name, True)
+    return set_queue_paused(context, name, True)
 
 
 @router.post("/admin/queues/{name}/resume", response_model=QueuePaused, summary="Restart dispatch from a queue")
 def resume_queue(name: str, context: ContextDep) -> dict:
-    return _set_paused(context, name, False)
+    return set_queue_paused(context, name, False)
 
 
 @router.post(
@@ -371,7 +371,7 @@ def resume_queue(name: str, context: ContextDep) -> dict:
     summary="Requeue failed jobs whose request rows are still in flight",
 )
 def retry_failed_jobs(name: str, context: ContextDep, session: SessionDep) -> dict:
-    connection = _redis(context)
+    connection = queue_redis(context)
     known_queue(connection, context.settings.redis_namespace, name)
     result = retry_failed(connection, session, name)
     log_event(log, "queue.retry_failed", **{k: v for k, v in result.items() if k != "object"})
@@ -380,7 +380,7 @@ def retry_failed_jobs(name: str, context: ContextDep, session: SessionDep) -> di
 
 @router.get("/admin/workers", response_model=WorkerList, summary="Workers registered on this namespace's queues")
 def list_workers(context: ContextDep) -> dict:
-    connection = _redis(context)
+    connection = queue_redis(context)
     return {"object": "list", "data": workers(connection, queue_names(connection, context.settings.redis_namespace))}
 
 
@@ -415,8 +415,8 @@ def queue_counts(connection: redis.Redis, namespace: str, name: str) -> dict:
     }
 
 
-def _set_paused(context, name: str, paused: bool) -> dict:  # noqa: ANN001 - ApiContext
-    connection, namespace = _redis(context), context.settings.redis_namespace
+def set_queue_paused(context, name: str, paused: bool) -> dict:  # noqa: ANN001 - ApiContext
+    connection, namespace = queue_redis(context), context.settings.redis_namespace
     known_queue(connection, namespace, name)
     changed = set_paused(connection, namespace, name, paused)
     log_event(log, "queue.paused" if paused else "queue.resumed", queue=name, changed=changed)
@@ -487,7 +487,7 @@ def workers(connection: redis.Redis, queues: list[str]) -> list[dict]:
     return found
 
 
-def _redis(context) -> redis.Redis:  # noqa: ANN001 - ApiContext
+def queue_redis(context) -> redis.Redis:  # noqa: ANN001 - ApiContext
     if context.redis is None:
         raise ServiceUnavailable("Redis is not connected yet; retry in a moment.")
     return context.redis

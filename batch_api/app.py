@@ -1,19 +1,21 @@
 """The API server's app factory: `create_app(settings)` wires routes, errors, metrics and resources.
 
-Start-up applies the migrations (when `settings.migrate_on_start`) and connects Redis (starting
-the embedded one when REDIS_URL is unset); shutdown closes Redis and the DB pool.
+Start-up applies the migrations (when `settings.migrate_on_start`), connects Redis (starting
+the embedded one when REDIS_URL is unset) and starts the dashboard's sampler; shutdown stops the
+sampler and closes Redis and the DB pool.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import AsyncIterator
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from batch_api import admin, batches, files, ops
+from batch_api import admin, batches, dashboard, files, ops
 from batch_api.context import ApiContext
 from batch_api.errors import install_error_handlers
 from batch_api.observability import ObserveRequests, create_metrics, log_event
@@ -42,6 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.migrate_on_start:
             await run_in_threadpool(upgrade, engine)
         context.redis = await run_in_threadpool(connect, settings)
+        sampler = asyncio.create_task(dashboard.Sampler(context).run(), name="dashboard-sampler")
         log_event(
             log, "api.started", database=engine.url.render_as_string(hide_password=True),
             files_dir=str(settings.files_dir), migrated=settings.migrate_on_start,
@@ -49,6 +52,9 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            sampler.cancel()
+            with suppress(asyncio.CancelledError):
+                await sampler
             context.redis.close()
             engine.dispose()
             log_event(log, "api.stopped")
@@ -66,4 +72,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(admin.router)
     app.include_router(ops.router)
+    app.include_router(dashboard.router)
+    app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
     return app

@@ -1,0 +1,25 @@
+"""The operator dashboard at /dashboard: server-rendered Jinja2 pages that htmx keeps live.
+
+Modules: `session` (admin-key sign-in, session cookie, CSRF), `pages` (routes and actions), `gateway_view`
+(the gateway's state and metrics), `sampler` (the TTFT and throughput history in Redis), `charts` (inline SVG).
+Data and actions come from the operator API's functions in `batch_api.admin`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.staticfiles import StaticFiles
+
+from batch_api.dashboard.pages import router
+from batch_api.dashboard.sampler import Sampler
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def static_files() -> StaticFiles:
+    """htmx, the stylesheet, the icon: mounted at /dashboard/static."""
+    return StaticFiles(directory=STATIC_DIR)
+
+
+__all__ = ["router", "static_files", "Sampler"]

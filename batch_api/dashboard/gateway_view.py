@@ -1,0 +1,113 @@
+"""What the dashboard knows about the gateway: its `/admin/state` document and its `/metrics`, fetched
+server-side with a short timeout, and the TTFT histogram's quantiles (see gateway/README.md).
+
+An unreachable or misbehaving gateway is a `GatewayView` with `error` set, never an exception: the page says
+so and the rest of the dashboard keeps working.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+TTFT = "holdback_gateway_ttft_seconds"
+REJECTIONS = "holdback_gateway_rejections_total"
+EVICTIONS = "holdback_gateway_evictions_total"
+
+# Buckets of one histogram: (upper bound, cumulative count), ascending, ending with +Inf.
+Buckets = list[tuple[float, float]]
+
+
+@dataclass
+class GatewayView:
+    url: str
+    error: str | None = None
+    state: dict = field(default_factory=dict)
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count, over every band
+    rejections_by_band: list[tuple[str, str, int]] = field(default_factory=list)  # (reason, band, count)
+    evictions: dict[str, int] = field(default_factory=dict)  # issued, confirmed, timed_out, mid_stream
+    ttft: dict[str, Buckets] = field(default_factory=dict)  # objective -> buckets
+
+    @property
+    def reachable(self) -> bool:
+        return self.error is None
+
+
+async def fetch_gateway(base_url: str, client: httpx.AsyncClient | None = None) -> GatewayView:
+    url = base_url.rstrip("/")
+    view = GatewayView(url)
+    own = client is None
+    client = client or httpx.AsyncClient(timeout=TIMEOUT)
+    try:
+        state = await client.get(f"{url}/admin/state", timeout=TIMEOUT)
+        state.raise_for_status()
+        view.state = state.json()
+        metrics = await client.get(f"{url}/metrics", timeout=TIMEOUT)
+        metrics.raise_for_status()
+        read_metrics(view, metrics.text)
+    except (httpx.HTTPError, ValueError) as exc:
+        view.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    finally:
+        if own:
+            await client.aclose()
+    if not view.evictions and view.state:
+        view.evictions = {k: int(v) for k, v in view.state.get("totals", {}).get("evictions", {}).items()}
+    if not view.rejections and view.state:
+        view.rejections = {k: int(v) for k, v in view.state.get("totals", {}).get("rejections", {}).items()}
+    return view
+
+
+def read_metrics(view: GatewayView, text: str) -> None:
+    ttft: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == REJECTIONS:
+                reason, band = s.labels.get("reason", "?"), s.labels.get("band", "?")
+                view.rejections[reason] = view.rejections.get(reason, 0) + int(s.value)
+                view.rejections_by_band.append((reason, band, int(s.value)))
+            elif s.name == EVICTIONS:
+                view.evictions[s.labels.get("outcome", "?")] = int(s.value)
+            elif s.name == f"{TTFT}_bucket":
+                le = float(s.labels["le"])
+                ttft.setdefault(s.labels.get("objective", ""), {})[le] = s.value
+    view.ttft = {objective: sorted(buckets.items()) for objective, buckets in ttft.items()}
+    view.rejections_by_band.sort()
+
+
+def ttft_buckets(text: str) -> dict[str, Buckets]:
+    view = GatewayView("")
+    read_metrics(view, text)
+    return view.ttft
+
+
+def quantile(q: float, current: Buckets, previous: Buckets | None = None) -> float | None:
+    """The q-quantile of the observations between two scrapes of one histogram (Prometheus'
+    histogram_quantile: linear within a bucket; the +Inf bucket answers its lower bound).
+
+    With no previous scrape, or one from before a gateway restart (a count went down), the current
+    counts are taken whole. None when nothing was observed in between."""
+    counts = dict(current)
+    if previous:
+        before = dict(previous)
+        if all(counts.get(le, 0.0) >= n for le, n in before.items()):
+            counts = {le: n - before.get(le, 0.0) for le, n in counts.items()}
+    bounds = sorted(counts)
+    if not bounds:
+        return None
+    total = counts[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        if counts[le] >= rank:
+            if math.isinf(le):
+                return lower
+            in_bucket = counts[le] - below
+            return lower + (le - lower) * ((rank - below) / in_bucket if in_bucket > 0 else 1.0)
+        lower, below = le, counts[le]
+    return lower
