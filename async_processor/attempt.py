@@ -2,24 +2,25 @@
 
 The asyncio worker runs many of these at once; `async_processor.job.run_request` runs one for a plain RQ
 worker — the same code path. Database work is two transactions (`holdback.dispatch.begin`, then
-`record_outcome`), each run in a thread of the pool because SQLAlchemy's engine is synchronous.
+`record_outcome`), each run on a database lane thread because SQLAlchemy's engine is synchronous.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
@@ -48,41 +49,105 @@ def make_worker_engine(url: str, pool_size: int) -> Engine:
     return engine
 
 
+class DatabaseLane:
+    """One thread that runs database work in groups: every call queued while the thread was busy shares the
+    next transaction (group commit), so N attempts cost one BEGIN/COMMIT instead of N.
+
+    If a group's transaction fails, each call of it runs again alone in its own transaction (retried while
+    the database is busy or away), so one bad call never fails the others.
+    """
+
+    def __init__(self, sessions: sessionmaker[Session], name: str, max_group: int = 64):
+        self.sessions = sessions
+        self.max_group = max_group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            group = [item]
+            while len(group) < self.max_group:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)  # finish this group, then stop
+                    break
+                group.append(more)
+            group = [g for g in group if g[2].set_running_or_notify_cancel()]
+            if group:
+                self._run_group(group)
+
+    def _run_group(self, group: list) -> None:
+        try:
+            with transaction(self.sessions) as session:
+                results = [fn(session, *args) for fn, args, _ in group]
+        except Exception:  # noqa: BLE001 - every call is retried alone below, with its own error
+            for fn, args, future in group:
+                self._run_alone(fn, args, future)
+            return
+        for (_, _, future), result in zip(group, results):
+            future.set_result(result)
+
+    def _run_alone(self, fn: Callable, args: tuple, future: Future) -> None:
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.05, max=2.0),
+                                    retry=retry_if_exception_type(OperationalError), reraise=True):
+                with attempt, transaction(self.sessions) as session:
+                    result = fn(session, *args)
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+
 @dataclass
 class Runtime:
     """What every attempt of one process shares."""
 
     sessions: sessionmaker[Session]
-    executor: Executor | None
+    lanes: list[DatabaseLane]
     gateway_url: str
     gateway_key: str | None
     policy: RetryPolicy
     worker_name: str
     request_timeout: float
+    _next_lane: int = 0
 
     @classmethod
-    def build(cls, database_url: str, executor: Executor | None, *, gateway_url: str, gateway_key: str | None,
-              policy: RetryPolicy, worker_name: str, request_timeout: float, pool_size: int = 8) -> "Runtime":
-        sessions = make_sessionmaker(make_worker_engine(database_url, pool_size))
-        return cls(sessions, executor, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout)
+    def build(cls, database_url: str, *, gateway_url: str, gateway_key: str | None, policy: RetryPolicy,
+              worker_name: str, request_timeout: float, db_lanes: int = 4) -> "Runtime":
+        engine = make_worker_engine(database_url, db_lanes)
+        sessions = make_sessionmaker(engine)
+        # SQLite has one writer at a time: more lanes would only queue on its lock.
+        n = 1 if engine.dialect.name == "sqlite" else max(1, db_lanes)
+        lanes = [DatabaseLane(sessions, f"db-{i}") for i in range(n)]
+        return cls(sessions, lanes, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout)
 
     def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
         self.sessions.kw["bind"].dispose()
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn(session, *args) in one transaction in the thread pool; retried while the DB is busy or away."""
-        loop = asyncio.get_running_loop()
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.05, max=2.0),
-            retry=retry_if_exception_type(OperationalError), reraise=True,
-        ):
-            with attempt:
-                return await loop.run_in_executor(self.executor, partial(self._in_transaction, fn, *args))
-        raise AssertionError("unreachable: tenacity re-raises the last error")
-
-    def _in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
-        with transaction(self.sessions) as session:
-            return fn(session, *args)
+        """Run fn(session, *args) in a transaction on a database lane (possibly shared with other calls)."""
+        lane = self.lanes[self._next_lane % len(self.lanes)]
+        self._next_lane += 1
+        return await asyncio.wrap_future(lane.submit(fn, *args))
 
 
 class InFlight:

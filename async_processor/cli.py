@@ -58,8 +58,9 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--scheduler-interval", type=float, default=env.scheduler_interval,
                    help="seconds between moves of due retries to the queue (default %(default)s)")
-    p.add_argument("--db-threads", type=int, default=env.db_threads,
-                   help="database threads and pooled connections per process (default %(default)s)")
+    p.add_argument("--db-lanes", type=int, default=env.db_lanes,
+                   help="database threads per process; each runs the calls waiting for it in one transaction "
+                        "(group commit). SQLite always uses 1 (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="DEBUG also logs every successful request (default %(default)s)")
     return p
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             heartbeat_ttl=args.heartbeat_ttl,
             scheduler_interval=args.scheduler_interval,
-            db_threads=args.db_threads,
+            db_lanes=args.db_lanes,
             burst=args.burst,
             metrics_port=args.metrics_port,
             drain_timeout=args.drain_timeout,

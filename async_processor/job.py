@@ -31,9 +31,9 @@ def _runtime() -> Runtime:
     settings, env = Settings(), WorkerSettings()
     policy = RetryPolicy(base=env.backoff_base, cap=env.backoff_cap, jitter=Jitter(env.jitter),
                          transient_budget=env.transient_budget, closing_recheck=env.closing_recheck)
-    return Runtime.build(settings.sqlalchemy_url, None, gateway_url=settings.gateway_url,
+    return Runtime.build(settings.sqlalchemy_url, gateway_url=settings.gateway_url,
                          gateway_key=settings.gateway_key, policy=policy, worker_name="rq-job",
-                         request_timeout=env.request_timeout, pool_size=2)
+                         request_timeout=env.request_timeout, db_lanes=1)
 
 
 def run_request(row_id: str, batch_id: str) -> Retry | None:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -65,10 +64,9 @@ class AsyncWorker:
         self.redis = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
         self.queue = RequestQueue(self.redis, cfg.queue_name, cfg.name, cfg.heartbeat_ttl, cfg.failure_ttl)
         self.registration = Registration(self.redis, self.queue, cfg.concurrency, cfg.heartbeat_ttl)
-        executor = ThreadPoolExecutor(max_workers=cfg.db_threads, thread_name_prefix="db")
-        self.rt = Runtime.build(cfg.database_url, executor, gateway_url=cfg.gateway_url, gateway_key=cfg.gateway_key,
+        self.rt = Runtime.build(cfg.database_url, gateway_url=cfg.gateway_url, gateway_key=cfg.gateway_key,
                                 policy=cfg.policy, worker_name=cfg.name, request_timeout=cfg.request_timeout,
-                                pool_size=cfg.db_threads)
+                                db_lanes=cfg.db_lanes)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 8, limit_per_host=0, keepalive_timeout=30)
         self.http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         try:
@@ -91,7 +89,6 @@ class AsyncWorker:
             await self.http.close()
             await self.redis.aclose()
             self.rt.close()
-            executor.shutdown(wait=False, cancel_futures=True)
         log.event(logging.INFO, "worker_stopped", worker=cfg.name)
         return 0
 

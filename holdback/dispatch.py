@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from holdback.models import (
@@ -230,15 +230,32 @@ class Skip(str, enum.Enum):
 _CLOSED_BATCH = {s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
                                    BatchStatus.failed, BatchStatus.completed)}
 
+# Hot-path statements, built once (Core, bound parameters): every attempt runs them.
+_rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
+_LOOKUP = (
+    select(_rows.c.status, _batches.c.status, _batches.c.expires_at)
+    .select_from(_rows.join(_batches, _batches.c.id == _rows.c.batch_id))
+    .where(_rows.c.id == bindparam("row_id"))
+)
+_CLOSE_SUPERSEDED = (
+    update(_attempts)
+    .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.ended_at.is_(None),
+           _attempts.c.number < bindparam("new_number"))
+    .values(ended_at=bindparam("closed_at"), outcome=AttemptOutcome.abandoned.value,
+            error="superseded by a later delivery")
+)
+_ROW_STATUS = select(_rows.c.status).where(_rows.c.id == bindparam("row_id"))
+_COUNT_TRANSIENT = (
+    update(_rows).where(_rows.c.id == bindparam("row_id"))
+    .values(transient_failures=_rows.c.transient_failures + 1)
+)
+
 
 def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
     """Open the row's next attempt (row → running), unless the row is final or its batch is closing."""
     now = time.time() if now is None else now
-    found = session.execute(
-        select(RequestRow.status, Batch.status, Batch.expires_at)
-        .join(Batch, Batch.id == RequestRow.batch_id)
-        .where(RequestRow.id == row_id)
-    ).one_or_none()
+    conn = session.connection()
+    found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
     if found is None or found[0] in REQUEST_TERMINAL_VALUES:
         return Skip.final
     previous_status, batch_status, expires_at = found
@@ -250,13 +267,8 @@ def begin(session: Session, row_id: str, worker: str, *, now: float | None = Non
     if previous_status == RequestStatus.running.value:
         # The row was running: an earlier delivery's worker died (or is a racing duplicate, whose own
         # end_attempt will overwrite this). Close its open attempt so the history stays truthful.
-        session.execute(
-            update(Attempt)
-            .where(Attempt.request_id == row_id, Attempt.ended_at.is_(None), Attempt.number < attempt.number)
-            .values(ended_at=now, outcome=AttemptOutcome.abandoned.value, error="superseded by a later delivery")
-            .execution_options(synchronize_session=False)
-        )
-    row = session.get(RequestRow, row_id)
+        conn.execute(_CLOSE_SUPERSEDED, {"row_id": row_id, "new_number": attempt.number, "closed_at": now})
+    row = session.get(RequestRow, row_id)  # loaded by begin_attempt: no query
     return Dispatch(
         row_id=row_id, batch_id=row.batch_id, tenant_id=row.tenant_id, custom_id=row.custom_id, url=row.url,
         body=row.body, deadline=expires_at, attempt_id=attempt.id, attempt=attempt.number,
@@ -357,11 +369,7 @@ def record_outcome(
     if outcome.kind is AttemptOutcome.client_error:
         return _final(session, dispatch, outcome, FinalResult(RequestStatus.failed, outcome.status, body))
     if outcome.transient and dispatch.transient_failures + 1 >= policy.transient_budget:
-        session.execute(
-            update(RequestRow).where(RequestRow.id == dispatch.row_id)
-            .values(transient_failures=RequestRow.transient_failures + 1)
-            .execution_options(synchronize_session=False)
-        )
+        session.connection().execute(_COUNT_TRANSIENT, {"row_id": dispatch.row_id})
         code = outcome.kind.value  # server_error | transport_error
         what = f"HTTP {outcome.status}" if outcome.status else (error or "no answer")
         message = (f"gave up after {dispatch.transient_failures + 1} transient failures "
@@ -398,7 +406,7 @@ def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: Retry
 def _record_abort(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy, now: float) -> Recorded:
     outcome = Outcome(AttemptOutcome.cancelled)
     end_attempt(session, dispatch.attempt_id, outcome.kind.value, error=reply.error)
-    status = session.scalar(select(RequestRow.status).where(RequestRow.id == dispatch.row_id))
+    status = session.connection().execute(_ROW_STATUS, {"row_id": dispatch.row_id}).scalar()
     if status is None or status in REQUEST_TERMINAL_VALUES:
         return Recorded(Disposition.cancelled, outcome)
     # Aborted although nobody closed the row: park it rather than strand it.

