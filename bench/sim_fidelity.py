@@ -14,7 +14,11 @@ max_tokens M, ignore_eos) against one `holdback sim` replica and measures, at th
 The server-side columns are the simulator's own histograms over the same windows.
 
 The replica runs in a child process pinned to CPU 0 (taskset) and this client to CPU 1, so the
-simulator's one core is not shared with the load generator. Only the CLI and HTTP are used.
+simulator's one core is not shared with the load generator; both run at nice -5 when allowed, so
+other work on a shared machine delays their wakeups less. Only the CLI and HTTP are used.
+
+    python -m bench.sim_fidelity                       # C = 1, 16, 64, 128, 256
+    python -m bench.sim_fidelity --concurrency 1,64 --json out.json
 """
 
 from __future__ import annotations
