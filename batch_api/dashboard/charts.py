@@ -54,7 +54,8 @@ def line_chart(series: list[Series], *, now: float, window: float, label: Callab
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     start = now - window
     values = [v for s in series for t, v in s.points if t >= start]
-    ticks = value_ticks(max(values) if values else 0.0)
+    # A little headroom: a line at the maximum stays clear of the top grid line.
+    ticks = value_ticks(max(values) * 1.08 if values else 0.0)
     top = ticks[-1]
 
     def x(t: float) -> float:

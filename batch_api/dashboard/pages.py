@@ -103,7 +103,9 @@ def _ago(value: float | None) -> str:
     if value is None:
         return "—"
     age = time.time() - value
-    return "just now" if age < 1 else f"{_duration(float(int(age)))} ago"
+    if age < 1:
+        return "just now"
+    return f"{int(age)} s ago" if age < 60 else f"{_duration(age)} ago"
 
 
 def _percent(value: float | None) -> str:
@@ -425,7 +427,7 @@ def _charts(request: Request) -> dict:
                           [(s.t, s.ttft_p95[o]) for s in samples if o in s.ttft_p95]) for o in objectives]
     throughput = [
         charts.Series(name, colour, [(s.t, s.per_s[key]) for s in samples if key in s.per_s])
-        for key, name, colour in (("completed", "completed", "#2b8a3e"), ("failed", "failed or cancelled", "#e03131"))
+        for key, name, colour in (("completed", "completed", "#2b8a3e"), ("failed", "failed/cancelled", "#e03131"))
     ]
     # A failure line that stays at zero is noise.
     throughput = [series for series in throughput if series.name == "completed" or any(v for _, v in series.points)]

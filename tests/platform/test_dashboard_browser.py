@@ -160,15 +160,15 @@ def progress_numbers(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def realtime_bursts(gateway_url: str, stop: threading.Event, answers: list[int]) -> None:
-    """Bursts of 8 concurrent realtime requests: the pool is full, so running batch work is evicted."""
+def realtime_bursts(gateway_url: str, stop: threading.Event, answers: list[int], size: int = 8) -> None:
+    """Bursts of `size` concurrent realtime requests each second; 8 fill the pool, so batch work is evicted."""
     headers = {"Authorization": f"Bearer {REALTIME_KEY}", "x-llm-d-inference-objective": "realtime"}
     body = {"model": "sim-model", "max_tokens": 20, "messages": [{"role": "user", "content": "realtime question"}]}
     with httpx.Client(timeout=60) as client:
         while not stop.is_set():
             threads = [threading.Thread(target=lambda: answers.append(
                 client.post(f"{gateway_url}/v1/chat/completions", json=body, headers=headers).status_code))
-                for _ in range(8)]
+                for _ in range(size)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -177,7 +177,20 @@ def realtime_bursts(gateway_url: str, stop: threading.Event, answers: list[int])
 
 
 def test_batches_progress_live_and_cancel_from_the_page(stack, browser):
-    running = stack.submit(80)
+    # A little realtime traffic beside the batches, so the TTFT chart has a line.
+    stop, answers = threading.Event(), []
+    traffic = threading.Thread(target=realtime_bursts, args=(stack.gateway_url, stop, answers, 2), daemon=True)
+    traffic.start()
+    try:
+        batches_live_and_cancelled(stack, browser)
+    finally:
+        stop.set()
+        traffic.join(60)
+    assert answers and set(answers) == {200}
+
+
+def batches_live_and_cancelled(stack: Stack, browser: Browser) -> None:
+    running = stack.submit(120)
     doomed = stack.submit(80)
     invalid = stack.submit(0, lines=['{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}',
                                      "this line is not JSON"])
@@ -191,7 +204,7 @@ def test_batches_progress_live_and_cancel_from_the_page(stack, browser):
     expect(progress).not_to_have_text(first, timeout=30_000)  # htmx polling, no reload
     second = progress.inner_text()
     assert progress_numbers(second)[0] > progress_numbers(first)[0], (first, second)
-    assert progress_numbers(second)[1] == 80
+    assert progress_numbers(second)[1] == 120
 
     # Cancel from the page: confirm the dialog, read the flash, see the status change without a reload.
     dialogs = []
@@ -213,8 +226,6 @@ def test_batches_progress_live_and_cancel_from_the_page(stack, browser):
     expect(page.locator("tr[data-batch-id]")).to_have_count(3)
     assert not page.problems, page.problems
 
-    shoot(browser, stack, "/dashboard", "batches")
-
     # The batch page: summary, requests, a request's attempts in the drawer.
     page.goto(f"{stack.api_url}/dashboard/batches/{running}")
     expect(page.locator("#summary")).to_contain_text("acme-research")
@@ -232,12 +243,14 @@ def test_batches_progress_live_and_cancel_from_the_page(stack, browser):
     assert not page.problems, page.problems
 
     def open_attempts(p: Page) -> None:
-        p.locator("tr[data-request-id]").first.click()
+        evicted = p.locator("tr[data-request-id]:has(td.text-warn)")  # a request with evictions, if any
+        (evicted.first if evicted.count() else p.locator("tr[data-request-id]").first).click()
         expect(p.get_by_test_id("attempts")).to_be_visible()
 
     shoot(browser, stack, f"/dashboard/batches/{running}", "batch", full_page=False, height=1100)
     shoot(browser, stack, f"/dashboard/batches/{running}", "batch-attempts", open_attempts, full_page=False)
     shoot(browser, stack, f"/dashboard/batches/{invalid}", "batch-failed-validation")
+    shoot(browser, stack, "/dashboard", "batches")
 
     # Once done, the output downloads through the dashboard's own (cookie) route.
     batch = stack.wait(running, lambda b: b.status in TERMINAL, 90, "the batch to complete")
@@ -246,7 +259,7 @@ def test_batches_progress_live_and_cancel_from_the_page(stack, browser):
     link = page.locator(f"tr[data-batch-id='{running}'] a", has_text="output")
     expect(link).to_be_visible(timeout=10_000)
     body = page.request.get(f"{stack.api_url}{link.get_attribute('href')}").text()
-    assert len(body.splitlines()) == 80
+    assert len(body.splitlines()) == 120
     page.close()
 
 
@@ -289,8 +302,9 @@ def test_pause_holds_dispatch_and_the_gateway_page_shows_evictions(stack, browse
         expect(page.locator(".stat", has_text="confirmed").locator(".stat-value")).not_to_have_text("0")
         expect(page.locator("tr[data-band='-10']")).to_contain_text("batch")
         expect(page.locator("tr[data-replica]")).to_have_count(2)
-        # Two sampler intervals later the TTFT chart has a realtime line.
+        # A few sampler intervals later the TTFT chart has a realtime line.
         expect(page.locator(".legend-item", has_text="realtime")).to_be_visible(timeout=20_000)
+        expect(page.locator("#charts .chart-card").first.locator("polyline")).to_have_count(1, timeout=20_000)
         shoot(browser, stack, "/dashboard/gateway", "gateway")
         shoot(browser, stack, "/dashboard/queues", "queues")
     finally:
