@@ -56,6 +56,9 @@ class _EngineStateCollector(Collector):
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", stats.prefix_cache_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        # Not a vLLM metric: the simulator's own count of computed work thrown away by aborts.
+        yield counter("sim:aborted_computed_tokens", "Prompt and output tokens computed for requests later aborted.",
+                      stats.aborted_tokens)
         success = CounterMetricFamily(
             "vllm:request_success", "Count of finished requests by finish reason.", labels=["model_name", "finished_reason"]
         )

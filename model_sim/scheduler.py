@@ -48,6 +48,9 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    # Prompt and output tokens already computed for requests that were then aborted (client gone,
+    # e.g. a gateway eviction): work a retry has to do again.
+    aborted_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
 
@@ -78,6 +81,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self.stats.aborted_tokens += request.num_computed_tokens
         self._finish(request, RequestStatus.FINISHED_ABORTED, now)
         return request
 

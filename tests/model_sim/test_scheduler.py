@@ -201,3 +201,18 @@ def test_abort_frees_blocks_immediately_wherever_the_request_is():
     outcome = sched.update_from_output(out, 0.0)  # the step that was in flight ignores it
     assert outcome.new_token == [] and running.status is RequestStatus.FINISHED_ABORTED
     assert sched.stats.finished["abort"] == 2
+
+
+def test_abort_counts_the_computed_work_it_throws_away():
+    sched = Scheduler(EngineConfig(max_num_seqs=2, num_blocks=64))
+    decoding = make_request(40, 100)
+    never_ran = make_request(40, 100)
+    sched.add_request(decoding)
+    for _ in range(4):  # prefill (first token) then three decode steps
+        run_step(sched)
+    assert decoding.num_computed_tokens == 40 + 3
+    sched.add_request(never_ran)
+    sched.abort_request(never_ran.request_id, 0.0)
+    assert sched.stats.aborted_tokens == 0
+    sched.abort_request(decoding.request_id, 0.0)
+    assert sched.stats.aborted_tokens == 43
