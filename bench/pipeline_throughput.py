@@ -24,6 +24,7 @@ import argparse
 import io
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -240,15 +241,16 @@ def run_ours(b: Bench, n: int, processes: int, concurrency: int) -> dict:
     b.restart_processor(window=n)
     batch_id = b.create_batch(b.upload(_lines(n, 4)))
     b.wait_until("all rows queued", lambda: b.queue.count >= n, timeout=300, interval=0.1)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _children_cpu()
     worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
                         "--log-level", "WARNING", log="worker")
     worker.wait()
-    elapsed = time.monotonic() - t0
+    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     counts = b.batch(batch_id)["request_counts"]
     if counts["completed"] != n:
         raise RuntimeError(f"workers exited with {counts} of {n}; see {b.data_dir}/worker.log")
-    return {"kind": f"holdback worker -n {concurrency}", "jobs": n, "seconds": elapsed, "rate": n / elapsed}
+    return {"kind": f"holdback worker -n {concurrency}", "jobs": n, "seconds": elapsed, "rate": n / elapsed,
+            "cpu_ms_per_job": 1000 * cpu / n}
 
 
 def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
@@ -258,17 +260,24 @@ def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
             queue.enqueue_many([Queue.prepare_data("bench.pipeline_throughput.noop", result_ttl=0)
                                 for _ in range(min(1000, n - start))], pipeline=pipe)
         pipe.execute()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _children_cpu()
     workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class", worker_class,
                                  "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for _ in range(processes)]
     for w in workers:
         w.wait()
-    elapsed = time.monotonic() - t0
+    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     if queue.count:
         raise RuntimeError(f"rq workers left {queue.count} jobs")
-    return {"kind": worker_class, "jobs": n, "seconds": elapsed, "rate": n / elapsed}
+    return {"kind": worker_class, "jobs": n, "seconds": elapsed, "rate": n / elapsed,
+            "cpu_ms_per_job": 1000 * cpu / n}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the waited-for children (the worker processes of a run, and their own children)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", choices=("gateway", "direct"), default="gateway",
                    help="workers → gateway → simulator, or workers → simulator (default %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="throughput rounds; medians are reported (default 1)")
+    p.add_argument("--fork-jobs", type=int, default=1000,
+                   help="jobs for RQ's forking Worker, which forks once per job and is far slower "
+                        "(default %(default)s)")
     p.add_argument("--skip-ingest", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--database-url", help="PostgreSQL URL (default: a fresh SQLite file)")
@@ -311,22 +323,27 @@ def main(argv: list[str] | None = None) -> int:
                 if r % 2:
                     order.reverse()
                 for kind, cls in order:
-                    run = (run_ours(b, args.requests, args.processes, args.concurrency) if kind == "ours"
-                           else run_rq(b, args.requests, args.processes, cls))
+                    if kind == "ours":
+                        run = run_ours(b, args.requests, args.processes, args.concurrency)
+                    else:
+                        jobs = min(args.requests, args.fork_jobs) if cls.endswith(".Worker") else args.requests
+                        run = run_rq(b, jobs, args.processes, cls)
                     run["round"] = r
                     runs.append(run)
                     print(f"  round {r}: {run['kind']:<28} {run['jobs']:>7,} jobs {run['seconds']:7.2f} s "
-                          f"{run['rate']:8.1f} jobs/s", flush=True)
-            med = {k: statistics.median(x["rate"] for x in runs if x["kind"] == k) for k in {x["kind"] for x in runs}}
+                          f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job", flush=True)
+            kinds = {x["kind"] for x in runs}
+            med = {k: statistics.median(x["rate"] for x in runs if x["kind"] == k) for k in kinds}
+            cpu = {k: statistics.median(x["cpu_ms_per_job"] for x in runs if x["kind"] == k) for k in kinds}
             ours = next(v for k, v in med.items() if k.startswith("holdback"))
-            results["throughput"] = {"runs": runs, "median_rates": med}
+            results["throughput"] = {"runs": runs, "median_rates": med, "median_cpu_ms_per_job": cpu}
             print(f"\nworker throughput, {args.requests:,} requests, {args.processes} process(es), "
                   f"zero-latency simulator {'through the gateway' if args.path == 'gateway' else 'direct'}, "
                   f"{results['database']}")
-            print(f"  {'':30} {'jobs/s':>9} {'ours ÷ it':>10}")
+            print(f"  {'':30} {'jobs/s':>9} {'ours ÷ it':>10} {'worker CPU ms/job':>18}")
             for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
                 ratio = f"{ours / v:.2f}" if not k.startswith("holdback") else ""
-                print(f"  {k:30} {v:9.1f} {ratio:>10}")
+                print(f"  {k:30} {v:9.1f} {ratio:>10} {cpu[k]:18.2f}")
             print("  goal: ours ÷ RQ ≥ 0.6")
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))

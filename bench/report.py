@@ -108,18 +108,13 @@ def figures(record: dict) -> dict:
     f["duplicates_suppressed"] = sum(r.get("duplicates", 0) for r in rows)
     f["gateway_evictions"] = metric_sum(record.get("gateway_metrics", {}), "holdback_gateway_evictions_total",
                                         outcome="issued")
-    # Tokens the replicas computed that no final result returned: prompts recomputed after an eviction
-    # and outputs cut short by one.
+    # Work the replicas computed and then threw away because the gateway evicted the request (the
+    # simulator counts computed tokens of aborted requests; the batch is cancelled only after this read).
     sim = record.get("sim_metrics") or []
-    computed = sum(metric_sum(m, "vllm:prompt_tokens_total") + metric_sum(m, "vllm:generation_tokens_total")
-                   for m in sim)
-    returned = sum(r.get("input_tokens", 0) + r.get("output_tokens", 0) for r in rows if r["status"] == "succeeded")
-    returned += sum(r.get("prompt_tokens", 0) + r.get("output_tokens", 0) for r in rt if r["status"] == 200)
-    f["recomputed_tokens"] = int(computed - returned)
-    window_end = record.get("started_at", 0) + 1e12  # rows carry wall-clock times; keep every finished row
+    f["recomputed_tokens"] = int(sum(metric_sum(m, "sim:aborted_computed_tokens_total") for m in sim))
+    f["preemptions"] = int(sum(metric_sum(m, "vllm:num_preemptions_total") for m in sim))
     e2e = [r["finished_at"] - r["first_attempt_at"] for r in rows
-           if r["status"] == "succeeded" and r.get("first_attempt_at") and r.get("finished_at")
-           and r["finished_at"] < window_end]
+           if r["status"] == "succeeded" and r.get("first_attempt_at") and r.get("finished_at")]
     f["batch_p95_e2e_s"] = percentile(e2e, 0.95)
     gm = record.get("gateway_metrics", {})
     f["release_p50_ms"] = _ms(_histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.5))

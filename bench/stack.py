@@ -155,18 +155,6 @@ class Stack:
         self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
                     "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap))
 
-    def stop_workers(self, timeout: float = 60.0) -> None:
-        """SIGTERM the workers and wait: they finish what is in flight (drain) before exiting."""
-        proc = self.procs.get("worker")
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
     def stop(self) -> None:
         for name in reversed(list(self.procs)):
             proc = self.procs[name]

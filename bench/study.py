@@ -3,9 +3,10 @@
 Each scenario starts a fresh stack (simulated replicas, gateway, Batch API, processor, workers),
 submits one real batch job through the Batch API, starts the workers `lead` seconds before realtime
 traffic, then sends the same seeded realtime schedule to the gateway for `window` seconds. After the
-window it lets every evicted request finish its retry, drains the workers, reads the figures through
-public interfaces (Batch API, admin API, gateway and simulator metrics) and writes one raw record per
-run. `bench.report` turns the raw records into the summary, the Markdown report and the plots.
+window it lets every evicted request finish its retry, reads the figures through public interfaces
+(Batch API, admin API, gateway and simulator metrics), cancels the rest of the batch, checks its output
+file for duplicates and writes one raw record per run. `bench.report` turns the raw records into the
+summary, the Markdown report and the plots.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ class Workload:
     burst: int = 32
     rate: float = 4.0
     realtime_prompt_words: int = 230  # about 256 prompt tokens with the chat template
-    realtime_max_tokens: int = 16
-    batch_prompt_words: int = 110  # about 128 prompt tokens
-    batch_max_tokens: int = 64
+    realtime_max_tokens: int = 8
+    # Batch lines vary in length (seeded), as real batch inputs do; fixed lengths would make every
+    # batch request dispatched together finish together, in waves no real workload has.
+    batch_prompt_words: tuple[int, int] = (60, 160)  # uniform range; about 70..180 prompt tokens
+    batch_max_tokens: tuple[int, int] = (32, 96)  # uniform range, mean 64
     batch_requests: int = 4000
     worker_concurrency: int = 64
     max_concurrency: int = 48
@@ -50,11 +53,11 @@ class Workload:
         "--decode-ms-per-seq", "0.4", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
         "--num-blocks", "40000", "--jitter", "0.05",
     )
-    drain_timeout_s: float = 120.0
+    retry_wait_s: float = 120.0
 
 
-QUICK = Workload(lead_s=12.0, window_s=40.0, batch_requests=1200, backoff_base=1.0, backoff_cap=8.0,
-                 drain_timeout_s=60.0)
+QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.0, backoff_cap=8.0,
+                 retry_wait_s=60.0)
 FULL = Workload()
 
 
@@ -96,7 +99,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 )}
 
 
-@dataclass
+@dataclass(eq=False)
 class Sampler(threading.Thread):
     """Samples batch progress and the gateway's state once per `interval` while a run goes on."""
 
@@ -151,8 +154,8 @@ def batch_file(w: Workload, model: str, seed: int) -> bytes:
     for i in range(w.batch_requests):
         out.write(json.dumps({
             "custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "max_tokens": w.batch_max_tokens, "ignore_eos": True,
-                     "messages": [{"role": "user", "content": prompt_text(rng, w.batch_prompt_words)}]},
+            "body": {"model": model, "max_tokens": rng.randint(*w.batch_max_tokens), "ignore_eos": True,
+                     "messages": [{"role": "user", "content": prompt_text(rng, rng.randint(*w.batch_prompt_words))}]},
         }) + "\n")
     return out.getvalue().encode()
 
@@ -223,10 +226,8 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
                             "window_s": w.window_s, "traffic_done": (t_end - sampler.t0) if sampler else t_end - t_rt}
         record["evicted_all_done"] = None
         if batch_id:
-            record["evicted_all_done"] = _wait_evicted_done(stack, batch_id, w.drain_timeout_s)
-            # Drain: the workers finish what is in flight, so every token the replicas computed is either
-            # returned in a final result or was lost to an eviction.
-            stack.stop_workers()
+            record["evicted_all_done"] = _wait_evicted_done(stack, batch_id, w.retry_wait_s)
+        # Read before the cancel below: its aborts must not count as eviction recompute.
         record["sim_metrics"] = stack.sim_metrics()
         record["gateway_metrics"] = {k: v for k, v in stack.gateway_metrics().items() if k.startswith("holdback_gateway")}
         record["gateway_state"] = stack.gateway_state()
