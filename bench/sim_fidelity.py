@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated numbers of concurrent streams")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of every request")
     p.add_argument("--itl-steps", type=int, default=60, help="decode steps in the ITL window")
-    p.add_argument("--probes", type=int, default=30, help="TTFT probes per concurrency level")
+    p.add_argument("--probes", type=int, default=60, help="TTFT probes per concurrency level")
     p.add_argument("--step-overhead-ms", type=float, default=2.0)
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-base-ms", type=float, default=8.0)

@@ -29,6 +29,7 @@ from model_sim.timing import TimingModel
 
 SPIN_SECONDS = 0.0015
 CATCHUP_SECONDS = 0.1
+ARRIVAL_TURNS = 3
 
 
 class RequestRejected(ValueError):
@@ -155,6 +156,11 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------------
 
     async def step(self) -> StepResult:
+        # Let the previous step's tokens go out and requests that arrived meanwhile be parsed
+        # before this step is scheduled (data received -> handler task -> add_request takes
+        # a few loop turns); the deadline chain below keeps this from stretching the step.
+        for _ in range(ARRIVAL_TURNS):
+            await asyncio.sleep(0)
         now = time.perf_counter()
         last = self._last_deadline
         started = last if last is not None and 0.0 <= now - last <= CATCHUP_SECONDS else now
