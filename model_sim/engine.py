@@ -8,8 +8,9 @@ wakes a little late catches up on the next step instead of adding the delay to e
 never catches up more than CATCHUP_SECONDS; past that the simulator is overloaded and shows it.
 Timer wakeups can be ~1 ms late, so the last `spin_seconds` (default 1.5 ms) of a step are
 waited by yielding (`asyncio.sleep(0)`) in a loop, which keeps HTTP handlers running; 0 turns
-that off and saves the CPU it costs. With all costs zero a step still yields once, so other
-tasks are never starved.
+that off and saves the CPU it costs. Every step first yields ARRIVAL_TURNS times, so requests
+that arrived during the previous step join this one and, with all costs zero, other tasks are
+never starved.
 """
 
 from __future__ import annotations
