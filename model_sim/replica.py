@@ -101,6 +101,7 @@ class Replica:
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
+            "aborted_computed_tokens": stats.aborted_tokens,
             "finished": dict(stats.finished),
             "num_steps": stats.num_steps,
             "scheduling_policy": sched.policy.value,

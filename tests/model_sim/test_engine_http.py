@@ -235,6 +235,7 @@ def test_metrics_agree_with_admin_state_under_load(start_sim):
         assert m["vllm:prefix_cache_hits_total"] == after["prefix_cache_hits"]
         assert m["vllm:generation_tokens_total"] == after["generation_tokens"]
         assert m["vllm:prompt_tokens_total"] == after["prompt_tokens"]
+        assert m["sim:aborted_computed_tokens_total"] == after["aborted_computed_tokens"]
         if checked >= 5:
             break
     assert checked >= 5
