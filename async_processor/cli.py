@@ -71,8 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser(env)
     args = parser.parse_args(argv)
     log.configure(args.log_level)
-    if args.processes < 1:
-        parser.error("--processes must be at least 1")
+    for flag, value, minimum in (("--concurrency/-n", args.concurrency, 1), ("--processes", args.processes, 1),
+                                 ("--heartbeat-ttl", args.heartbeat_ttl, 3), ("--transient-budget",
+                                 args.transient_budget, 1), ("--db-lanes", args.db_lanes, 1)):
+        if value < minimum:
+            parser.error(f"{flag} must be at least {minimum}, got {value}")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--backoff-base", args.backoff_base),
+                        ("--scheduler-interval", args.scheduler_interval), ("--closing-recheck", args.closing_recheck)):
+        if value <= 0:
+            parser.error(f"{flag} must be positive, got {value}")
+    if args.backoff_cap < args.backoff_base:
+        parser.error(f"--backoff-cap ({args.backoff_cap}) must not be below --backoff-base ({args.backoff_base})")
     settings = Settings()
     name = args.name or f"{settings.redis_namespace}.{socket.gethostname()}.{os.getpid()}"
     if args.processes > 1:
@@ -118,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
-    """Run --processes single-process workers; restart one that dies; pass SIGTERM/SIGINT on."""
+    """Run --processes single-process workers; restart one that dies; pass SIGTERM/SIGINT on.
+
+    Children get SIGTERM if this supervisor dies (Linux parent-death signal), so none is ever orphaned.
+    """
     base = _without(argv, {"--processes", "--name", "--metrics-port"})
     stopping = False
 
@@ -128,8 +140,8 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
             extra += ["--metrics-port", str(args.metrics_port + i)]
         return [sys.executable, "-m", "holdback.cli", "worker", *base, *extra]
 
-    children = {i: subprocess.Popen(child_argv(i)) for i in range(args.processes)}
-    log.event(logging.INFO, "worker_pool_started", processes=args.processes, name=name)
+    def spawn(i: int) -> subprocess.Popen:
+        return subprocess.Popen(child_argv(i), preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):  # noqa: ANN001
         nonlocal stopping
@@ -138,23 +150,47 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    children: dict[int, subprocess.Popen] = {}
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    while True:
-        alive = False
-        for i, proc in list(children.items()):
-            code = proc.poll()
-            if code is None:
-                alive = True
-            elif not stopping and not args.burst and code != 0:
-                log.event(logging.WARNING, "worker_process_died", index=i, exit_code=code)
-                time.sleep(1.0)
-                children[i] = subprocess.Popen(child_argv(i))
-                alive = True
-        if not alive:
-            break
-        time.sleep(0.5)
+    try:
+        for i in range(args.processes):
+            children[i] = spawn(i)
+        log.event(logging.INFO, "worker_pool_started", processes=args.processes, worker=name)
+        while True:
+            alive = False
+            for i, proc in list(children.items()):
+                code = proc.poll()
+                if code is None:
+                    alive = True
+                elif not stopping and not args.burst and code != 0:
+                    log.event(logging.WARNING, "worker_process_died", index=i, exit_code=code)
+                    time.sleep(1.0)
+                    children[i] = spawn(i)
+                    alive = True
+            if not alive:
+                break
+            time.sleep(0.5)
+    finally:
+        for proc in children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in children.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return max((p.returncode or 0) for p in children.values())
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGTERM it when the supervisor dies (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def _without(argv: list[str], flags: set[str]) -> list[str]:

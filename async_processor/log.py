@@ -19,7 +19,7 @@ def _fmt(value: object) -> str:
     return text
 
 
-def event(level: int, name: str, *, exc_info: bool = False, **fields: object) -> None:
+def event(level: int, name: str, /, *, exc_info: bool = False, **fields: object) -> None:
     """Log `event=NAME key=value ...`; fields that are None are left out, order is kept."""
     if logger.isEnabledFor(level):
         parts = [f"event={name}"]

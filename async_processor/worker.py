@@ -42,7 +42,8 @@ class AsyncWorker:
         self.claims: dict[str, Claim] = {}
         self.tasks: set[asyncio.Task] = set()
         self.cancelled_batches: dict[str, float] = {}
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # stop claiming, drain
+        self.closing = asyncio.Event()  # drained: stop the helper loops
         self.slot_freed = asyncio.Event()
         self.holds_scheduler = False
         self.paused = False
@@ -79,9 +80,12 @@ class AsyncWorker:
                 await self._claim_loop()
                 await self._drain()
             finally:
-                for t in helpers:
+                # Helpers stop at their next pause; cancelling alone is not enough, because redis-py can
+                # swallow a cancellation that lands inside a command.
+                self.closing.set()
+                _done, stuck = await asyncio.wait(helpers, timeout=5)
+                for t in stuck:
                     t.cancel()
-                await asyncio.gather(*helpers, return_exceptions=True)
                 if self.holds_scheduler:
                     await _quietly(self.registration.release_scheduler())
                 await _quietly(self.registration.register_death())
@@ -101,7 +105,8 @@ class AsyncWorker:
         _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.drain_timeout)
         for t in pending:
             t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            await asyncio.wait(pending, timeout=10)
 
     # -- claiming -----------------------------------------------------------------------------------------
 
@@ -261,25 +266,28 @@ class AsyncWorker:
 
     async def _cancel_listener(self) -> None:
         channel = self.config.cancel_channel
-        while True:
+        while not self.closing.is_set():
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                while not self.closing.is_set():
+                    message = await pubsub.get_message(timeout=0.5)
+                    if message is not None and message.get("type") == "message":
                         data = message["data"]
                         self.cancel_batch(data.decode() if isinstance(data, bytes) else str(data))
             except RedisError as exc:
                 log.event(logging.WARNING, "cancel_channel_lost", channel=channel, error=str(exc))
-                await asyncio.sleep(1.0)
+                await self._pause(1.0)
             finally:
                 await _quietly(pubsub.aclose())
 
     # -- heartbeat, scheduler, gauges --------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
+        while not self.closing.is_set():
+            await self._pause(self.config.heartbeat_interval)
+            if self.closing.is_set():
+                return  # a heartbeat after register_death would register this worker again
             try:
                 self.registration.state = "busy" if self.inflight else "idle"
                 await self.registration.heartbeat(len(self.inflight))
@@ -292,7 +300,7 @@ class AsyncWorker:
         refresh = min(5.0, cfg.heartbeat_interval)
         lock_ttl = max(6, int(3 * refresh))
         next_lock = next_maintenance = 0.0
-        while True:
+        while not self.closing.is_set():
             now = time.monotonic()
             try:
                 if now >= next_lock:
@@ -311,17 +319,24 @@ class AsyncWorker:
             except RedisError as exc:
                 log.event(logging.WARNING, "scheduler_failed", worker=cfg.name, error=str(exc))
                 self.holds_scheduler = False
-                await asyncio.sleep(1.0)
-            await asyncio.sleep(cfg.scheduler_interval if self.holds_scheduler else refresh)
+                await self._pause(1.0)
+            await self._pause(cfg.scheduler_interval if self.holds_scheduler else refresh)
 
     async def _depth_loop(self) -> None:
-        while True:
+        while not self.closing.is_set():
             try:
                 for state, n in (await self.queue.depth()).items():
                     self.metrics.queue_depth.labels(state).set(n)
             except RedisError:
                 pass  # the gauges keep their last values; claim/heartbeat log the outage
-            await asyncio.sleep(1.0)
+            await self._pause(1.0)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when the worker is closing."""
+        try:
+            await asyncio.wait_for(self.closing.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def _quietly(coro) -> None:

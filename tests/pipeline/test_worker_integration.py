@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from aiohttp import web
 from rq import Queue
@@ -170,6 +172,12 @@ class ScriptedGateway:
                    "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}}
         return web.json_response(out or {"error": {"message": "scripted", "type": "scripted"}}, status=status,
                                  headers=headers)
+
+    def wait_calls(self, request_ids, n: int, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while any(len(self.calls[r]) < n for r in request_ids):
+            assert time.monotonic() < deadline, f"requests never reached the scripted gateway {n} time(s)"
+            time.sleep(0.02)
 
     def close(self):
         async def stop():
@@ -358,7 +366,7 @@ def test_a_killed_workers_request_is_requeued_and_completed_by_another(stack, sc
     gw = scripted(lambda rid, n: (200, {}, None, 60 if n == 1 else 0))
     _, _, row_ids = stack.batch(2)
     w1 = stack.worker(gw.url, "--heartbeat-ttl", "3", name="w1")
-    stack.wait_rows(row_ids, lambda r: r.status == "running", timeout=20, what="running")
+    gw.wait_calls(row_ids, 1)  # every request is at the gateway: the worker dies mid-request
     stack.procs.stop(w1, signal.SIGKILL)
     stack.worker(gw.url, "--heartbeat-ttl", "3", name="w2")
     rows = stack.wait_final(row_ids, timeout=60)
@@ -409,3 +417,53 @@ def test_a_plain_rq_worker_runs_the_same_job(stack, backend):
                    capture_output=True)
     rows = stack.rows(row_ids)
     assert {r.status for r in rows} == {"succeeded"} and all(r.output_tokens == 4 for r in rows)
+
+
+def test_processes_share_the_queue_each_registered_with_rq(stack):
+    sim = stack.sim("--decode-base-ms", "2")
+    _, _, row_ids = stack.batch(40)
+    port = free_port()
+    proc = stack.procs.start("worker", "-n", "4", "--processes", "2", "--name", "pool", "--gateway-url", sim,
+                             "--metrics-port", str(port), *FAST, name="worker")
+    for i in range(2):
+        wait_http(f"http://127.0.0.1:{port + i}/metrics", timeout=30, proc=proc)
+    rows = stack.wait_final(row_ids)
+    assert sorted(w.name for w in Worker.all(queue=stack.queue)) == ["pool.0", "pool.1"]
+    assert {r.status for r in rows} == {"succeeded"}
+    recorded = [metric(f"http://127.0.0.1:{port + i}/metrics", "holdback_worker_results_recorded_total")
+                for i in range(2)]
+    assert sum(recorded) == 40
+    # Killing only the supervisor takes its children down too (they get SIGTERM and unregister).
+    children = psutil.Process(proc.pid).children()
+    assert len(children) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(children, timeout=20)
+    assert alive == [] and Worker.all(queue=stack.queue) == []
+
+
+def test_sigterm_requeues_requests_still_running_after_the_drain_timeout(stack, scripted):
+    gw = scripted(lambda rid, n: (200, {}, None, 60 if n == 1 else 0))  # first calls hang
+    _, _, row_ids = stack.batch(3)
+    w1 = stack.worker(gw.url, name="w1")
+    gw.wait_calls(row_ids, 1)
+    stack.procs.stop(w1)  # SIGTERM; --drain-timeout 2 in FAST
+    assert w1.returncode == 0
+    assert stack.queue.count == 3 and StartedJobRegistry(queue=stack.queue).get_job_ids(cleanup=False) == []
+    stack.worker(gw.url, name="w2")
+    rows = stack.wait_final(row_ids)
+    assert {r.status for r in rows} == {"succeeded"}
+    for row in rows:
+        assert [a.outcome for a in stack.attempts(row.id)] == ["abandoned", "success"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "0"], "--concurrency/-n must be at least 1"),
+    (["--backoff-base", "5", "--backoff-cap", "1"], "--backoff-cap (1.0) must not be below --backoff-base"),
+    (["--transient-budget", "0"], "--transient-budget must be at least 1"),
+])
+def test_cli_rejects_bad_flags_with_a_message_saying_what_to_change(argv, message, capsys):
+    from async_processor.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
