@@ -23,6 +23,7 @@ SEED = {
     "reserve_75_evict": {"p95_ttft_ms": 1019},
     "reserve_25_noevict": {"p95_ttft_ms": 1350, "batch_p95_e2e_s": 8.51},
 }
+BURST_SETTLE_S = 10.0
 SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict", 75)]
 
 
@@ -92,6 +93,9 @@ def figures(record: dict) -> dict:
         "realtime_errors": len(rt) - len(ok),
         "p95_ttft_ms": percentile(ttfts, 0.95),
         "p50_ttft_ms": percentile(ttfts, 0.50),
+        # Diagnostic only (never a headline): p95 over requests sent after the opening burst has drained.
+        # A short window makes the burst's aftermath a large share of all requests; this shows how much.
+        "p95_ttft_after_burst_ms": percentile([r["ttft_s"] * 1000 for r in ok if r["sent_s"] >= BURST_SETTLE_S], 0.95),
         "realtime_queued_p95_ms": percentile([r["queue_ms"] for r in rt if r.get("queue_ms") is not None], 0.95),
     }
     if not record["scenario"]["batch"]:
@@ -226,14 +230,17 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
         lines.append(f"| {text} | {'yes' if ok else 'NO'} | {detail} |")
     base = s("realtime_only", "p95_ttft_ms")
     lines += ["", "## Realtime result (seed: table 'Realtime latency was preserved under mixed load')", "",
-              "| scenario | seed p95 TTFT | ours p95 TTFT | seed vs baseline | ours vs baseline | realtime errors |",
-              "|---|---|---|---|---|---|"]
+              "| scenario | seed p95 TTFT | ours p95 TTFT | seed vs baseline | ours vs baseline | realtime errors | "
+              "ours p95 after the burst (diagnostic) |",
+              "|---|---|---|---|---|---|---|"]
     for name in ("realtime_only", "no_controls", "holdback_50", "holdback_50_evict"):
         seed_v = SEED.get(name, {}).get("p95_ttft_ms")
         ours = s(name, "p95_ttft_ms")
         lines.append(f"| {SCENARIOS[name].title} | {_fmt(seed_v, suffix=' ms')} | {_fmt(ours, suffix=' ms')} | "
                      f"{_pct(seed_v, SEED['realtime_only']['p95_ttft_ms'])} | {_pct(ours, base)} | "
-                     f"{_fmt(s(name, 'realtime_errors_sum'))} |")
+                     f"{_fmt(s(name, 'realtime_errors_sum'))} | {_fmt(s(name, 'p95_ttft_after_burst_ms'), suffix=' ms')} |")
+    lines += ["", f"The diagnostic column leaves out requests sent in the first {BURST_SETTLE_S:.0f} s, while the opening "
+              "burst drains; the headline always uses every request."]
     lines += ["", "## Eviction result (seed: 'Eviction and retry completed 9% more batch requests')", "",
               "| figure | seed holdback | seed + eviction | ours holdback | ours + eviction |", "|---|---|---|---|---|",
               f"| batch completions in window | 1,648 | 1,798 (+9%) | {_fmt(s('holdback_50', 'batch_completions'))} | "
@@ -280,6 +287,9 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(f.get('evictions'))} | {_fmt(f.get('evicted_completed'))}/{_fmt(f.get('evicted_requests'))} | "
                      f"{_fmt(f.get('duplicate_final_results'))} | {_fmt(f.get('recomputed_tokens'))} | "
                      f"{_fmt(f.get('batch_p95_e2e_s'), 2)} | {_fmt(f.get('release_p99_ms'), 1)} |")
+    lines += ["", "## Where ours differs from the seed, and why", ""] + differences(meta, summary, run_figs)
+    lines += ["", "## Calibration", "", CALIBRATION.format(base=_fmt(s("realtime_only", "p95_ttft_ms")),
+                                                           args=" ".join(w.get("sim_args", [])))]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Workload", "", "```json", json.dumps(w, indent=2), "```", ""]
     return "\n".join(lines)
@@ -373,3 +383,68 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
         plt.close(fig)
         made.append(fname)
     return made
+
+
+CALIBRATION = """The simulator stands in for one vLLM replica of a large model whose decode step dominates: every engine
+step costs `step_overhead + prefill_tokens × prefill_per_token + decode_base + decode_per_seq × running`
+(`model_sim/timing.py`). With `{args}` a decode step with a handful of sequences takes about 125 ms and a
+256-token realtime prompt adds about 4 ms of prefill, so a lone realtime request sees roughly one and a half
+steps before its first token, and the 32-request opening burst (8,192 prompt tokens) is prefilled in one step.
+That puts the realtime-only baseline at a p95 TTFT of {base} ms, the seed's regime (342 ms). Batch lines use
+70–180 prompt tokens and 32–96 output tokens (seeded), about 10 s of service each; realtime uses 8 output
+tokens. Prefix caching is off, as in the seed, so a retried request recomputes its prompt."""
+
+
+def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> list[str]:
+    """Each place our figures part from the seed's, by how much, and the reason the raw records show."""
+    s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
+    w = meta.get("workload", {})
+    window = w.get("window_s", 300.0)
+    rt = next((f for f in run_figs if f["scenario"] == "realtime_only"), None)
+    n_rt = rt["realtime_requests"] if rt else None
+    burst = w.get("burst", 32)
+    share = (burst / n_rt * 100) if n_rt else None
+    out: list[str] = []
+    base, nc, hb = s("realtime_only", "p95_ttft_ms"), s("no_controls", "p95_ttft_ms"), s("holdback_50", "p95_ttft_ms")
+    if base and nc:
+        out.append(
+            f"- **No controls: {(nc / base - 1) * 100:+.0f}% against the seed's +64%.** With batch holding all "
+            f"48 request positions, every realtime arrival waits at the gateway for a batch request to finish. The "
+            f"32-request opening burst waits longest; in this {window:.0f} s window it is "
+            f"{_fmt(share, 1)}% of the {n_rt} realtime requests, against 2.6% of about 1,232 in the seed's 300 s. "
+            f"After the burst has drained the no-controls p95 is {_fmt(s('no_controls', 'p95_ttft_after_burst_ms'))} ms "
+            f"against {_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms for realtime alone: still well above "
+            f"baseline, which is the seed's finding.")
+    if base and hb:
+        verdict = "within 5% of" if abs(hb / base - 1) <= 0.05 else f"{(hb / base - 1) * 100:+.0f}% from"
+        out.append(
+            f"- **Holdback alone: {verdict} the baseline, against the seed's 341 vs 342 ms.** The burst exceeds the "
+            f"24 reserved positions by 8; without eviction those 8, and the realtime requests that arrive while the "
+            f"burst occupies the reserve, wait for batch requests to finish naturally (the seed's decision tree "
+            f"says the same). Over {window:.0f} s they are enough requests to reach the p95; over 300 s they are "
+            f"not. After the burst the holdback p95 is {_fmt(s('holdback_50', 'p95_ttft_after_burst_ms'))} ms against "
+            f"{_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms. With eviction the burst is served at once and "
+            f"the p95 is {_fmt(s('holdback_50_evict', 'p95_ttft_ms'))} ms.")
+    c_hb, c_ev = s("holdback_50", "batch_completions"), s("holdback_50_evict", "batch_completions")
+    if c_hb and c_ev is not None and c_ev <= c_hb:
+        out.append(
+            f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.** In our "
+            f"simulator an evicted request's computed tokens are thrown away "
+            f"({_fmt(s('holdback_50_evict', 'recomputed_tokens'))} here) and at a fixed 50% ceiling nothing else "
+            f"changes for batch, so eviction cannot add batch completions (with one repeat per scenario the "
+            f"run-to-run spread is not measured here; the full mode's three repeats give medians). The seed does not say where its extra 150 completions came "
+            f"from; real vLLM under KV pressure preempts and recomputes running work when a burst lands, which "
+            f"eviction avoids and which our simulator, sized with ample KV blocks, never does.")
+    elif c_hb and c_ev:
+        out.append(f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.**")
+    sweep = [(r, s(n, "p95_ttft_ms")) for n, r in SWEEP if s(n, "p95_ttft_ms") is not None]
+    if sweep:
+        best = min(sweep, key=lambda x: x[1])
+        out.append(
+            f"- **Reserve sweep:** our lowest p95 is at {best[0]}% reserve ({_fmt(best[1])} ms); the seed's at 50%. "
+            f"The seed's sweep medians (about 1 s) are three times its main-scenario figures, so its sweep ran under "
+            f"heavier pressure than its 300 s comparison; ours uses the same workload throughout. The direction is the same: less reserve means more evictions and more recompute, more "
+            f"reserve means fewer batch completions.")
+    out.append("- **Scale:** our batch completions are counted in a shorter window with a simulated model, so they "
+               "are not comparable in absolute terms with the seed's 1,648; only ratios between scenarios are.")
+    return out

@@ -70,6 +70,8 @@ class Scenario:
     eviction: bool = False
     replicas: int = 1
     objective: str = "realtime"  # what the interactive traffic asks for
+    # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
+    # pressure the one-replica runs see and eviction is exercised across replicas.
 
     def gateway_overrides(self, w: Workload) -> dict:
         # Explicit ceilings per band: realtime and standard may use the whole pool, batch stops at its ceiling
@@ -216,7 +218,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
             sampler.start()
         time.sleep(w.lead_s if scenario.batch else 1.0)
         t_rt = time.monotonic()
-        offsets = schedule(seed, w.burst, w.rate, w.window_s)
+        offsets = schedule(seed, w.burst * scenario.replicas, w.rate * scenario.replicas, w.window_s)
         realtime = asyncio.run(run_realtime(stack.gateway_url, stack.realtime_key, model, offsets,
                                             objective=scenario.objective, prompt_words=w.realtime_prompt_words,
                                             max_tokens=w.realtime_max_tokens, seed=seed))
