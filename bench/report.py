@@ -24,6 +24,12 @@ SEED = {
     "reserve_25_noevict": {"p95_ttft_ms": 1350, "batch_p95_e2e_s": 8.51},
 }
 BURST_SETTLE_S = 10.0
+SHORT = {
+    "realtime_only": "realtime\nonly", "no_controls": "no\ncontrols", "holdback_50": "holdback\n50%",
+    "holdback_50_evict": "holdback 50%\n+ eviction", "reserve_25_evict": "reserve 25%\n+ eviction",
+    "reserve_75_evict": "reserve 75%\n+ eviction", "reserve_25_noevict": "reserve 25%\neviction off",
+    "two_replicas": "two replicas\n50% + evict", "standard_check": "standard\nreclaims",
+}
 SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict", 75)]
 
 
@@ -305,7 +311,7 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
 
     made = []
     names = [n for n in SCENARIOS if n in summary]
-    labels = [SCENARIOS[n].title.replace(" + ", "\n+ ").replace(", ", ",\n") for n in names]
+    labels = [SHORT.get(n, n) for n in names]
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     ours = [summary[n].get("p95_ttft_ms") or 0 for n in names]
@@ -313,7 +319,7 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], ours, width=0.4, label="holdback (ours)", color="#3b6fb6")
     ax.bar([i + 0.2 for i in x], [v or 0 for v in seed], width=0.4, label="seed", color="#b0b0b0")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("realtime p95 TTFT (ms)")
     ax.set_title("Realtime p95 time to first token by scenario (median over repeats)")
     ax.legend()
@@ -325,8 +331,7 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
     bnames = [n for n in names if SCENARIOS[n].batch]
     fig, ax = plt.subplots(figsize=(10, 4.2))
     ax.bar(range(len(bnames)), [summary[n].get("batch_completions") or 0 for n in bnames], color="#7a4fb0")
-    ax.set_xticks(range(len(bnames)), [SCENARIOS[n].title.replace(" + ", "\n+ ").replace(", ", ",\n") for n in bnames],
-                  fontsize=7)
+    ax.set_xticks(range(len(bnames)), [SHORT.get(n, n) for n in bnames], fontsize=8)
     ax.set_ylabel("batch completions in the window")
     ax.set_title("Batch completions by scenario (median over repeats)")
     fig.tight_layout()
@@ -356,32 +361,33 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
         plt.close(fig)
         made.append("reserve_sweep.png")
 
-    for name in ("reserve_25_evict", "holdback_50_evict"):
-        rec = next((r for r in records if r["scenario"]["name"] == name), None)
-        if rec is None:
-            continue
-        fig, ax = plt.subplots(figsize=(10, 4))
-        start = (rec.get("window") or {}).get("realtime_start", 0.0)
-        pts = [(r["sent_s"], r["ttft_s"] * 1000) for r in rec["realtime"] if r.get("ttft_s") is not None]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color="#3b6fb6", label="realtime TTFT")
-        prev = None
-        first = True
-        for smp in rec.get("samples") or []:
-            ev = smp.get("evictions")
-            if ev is not None and prev is not None and ev > prev:
-                ax.axvline(smp["t"] - start, color="#d04040", alpha=0.5, lw=1, label="eviction" if first else None)
-                first = False
-            if ev is not None:
-                prev = ev
-        ax.set_xlabel("seconds since realtime traffic started")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"Realtime TTFT over time with evictions marked — {SCENARIOS[name].title}")
-        ax.legend(fontsize=8)
+    pair = [next((r for r in records if r["scenario"]["name"] == n), None)
+            for n in ("reserve_25_noevict", "reserve_25_evict")]
+    pair = [r for r in pair if r is not None]
+    if pair:
+        fig, axes = plt.subplots(1, len(pair), figsize=(6.5 * len(pair), 4), sharey=True, squeeze=False)
+        for ax, rec in zip(axes[0], pair):
+            start = (rec.get("window") or {}).get("realtime_start", 0.0)
+            pts = [(r["sent_s"], r["ttft_s"] * 1000) for r in rec["realtime"] if r.get("ttft_s") is not None]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color="#3b6fb6", label="realtime TTFT")
+            prev, first = None, True
+            for smp in rec.get("samples") or []:
+                ev = smp.get("evictions")
+                if ev is not None and prev is not None and ev > prev:
+                    ax.axvline(smp["t"] - start, color="#d04040", alpha=0.5, lw=1,
+                               label="eviction issued" if first else None)
+                    first = False
+                if ev is not None:
+                    prev = ev
+            ax.set_xlabel("seconds since realtime traffic started")
+            ax.set_title(SCENARIOS[rec["scenario"]["name"]].title, fontsize=10)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("TTFT (ms)")
+        fig.suptitle("Realtime TTFT over time at 25% reserve, eviction off and on (evictions marked)")
         fig.tight_layout()
-        fname = f"ttft_over_time_{name}.png"
-        fig.savefig(out_dir / fname, dpi=110)
+        fig.savefig(out_dir / "ttft_over_time.png", dpi=110)
         plt.close(fig)
-        made.append(fname)
+        made.append("ttft_over_time.png")
     return made
 
 
