@@ -105,16 +105,20 @@ return 1
 """
 
 # The scheduler role: move due jobs from the ScheduledJobRegistry to the queue (sub-second scores).
+# A due retry goes to the FRONT of the queue: it was admitted earlier than anything still waiting, and
+# behind a deep batch window its wait would otherwise grow with the queue, not with its backoff.
+# Walking the due ids from the last keeps them in due order at the front.
 _MOVE_DUE = """
 -- KEYS: scheduled registry, queue; ARGV: now(float), limit, job prefix, now(utc)
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 local moved = 0
-for _, job_id in ipairs(ids) do
+for i = #ids, 1, -1 do
+  local job_id = ids[i]
   redis.call('ZREM', KEYS[1], job_id)
   local job_key = ARGV[3] .. job_id
   if redis.call('EXISTS', job_key) == 1 then
     redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[4])
-    redis.call('RPUSH', KEYS[2], job_id)
+    redis.call('LPUSH', KEYS[2], job_id)
     moved = moved + 1
   end
 end
