@@ -130,7 +130,7 @@ class Runtime:
 
     @classmethod
     def build(cls, database_url: str, *, gateway_url: str, gateway_key: str | None, policy: RetryPolicy,
-              worker_name: str, request_timeout: float, db_lanes: int = 4) -> "Runtime":
+              worker_name: str, request_timeout: float, db_lanes: int = 2) -> "Runtime":
         engine = make_worker_engine(database_url, db_lanes)
         sessions = make_sessionmaker(engine)
         # SQLite has one writer at a time: more lanes would only queue on its lock.

@@ -28,7 +28,7 @@ class WorkerSettings(BaseSettings):
     request_timeout: float = Field(600.0, description="seconds one gateway request may take")
     heartbeat_ttl: int = Field(90, description="seconds an in-flight job stays started without a heartbeat")
     scheduler_interval: float = Field(0.1, description="seconds between moves of due retries to the queue")
-    db_lanes: int = Field(4, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
+    db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class WorkerConfig:
     request_timeout: float = 600.0
     heartbeat_ttl: int = 90
     scheduler_interval: float = 0.1
-    db_lanes: int = 4
+    db_lanes: int = 2
     burst: bool = False
     metrics_port: int | None = None
     drain_timeout: float = 30.0
