@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 from batch_api import batches, files
 from batch_api.auth import AdminDep, ContextDep, CurrentTenant, SessionDep
 from batch_api.errors import NotFound, ServiceUnavailable
-from batch_api.observability import log_event
+from holdback.logs import log_event
 from batch_api.schemas import AdminBatch, AdminBatchList, CreatedKey, KeyCreate, batch_to_api, list_page
 from batch_api.tenant_scope import list_batches
 from holdback.broker import is_paused, requests_queue_name, set_paused

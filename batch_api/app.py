@@ -18,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from batch_api import admin, batches, dashboard, files, ops
 from batch_api.context import ApiContext
 from batch_api.errors import install_error_handlers
-from batch_api.observability import ObserveRequests, create_metrics, log_event
+from batch_api.observability import ObserveRequests, create_metrics
+from holdback.logs import log_event
 from holdback import __version__
 from holdback.broker import connect
 from holdback.db import make_engine, make_sessionmaker

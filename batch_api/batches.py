@@ -14,7 +14,7 @@ from sqlalchemy import update
 
 from batch_api.auth import SessionDep, TenantDep
 from batch_api.errors import BadRequest
-from batch_api.observability import log_event
+from holdback.logs import log_event
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
 from batch_api.tenant_scope import get_batch, get_file, list_batches
 from holdback.models import Batch, BatchStatus, now

@@ -10,7 +10,7 @@ import argparse
 import uvicorn
 
 from batch_api.app import create_app
-from batch_api.observability import configure_logging
+from holdback.logs import configure_json_logging
 from holdback.settings import Settings
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    configure_json_logging(None, args.log_level, adopt=("uvicorn", "uvicorn.error", "uvicorn.access"))
     app = create_app(Settings())
     # Our middleware logs every request as one JSON event, so uvicorn's access log is off.
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level)

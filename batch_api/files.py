@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from batch_api.auth import ContextDep, SessionDep, TenantDep
 from batch_api.errors import ServerError
-from batch_api.observability import log_event
+from holdback.logs import log_event
 from batch_api.schemas import FileDeleted, FileList, FileObject, file_to_api, list_page
 from batch_api.tenant_scope import get_file, list_files
 from batch_api.uploads import UploadLimits, receive_upload, record_upload

@@ -1,4 +1,4 @@
-"""What the API server tells its operator: one JSON log event per line and Prometheus metrics.
+"""What the API server tells its operator: one JSON log event per request (holdback.logs) and Prometheus metrics.
 
 `ObserveRequests` is the ASGI middleware that gives every request an `x-request-id`, counts it by
 route template and status, times it, and logs it. Each app owns its `CollectorRegistry`, so two
@@ -7,54 +7,17 @@ apps in one process (tests) never share counters.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-import sys
 import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from holdback.logs import log_event
+
 log = logging.getLogger("batch_api.requests")
-
-# Standard LogRecord attributes; anything else passed via `extra` is an event field.
-_RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "color_message"}
-
-
-class JsonLines(logging.Formatter):
-    """`{"ts", "level", "logger", "event", ...fields}` on one line."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        event = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": record.getMessage(),
-        }
-        event.update(getattr(record, "fields", None) or {})
-        event.update({k: v for k, v in vars(record).items() if k not in _RECORD_KEYS})
-        if record.exc_info:
-            event["exception"] = self.formatException(record.exc_info)
-        return json.dumps(event, default=str, separators=(",", ":"))
-
-
-def configure_logging(level: str = "info") -> None:
-    """Send every logger (ours and uvicorn's) to stderr as JSON lines."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLines())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []
-        logging.getLogger(name).propagate = True
-
-
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: object) -> None:
-    logger.log(level, event, extra={"fields": fields})
-
 
 @dataclass
 class ApiMetrics:

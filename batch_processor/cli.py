@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from batch_processor.log import configure_logging, log_event
+from holdback.logs import configure_json_logging, log_event
 from batch_processor.processor import Processor, ProcessorConfig, default_name, log
 
 _DEFAULTS = ProcessorConfig()
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_json_logging("batch_processor", args.log_level)
     from holdback.settings import Settings
 
     try:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_processor.enqueue import IN_FLIGHT
 from batch_processor.finalize import FinalizeResult, finalize_batch
 from batch_processor.lease import held_by
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
 from holdback.results import close_unfinished

@@ -21,7 +21,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus
 from holdback.results import count_unfinished, output_line

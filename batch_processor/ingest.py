@@ -17,7 +17,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_id

@@ -27,7 +27,7 @@ from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_
 from batch_processor.ingest import expand_batch
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
 from batch_processor.sync_dispatch import SyncDispatcher

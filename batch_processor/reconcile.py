@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 from sqlalchemy import and_, bindparam, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from holdback.db import transaction
 from holdback.models import Attempt, AttemptOutcome, RequestRow, RequestStatus
 

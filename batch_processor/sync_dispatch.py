@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from batch_processor.log import log_event
+from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from holdback import dispatch
 from holdback.db import transaction

@@ -37,7 +37,7 @@ from batch_api.dashboard.session import (
     set_cookie,
 )
 from batch_api.errors import ApiError
-from batch_api.observability import log_event
+from holdback.logs import log_event
 from batch_api.tenant_scope import list_batches
 from holdback.broker import requests_queue_name
 from holdback.models import BATCH_TERMINAL, Batch, BatchStatus, RequestRow, RequestStatus

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from batch_api.context import ApiContext
 from batch_api.dashboard.gateway_view import TIMEOUT, Buckets, quantile, ttft_buckets
-from batch_api.observability import log_event
+from holdback.logs import log_event
 from holdback.models import Batch
 
 log = logging.getLogger("batch_api.dashboard.sampler")

@@ -1,7 +1,8 @@
-"""Structured logs for the processor: one JSON event per line, with the batch id where it applies.
+"""Structured logs shared by the API server and the processor: one JSON event per line.
 
 `log_event(log, "batch_expanded", batch_id=..., total=...)` writes
 `{"ts":..,"level":"info","logger":"batch_processor.ingest","event":"batch_expanded","batch_id":..,"total":..}`.
+Fields that are None are left out.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import json
 import logging
 import sys
 
-_RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields"}
+# Standard LogRecord attributes; anything else passed via `extra` is an event field.
+_RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "color_message"}
 
 
 class JsonLines(logging.Formatter):
+    """`{"ts", "level", "logger", "event", ...fields}` on one line."""
+
     def format(self, record: logging.LogRecord) -> str:
         event = {
             "ts": round(record.created, 3),
@@ -22,19 +26,25 @@ class JsonLines(logging.Formatter):
             "event": record.getMessage(),
         }
         event.update(getattr(record, "fields", None) or {})
+        event.update({k: v for k, v in vars(record).items() if k not in _RECORD_KEYS})
         if record.exc_info:
             event["exception"] = self.formatException(record.exc_info)
         return json.dumps(event, default=str, separators=(",", ":"))
 
 
-def configure_logging(level: str = "info") -> None:
-    """Send the processor's loggers to stderr as JSON lines (RQ's own logger stays quiet)."""
+def configure_json_logging(logger_name: str | None, level: str = "info", adopt: tuple[str, ...] = ()) -> None:
+    """Send `logger_name` (None: the root logger) to stderr as JSON lines; loggers named in `adopt`
+    (e.g. uvicorn's) drop their own handlers and propagate to it."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
-    root = logging.getLogger("batch_processor")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    target = logging.getLogger(logger_name)
+    target.handlers[:] = [handler]
+    target.setLevel(level.upper())
+    if logger_name is not None:
+        target.propagate = False
+    for name in adopt:
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
 
 
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: object) -> None:
