@@ -6,6 +6,8 @@ always stopped (SIGTERM, then SIGKILL) when the test ends, so no test leaves an 
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import socket
@@ -114,3 +116,35 @@ class Processes:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- batches through the official client --------------------------------------------------------------------
+
+TERMINAL_BATCH = ("completed", "failed", "expired", "cancelled")
+
+
+def chat_lines(n: int, *, max_tokens: int, content: str = "question number {i}", model: str = "sim-model",
+               extra_body: dict | None = None) -> list[str]:
+    """n chat-completion input lines with custom ids req-0 .. req-(n-1)."""
+    return [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"model": model, "max_tokens": max_tokens, **(extra_body or {}),
+                                 "messages": [{"role": "user", "content": content.format(i=i)}]}})
+            for i in range(n)]
+
+
+def submit_batch(client, lines: list[str], window: str = "24h") -> str:  # noqa: ANN001
+    """Upload the lines as a JSONL file and create a chat-completions batch from it; returns its id."""
+    f = client.files.create(file=("input.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=window).id
+
+
+def wait_batch(client, batch_id: str, until, timeout: float, context=lambda: ""):  # noqa: ANN001
+    """Poll until `until(batch)`; on timeout fail with the batch's state and `context()` (e.g. child logs)."""
+    deadline = time.monotonic() + timeout
+    batch = client.batches.retrieve(batch_id)
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} stuck at {batch.status} {batch.request_counts}\n{context()}")

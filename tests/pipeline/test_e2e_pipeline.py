@@ -5,7 +5,6 @@ and cancellation reaching the simulator. Time is scaled down with short backoffs
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 import threading
@@ -19,7 +18,7 @@ from sqlalchemy import func, select
 
 from holdback.db import make_engine, make_sessionmaker
 from holdback.models import Attempt, RequestRow
-from tests.support import Processes, free_port, free_ports, wait_http
+from tests.support import Processes, chat_lines, free_port, free_ports, submit_batch, wait_batch, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -81,25 +80,11 @@ class Platform:
     # -- batches ------------------------------------------------------------------------------------------
 
     def submit(self, n: int, *, max_tokens: int = 8, extra_body: dict | None = None) -> str:
-        lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"model": "sim-model", "max_tokens": max_tokens, **(extra_body or {}),
-                                      "messages": [{"role": "user", "content": f"question number {i}"}]}})
-                 for i in range(n)]
-        f = self.client.files.create(file=("input.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
-        batch = self.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                           completion_window="24h")
-        return batch.id
+        return submit_batch(self.client, chat_lines(n, max_tokens=max_tokens, extra_body=extra_body))
 
     def wait(self, batch_id: str, timeout: float = 120.0, until=lambda b: b.status in TERMINAL):
-        deadline = time.monotonic() + timeout
-        batch = self.client.batches.retrieve(batch_id)
-        while time.monotonic() < deadline:
-            batch = self.client.batches.retrieve(batch_id)
-            if until(batch):
-                return batch
-            time.sleep(0.2)
-        raise AssertionError(f"batch {batch_id} stuck at {batch.status} {batch.request_counts}\n"
-                             f"{self.procs.log('worker')}\n{self.procs.log('processor')}")
+        return wait_batch(self.client, batch_id, until, timeout,
+                          lambda: f"{self.procs.log('worker')}\n{self.procs.log('processor')}")
 
     def wait_completed(self, batch_id: str, n: int, timeout: float = 120.0) -> list[dict]:
         """The batch completes; its output has exactly one line per custom_id, each a 200 with usage."""

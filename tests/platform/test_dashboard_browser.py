@@ -10,8 +10,6 @@ plain test run leaves the working tree clean.
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import re
 import tempfile
@@ -24,7 +22,7 @@ import openai
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from tests.support import REPO, Processes, free_port, free_ports, wait_http
+from tests.support import REPO, Processes, chat_lines, free_port, free_ports, submit_batch, wait_batch, wait_http
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
@@ -84,24 +82,12 @@ class Stack:
         self.procs.close()
 
     def submit(self, n: int, *, max_tokens: int = 40, lines: list[str] | None = None) -> str:
-        lines = lines or [json.dumps({
-            "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "sim-model", "max_tokens": max_tokens,
-                     "messages": [{"role": "user", "content": f"summarise document {i}"}]}}) for i in range(n)]
-        f = self.client.files.create(file=("input.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
-        return self.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                          completion_window="24h").id
+        return submit_batch(self.client, lines or chat_lines(n, max_tokens=max_tokens, content="summarise document {i}"))
 
     def wait(self, batch_id: str, until, timeout: float = 60.0, what: str = "the batch"):  # noqa: ANN001
-        deadline = time.monotonic() + timeout
-        batch = self.client.batches.retrieve(batch_id)
-        while time.monotonic() < deadline:
-            batch = self.client.batches.retrieve(batch_id)
-            if until(batch):
-                return batch
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}: {batch.status} {batch.request_counts}\n"
-                             f"{self.procs.log('worker')[-2000:]}\n{self.procs.log('processor')[-2000:]}")
+        return wait_batch(self.client, batch_id, until, timeout,
+                          lambda: f"waiting for {what}\n{self.procs.log('worker')[-2000:]}\n"
+                                  f"{self.procs.log('processor')[-2000:]}")
 
     def completed(self, batch_id: str) -> int:
         return self.client.batches.retrieve(batch_id).request_counts.completed
