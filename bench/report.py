@@ -302,7 +302,11 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
 
 
 def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit("holdback bench: plotting needs matplotlib; install it with `pip install 'holdback[bench]'` "
+                         "(`make test` and `make up` install it already)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
