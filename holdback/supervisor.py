@@ -164,7 +164,10 @@ class Supervisor:
                 _log("child did not stop, killing", child=child.name)
                 os.killpg(child.proc.pid, signal.SIGKILL)
                 child.proc.wait(5)
-            _log("stopped", child=child.name, code=child.proc.returncode)
+            code = child.proc.returncode
+            # uvicorn re-raises the SIGTERM it handled, so a clean stop can also end "by signal".
+            _log("stopped", child=child.name,
+                 **({"signal": signal.Signals(-code).name} if code < 0 else {"code": code}))
 
 
 def _parser() -> argparse.ArgumentParser:
