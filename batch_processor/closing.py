@@ -59,30 +59,33 @@ def cancel_batch(factory: sessionmaker[Session], store: FileStore, stopper: Batc
                  owner: str | None, keepalive: Callable[[], None] | None = None) -> FinalizeResult | None:
     """cancelling -> cancelled, keeping what finished; a batch cancelled while validating has no rows
     and goes straight to cancelled with no files."""
-    from_statuses = (BatchStatus.cancelling,)
-    closed = close_rows(factory, batch_id, owner, from_statuses, RequestStatus.cancelled, CANCELLED_CODE,
-                        CANCELLED_MESSAGE)
-    if closed is None:
-        return None
-    count, dispatched = closed
-    stopper.stop_batch(batch_id, dispatched)
-    log_event(log, "batch_rows_cancelled", batch_id=batch_id, closed=count, jobs_removed=len(dispatched))
-    return finalize_batch(factory, store, batch_id, to_status=BatchStatus.cancelled, from_statuses=from_statuses,
-                          owner=owner, keepalive=keepalive)
+    return _close_batch(factory, store, stopper, batch_id, owner=owner, keepalive=keepalive,
+                        from_statuses=(BatchStatus.cancelling,), row_status=RequestStatus.cancelled,
+                        code=CANCELLED_CODE, message=CANCELLED_MESSAGE, to_status=BatchStatus.cancelled,
+                        event="batch_rows_cancelled")
 
 
 def expire_batch(factory: sessionmaker[Session], store: FileStore, stopper: BatchStopper, batch_id: str, *,
                  owner: str | None, keepalive: Callable[[], None] | None = None) -> FinalizeResult | None:
     """validating|in_progress -> expired at the end of the completion window, keeping what finished."""
-    from_statuses = (BatchStatus.validating, BatchStatus.in_progress)
-    closed = close_rows(factory, batch_id, owner, from_statuses, RequestStatus.expired, EXPIRED_CODE,
-                        EXPIRED_MESSAGE)
+    return _close_batch(factory, store, stopper, batch_id, owner=owner, keepalive=keepalive,
+                        from_statuses=(BatchStatus.validating, BatchStatus.in_progress),
+                        row_status=RequestStatus.expired, code=EXPIRED_CODE, message=EXPIRED_MESSAGE,
+                        to_status=BatchStatus.expired, event="batch_rows_expired")
+
+
+def _close_batch(factory: sessionmaker[Session], store: FileStore, stopper: BatchStopper, batch_id: str, *,
+                 owner: str | None, keepalive: Callable[[], None] | None, from_statuses: tuple[BatchStatus, ...],
+                 row_status: RequestStatus, code: str, message: str, to_status: BatchStatus,
+                 event: str) -> FinalizeResult | None:
+    """Close unfinished rows in the DB, stop their jobs and in-flight requests, then finalize with partial output."""
+    closed = close_rows(factory, batch_id, owner, from_statuses, row_status, code, message)
     if closed is None:
         return None
     count, dispatched = closed
     stopper.stop_batch(batch_id, dispatched)
-    log_event(log, "batch_rows_expired", batch_id=batch_id, closed=count, jobs_removed=len(dispatched))
-    return finalize_batch(factory, store, batch_id, to_status=BatchStatus.expired, from_statuses=from_statuses,
+    log_event(log, event, batch_id=batch_id, closed=count, jobs_removed=len(dispatched))
+    return finalize_batch(factory, store, batch_id, to_status=to_status, from_statuses=from_statuses,
                           owner=owner, keepalive=keepalive)
 
 
