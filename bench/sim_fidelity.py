@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+
+from bench.readiness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,12 +84,6 @@ class LevelResult:
     @property
     def ttft_ratio(self) -> float:
         return self.ttft_measured_ms / self.ttft_predicted_ms
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_sim(args, timing: Timing, port: int) -> subprocess.Popen:
@@ -271,7 +266,7 @@ def table(results: list[LevelResult]) -> str:
 
 async def amain(args) -> int:
     timing = Timing(args.step_overhead_ms, args.prefill_ms_per_token, args.decode_base_ms, args.decode_ms_per_seq)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     proc = None if args.external else start_sim(args, timing, port)
     rng = random.Random(args.seed)

@@ -11,38 +11,16 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml
 
-
-def _free_port_block(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports")
+from bench.readiness import free_port_block, wait_http
 
 
 @dataclass
@@ -62,7 +40,7 @@ class Stack:
         self.spec = spec
         self.log_dir = log_dir
         self.data_dir = Path(tempfile.mkdtemp(prefix="hbb-"))
-        base = _free_port_block(4 + spec.replicas)
+        base = free_port_block(4 + spec.replicas)
         self.api_port, self.gateway_port, self.sim_port = base, base + 1, base + 2
         self.admin_key = "hb-admin-" + secrets.token_urlsafe(12)
         self.realtime_key = "hb-rt-" + secrets.token_urlsafe(12)
@@ -105,17 +83,7 @@ class Stack:
         return proc
 
     def _wait(self, name: str, url: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited early; see {self.log_dir / (name + '.log')}")
-            try:
-                if httpx.get(url, timeout=1).status_code < 300:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{name} not ready at {url}; see {self.log_dir / (name + '.log')}")
+        wait_http(url, self.procs[name], timeout, what=f"{name} (log {self.log_dir / (name + '.log')})")
 
     def gateway_config(self) -> dict:
         config = {

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.readiness import free_port, wait_http
+
 MiB = 1024 * 1024
 
 
@@ -90,29 +92,6 @@ def write_jsonl(path: Path, size: int) -> tuple[int, str]:
     return written, digest.hexdigest()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"holdback api exited with {proc.returncode} during start-up")
-        try:
-            ready = httpx.get(url, timeout=1).status_code == 200
-        except httpx.HTTPError:
-            ready = False
-        if ready:
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
-
-
 def settle(sampler: RssSampler, seconds: float = 1.0) -> int:
     """Baseline RSS: the largest of a few samples over a quiet second."""
     end = time.monotonic() + seconds
@@ -159,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        wait_ready(f"{base}/readyz", proc)
+        wait_http(f"{base}/readyz", proc, 60, what="holdback api")
         key = httpx.post(f"{base}/admin/keys", json={"tenant": "bench"},
                          headers={"authorization": f"Bearer {admin_key}"}).raise_for_status().json()["key"]
         auth = {"authorization": f"Bearer {key}"}
