@@ -164,11 +164,9 @@ def main(argv: list[str]) -> int:
 
 
 def _evictions(gateway: str, keys: dict[str, str]) -> str:
+    """Evictions the gateway has issued (`totals.evictions.issued` in its /admin/state), or "?" if unreachable."""
     try:
         state = httpx.get(f"{gateway}/admin/state", headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=2).json()
     except (httpx.HTTPError, ValueError):
         return "?"
-    totals = state.get("evictions") or {}
-    if isinstance(totals, dict):
-        return str(sum(v for v in totals.values() if isinstance(v, (int, float))))
-    return str(totals)
+    return str(((state.get("totals") or {}).get("evictions") or {}).get("issued", "?"))
