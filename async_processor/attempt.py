@@ -191,6 +191,8 @@ async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gatewa
         return Reply.transport_error(f"truncated answer: {exc}")
     except asyncio.TimeoutError:
         return Reply.transport_error(f"no complete answer within {timeout:g}s")
+    except aiohttp.ClientConnectorError as exc:  # refused, unresolvable: the request never left
+        return Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
     except (aiohttp.ClientError, OSError) as exc:
         return Reply.transport_error(f"{type(exc).__name__}: {exc}")
 

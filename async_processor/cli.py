@@ -58,6 +58,9 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--scheduler-interval", type=float, default=env.scheduler_interval,
                    help="seconds between moves of due retries to the queue (default %(default)s)")
+    p.add_argument("--probe-interval", type=float, default=env.probe_interval,
+                   help="while the shared gateway circuit is open (gateway or every replica down), seconds between "
+                        "probes that close it; no new jobs are claimed meanwhile (default %(default)s)")
     p.add_argument("--db-lanes", type=int, default=env.db_lanes,
                    help="database threads per process; each runs the calls waiting for it in one transaction "
                         "(group commit). SQLite always uses 1 (default %(default)s)")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if value < minimum:
             parser.error(f"{flag} must be at least {minimum}, got {value}")
     for flag, value in (("--request-timeout", args.request_timeout), ("--backoff-base", args.backoff_base),
-                        ("--scheduler-interval", args.scheduler_interval), ("--closing-recheck", args.closing_recheck)):
+                        ("--scheduler-interval", args.scheduler_interval), ("--closing-recheck", args.closing_recheck),
+                        ("--probe-interval", args.probe_interval)):
         if value <= 0:
             parser.error(f"{flag} must be positive, got {value}")
     if args.backoff_cap < args.backoff_base:
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             heartbeat_ttl=args.heartbeat_ttl,
             scheduler_interval=args.scheduler_interval,
+            probe_interval=args.probe_interval,
             db_lanes=args.db_lanes,
             burst=args.burst,
             metrics_port=args.metrics_port,

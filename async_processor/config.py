@@ -26,9 +26,10 @@ class WorkerSettings(BaseSettings):
     transient_budget: int = Field(5, description="a row fails on this many 5xx/transport failures")
     closing_recheck: float = Field(30.0, description="seconds a row of a closing batch waits before its job looks again")
     request_timeout: float = Field(600.0, description="seconds one gateway request may take")
-    heartbeat_ttl: int = Field(90, description="seconds an in-flight job stays started without a heartbeat")
+    heartbeat_ttl: int = Field(9, description="seconds an in-flight job stays started without a heartbeat")
     scheduler_interval: float = Field(0.1, description="seconds between moves of due retries to the queue")
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
+    probe_interval: float = Field(1.0, description="seconds between probes of the gateway while its circuit is open")
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,10 @@ class WorkerConfig:
     concurrency: int = 64
     policy: RetryPolicy = RetryPolicy()
     request_timeout: float = 600.0
-    heartbeat_ttl: int = 90
+    # A dead worker's jobs are requeued within TTL + TTL/3 (one maintenance interval): 12 s at 9.
+    heartbeat_ttl: int = 9
     scheduler_interval: float = 0.1
+    probe_interval: float = 1.0
     db_lanes: int = 2
     burst: bool = False
     metrics_port: int | None = None
@@ -61,6 +64,8 @@ class WorkerConfig:
             raise ValueError(f"heartbeat TTL must be at least 3 seconds, got {self.heartbeat_ttl}")
         if self.request_timeout <= 0:
             raise ValueError(f"request timeout must be positive, got {self.request_timeout}")
+        if self.probe_interval <= 0:
+            raise ValueError(f"probe interval must be positive, got {self.probe_interval}")
 
     @property
     def heartbeat_interval(self) -> float:

@@ -35,6 +35,12 @@ class WorkerMetrics:
             registry=r)
         self.requeued_abandoned = Counter(
             "holdback_worker_requeued_abandoned_total", "Jobs of dead workers put back on the queue.", registry=r)
+        self.circuit_open = Gauge(
+            "holdback_worker_circuit_open", "1 while the shared gateway circuit is open (no new jobs claimed).",
+            registry=r)
+        self.circuit_probes = Counter(
+            "holdback_worker_circuit_probes_total", "Probes of the gateway by result (up, down).", ["result"],
+            registry=r)
         self.attempt_seconds = Histogram(
             "holdback_worker_attempt_seconds", "Gateway request time of one attempt.", ["outcome"], registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))

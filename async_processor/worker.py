@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from async_processor import log
 from async_processor.attempt import AttemptResult, InFlight, Runtime, run_attempt
+from async_processor.circuit import GatewayCircuit
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
 from async_processor.queue import Claim, Finish, RequestQueue
@@ -70,12 +71,15 @@ class AsyncWorker:
                                 db_lanes=cfg.db_lanes)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 8, limit_per_host=0, keepalive_timeout=30)
         self.http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        self.circuit = GatewayCircuit(self.redis, cfg.namespace, cfg.name, cfg.gateway_url, cfg.gateway_key,
+                                      self.metrics, cfg.probe_interval)
         try:
             await self.registration.register_birth()
             log.event(logging.INFO, "worker_started", worker=cfg.name, queue=cfg.queue_name,
                       concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
             helpers = [asyncio.create_task(c) for c in (
-                self._heartbeat_loop(), self._scheduler_loop(), self._cancel_listener(), self._depth_loop())]
+                self._heartbeat_loop(), self._scheduler_loop(), self._cancel_listener(), self._depth_loop(),
+                self.circuit.watch(self.http, self.closing))]
             try:
                 await self._claim_loop()
                 await self._drain()
@@ -86,6 +90,7 @@ class AsyncWorker:
                 _done, stuck = await asyncio.wait(helpers, timeout=5)
                 for t in stuck:
                     t.cancel()
+                await self.circuit.close()
                 if self.holds_scheduler:
                     await _quietly(self.registration.release_scheduler())
                 await _quietly(self.registration.register_death())
@@ -121,7 +126,8 @@ class AsyncWorker:
                 await asyncio.sleep(0)  # let a few more finish: claim them in one round trip
                 continue
             try:
-                if await self._paused():  # in-flight jobs go on; no new ones until resumed
+                # Paused by an operator, or the gateway circuit is open: in-flight jobs go on, no new ones.
+                if await self._paused() or await self.circuit.is_open():
                     await self._sleep(PAUSE_CHECK)
                     continue
                 claims, missing = await self.queue.claim(min(free, cfg.claim_batch))
@@ -221,6 +227,8 @@ class AsyncWorker:
         m.attempt_seconds.labels(outcome.kind.value).observe(result.seconds)
         if outcome.evicted:
             m.evictions.inc()
+        if outcome.path_failure:
+            self.circuit.suspect(self.http, f"{outcome.kind.value} {outcome.status or ''}".strip())
         fields = dict(batch_id=d.batch_id, request_id=row_id, custom_id=d.custom_id, attempt=d.attempt,
                       outcome=outcome.kind.value, status=outcome.status, drop_reason=outcome.drop_reason,
                       seconds=result.seconds)

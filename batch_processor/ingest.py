@@ -71,7 +71,7 @@ def expand_batch(
     if not file_usable:
         error = LineError("file_not_found", f"The input file {batch.input_file_id} no longer exists; upload the "
                           "file again and create a new batch.", None, "input_file_id")
-        return _fail(factory, batch_id, owner, [error], started)
+        return fail_batch(factory, batch_id, owner, [error], started)
 
     validator = InputValidator(endpoint, max_requests, max_errors)
     try:
@@ -103,7 +103,7 @@ def expand_batch(
             if moved != 1:
                 raise _LostRace()
     except _InvalidInput:
-        return _fail(factory, batch_id, owner, validator.errors, started)
+        return fail_batch(factory, batch_id, owner, validator.errors, started)
     except _LostRace:
         return IngestResult(batch_id, "skipped")
     result = IngestResult(batch_id, BatchStatus.in_progress.value, validator.count, validator.model,
@@ -169,8 +169,10 @@ def _row_writer(session: Session):
     return insert_rows
 
 
-def _fail(factory: sessionmaker[Session], batch_id: str, owner: str | None, errors: list[LineError],
-          started: float) -> IngestResult:
+def fail_batch(factory: sessionmaker[Session], batch_id: str, owner: str | None, errors: list[LineError],
+               started: float | None = None) -> IngestResult:
+    """A `validating` batch → `failed` with `errors` (still ours and still validating, else skipped)."""
+    started = time.perf_counter() if started is None else started
     entries = [e.as_dict() for e in errors]
     with transaction(factory) as session:
         moved = session.execute(

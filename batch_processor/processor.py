@@ -24,13 +24,15 @@ from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import has_pending, in_flight_counts, take_due_retries, take_pending
 from batch_processor.fairness import BatchWindow, RoundRobin
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
-from batch_processor.ingest import expand_batch
+from batch_processor.ingest import expand_batch, fail_batch
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
+from batch_processor.step_errors import StepErrors, describe
 from batch_processor.sync_dispatch import SyncDispatcher
+from batch_processor.validation import LineError
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
 from holdback.results import count_unfinished
@@ -115,6 +117,7 @@ class Processor:
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RoundRobin(self.config.window)
+        self.step_errors = StepErrors(log)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
         self._last_renewal = float("-inf")
@@ -172,14 +175,18 @@ class Processor:
                         self._expire(batch, done)
                     else:
                         in_progress.append(batch)  # a batch that finished in time still completes
-            except Exception:
-                log.exception("batch_step_failed", extra={"fields": {"batch_id": batch.id, "status": batch.status}})
+            except Exception as exc:  # noqa: BLE001 - one batch's failure must not stop the others
+                self._step_failed(batch, exc, done)
+            else:
+                if batch.status != BatchStatus.in_progress.value:
+                    self.step_errors.clear(batch.id)  # an in_progress batch's own steps come in _advance
 
         self._advance(in_progress, done)
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
             self._last_reconcile = time.monotonic()
             self._reconcile([b.id for b in in_progress if b.id not in done.finished], done)
         self.owned -= set(done.finished)
+        self.step_errors.retain(self.owned)
         self.metrics.batches_owned.set(len(self.owned))
         self.metrics.queue_depth.set(self.queue.depth())
         return done
@@ -217,6 +224,21 @@ class Processor:
                 self.metrics.validation_failures.labels(error["code"]).inc()
         return False
 
+    def _step_failed(self, batch: _Owned, exc: Exception, done: Round) -> None:
+        """Log the failure (quietly when it repeats); fail a batch whose validation keeps raising."""
+        if not self.step_errors.record(batch.id, batch.status, exc):
+            return
+        error = LineError("processing_failed", f"The batch could not be validated and expanded "
+                          f"({describe(exc)}); it failed {self.step_errors.max_strikes} times in a row. Check the "
+                          "input file for unusual content and create a new batch.", None, "input_file_id")
+        result = fail_batch(self.factory, batch.id, self.config.name, [error])
+        if result.status == BatchStatus.failed.value:
+            self.step_errors.clear(batch.id)
+            done.failed_validation.append(batch.id)
+            done.finished[batch.id] = BatchStatus.failed.value
+            self.metrics.batch_transitions.labels(BatchStatus.failed.value).inc()
+            self.metrics.validation_failures.labels(error.code).inc()
+
     def _expire(self, batch: _Owned, done: Round) -> None:
         self._finish(batch, done, expire_batch(self.factory, self.store, self, batch.id, owner=self.config.name,
                                                keepalive=self._keepalive(batch.id)))
@@ -253,8 +275,10 @@ class Processor:
                 elif begin_finalizing(self.factory, batch.id, self.config.name):
                     self.metrics.batch_transitions.labels(BatchStatus.finalizing.value).inc()
                     self._finish(batch, done, self._finalize_completed(batch.id))
-            except Exception:
-                log.exception("batch_step_failed", extra={"fields": {"batch_id": batch.id, "status": batch.status}})
+            except Exception as exc:  # noqa: BLE001 - one batch's failure must not stop the others
+                self._step_failed(batch, exc, done)
+            else:
+                self.step_errors.clear(batch.id)
         open_batches = [b for b in in_progress if b not in idle]
         self.metrics.rows_in_flight.set(sum(counts[b.id] for b in open_batches))
         steps = self.fair.plan([BatchWindow(b.id, b.tenant_id, counts[b.id]) for b in open_batches])

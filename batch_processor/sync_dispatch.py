@@ -214,7 +214,9 @@ class SyncDispatcher:
             response = await self._client.post(self.gateway_url + begun.url, content=begun.body.encode(),
                                                headers=begun.headers(self.gateway_key))
         except httpx.HTTPError as exc:
-            return dispatch.Reply.transport_error(f"{type(exc).__name__}: {exc}")
+            # A connect failure never reached the gateway: a failing path, not budgeted.
+            return dispatch.Reply.transport_error(f"{type(exc).__name__}: {exc}",
+                                                  unreachable=isinstance(exc, httpx.ConnectError))
         return dispatch.Reply(status=response.status_code, headers=dict(response.headers), body=response.content)
 
     def _begin(self, row_id: str) -> dispatch.Dispatch | dispatch.Skip:

@@ -4,7 +4,11 @@
 line number, the parameter at fault and a message that says what to change. The codes follow the
 vocabulary OpenAI-compatible servers report: invalid_json_line, missing_custom_id,
 duplicate_custom_id, invalid_method, url_mismatch, invalid_body, missing_model, model_mismatch,
-streaming_unsupported, too_many_tasks, empty_file.
+streaming_unsupported, too_many_tasks, empty_file, and invalid_line for a line that could not be checked.
+
+Validation is total: whatever one line contains, the result is a request or that line's error, never an
+exception. Values are checked for what the database cannot store (NUL, unpaired surrogates) and bodies for
+nesting depth before a row is written.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ MAX_ERRORS = 100
 # Column widths in holdback.models: longer values could not be stored.
 MAX_CUSTOM_ID_CHARS = 512
 MAX_MODEL_CHARS = 256
+# Deepest nesting of arrays and objects a line may have: far beyond any chat or tool schema, well inside
+# what parsing and re-serialising can do without running out of stack.
+MAX_NESTING = 64
 
 
 @dataclass(frozen=True)
@@ -73,20 +80,36 @@ class InputValidator:
             self.stopped = True
             return None
         try:
+            return self._check_line(line_no, raw)
+        except Exception as exc:  # noqa: BLE001 - one line's surprise is that line's error, never the batch's
+            self._fail("invalid_line", f"This line could not be checked ({type(exc).__name__}); simplify it or "
+                       "split it into several requests.", line_no)
+            return None
+
+    def _check_line(self, line_no: int, raw: bytes) -> ValidRequest | None:
+        try:
             item = json.loads(raw)
+        except RecursionError:
+            item = None  # nested too deep to parse: reported below like any over-deep line
         except (UnicodeDecodeError, ValueError):
             self._fail("invalid_json_line",
                        "This line is not parseable as valid JSON. Each line must be one complete JSON object "
                        "in UTF-8.", line_no)
+            return None
+        # Every nesting level needs an opening bracket, so a line with few of them needs no walk.
+        if item is None or (raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _depth(item) > MAX_NESTING):
+            self._fail("invalid_json_line", f"This line nests arrays and objects more than {MAX_NESTING} levels "
+                       "deep; flatten it.", line_no)
             return None
         if not isinstance(item, dict):
             self._fail("invalid_json_line",
                        f"This line is valid JSON but a {type(item).__name__}, not an object; each line must be "
                        'an object like {"custom_id": ..., "method": "POST", "url": ..., "body": {...}}.', line_no)
             return None
-        return self._check_request(line_no, item)
+        # NUL and unpaired surrogates can only come from \u escapes (raw bytes are UTF-8 without controls).
+        return self._check_request(line_no, item, escapes=b"\\u" in raw)
 
-    def _check_request(self, line_no: int, item: dict) -> ValidRequest | None:
+    def _check_request(self, line_no: int, item: dict, escapes: bool = True) -> ValidRequest | None:
         custom_id = item.get("custom_id")
         if custom_id is None or custom_id == "":
             self._fail("missing_custom_id", "The line has no custom_id; give every request a custom_id string that "
@@ -99,6 +122,9 @@ class InputValidator:
         if len(custom_id) > MAX_CUSTOM_ID_CHARS:
             self._fail("missing_custom_id", f"custom_id is {len(custom_id)} characters long; use at most "
                        f"{MAX_CUSTOM_ID_CHARS}.", line_no, "custom_id")
+            return None
+        if escapes and (problem := _unstorable(custom_id)):
+            self._fail("missing_custom_id", f"custom_id contains {problem}; use printable text.", line_no, "custom_id")
             return None
         first = self._seen.get(custom_id)
         if first is not None:
@@ -133,6 +159,10 @@ class InputValidator:
             self._fail("missing_model", f"body.model is {len(model)} characters long; use at most "
                        f"{MAX_MODEL_CHARS}.", line_no, "body.model")
             return None
+        if escapes and (problem := _unstorable(model)):
+            self._fail("missing_model", f"body.model contains {problem}; name the model in printable text.",
+                       line_no, "body.model")
+            return None
         if self.model is None:
             self.model, self.model_line = model, line_no
         elif model != self.model:
@@ -144,8 +174,12 @@ class InputValidator:
             self._fail("streaming_unsupported", "body.stream is true; batch requests cannot stream. Remove "
                        "stream or set it to false.", line_no, "body.stream")
             return None
-        return ValidRequest(line_no, custom_id, url, json.dumps(body, separators=(",", ":"), ensure_ascii=False),
-                            model)
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        if escapes and _unstorable(text):
+            # An unpaired surrogate inside the body: keep it as the \u escape it came in as (JSON escapes
+            # NUL by itself), so the stored text is valid UTF-8 and the request is forwarded unchanged.
+            text = json.dumps(body, separators=(",", ":"))
+        return ValidRequest(line_no, custom_id, url, text, model)
 
     def finish(self) -> list[LineError]:
         """Call after the last line: adds `empty_file` when there was nothing to run."""
@@ -153,3 +187,28 @@ class InputValidator:
             self._fail("empty_file", "The input file has no requests; upload a JSONL file with one request per "
                        "line.", None)
         return self.errors
+
+
+def _unstorable(value: str) -> str | None:
+    """What in `value` no database text column can hold (PostgreSQL refuses NUL; UTF-8 has no surrogates)."""
+    if "\x00" in value:
+        return "a NUL character (\\u0000)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape)"
+    return None
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion (the value may be deeper than the stack allows)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return deepest

@@ -6,8 +6,10 @@ an answer, the retry backoff, and the two transactions of an attempt — `begin`
 a retry, or a row left for the batch's expiry. Callers do the HTTP themselves and own the transactions.
 
 Outcome classes (DESIGN.md "Contracts"): 2xx → success; 429 with any drop reason → retry with backoff
-until the batch deadline, never counted against a budget; 5xx and transport errors → retry within a
-budget of transient failures, then fail; other 4xx → final failure whose response goes to the error file.
+until the batch deadline, never counted against a budget; a failing path (gateway unreachable, 502/503,
+no replica) → the same, never budgeted: an outage costs time, not results; other 5xx and transport errors →
+retry within a budget of transient failures, then fail; other 4xx → final failure whose response goes to
+the error file.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ DROP_REASON_HEADER = "x-llm-d-request-dropped-reason"
 REPLICA_HEADERS = ("x-sim-replica", "x-holdback-replica", "x-gateway-destination-endpoint")
 BATCH_OBJECTIVE = "batch"
 EVICTED = "evicted"
+NO_ENDPOINTS = "rejected-no-endpoints"
+# A proxy's own "nobody behind me answered" statuses: the path failed, not the request.
+PATH_STATUSES = frozenset({502, 503})
 
 
 def request_headers(
@@ -78,6 +83,7 @@ class Outcome:
     status: int | None = None
     drop_reason: str | None = None
     retry_after: float | None = None  # seconds the server asked us to wait, if it did
+    path_failure: bool = False  # the way to a replica failed (see `is_path_failure`), not this request
 
     @property
     def evicted(self) -> bool:
@@ -85,8 +91,8 @@ class Outcome:
 
     @property
     def transient(self) -> bool:
-        """5xx and transport errors: retried, but only within the transient-failure budget."""
-        return self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error)
+        """5xx and transport errors the request may have caused: retried within the transient-failure budget."""
+        return self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error) and not self.path_failure
 
     @property
     def shed(self) -> bool:
@@ -94,13 +100,26 @@ class Outcome:
         return self.kind in (AttemptOutcome.evicted, AttemptOutcome.rejected)
 
 
-def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None) -> Outcome:
-    """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error)."""
+def is_path_failure(status: int | None, drop_reason: str | None = None, *, unreachable: bool = False) -> bool:
+    """True when the answer says the way to a replica is down rather than anything about the request:
+    no connection could be opened (`unreachable`), a 502/503 (the gateway or a proxy found nobody to
+    answer), or drop reason `rejected-no-endpoints` (no healthy replica). Such a request never reached a
+    model, so retrying it later costs time only; the workers' circuit breaker uses the same test."""
+    if status is None:
+        return unreachable
+    return status in PATH_STATUSES or drop_reason == NO_ENDPOINTS
+
+
+def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None,
+             unreachable: bool = False) -> Outcome:
+    """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error),
+    and `unreachable` that not even a connection was made."""
     headers = headers or {}
     drop_reason = _header(headers, DROP_REASON_HEADER)
     retry_after = parse_retry_after(_header(headers, "retry-after"), now=now)
+    path = is_path_failure(status, drop_reason, unreachable=unreachable)
     if status is None:
-        return Outcome(AttemptOutcome.transport_error)
+        return Outcome(AttemptOutcome.transport_error, path_failure=path)
     if 200 <= status < 300:
         return Outcome(AttemptOutcome.success, status)
     if status == 429:
@@ -108,8 +127,8 @@ def classify(status: int | None, headers: Mapping[str, str] | None = None, *, no
         return Outcome(kind, status, drop_reason, retry_after)
     if 400 <= status < 500:
         return Outcome(AttemptOutcome.client_error, status, drop_reason)
-    # 5xx, and anything else a proxy might answer (1xx/3xx): transient.
-    return Outcome(AttemptOutcome.server_error, status, drop_reason, retry_after)
+    # 5xx, and anything else a proxy might answer (1xx/3xx): transient, or a failing path.
+    return Outcome(AttemptOutcome.server_error, status, drop_reason, retry_after, path_failure=path)
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -288,10 +307,11 @@ class Reply:
     body: bytes | None = None
     error: str | None = None  # transport error, or why we aborted
     aborted: bool = False  # we closed the connection: the batch was cancelled or expired
+    unreachable: bool = False  # no connection could be opened: the request never left
 
     @classmethod
-    def transport_error(cls, error: str) -> "Reply":
-        return cls(error=error)
+    def transport_error(cls, error: str, *, unreachable: bool = False) -> "Reply":
+        return cls(error=error, unreachable=unreachable)
 
     @classmethod
     def cancelled(cls, reason: str = "batch cancelled or expired") -> "Reply":
@@ -340,7 +360,7 @@ def record_outcome(
     if reply.aborted:
         return _record_abort(session, dispatch, reply, policy, now)
 
-    outcome = classify(reply.status, reply.headers, now=now)
+    outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable)
     body: dict | str | None = None
     usage = Usage()
     error = reply.error

@@ -33,7 +33,8 @@ def test_classify_covers_every_outcome_class():
     saturated = classify(429, {"x-llm-d-request-dropped-reason": "rejected-saturated"})
     assert (saturated.kind, saturated.evicted, saturated.drop_reason) == (
         AttemptOutcome.rejected, False, "rejected-saturated")
-    assert classify(503, {}).transient and classify(500, {}).kind is AttemptOutcome.server_error
+    assert classify(500, {}).transient and classify(500, {}).kind is AttemptOutcome.server_error
+    assert classify(504, {}).transient and classify(None, {}).transient
     assert classify(None, {}).kind is AttemptOutcome.transport_error
     assert classify(400, {}).kind is AttemptOutcome.client_error
     assert classify(404, {}).kind is AttemptOutcome.client_error
@@ -135,7 +136,7 @@ def test_eviction_retries_without_budget_and_keeps_the_drop_reason(db):
 def test_transient_failures_fail_the_row_when_the_budget_is_spent(db):
     batch_id, (row_id,) = _rows(db)
     policy = RetryPolicy(base=0.1, cap=1.0, transient_budget=3)
-    replies = [Reply(503, {}, b'{"error": {"message": "busy"}}'), Reply.transport_error("connection refused"),
+    replies = [Reply(504, {}, b'{"error": {"message": "slow"}}'), Reply.transport_error("connection reset"),
                Reply(500, {}, b'{"error": {"message": "boom"}}')]
     dispositions = [_attempt(db, row_id, r, policy)[1].disposition for r in replies]
     assert dispositions == [Disposition.retry, Disposition.retry, Disposition.final]
@@ -146,6 +147,35 @@ def test_transient_failures_fail_the_row_when_the_budget_is_spent(db):
         assert "budget 3" in row.error_message
         assert s.get(Batch, batch_id).failed == 1
         assert output_line(row)["response"]["status_code"] == 500
+
+
+def test_a_failing_path_is_classed_apart_from_a_failing_request():
+    refused = classify(None, {}, unreachable=True)
+    no_replica = classify(503, {"x-llm-d-request-dropped-reason": "rejected-no-endpoints"})
+    for outcome in (refused, no_replica, classify(502, {}), classify(503, {})):
+        assert outcome.path_failure and not outcome.transient and not outcome.shed
+    assert refused.kind is AttemptOutcome.transport_error and no_replica.kind is AttemptOutcome.server_error
+    assert no_replica.drop_reason == "rejected-no-endpoints"
+    for outcome in (classify(500, {}), classify(504, {}), classify(None, {}), classify(429, {}), classify(200, {})):
+        assert not outcome.path_failure
+
+
+def test_a_failing_path_retries_without_spending_the_budget(db):
+    _, (row_id,) = _rows(db)
+    policy = RetryPolicy(base=0.1, cap=1.0, transient_budget=2)
+    replies = [Reply.transport_error("ClientConnectorError: refused", unreachable=True), Reply(502, {}, b"{}"),
+               Reply(503, {"x-llm-d-request-dropped-reason": "rejected-no-endpoints"}, b"{}"), Reply(503, {}, b"")]
+    for reply in replies * 3:  # six times the budget
+        assert _attempt(db, row_id, reply, policy)[1].disposition is Disposition.retry
+    with db() as s:
+        row = s.get(RequestRow, row_id)
+        assert (row.status, row.transient_failures, row.attempts) == ("retry_wait", 0, 12)
+        outcomes = {a.outcome for a in s.query(Attempt).filter_by(request_id=row_id)}
+        assert outcomes == {"transport_error", "server_error"}
+    # The request's own failures still count: a 500 and a reset spend the budget of 2.
+    assert _attempt(db, row_id, Reply(500, {}, b"{}"), policy)[1].disposition is Disposition.retry
+    rec = _attempt(db, row_id, Reply.transport_error("connection reset"), policy)[1]
+    assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.failed
 
 
 def test_transport_failure_at_the_budget_fails_with_an_error_line(db):
