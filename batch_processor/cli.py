@@ -28,7 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=float, default=_DEFAULTS.poll_interval,
                    help="seconds between rounds (default %(default)s)")
     p.add_argument("--window", type=int, default=_DEFAULTS.window,
-                   help="most rows of one batch in flight: queued + running + waiting to retry (default %(default)s)")
+                   help="most rows of one tenant in flight over all its batches: queued + running + waiting to "
+                        "retry (default %(default)s)")
+    p.add_argument("--queue-rounds", type=float, default=_DEFAULTS.queue_rounds,
+                   help="shrink each tenant's window so all tenants together keep about this many times the "
+                        "workers' total concurrency in flight, so a new tenant waits behind little; 0 keeps "
+                        "--window as is (default %(default)s)")
     p.add_argument("--dispatch", choices=("async", "sync"), default=_DEFAULTS.dispatch,
                    help="async: RQ jobs for `holdback worker`; sync: this process calls the gateway (default %(default)s)")
     p.add_argument("--sync-concurrency", type=int, default=_DEFAULTS.sync_concurrency,
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ProcessorConfig(
             name=args.id or default_name(), poll_interval=args.poll_interval, window=args.window,
+            queue_rounds=args.queue_rounds,
             dispatch=args.dispatch, sync_concurrency=args.sync_concurrency, lease_seconds=args.lease_seconds,
             reconcile_interval=args.reconcile_interval, reconcile_grace=args.reconcile_grace,
             running_grace=args.running_grace, backoff_base=args.backoff_base, backoff_cap=args.backoff_cap,

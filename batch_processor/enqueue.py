@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,28 +19,44 @@ from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
 
 IN_FLIGHT = (RequestStatus.queued.value, RequestStatus.running.value, RequestStatus.retry_wait.value)
+PENDING = RequestStatus.pending.value
 ID_CHUNK = 500
 
 
-def in_flight_counts(session: Session, batch_ids: list[str]) -> dict[str, int]:
-    """Rows queued, running or waiting to retry, per batch (0 for a batch with none)."""
-    counts = dict.fromkeys(batch_ids, 0)
+@dataclass(frozen=True)
+class WindowCount:
+    in_flight: int = 0  # queued, running or waiting to retry
+    pending: int = 0  # not handed out yet
+
+
+def window_counts(session: Session, batch_ids: list[str]) -> dict[str, WindowCount]:
+    """Rows in flight and rows still pending, per batch (zeros for a batch with none); one query per chunk."""
+    counts: dict[str, dict[str, int]] = {b: {} for b in batch_ids}
     for start in range(0, len(batch_ids), ID_CHUNK):
         chunk = batch_ids[start:start + ID_CHUNK]
-        for batch_id, n in session.execute(
-            select(RequestRow.batch_id, func.count())
-            .where(RequestRow.batch_id.in_(chunk), RequestRow.status.in_(IN_FLIGHT))
-            .group_by(RequestRow.batch_id)
+        for batch_id, status, n in session.execute(
+            select(RequestRow.batch_id, RequestRow.status, func.count())
+            .where(RequestRow.batch_id.in_(chunk), RequestRow.status.in_((PENDING, *IN_FLIGHT)))
+            .group_by(RequestRow.batch_id, RequestRow.status)
         ):
-            counts[batch_id] = n
-    return counts
+            counts[batch_id][status] = n
+    return {b: WindowCount(sum(by.get(s, 0) for s in IN_FLIGHT), by.get(PENDING, 0)) for b, by in counts.items()}
 
 
-def has_pending(session: Session, batch_id: str) -> bool:
-    return session.scalar(
-        select(RequestRow.id).where(RequestRow.batch_id == batch_id,
-                                    RequestRow.status == RequestStatus.pending.value).limit(1)
-    ) is not None
+def in_flight_elsewhere(session: Session, tenant_ids: set[str], own: set[str]) -> dict[str, int]:
+    """Rows in flight per tenant in in_progress batches outside `own` (held by other processors)."""
+    if not tenant_ids:
+        return {}
+    others = session.execute(
+        select(Batch.id, Batch.tenant_id)
+        .where(Batch.tenant_id.in_(sorted(tenant_ids)), Batch.status == BatchStatus.in_progress.value)
+    ).all()
+    others = [(batch_id, tenant_id) for batch_id, tenant_id in others if batch_id not in own]
+    counts = window_counts(session, [batch_id for batch_id, _ in others])
+    out: dict[str, int] = defaultdict(int)
+    for batch_id, tenant_id in others:
+        out[tenant_id] += counts[batch_id].in_flight
+    return dict(out)
 
 
 def take_pending(factory: sessionmaker[Session], steps: list[tuple[str, int]],

@@ -19,6 +19,7 @@ from typing import Iterable
 import redis
 from rq import Queue
 from rq.job import Job
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 from rq.utils import utcparse
 
 from holdback.broker import requests_queue_name
@@ -42,13 +43,16 @@ class RequestQueue:
         self.namespace = namespace
         self.queue = Queue(requests_queue_name(namespace), connection=connection)
 
-    def push(self, jobs: Iterable[tuple[str, str]]) -> int:
-        """Enqueue (row_id, batch_id) pairs in order; returns how many were pushed."""
+    def push(self, jobs: Iterable[tuple[str, str]], at_front: bool = False) -> int:
+        """Enqueue (row_id, batch_id) pairs in order (`at_front`: ahead of everything waiting, still in this
+        order); returns how many were pushed."""
         pushed = 0
         batch: list = []
-        for row_id, batch_id in jobs:
+        # Each front push goes before the previous one: push in reverse to keep the given order.
+        for row_id, batch_id in (reversed(list(jobs)) if at_front else jobs):
             batch.append(Queue.prepare_data(
                 JOB_FUNCTION, args=(row_id, batch_id), job_id=row_id, result_ttl=0, timeout=JOB_TIMEOUT_SECONDS,
+                at_front=at_front,
             ))
             if len(batch) >= PUSH_CHUNK:
                 pushed += self._push(batch)
@@ -83,6 +87,18 @@ class RequestQueue:
             idle = [row_id for row_id in chunk if row_id not in started]
             if idle:
                 self.connection.delete(*(Job.key_for(row_id) for row_id in idle))
+
+    def worker_capacity(self) -> int:
+        """Requests the queue's live workers can run at once: each holdback worker's `concurrency`, 1 for a
+        plain `rq worker`; registrations that ended (`death`) or expired do not count."""
+        keys = list(self.connection.smembers(WORKERS_BY_QUEUE_KEY % self.queue.name))
+        if not keys:
+            return 0
+        with self.connection.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hmget(key, "birth", "death", "concurrency")
+            fields = pipe.execute()
+        return sum(int(concurrency or 1) for birth, death, concurrency in fields if birth and not death)
 
     def publish_cancel(self, batch_id: str) -> int:
         """Tell workers to abort this batch's in-flight requests; returns how many subscribers heard it."""

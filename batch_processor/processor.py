@@ -21,8 +21,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
-from batch_processor.enqueue import has_pending, in_flight_counts, take_due_retries, take_pending
-from batch_processor.fairness import BatchWindow, RoundRobin
+from batch_processor.enqueue import in_flight_elsewhere, take_due_retries, take_pending, window_counts
+from batch_processor.fairness import QUEUE_ROUNDS, BatchWindow, RoundRobin, jump_ahead, tenant_window
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
 from batch_processor.ingest import expand_batch, fail_batch
 from batch_processor.jobqueue import RequestQueue
@@ -41,6 +41,8 @@ from holdback.storage import FileStore, LocalFileStore
 
 log = logging.getLogger("batch_processor.processor")
 
+CAPACITY_REFRESH = 5.0  # seconds between reads of the workers' registrations
+
 
 def default_name() -> str:
     return f"processor-{socket.gethostname()}-{os.getpid()}"
@@ -50,7 +52,8 @@ def default_name() -> str:
 class ProcessorConfig:
     name: str = field(default_factory=default_name)
     poll_interval: float = 0.2
-    window: int = 256  # most rows of one batch in flight (queued + running + retry_wait)
+    window: int = 256  # most rows of one tenant in flight (queued + running + retry_wait)
+    queue_rounds: float = QUEUE_ROUNDS  # windows shrink so all tenants keep ~this × worker capacity in flight
     dispatch: str = "async"  # async: RQ jobs for the workers; sync: this process calls the gateway
     sync_concurrency: int = 64
     lease_seconds: float = 30.0
@@ -68,6 +71,8 @@ class ProcessorConfig:
             raise ValueError(f"dispatch must be 'async' or 'sync', got {self.dispatch!r}")
         if self.window < 1:
             raise ValueError(f"window must be at least 1, got {self.window}")
+        if self.queue_rounds < 0:
+            raise ValueError(f"queue rounds must not be negative, got {self.queue_rounds}")
         if self.sync_concurrency < 1:
             raise ValueError(f"sync concurrency must be at least 1, got {self.sync_concurrency}")
         if self.poll_interval <= 0 or self.lease_seconds <= 3 * self.poll_interval:
@@ -118,6 +123,7 @@ class Processor:
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RoundRobin(self.config.window)
         self.step_errors = StepErrors(log)
+        self._capacity: tuple[float, int] = (float("-inf"), 0)  # (read at, workers' total concurrency)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
         self._last_renewal = float("-inf")
@@ -265,9 +271,11 @@ class Processor:
             self.metrics.rows_in_flight.set(0)
             return
         with self.factory() as session:
-            counts = in_flight_counts(session, [b.id for b in in_progress])
-            idle = [b for b in in_progress if counts[b.id] == 0 and not has_pending(session, b.id)]
+            counts = window_counts(session, [b.id for b in in_progress])
+            idle = [b for b in in_progress if counts[b.id].in_flight == 0 and counts[b.id].pending == 0]
             expiring = {b.id for b in idle if was_expiring(session, b.id)}
+            # A tenant's window spans every processor: count its rows in batches the others hold.
+            elsewhere = in_flight_elsewhere(session, {b.tenant_id for b in in_progress}, self.owned)
         for batch in idle:
             try:
                 if batch.id in expiring:
@@ -280,24 +288,44 @@ class Processor:
             else:
                 self.step_errors.clear(batch.id)
         open_batches = [b for b in in_progress if b not in idle]
-        self.metrics.rows_in_flight.set(sum(counts[b.id] for b in open_batches))
-        steps = self.fair.plan([BatchWindow(b.id, b.tenant_id, counts[b.id]) for b in open_batches])
+        self.metrics.rows_in_flight.set(sum(counts[b.id].in_flight for b in open_batches))
+        window = tenant_window(self.config.window, len({b.tenant_id for b in open_batches}),
+                               self._dispatch_capacity(), self.config.queue_rounds)
+        steps = self.fair.plan([BatchWindow(b.id, b.tenant_id, counts[b.id].in_flight, counts[b.id].pending)
+                                for b in open_batches], window, elsewhere)
         jobs: list[tuple[str, str]] = []
         if self.sync is not None:
             # Due retries first: they already waited their backoff, and they count against the window.
             jobs += take_due_retries(self.factory, [b.id for b in open_batches], self.config.name,
                                      limit=self.config.window * max(1, len(open_batches)))
         jobs += take_pending(self.factory, steps, self.config.name)
-        self._dispatch(jobs)
-        done.dispatched = jobs
+        held: dict[str, int] = dict(elsewhere)
+        for b in open_batches:
+            held[b.tenant_id] = held.get(b.tenant_id, 0) + counts[b.id].in_flight
+        front, back = jump_ahead(jobs, {b.id: b.tenant_id for b in open_batches},
+                                 {t for t, n in held.items() if n == 0}, self.fair.chunk)
+        self._dispatch(front, at_front=True)
+        self._dispatch(back)
+        done.dispatched = front + back
 
-    def _dispatch(self, jobs: list[tuple[str, str]]) -> None:
+    def _dispatch_capacity(self) -> int:
+        """Requests dispatch can run at once: the sync limit, or the live workers' concurrency (read every
+        CAPACITY_REFRESH seconds; 0 while no worker is registered)."""
+        if self.sync is not None:
+            return self.config.sync_concurrency
+        read_at, capacity = self._capacity
+        if time.monotonic() - read_at >= CAPACITY_REFRESH:
+            capacity = self.queue.worker_capacity()
+            self._capacity = (time.monotonic(), capacity)
+        return capacity
+
+    def _dispatch(self, jobs: list[tuple[str, str]], at_front: bool = False) -> None:
         if not jobs:
             return
         if self.sync is not None:
             self.sync.push(jobs)
         else:
-            self.queue.push(jobs)
+            self.queue.push(jobs, at_front=at_front)
         self.metrics.rows_enqueued.labels(self.config.dispatch).inc(len(jobs))
 
     def _reconcile(self, batch_ids: list[str], done: Round) -> None:

@@ -46,7 +46,7 @@ def _metric(scrape: str, sample: str) -> float:
 
 
 def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_path):
-    batches = [harness.submit(jsonl([chat(i) for i in range(300)]), tenant=f"t{n % 3}") for n in range(6)]
+    batches = [harness.submit(jsonl([chat(i) for i in range(300)]), tenant=f"t{n}") for n in range(6)]
     ports = [free_port(), free_port()]
     with Processes(env=harness.backend.env, log_dir=tmp_path) as procs:
         common = ["--poll-interval", "0.05", "--window", "20"]

@@ -7,7 +7,7 @@ import time
 from rq import Queue
 from sqlalchemy import select
 
-from batch_processor.fairness import BatchWindow, RoundRobin
+from batch_processor.fairness import BatchWindow, RoundRobin, tenant_window
 from batch_processor.jobqueue import JOB_FUNCTION
 from holdback.db import transaction
 from holdback.models import Attempt, RequestRow
@@ -23,12 +23,33 @@ def _statuses(harness: Harness, batch_id: str) -> dict[str, int]:
 
 
 def test_round_robin_interleaves_tenants_then_batches():
-    rr = RoundRobin(window=4, chunk=2)
-    steps = rr.plan([BatchWindow("a1", "A", 0), BatchWindow("a2", "A", 0), BatchWindow("b1", "B", 3)])
-    # B's only batch wants 1 row; A's two batches take turns within A's share.
+    rr = RoundRobin(window=8, chunk=2)
+    steps = rr.plan([BatchWindow("a1", "A", 0), BatchWindow("a2", "A", 0), BatchWindow("b1", "B", 7)])
+    # The window is the tenant's: B has 1 row to go; A's two batches take turns within A's 8.
     assert steps == [("a1", 2), ("b1", 1), ("a2", 2), ("a1", 2), ("a2", 2)]
     # Next round another tenant goes first.
     assert rr.plan([BatchWindow("a1", "A", 2), BatchWindow("b1", "B", 2)])[0] == ("b1", 2)
+
+
+def test_a_tenant_gets_one_window_however_many_batches_it_splits_its_work_into():
+    rr = RoundRobin(window=12, chunk=4)
+    batches = [BatchWindow(f"a{i}", "A", 0) for i in range(3)] + [BatchWindow("b1", "B", 0)]
+    given: dict[str, int] = {}
+    for batch_id, n in rr.plan(batches):
+        given[batch_id[0]] = given.get(batch_id[0], 0) + n
+    assert given == {"a": 12, "b": 12}
+    # A batch with nothing pending takes no share: its tenant's other batch gets the whole deficit.
+    steps = rr.plan([BatchWindow("a1", "A", 4, pending=0), BatchWindow("a2", "A", 0, pending=100)])
+    assert steps == [("a2", 4), ("a2", 4)]
+
+
+def test_windows_shrink_so_all_tenants_together_hold_about_two_rounds_of_the_workers():
+    assert tenant_window(256, tenants=3, capacity=64) == 43  # 2 x 64 / 3, rounded up
+    assert tenant_window(256, tenants=1, capacity=64) == 128
+    assert tenant_window(256, tenants=40, capacity=64) == 16  # never below one refill chunk
+    assert tenant_window(100, tenants=1, capacity=640) == 100  # --window stays the ceiling
+    assert tenant_window(256, tenants=3, capacity=0) == 256  # no worker registered: nothing to size by
+    assert tenant_window(256, tenants=3, capacity=64, rounds=0) == 256
 
 
 def test_jobs_follow_the_worker_contract(harness: Harness):
@@ -140,3 +161,26 @@ def test_reconcile_requeues_lost_retries_and_abandoned_attempts(harness: Harness
     # The requeued row keeps its history: the next attempt is number 2.
     with transaction(harness.factory) as s:
         assert begin_attempt(s, dead, "w2").number == 2
+
+
+def test_a_tenants_window_spans_its_batches_and_every_processor(harness: Harness):
+    a1, a2 = (harness.submit(jsonl([chat(i) for i in range(100)]), tenant="a") for _ in range(2))
+    b1 = harness.submit(jsonl([chat(i) for i in range(100)]), tenant="b")
+    first, second = harness.processor(window=30, claim_per_round=2), harness.processor(window=30)
+    first.tick()  # holds a1 and a2
+    second.tick()  # holds b1
+    assert first.owned == {a1, a2} and second.owned == {b1}
+    queued = {b: _statuses(harness, b).get("queued", 0) for b in (a1, a2, b1)}
+    assert queued[a1] + queued[a2] == 30 and queued[b1] == 30, queued
+
+    # a2 moves to the second processor: tenant a's window still holds across both.
+    first.lease.release({a2})
+    first.owned.discard(a2)
+    for row in harness.rows(a1)[:10]:
+        if row.status == "queued":
+            harness.succeed(row.id)
+    second.tick()
+    first.tick()
+    assert second.owned == {a2, b1}
+    in_flight_a = sum(_statuses(harness, b).get("queued", 0) for b in (a1, a2))
+    assert in_flight_a == 30, in_flight_a
