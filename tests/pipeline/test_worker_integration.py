@@ -27,6 +27,7 @@ from rq.worker import Worker
 
 from holdback.broker import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
+from async_processor.circuit import circuit_key
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
@@ -295,14 +296,38 @@ def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
 
 
 def test_transport_errors_are_retried_within_the_budget(stack):
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    slow = stack.sim("--fault-delay-ms", "5000")  # reachable, but no answer within the request timeout
     _, _, row_ids = stack.batch(1)
-    stack.worker(dead, "--transient-budget", "2")
+    stack.worker(slow, "--transient-budget", "2", "--request-timeout", "0.3")
     (row,) = stack.wait_final(row_ids)
     assert (row.status, row.error_code, row.response_status, row.attempts) == ("failed", "transport_error", None, 2)
     line = output_line(row)
     assert line["response"] is None and line["error"]["code"] == "transport_error"
-    assert "Connect" in line["error"]["message"] or "connect" in line["error"]["message"]
+    assert "no complete answer within 0.3s" in line["error"]["message"]
+
+
+def test_a_refused_gateway_opens_the_circuit_and_fails_nothing(stack):
+    port = free_port()  # nothing listens yet: connection refused
+    _, _, row_ids = stack.batch(4)
+    proc = stack.worker(f"http://127.0.0.1:{port}", "--transient-budget", "1", "--probe-interval", "0.2")
+    key = circuit_key(stack.backend.namespace)
+    deadline = time.monotonic() + 30
+    while not stack.redis.exists(key):
+        assert time.monotonic() < deadline, stack.procs.log("worker")
+        time.sleep(0.05)
+    assert metric(proc.metrics_url, "holdback_worker_circuit_open") == 1
+    rows = stack.rows(row_ids)
+    assert all(r.status != "failed" and r.transient_failures == 0 for r in rows), [r.status for r in rows]
+    # While the circuit is open nobody claims: the attempts stop growing.
+    attempts = sum(r.attempts for r in rows)
+    assert attempts <= 4 * 3, attempts
+
+    sim = stack.procs.start("sim", "--port", str(port), "--replicas", "1", name="sim")
+    wait_http(f"http://127.0.0.1:{port}/health", proc=sim)
+    rows = stack.wait_final(row_ids)
+    assert {r.status for r in rows} == {"succeeded"}
+    assert not stack.redis.exists(key)
+    assert metric(proc.metrics_url, "holdback_worker_circuit_probes_total", result="up") >= 1
 
 
 def test_client_error_is_final_with_the_response_kept(stack):
