@@ -26,7 +26,9 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
         prog="holdback worker",
         description="Async workers: take request jobs from the RQ queue, send each through the gateway with the "
                     "batch objective, retry evictions and transient failures with backoff (parked in RQ's "
-                    "ScheduledJobRegistry, not holding a slot), and record exactly one final result per request. "
+                    "ScheduledJobRegistry, not holding a slot), wait out gateway and replica outages without "
+                    "spending the retry budget (a circuit shared in Redis stops claiming meanwhile), and record "
+                    "exactly one final result per request. "
                     "Defaults come from HOLDBACK_WORKER_* variables, e.g. HOLDBACK_WORKER_BACKOFF_BASE.")
     p.add_argument("-n", "--concurrency", type=int, default=env.concurrency,
                    help="requests in flight per process (default %(default)s)")
@@ -44,7 +46,8 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--jitter", choices=[j.value for j in Jitter], default=env.jitter.value,
                    help="full: wait in [0, step); equal: in [step/2, step) (default %(default)s)")
     p.add_argument("--transient-budget", type=int, default=env.transient_budget,
-                   help="a request fails on this many 5xx/transport failures (default %(default)s)")
+                   help="a request fails on this many 5xx/transport failures it may have caused; a refused "
+                        "connection, 502/503 or no healthy replica never counts (default %(default)s)")
     p.add_argument("--closing-recheck", type=float, default=env.closing_recheck,
                    help="seconds a request of a batch past its deadline waits for the processor to close it "
                         "(default %(default)s)")

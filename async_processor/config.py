@@ -23,7 +23,7 @@ class WorkerSettings(BaseSettings):
     backoff_base: float = Field(2.0, description="first retry step, seconds")
     backoff_cap: float = Field(60.0, description="largest retry step, seconds")
     jitter: Jitter = Field(Jitter.equal, description="full: [0, step); equal: [step/2, step)")
-    transient_budget: int = Field(5, description="a row fails on this many 5xx/transport failures")
+    transient_budget: int = Field(5, description="a row fails on this many 5xx/transport failures (outages excluded)")
     closing_recheck: float = Field(30.0, description="seconds a row of a closing batch waits before its job looks again")
     request_timeout: float = Field(600.0, description="seconds one gateway request may take")
     heartbeat_ttl: int = Field(9, description="seconds an in-flight job stays started without a heartbeat")

@@ -86,8 +86,8 @@ def test_a_late_tenants_first_request_is_sent_within_seconds(platform_factory):
     big = submit_batch(busy, chat_lines(600, max_tokens=100))
     # The workers are full and a queue waits.
     wait_batch(busy, big, lambda b: b.request_counts.completed >= 64, 60, lambda: p.procs.log("processor"))
-    created = time.time()
     small = submit_batch(late, chat_lines(10, max_tokens=100))
+    created = time.time()
     first_sent = None
     deadline = time.monotonic() + 60
     while first_sent is None and time.monotonic() < deadline:

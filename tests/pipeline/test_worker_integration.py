@@ -372,10 +372,14 @@ def test_duplicate_deliveries_give_one_final_result_and_are_counted(stack):
 def test_a_retry_never_runs_past_the_batch_deadline(stack, scripted):
     gw = scripted(lambda rid, n: (429, {"x-llm-d-request-dropped-reason": "rejected-saturated",
                                         "retry-after": "30"}, None, 0))
-    _, _, row_ids = stack.batch(1, expires_in=4.0)
+    # Long enough for a worker to start on a loaded machine; the 30 s Retry-After lands past it anyway.
+    _, _, row_ids = stack.batch(1, expires_in=12.0)
     proc = stack.worker(gw.url, "--closing-recheck", "1")
     (row,) = stack.wait_rows(row_ids, lambda r: r.attempts == 1 and r.status == "retry_wait", timeout=20)
-    time.sleep(6)  # past the deadline: the job keeps coming back, but never sends again
+    with stack.db() as s:
+        expires_at = s.get(Batch, row.batch_id).expires_at
+    while time.time() < expires_at + 2:  # past the deadline: the job keeps coming back, but never sends again
+        time.sleep(0.2)
     (row,) = stack.rows(row_ids)
     assert len(gw.calls[row.id]) == 1
     assert (row.status, row.attempts) == ("retry_wait", 1)  # left for the processor's expiry, not failed
