@@ -46,6 +46,22 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports found")
 
 
+def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: float = 0.1):  # noqa: ANN001
+    """Wait until `predicate()` is truthy and return its value; on timeout fail naming `what` and `detail()`.
+
+    Tests wait for the state they need instead of sampling a race once or sleeping a fixed time: on a
+    loaded two-core machine the state comes late, never early.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail()}")
+        time.sleep(interval)
+
+
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until GET url answers 2xx; fail early with the child's output if it died."""
     deadline = time.monotonic() + timeout

@@ -30,7 +30,7 @@ from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
-from tests.support import Processes, free_port, free_ports, wait_http
+from tests.support import Processes, free_port, free_ports, poll, wait_http
 
 FAST = ["--backoff-base", "0.05", "--backoff-cap", "0.2", "--heartbeat-ttl", "6", "--scheduler-interval", "0.05",
         "--drain-timeout", "2"]
@@ -350,7 +350,9 @@ def test_a_retry_never_runs_past_the_batch_deadline(stack, scripted):
     _, _, row_ids = stack.batch(1, expires_in=4.0)
     proc = stack.worker(gw.url, "--closing-recheck", "1")
     (row,) = stack.wait_rows(row_ids, lambda r: r.attempts == 1 and r.status == "retry_wait", timeout=20)
-    time.sleep(6)  # past the deadline: the job keeps coming back, but never sends again
+    # Past the deadline the job keeps coming back (each time logged batch_closing) but never sends again.
+    poll(lambda: stack.procs.log("worker").count("event=batch_closing") >= 2, 40,
+         "the job to come back twice after the deadline", lambda: stack.procs.log("worker"))
     (row,) = stack.rows(row_ids)
     assert len(gw.calls[row.id]) == 1
     assert (row.status, row.attempts) == ("retry_wait", 1)  # left for the processor's expiry, not failed
