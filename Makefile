@@ -12,12 +12,14 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 # Tests that touch the database or Redis, run once per backend.
 DB_TESTS ?= tests/api tests/pipeline tests/platform
 
-.PHONY: up test test-embedded test-services bench install clean
+.PHONY: up test test-fast test-embedded test-services bench install clean
 
+# pip's output goes to .venv/pip.log and is shown only when the install fails.
 $(STAMP): pyproject.toml
+	@echo "installing holdback and its dependencies into $(VENV) (the first time takes a minute or two)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@$(BIN)/python -m pip install --quiet --upgrade pip > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@$(BIN)/python -m pip install --quiet -e '.[dev]' >> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -26,6 +28,10 @@ up: $(STAMP)
 	$(BIN)/holdback up
 
 test: test-embedded test-services
+
+# The tests that start no process (marked `unit` at collection): seconds, no services needed.
+test-fast: $(STAMP)
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q
 
 # Pass 1: the embedded defaults (SQLite, embedded Redis), every test.
 test-embedded: $(STAMP)

@@ -1,0 +1,63 @@
+"""`holdback keys` works on the server's database: it says which one, refuses to create one that does not
+exist unless asked, lists keys without their secrets and revokes them (a revoked key answers 401)."""
+
+from __future__ import annotations
+
+import pytest
+
+from holdback import keys_cli
+from tests.api.conftest import serve
+
+
+@pytest.fixture
+def in_dir(tmp_path, monkeypatch):
+    """Run as from a directory with no platform: no DATABASE_URL, data dir ./data under tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("DATABASE_URL", "HOLDBACK_DATA_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_create_elsewhere_refuses_to_make_a_database_the_server_never_reads(in_dir, capsys):
+    assert keys_cli.main(["create", "--tenant", "acme"]) == 2
+    err = capsys.readouterr().err
+    assert f"no database at {in_dir / 'data' / 'holdback.db'}" in err and "--create" in err
+    assert not (in_dir / "data" / "holdback.db").exists(), "nothing is created without --create"
+    assert keys_cli.main(["list"]) == 2
+
+
+def test_create_with_create_starts_a_database_and_says_which(in_dir, capsys):
+    assert keys_cli.main(["create", "--tenant", "acme", "--create"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().startswith("hb-") and f"database: sqlite:///{in_dir / 'data' / 'holdback.db'}" in err
+    assert keys_cli.main(["list"]) == 0  # exists now: no --create needed
+    assert "acme" in capsys.readouterr().out
+
+
+def test_list_and_revoke_on_the_servers_database_and_the_key_answers_401(backend, monkeypatch, capsys):
+    for var, value in backend.env.items():
+        monkeypatch.setenv(var, value)
+    api = serve(backend.settings())
+    try:
+        assert keys_cli.main(["create", "--tenant", "acme"]) == 0
+        secret = capsys.readouterr().out.strip()
+        with api.http(secret) as c:
+            assert c.get("/v1/batches").status_code == 200
+        assert keys_cli.main(["list", "--tenant", "acme"]) == 0
+        out, err = capsys.readouterr()
+        assert "database: " in err and ("sqlite" if backend.kind == "embedded" else "postgresql") in err
+        (row,) = [line for line in out.splitlines() if " acme " in line]
+        assert secret not in out and secret[:8] in row and row.rstrip().endswith("-"), "listed, not revoked"
+        key_id = row.split()[0]
+
+        assert keys_cli.main(["revoke", key_id]) == 0
+        assert f"revoked {key_id}" in capsys.readouterr().out
+        with api.http(secret) as c:
+            r = c.get("/v1/batches")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        assert keys_cli.main(["list", "--tenant", "acme"]) == 0
+        assert not capsys.readouterr().out.splitlines()[1].rstrip().endswith("-"), "shows when it was revoked"
+        assert keys_cli.main(["revoke", "key_nope"]) == 1
+        assert "no key with id 'key_nope'" in capsys.readouterr().err
+    finally:
+        api.stop()
