@@ -3,6 +3,8 @@ exist unless asked, lists keys without their secrets and revokes them (a revoked
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from holdback import keys_cli
@@ -59,5 +61,35 @@ def test_list_and_revoke_on_the_servers_database_and_the_key_answers_401(backend
         assert not capsys.readouterr().out.splitlines()[1].rstrip().endswith("-"), "shows when it was revoked"
         assert keys_cli.main(["revoke", "key_nope"]) == 1
         assert "no key with id 'key_nope'" in capsys.readouterr().err
+    finally:
+        api.stop()
+
+
+def test_the_keys_page_lists_keys_and_revokes_with_csrf_and_a_confirmation(backend):
+    from tests.api.test_admin_dashboard import signed_in
+
+    api = serve(backend.settings())
+    try:
+        secret = api.create_key("globex")
+        client, csrf = signed_in(api)
+        page = client.get("/dashboard/keys")
+        assert page.status_code == 200 and 'href="/dashboard/keys"' in page.text
+        assert secret[:8] in page.text and secret not in page.text, "the prefix, never the secret"
+        key_id = re.search(r'data-key="(key_[0-9a-f]+)"', page.text).group(1)
+        assert f'hx-post="/dashboard/keys/{key_id}/revoke"' in page.text and "hx-confirm=\"Revoke key" in page.text
+
+        assert client.post(f"/dashboard/keys/{key_id}/revoke").status_code == 403, "no CSRF token, no revoke"
+        with api.http(secret) as c:
+            assert c.get("/v1/batches").status_code == 200
+        r = client.post(f"/dashboard/keys/{key_id}/revoke", headers={"x-csrf-token": csrf})
+        assert r.status_code == 200 and "Revoked key" in r.text and r.headers["hx-trigger"] == "refresh"
+        with api.http(secret) as c:
+            assert c.get("/v1/batches").status_code == 401
+        again = client.post(f"/dashboard/keys/{key_id}/revoke", headers={"x-csrf-token": csrf})
+        assert "already revoked" in again.text
+        gone = client.post("/dashboard/keys/key_nope/revoke", headers={"x-csrf-token": csrf})
+        assert gone.status_code == 404 and "No key key_nope" in gone.text
+        fragment = client.get("/dashboard/fragments/keys").text
+        assert "badge-revoked" in fragment and f'hx-post="/dashboard/keys/{key_id}/revoke"' not in fragment
     finally:
         api.stop()
