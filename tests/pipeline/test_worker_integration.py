@@ -231,9 +231,11 @@ def test_success_is_recorded_with_usage_and_the_job_leaves_redis(stack):
     # RQ sees a registered worker; the finished jobs are gone (result_ttl=0), nothing is left started.
     workers = Worker.all(queue=stack.queue)
     assert len(workers) == 1 and workers[0].pid == proc.pid
-    assert stack.redis.exists(*(f"rq:job:{r}" for r in row_ids)) == 0
-    assert StartedJobRegistry(queue=stack.queue).get_job_ids(cleanup=False) == []
-    assert metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="succeeded") == 30
+    # The worker records the row first, then moves the job in Redis and counts it: wait for that, do not sample.
+    poll(lambda: stack.redis.exists(*(f"rq:job:{r}" for r in row_ids)) == 0
+         and StartedJobRegistry(queue=stack.queue).get_job_ids(cleanup=False) == []
+         and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="succeeded") == 30,
+         20, "the jobs to leave Redis and be counted", lambda: stack.procs.log("worker"))
     assert metric(proc.metrics_url, "holdback_worker_attempts_total", outcome="success") == 30
     # SIGTERM: the worker unregisters from RQ.
     stack.procs.stop(proc)
@@ -274,7 +276,7 @@ def test_eviction_parks_the_row_honours_retry_after_and_then_succeeds(stack, scr
             assert h["authorization"] == "Bearer gw-secret"
             assert abs(int(h["x-holdback-deadline"]) - rows[0].created_at - 3600) < 60
             assert json.loads(call["body"]) == CHAT
-    assert metric(proc.metrics_url, "holdback_worker_evictions_total") == 3
+    poll(lambda: metric(proc.metrics_url, "holdback_worker_evictions_total") == 3, 20, "three evictions counted")
     assert metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 3
 
 
@@ -289,9 +291,10 @@ def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
         assert [a.outcome for a in stack.attempts(row.id)] == ["server_error"] * 3
         line = output_line(row)
         assert line["response"]["status_code"] == 500 and "Injected fault" in json.dumps(line)
-    # Failed rows' jobs are kept in RQ's FailedJobRegistry for operators.
-    assert set(FailedJobRegistry(queue=stack.queue).get_job_ids()) == set(row_ids)
-    assert metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="failed") == 2
+    # Failed rows' jobs are kept in RQ's FailedJobRegistry for operators (moved there after the row is final).
+    poll(lambda: set(FailedJobRegistry(queue=stack.queue).get_job_ids()) == set(row_ids)
+         and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="failed") == 2,
+         20, "the failed jobs in the FailedJobRegistry, counted", lambda: stack.procs.log("worker"))
 
 
 def test_transport_errors_are_retried_within_the_budget(stack):
