@@ -48,14 +48,15 @@ class Platform:
         if gateway_config is not None:
             self.gateway_config = tmp_path / "gateway.yaml"
             self.gateway_config.write_text(gateway_config)
+        # Started together, waited for in dependency order: each start-up costs seconds on a loaded machine.
         sim = self.procs.start("sim", "--port", str(self.sim_port), "--replicas", str(replicas), *sim_args, name="sim")
-        for url in self.sim_urls:
-            wait_http(f"{url}/health", proc=sim)
-        self.gateway = self.start_gateway()
         api = self.procs.start("api", "--port", self.api_url.rsplit(":", 1)[1], name="api")
-        wait_http(f"{self.api_url}/readyz", timeout=30, proc=api)
         self.processor = self.procs.start("processor", *PROCESSOR_FAST, name="processor")
         self.workers = [self.start_worker()]
+        for url in self.sim_urls:
+            wait_http(f"{url}/health", timeout=30, proc=sim)
+        self.gateway = self.start_gateway()
+        wait_http(f"{self.api_url}/readyz", timeout=30, proc=api)
         key = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "e2e"},
                          headers={"Authorization": f"Bearer {backend.admin_key}"}, timeout=10)
         key.raise_for_status()

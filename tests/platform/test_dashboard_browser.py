@@ -104,7 +104,7 @@ def stack(backend, tmp_path):
         s.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # set up before the per-test stack: without Chromium it fails at once
 def browser():
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium_path(p.chromium.executable_path), args=CHROMIUM_ARGS)
