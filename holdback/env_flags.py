@@ -27,18 +27,21 @@ def flags_from_env(parser: argparse.ArgumentParser, component: str,
     so a bad variable fails at start-up naming the variable. Returns the parser for `return flags_from_env(p, ...)`.
     """
     environ = os.environ if environ is None else environ
+    names = []
     for action in parser._actions:  # argparse has no public iterator over its actions
         flags = [o for o in action.option_strings if o.startswith("--")]
         if not flags or action.dest in (argparse.SUPPRESS, "help", "version"):
             continue
         name = flag_env_name(component, flags[0])
+        names.append(name)
         if name not in environ:
             continue
         action.default = _env_value(parser, action, name, environ[name])
         action.required = False
-    note = f"Every --flag can also be set as HOLDBACK_{component.upper()}_<FLAG>, e.g. " \
-           f"{flag_env_name(component, '--log-level')}; a flag given on the command line wins."
-    parser.epilog = f"{parser.epilog}\n\n{note}" if parser.epilog else note
+    if names:
+        note = f"Every --flag can also be set as HOLDBACK_{component.upper()}_<FLAG>, e.g. {names[0]}; " \
+               "a flag given on the command line wins."
+        parser.epilog = f"{parser.epilog}\n\n{note}" if parser.epilog else note
     return parser
 
 
