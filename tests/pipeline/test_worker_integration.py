@@ -350,8 +350,10 @@ def test_duplicate_deliveries_give_one_final_result_and_are_counted(stack):
 def test_a_retry_never_runs_past_the_batch_deadline(stack, scripted):
     gw = scripted(lambda rid, n: (429, {"x-llm-d-request-dropped-reason": "rejected-saturated",
                                         "retry-after": "30"}, None, 0))
-    _, _, row_ids = stack.batch(1, expires_in=4.0)
+    # The worker is up before the batch exists: its first try must come before the deadline, and starting a
+    # worker can take seconds on a loaded machine.
     proc = stack.worker(gw.url, "--closing-recheck", "1")
+    _, _, row_ids = stack.batch(1, expires_in=8.0)
     (row,) = stack.wait_rows(row_ids, lambda r: r.attempts == 1 and r.status == "retry_wait", timeout=20)
     # Past the deadline the job keeps coming back (each time logged batch_closing) but never sends again.
     poll(lambda: stack.procs.log("worker").count("event=batch_closing") >= 2, 40,
