@@ -435,7 +435,10 @@ def test_processes_share_the_queue_each_registered_with_rq(stack):
     for i in range(2):
         wait_http(f"http://127.0.0.1:{port + i}/metrics", timeout=30, proc=proc)
     rows = stack.wait_final(row_ids)
-    assert sorted(w.name for w in Worker.all(queue=stack.queue)) == ["pool.0", "pool.1"]
+    # A process serves metrics before it registers with RQ, and on a loaded machine the other may have done
+    # all 40 meanwhile: wait for both registrations rather than sampling once.
+    poll(lambda: sorted(w.name for w in Worker.all(queue=stack.queue)) == ["pool.0", "pool.1"], 30,
+         "both worker processes registered with RQ", lambda: stack.procs.log("worker"))
     assert {r.status for r in rows} == {"succeeded"}
     recorded = [metric(f"http://127.0.0.1:{port + i}/metrics", "holdback_worker_results_recorded_total")
                 for i in range(2)]
