@@ -44,10 +44,12 @@ test-fast: $(STAMP)
 test-embedded: $(STAMP)
 	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Pass 2: PostgreSQL and the machine's Redis server, the tests that use them.
+# Pass 2: PostgreSQL and the machine's Redis server, the tests that use them. The browser tests run once, in
+# pass 1: the dashboard's queries and actions are covered on PostgreSQL by tests/api/test_admin_dashboard.py.
 test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
-	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(wildcard $(DB_TESTS))
+	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \
+	$(wildcard $(DB_TESTS))
 
 bench: $(STAMP)
 	$(BIN)/holdback bench study --quick
