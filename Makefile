@@ -11,13 +11,17 @@ TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 # Tests that touch the database or Redis, run once per backend.
 DB_TESTS ?= tests/api tests/pipeline tests/platform
+# Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
+TEST_WORKERS ?= 2
 
-.PHONY: up test test-embedded test-services bench install clean
+.PHONY: up test test-fast test-embedded test-services bench install clean
 
+# pip's output goes to .venv/pip.log and is shown only when the install fails.
 $(STAMP): pyproject.toml
+	@echo "installing holdback and its dependencies into $(VENV) (the first time takes a minute or two)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@$(BIN)/python -m pip install --quiet --upgrade pip > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@$(BIN)/python -m pip install --quiet -e '.[dev]' >> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -25,16 +29,27 @@ install: $(STAMP)
 up: $(STAMP)
 	$(BIN)/holdback up
 
-test: test-embedded test-services
+# Both passes always run (a failure in the first does not hide the second); the exit status is the worse.
+test: $(STAMP)
+	@$(MAKE) --no-print-directory test-embedded; first=$$?; \
+	$(MAKE) --no-print-directory test-services; second=$$?; \
+	echo "make test: embedded pass $$([ $$first = 0 ] && echo passed || echo FAILED), services pass $$([ $$second = 0 ] && echo passed || echo FAILED)"; \
+	[ $$first = 0 ] && [ $$second = 0 ]
+
+# The tests that start no process (marked `unit` at collection): seconds, no services needed.
+test-fast: $(STAMP)
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q
 
 # Pass 1: the embedded defaults (SQLite, embedded Redis), every test.
 test-embedded: $(STAMP)
-	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Pass 2: PostgreSQL and the machine's Redis server, the tests that use them.
+# Pass 2: PostgreSQL and the machine's Redis server, the tests that use them. The browser tests run once, in
+# pass 1: the dashboard's queries and actions are covered on PostgreSQL by tests/api/test_admin_dashboard.py.
 test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
-	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest $(wildcard $(DB_TESTS))
+	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \
+	$(wildcard $(DB_TESTS))
 
 bench: $(STAMP)
 	$(BIN)/holdback bench study --quick

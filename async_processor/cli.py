@@ -18,6 +18,7 @@ from async_processor.metrics import WorkerMetrics
 from async_processor.registration import WorkerNameTaken
 from holdback.broker import requests_queue_name, resolve_redis_url
 from holdback.dispatch import Jitter, RetryPolicy
+from holdback.env_flags import flags_from_env
 from holdback.settings import Settings
 
 
@@ -69,7 +70,7 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
                         "(group commit). SQLite always uses 1 (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="DEBUG also logs every successful request (default %(default)s)")
-    return p
+    return flags_from_env(p, "worker")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,7 +155,10 @@ class AsyncWorker:
         now = time.monotonic()
         if now - self.pause_checked_at >= PAUSE_CHECK:
             self.pause_checked_at = now
-            self.paused = bool(await self.redis.exists(pause_key(self.config.namespace, self.config.queue_name)))
+            paused = bool(await self.redis.exists(pause_key(self.config.namespace, self.config.queue_name)))
+            if paused != self.paused:  # logged on change: from here on this worker claims nothing (or resumes)
+                log.event(logging.INFO, "dispatch_paused" if paused else "dispatch_resumed", worker=self.config.name)
+            self.paused = paused
         return self.paused
 
     def _task_done(self, task: asyncio.Task) -> None:

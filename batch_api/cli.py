@@ -11,6 +11,7 @@ import uvicorn
 
 from batch_api.app import create_app
 from holdback.logs import configure_json_logging
+from holdback.env_flags import flags_from_env
 from holdback.settings import Settings
 
 
@@ -19,7 +20,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    args = parser.parse_args(argv)
+    args = flags_from_env(parser, "api").parse_args(argv)
     configure_json_logging(None, args.log_level, adopt=("uvicorn", "uvicorn.error", "uvicorn.access"))
     app = create_app(Settings())
     # Our middleware logs every request as one JSON event, so uvicorn's access log is off.

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from holdback.logs import configure_json_logging, log_event
+from holdback.env_flags import flags_from_env
 from batch_processor.processor import Processor, ProcessorConfig, default_name, log
 
 _DEFAULTS = ProcessorConfig()
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-cap", type=float, default=_DEFAULTS.backoff_cap,
                    help="sync mode: largest retry step in seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", help="logging level (default %(default)s)")
-    return p
+    return flags_from_env(p, "processor")
 
 
 def main(argv: list[str] | None = None) -> int:

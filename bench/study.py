@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.stack import Stack, StackSpec, metric_sum
+from holdback.progress import Progress
 from bench.traffic import prompt_text, run_realtime, schedule
 
 
@@ -250,34 +251,20 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
     return record
 
 
-class Progress:
-    def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, 0, time.monotonic()
-
-    def show(self, label: str) -> None:
-        width = 30
-        filled = int(width * self.done / self.total) if self.total else width
-        elapsed = time.monotonic() - self.t0
-        sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} runs, "
-                         f"{elapsed:5.0f}s  {label:<40}")
-        sys.stdout.flush()
-
-
 def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "study.json").write_text(json.dumps({"workload": asdict(w), "repeats": repeats, "seed": seed,
                                                     "scenarios": names}, indent=2))
     plan = [(SCENARIOS[n], r) for r in range(repeats) for n in names]
-    progress = Progress(len(plan))
+    progress = Progress(len(plan), "runs", every=0)
     written = []
-    for scenario, repeat in plan:
-        progress.show(f"{scenario.name} (repeat {repeat + 1}/{repeats})")
+    for done, (scenario, repeat) in enumerate(plan):
+        progress.update(done, f"{scenario.name} (repeat {repeat + 1}/{repeats})")
         # Same traffic schedule for every scenario within a repeat; a new one per repeat.
         run_one(scenario, w, repeat, seed + repeat, out_dir)
         written.append(out_dir / "raw" / f"{scenario.name}-r{repeat}.json")
-        progress.done += 1
-    progress.show("done")
-    print()
+    progress.update(len(plan), "done", force=True)
+    progress.close()
     return written
 
 

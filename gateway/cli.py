@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.config import ConfigError, load_config
 from gateway.log import configure_logging, log_event
+from holdback.env_flags import flags_from_env
 
 logger = logging.getLogger("gateway")
 
@@ -25,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
     p.add_argument("--replicas", help="comma-separated replica base URLs; overrides `replicas` in the config")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p
+    return flags_from_env(p, "gateway")
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> None:

@@ -30,11 +30,12 @@ def embedded_socket(data_dir: Path) -> Path:
     return (data_dir / "redis" / "redis.sock").resolve()
 
 
-def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0) -> str:
+def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0, *, start=None) -> str:  # noqa: ANN001
     """Start the embedded Redis for data_dir unless it already answers; return its URL.
 
-    It runs daemonized with a pidfile so any holdback process can start it and all share it;
-    `stop_embedded_redis` (used by `holdback up` on exit) shuts it down.
+    By default it runs daemonized with a pidfile so any holdback process can start it and all share
+    it; `holdback up` passes `start` to run it in the foreground as its own child instead (so it dies
+    with `holdback up`). `stop_embedded_redis` shuts it down.
     """
     sock = embedded_socket(data_dir)
     url = f"unix://{sock}"
@@ -46,21 +47,21 @@ def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0) -> str:
             f"the embedded Redis socket path {sock} is too long for a unix socket; "
             "set HOLDBACK_DATA_DIR to a shorter path or REDIS_URL to a Redis server"
         )
-    subprocess.run(
-        [
-            str(embedded_server_binary()),
-            "--port", "0",
-            "--unixsocket", str(sock),
-            "--unixsocketperm", "700",
-            "--dir", str(sock.parent),
-            "--daemonize", "yes",
-            "--pidfile", str(sock.parent / "redis.pid"),
-            "--logfile", str(sock.parent / "redis.log"),
-            "--save", "60", "1000",
-            "--appendonly", "yes",
-        ],
-        check=True,
-    )
+    command = [
+        str(embedded_server_binary()),
+        "--port", "0",
+        "--unixsocket", str(sock),
+        "--unixsocketperm", "700",
+        "--dir", str(sock.parent),
+        "--pidfile", str(sock.parent / "redis.pid"),
+        "--logfile", str(sock.parent / "redis.log"),
+        "--save", "60", "1000",
+        "--appendonly", "yes",
+    ]
+    if start is None:
+        subprocess.run([*command, "--daemonize", "yes"], check=True)
+    else:
+        start([*command, "--daemonize", "no"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _answers(url):

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("holdback.supervisor", "run the whole platform on this machine (what `make up` runs)"),
     "api": ("batch_api.cli", "serve the OpenAI-compatible Batch and Files API and the dashboard"),
     "db": ("holdback.db_cli", "database schema: `holdback db upgrade`"),
-    "keys": ("holdback.keys_cli", "API keys: `holdback keys create --tenant NAME`"),
+    "keys": ("holdback.keys_cli", "API keys: `holdback keys create --tenant NAME`, `list`, `revoke KEY_ID`"),
     "processor": ("batch_processor.cli", "claim, validate, expand, enqueue, finalize, cancel and expire batches"),
     "worker": ("async_processor.cli", "send queued batch requests through the gateway (`-n` concurrency)"),
     "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),
@@ -31,10 +31,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Self-hosted batch inference that shares GPUs with realtime traffic.",
         epilog="Run `holdback COMMAND --help` for a command's options.",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"holdback {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("holdback")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from holdback import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        parser.parse_args(argv[:1])  # prints the version and exits
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         parser.error(f"unknown command {name!r}; choose one of: {', '.join(COMMANDS)}")

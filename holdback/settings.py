@@ -1,7 +1,8 @@
 """Typed settings for every holdback process, read once from the environment at the edge.
 
 Nothing deeper reads the environment: a process calls `Settings()` at start-up and passes the
-object (or the values it needs) down.
+object (or the values it needs) down. Command-line flags get their variables from
+`holdback.env_flags`.
 """
 
 from __future__ import annotations
@@ -52,3 +53,4 @@ class Settings(BaseSettings):
     @property
     def files_dir(self) -> Path:
         return self.data_dir / "files"
+

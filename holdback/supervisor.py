@@ -2,14 +2,17 @@
 
 With no configuration it starts an embedded Redis, migrates SQLite under ./data and runs the API
 server with the dashboard, a processor, a worker pool, the gateway and two simulated vLLM replicas.
-A child that dies is reported and restarted with backoff; Ctrl-C (or SIGTERM) stops everything,
-children first, then the embedded Redis. DATABASE_URL, REDIS_URL and --replicas switch to
-PostgreSQL, an external Redis and real vLLM.
+A child that dies is reported and restarted with backoff; SIGINT (Ctrl-C) or SIGTERM stops
+everything, children first, then the embedded Redis. One `holdback up` runs per data dir (a pid-file
+lock); its children die with it even when it is killed outright (Linux parent-death signal), and a
+port held by anything but its own child fails start-up instead of passing the readiness check.
+DATABASE_URL, REDIS_URL and --replicas switch to PostgreSQL, an external Redis and real vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import secrets
@@ -19,16 +22,26 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from holdback.broker import ensure_embedded_redis, stop_embedded_redis
 from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.env_flags import flags_from_env
+from holdback.instance_lock import AlreadyRunning, InstanceLock
+from holdback.listeners import descendants, listener_pids, port_free
 from holdback.schema import upgrade
 from holdback.settings import Settings
 from holdback.tenancy import create_key
 
 LOCAL_KEYS = "local-keys.json"
+EXAMPLE_REQUESTS = Path(__file__).resolve().parent.parent / "examples" / "requests.jsonl"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Stop(Exception):
+    """SIGINT or SIGTERM arrived: stop everything."""
 
 
 @dataclass
@@ -54,6 +67,11 @@ def local_keys(settings: Settings, session_factory) -> dict[str, str]:  # noqa: 
     if path.exists():
         keys = json.loads(path.read_text())
         if {"admin", "tenant", "realtime", "batch_gateway", "standard"} <= keys.keys():
+            if settings.admin_key and settings.admin_key != keys["admin"]:
+                # HOLDBACK_ADMIN_KEY is the operator's choice: it replaces the stored one, and is stored.
+                keys["admin"] = settings.admin_key
+                _write_keys(path, keys)
+                _log("admin key from HOLDBACK_ADMIN_KEY replaces the stored one", file=path)
             return keys
     with transaction(session_factory) as session:
         tenant_key = create_key(session, "default")
@@ -64,10 +82,17 @@ def local_keys(settings: Settings, session_factory) -> dict[str, str]:  # noqa: 
         "standard": "hb-std-" + secrets.token_urlsafe(18),
         "batch_gateway": "hb-bw-" + secrets.token_urlsafe(18),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(keys, indent=2))
-    path.chmod(0o600)
+    _write_keys(path, keys)
     return keys
+
+
+def _write_keys(path: Path, keys: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Created owner-only, never readable by others even for an instant.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(keys, indent=2))
+    path.chmod(0o600)
 
 
 def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
@@ -101,10 +126,8 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         child.log_path = self.log_dir / f"{child.name}.log"
         out = open(child.log_path, "ab")
-        child.proc = subprocess.Popen(
-            [sys.executable, "-m", "holdback.cli", *child.args],
-            env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        child.proc = _spawn([sys.executable, "-m", "holdback.cli", *child.args],
+                            env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         child.started_at = time.monotonic()
         _log("started", child=child.name, pid=child.proc.pid, log=child.log_path)
@@ -119,12 +142,24 @@ class Supervisor:
                                    f"see {child.log_path}")
             try:
                 if httpx.get(child.ready_url, timeout=1.0).status_code < 300:
+                    self.confirm_own(child)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         if not self.stopping:
             raise RuntimeError(f"{child.name} not ready at {child.ready_url} after {timeout:.0f}s; see {child.log_path}")
+
+    def confirm_own(self, child: Child) -> None:
+        """The process answering child.ready_url must be that child (or below it), not a leftover."""
+        port = urlsplit(child.ready_url).port
+        owners = listener_pids(port) if port else None
+        if not owners or child.proc is None:
+            return  # no /proc here, or the socket is not visible: the free-port check before start stands
+        if not owners & descendants(child.proc.pid):
+            raise RuntimeError(f"{child.name}: port {port} is answered by pid {', '.join(map(str, sorted(owners)))}, "
+                               f"not by the {child.name} this holdback up started (pid {child.proc.pid}); "
+                               "stop that process and start again")
 
     def supervise_once(self) -> None:
         now = time.monotonic()
@@ -187,7 +222,40 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated vLLM base URLs; when set no simulator is started (env HOLDBACK_REPLICAS)")
     p.add_argument("--gateway-config", type=Path, default=None, help="gateway YAML (default: the built-in config)")
     p.add_argument("--worker-concurrency", type=int, default=64, help="requests in flight per worker (default %(default)s)")
-    return p
+    return flags_from_env(p, "up")
+
+
+def _die_with_parent(parent: int):  # noqa: ANN202
+    """preexec_fn for a child: on Linux the kernel sends it SIGTERM when `holdback up` dies, even by SIGKILL."""
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return  # not Linux: `holdback up` stops its children on every exit it can see
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return arm
+
+
+def _ports_taken(args: argparse.Namespace) -> list[str]:
+    """Ports `holdback up` is about to listen on that something else holds, each with its holders' pids."""
+    ports = {"api": args.api_port, "gateway": args.gateway_port}
+    if not args.replicas:
+        ports.update({f"sim replica {i}": args.sim_port + i for i in range(args.sim_replicas)})
+    taken = []
+    for name, port in ports.items():
+        if not port_free(args.host, port):
+            pids = listener_pids(port)
+            holder = f" (pid {', '.join(map(str, sorted(pids)))})" if pids else ""
+            taken.append(f"{name} port {port} is in use{holder}")
+    return taken
+
+
+def _on_signal(signum, _frame):  # noqa: ANN001
+    # Further signals are ignored while stopping: the stop itself is bounded and ends with SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Stop(signal.Signals(signum).name)
 
 
 def main(argv: list[str]) -> int:
@@ -195,16 +263,50 @@ def main(argv: list[str]) -> int:
     if args.sim_replicas < 1:
         _parser().error("--sim-replicas must be at least 1")
     settings = Settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    started_redis = False
-    redis_url = settings.redis_url
-    if redis_url is None:
-        redis_url = ensure_embedded_redis(settings.data_dir)
-        started_redis = True
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
-    keys = local_keys(settings, make_sessionmaker(engine))
-    engine.dispose()
+    # Handled alike, and installed even when SIGINT arrives ignored (a background job of a script).
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        lock = InstanceLock.acquire(settings.data_dir)
+    except AlreadyRunning as exc:
+        _log("refused", error=str(exc))
+        return 1
+    try:
+        if taken := _ports_taken(args):
+            _log("refused", error="; ".join(taken) + "; stop what holds them or choose other ports with "
+                                  "--api-port/--gateway-port/--sim-port")
+            return 1
+        return _run(args, settings)
+    except Stop:
+        return 0
+    finally:
+        lock.release()
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    embedded: list[subprocess.Popen] = []
+    try:
+        redis_url = settings.redis_url or ensure_embedded_redis(
+            settings.data_dir, start=lambda cmd: embedded.append(_spawn(cmd, stdout=subprocess.DEVNULL)))
+        engine = make_engine(settings.sqlalchemy_url)
+        upgrade(engine)
+        keys = local_keys(settings, make_sessionmaker(engine))
+        engine.dispose()
+        return _supervise(args, settings, redis_url, keys)
+    finally:
+        if settings.redis_url is None:
+            stop_embedded_redis(settings.data_dir)
+            for proc in embedded:
+                proc.wait(15)
+            _log("stopped", child="embedded-redis")
+
+
+def _spawn(command: list[str], **popen: object) -> subprocess.Popen:
+    """A child in its own session (a terminal's Ctrl-C reaches only `holdback up`) that dies with us."""
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), **popen)
+
+
+def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, keys: dict[str, str]) -> int:
 
     env = {
         **os.environ,
@@ -221,11 +323,6 @@ def main(argv: list[str]) -> int:
         "PYTHONUNBUFFERED": "1",
     }
     sup = Supervisor(build_children(args, settings), env, settings.data_dir / "logs")
-
-    def _stop(signum, _frame):  # noqa: ANN001
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
     return_code = 0
     try:
         for child in sup.children:
@@ -235,16 +332,13 @@ def main(argv: list[str]) -> int:
         while True:
             sup.supervise_once()
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        _log("stopping")
+    except (Stop, KeyboardInterrupt) as exc:
+        _log("stopping", signal=str(exc) or "SIGINT")
     except RuntimeError as exc:
         _log("start-up failed", error=str(exc))
         return_code = 1
     finally:
         sup.stop_all()
-        if started_redis:
-            stop_embedded_redis(settings.data_dir)
-            _log("stopped", child="embedded-redis")
     return return_code
 
 
@@ -258,10 +352,18 @@ holdback is up.
   Gateway        {gw}/v1           (realtime key: {keys['realtime']})
   Logs           {log_dir}
 
-Try it with the official openai client:
-  from openai import OpenAI
-  client = OpenAI(base_url="{api}/v1", api_key="{keys['tenant']}")
-  batch = client.batches.create(input_file_id=client.files.create(file=open("requests.jsonl", "rb"), purpose="batch").id, endpoint="/v1/chat/completions", completion_window="24h")
+A request line (examples/requests.jsonl has chat, completions and embeddings lines):
+  {_first_line()}
 
-Or run `holdback demo` in another terminal. Ctrl-C stops everything.
+Try it with the official openai client (one batch per endpoint):
+  python examples/submit.py {api}/v1 {keys['tenant']}
+
+Or run `holdback demo` in another terminal. Ctrl-C or SIGTERM stops everything.
 """, flush=True)
+
+
+def _first_line() -> str:
+    try:
+        return EXAMPLE_REQUESTS.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return "(examples/requests.jsonl is in the source checkout)"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
+from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -42,3 +44,34 @@ def tenant_for_key(session: Session, secret: str) -> Tenant | None:
         .where(ApiKey.key_hash == hash_key(secret), ApiKey.revoked_at.is_(None))
     ).scalar_one_or_none()
     return row
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What may be shown about a key: never the secret, only its first characters."""
+
+    id: str
+    tenant: str
+    prefix: str
+    created_at: int
+    revoked_at: int | None
+
+
+def list_keys(session: Session, tenant_name: str | None = None) -> list[KeyInfo]:
+    query = select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id)
+    if tenant_name is not None:
+        query = query.where(Tenant.name == tenant_name)
+    rows = session.execute(query.order_by(ApiKey.created_at, ApiKey.id)).all()
+    return [KeyInfo(k.id, name, k.prefix, k.created_at, k.revoked_at) for k, name in rows]
+
+
+def revoke_key(session: Session, key_id: str) -> KeyInfo | None:
+    """Revoke the key (by id); it answers 401 from then on. Revoking twice keeps the first time."""
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        return None
+    if key.revoked_at is None:
+        key.revoked_at = int(time.time())
+        session.flush()
+    tenant = session.get(Tenant, key.tenant_id)
+    return KeyInfo(key.id, tenant.name if tenant else "?", key.prefix, key.created_at, key.revoked_at)

@@ -19,6 +19,7 @@ from model_sim.generation import OutputLengthMode
 from model_sim.replica import Replica
 from model_sim.request_queue import SchedulingPolicy
 from model_sim.timing import TimingModel
+from holdback.env_flags import flags_from_env
 
 log = logging.getLogger("model_sim")
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     flt.add_argument("--fault-500-rate", type=float, default=0.0, help="fraction of requests answered 500")
     flt.add_argument("--fault-503-rate", type=float, default=0.0, help="fraction of requests answered 503")
     flt.add_argument("--fault-delay-ms", type=float, default=0.0, help="delay added before each request")
-    return p
+    return flags_from_env(p, "sim")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

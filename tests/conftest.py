@@ -3,12 +3,16 @@
 HOLDBACK_TEST_BACKEND=embedded (default): SQLite in a fresh data dir and an embedded Redis for it.
 HOLDBACK_TEST_BACKEND=services: a fresh PostgreSQL database cloned from a migrated template, and
 the machine's Redis with a per-test namespace. `make test` runs the suite once with each.
+
+Every test that starts no process (no `backend`, no child processes) is marked `unit` at collection;
+`make test-fast` runs only those. A unit test that starts a process anyway fails, naming the fix.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +33,34 @@ BACKEND = os.environ.get("HOLDBACK_TEST_BACKEND", "embedded")
 POSTGRES_URL = os.environ.get("HOLDBACK_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("HOLDBACK_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "hb-admin-test-key"
+# Fixtures that start processes (the embedded Redis, simulators, gateways, workers): their tests are not unit.
+PROCESS_FIXTURES = {"backend", "stack", "scripted", "platform_factory", "browser"}
+# A module that imports these can start processes itself (`holdback ...` children via tests.support).
+PROCESS_NAMES = ("subprocess", "Processes")
+NOT_UNIT_MARKERS = ("e2e", "browser")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    for item in items:
+        if any(item.get_closest_marker(m) for m in NOT_UNIT_MARKERS) or PROCESS_FIXTURES & set(item.fixturenames):
+            continue
+        module = getattr(item, "module", None)
+        if module is not None and any(name in vars(module) for name in PROCESS_NAMES):
+            continue
+        item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_starts_no_process(request, monkeypatch):  # noqa: ANN001
+    """Keep the `unit` marker true: a unit test that starts a child process fails at once."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(self, args, *rest, **kw):  # noqa: ANN001
+        raise AssertionError(f"a unit test started a process ({args!r}): mark the test e2e, or add the fixture "
+                             "that starts it to PROCESS_FIXTURES in tests/conftest.py")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
 @dataclass

@@ -46,6 +46,22 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports found")
 
 
+def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: float = 0.1):  # noqa: ANN001
+    """Wait until `predicate()` is truthy and return its value; on timeout fail naming `what` and `detail()`.
+
+    Tests wait for the state they need instead of sampling a race once or sleeping a fixed time: on a
+    loaded two-core machine the state comes late, never early.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail()}")
+        time.sleep(interval)
+
+
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until GET url answers 2xx; fail early with the child's output if it died."""
     deadline = time.monotonic() + timeout
@@ -106,9 +122,25 @@ class Processes:
             return ""
         return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.log_dir.glob(f"{name}-*.log")))
 
-    def close(self) -> None:
-        for proc, _ in reversed(self.children):
-            self.stop(proc)
+    def close(self, timeout: float = 10.0) -> None:
+        """SIGTERM every child at once, then wait for all with one deadline (stopping them one by one
+        costs each one's drain time in turn), then SIGKILL what is left."""
+        running = [proc for proc, _ in reversed(self.children) if proc.poll() is None]
+        for proc in running:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
         self.children.clear()
 
     def __enter__(self) -> "Processes":

@@ -1,6 +1,7 @@
 """The operator dashboard at /dashboard: server-rendered Jinja2 pages that htmx keeps live.
 
-Modules: `session` (admin-key sign-in, session cookie, CSRF), `pages` (routes and actions), `gateway_view`
+Modules: `session` (admin-key sign-in, session cookie, CSRF), `pages` (routes and actions), `keys_page`
+(list and revoke tenant keys), `gateway_view`
 (the gateway's state and metrics), `sampler` (the TTFT and throughput history in Redis), `charts` (inline SVG).
 Data and actions come from the operator API's functions in `batch_api.admin`.
 """
@@ -11,8 +12,11 @@ from pathlib import Path
 
 from starlette.staticfiles import StaticFiles
 
+from batch_api.dashboard import keys_page
 from batch_api.dashboard.pages import router
 from batch_api.dashboard.sampler import Sampler
+
+router.include_router(keys_page.router)
 
 STATIC_DIR = Path(__file__).parent / "static"
 

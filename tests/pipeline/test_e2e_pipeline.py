@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,8 @@ from sqlalchemy import func, select
 
 from holdback.db import make_engine, make_sessionmaker
 from holdback.models import Attempt, RequestRow
-from tests.support import Processes, chat_lines, free_port, free_ports, submit_batch, wait_batch, wait_http
+from tests.support import (Processes, chat_lines, free_port, free_ports, poll, submit_batch, wait_batch,
+                           wait_http)
 
 pytestmark = pytest.mark.e2e
 
@@ -48,14 +48,15 @@ class Platform:
         if gateway_config is not None:
             self.gateway_config = tmp_path / "gateway.yaml"
             self.gateway_config.write_text(gateway_config)
+        # Started together, waited for in dependency order: each start-up costs seconds on a loaded machine.
         sim = self.procs.start("sim", "--port", str(self.sim_port), "--replicas", str(replicas), *sim_args, name="sim")
-        for url in self.sim_urls:
-            wait_http(f"{url}/health", proc=sim)
-        self.gateway = self.start_gateway()
         api = self.procs.start("api", "--port", self.api_url.rsplit(":", 1)[1], name="api")
-        wait_http(f"{self.api_url}/readyz", timeout=30, proc=api)
         self.processor = self.procs.start("processor", *PROCESSOR_FAST, name="processor")
         self.workers = [self.start_worker()]
+        for url in self.sim_urls:
+            wait_http(f"{url}/health", timeout=30, proc=sim)
+        self.gateway = self.start_gateway()
+        wait_http(f"{self.api_url}/readyz", timeout=30, proc=api)
         key = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "e2e"},
                          headers={"Authorization": f"Bearer {backend.admin_key}"}, timeout=10)
         key.raise_for_status()
@@ -112,6 +113,15 @@ class Platform:
 
     def sim_running(self) -> int:
         return sum(httpx.get(f"{u}/admin/state", timeout=5).json()["running"] for u in self.sim_urls)
+
+    def wait_in_flight(self, n: int, what: str, timeout: float = 30.0) -> None:
+        """Wait until at least n requests run at the simulator (sampling once races the worker's claims)."""
+        poll(lambda: self.sim_running() >= n, timeout, what, lambda: self.procs.log("worker"))
+
+    def rows_waiting(self, batch_id: str) -> int:
+        with self.db() as s:
+            return s.scalar(select(func.count()).where(RequestRow.batch_id == batch_id,
+                                                       RequestRow.status.in_(("queued", "running"))))
 
 
 @pytest.fixture
@@ -199,7 +209,7 @@ def test_worker_killed_mid_request_then_another_worker_finishes_the_batch(platfo
     p = platform_factory(sim_args=("--decode-base-ms", "5", "--step-overhead-ms", "1"))
     batch_id = p.submit(300, max_tokens=30)  # ~0.2 s each
     p.wait(batch_id, 60, until=lambda b: b.request_counts.completed >= 40)
-    assert p.sim_running() > 0, "requests are in flight when the worker dies"
+    p.wait_in_flight(4, "requests in flight when the worker dies")
     p.procs.stop(p.workers[0], signal.SIGKILL)
     p.workers.append(p.start_worker())
     p.wait_completed(batch_id, 300)
@@ -225,9 +235,8 @@ def test_redis_flushed_mid_batch_is_reconciled_to_one_result_per_request(platfor
     p.wait(batch_id, 60, until=lambda b: b.request_counts.completed >= 40)
     with p.db() as s:
         row_ids = list(s.scalars(select(RequestRow.id).where(RequestRow.batch_id == batch_id)))
-        waiting = s.scalar(select(func.count()).where(RequestRow.batch_id == batch_id,
-                                                      RequestRow.status.in_(("queued", "running"))))
-    assert waiting > 0, "the flush must hit jobs that are queued or running"
+    # The flush must hit jobs that are queued or running: wait for some, do not sample once.
+    poll(lambda: p.rows_waiting(batch_id) > 0, 30, "rows queued or running before the flush")
     _flush_redis(backend, row_ids)
     assert backend.redis().exists(*(f"rq:job:{r}" for r in row_ids)) == 0
     p.wait_completed(batch_id, 300)
@@ -238,8 +247,8 @@ def test_gateway_restarted_mid_batch_requests_retry_and_complete(platform_factor
     p = platform_factory(sim_args=("--decode-base-ms", "5", "--step-overhead-ms", "1"))
     batch_id = p.submit(300, max_tokens=30)
     p.wait(batch_id, 60, until=lambda b: b.request_counts.completed >= 40)
+    p.wait_in_flight(4, "requests in flight through the gateway when it dies")
     p.procs.stop(p.gateway, signal.SIGKILL)  # in-flight requests lose their connection
-    time.sleep(1.0)
     p.gateway = p.start_gateway()
     p.wait_completed(batch_id, 300)
     outcomes = p.attempt_outcomes(batch_id)
@@ -249,18 +258,10 @@ def test_gateway_restarted_mid_batch_requests_retry_and_complete(platform_factor
 def test_cancel_aborts_in_flight_requests_at_the_simulator(platform_factory):
     p = platform_factory(sim_args=("--decode-base-ms", "20", "--step-overhead-ms", "1"))
     batch_id = p.submit(6, max_tokens=4000, extra_body={"ignore_eos": True})  # ~80 s each unless aborted
-    deadline = time.monotonic() + 30
-    while p.sim_running() < 6:
-        assert time.monotonic() < deadline, "the batch never reached the simulator"
-        time.sleep(0.1)
+    p.wait_in_flight(6, "the batch reaching the simulator")
     p.client.batches.cancel(batch_id)
-    deadline = time.monotonic() + 20
-    while p.sim_running() > 0:
-        assert time.monotonic() < deadline, "the simulator kept running the cancelled batch"
-        time.sleep(0.1)
+    poll(lambda: p.sim_running() == 0, 30, "the simulator to stop running the cancelled batch")
     batch = p.wait(batch_id, 30)
     assert batch.status == "cancelled" and batch.request_counts.failed == 6
-    deadline = time.monotonic() + 10
-    while p.attempt_outcomes(batch_id).get("cancelled", 0) < 6:
-        assert time.monotonic() < deadline, p.attempt_outcomes(batch_id)
-        time.sleep(0.2)
+    poll(lambda: p.attempt_outcomes(batch_id).get("cancelled", 0) >= 6, 20, "six cancelled attempts",
+         lambda: p.attempt_outcomes(batch_id))

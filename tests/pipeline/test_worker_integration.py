@@ -31,7 +31,7 @@ from async_processor.circuit import circuit_key
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
-from tests.support import Processes, free_port, free_ports, wait_http
+from tests.support import Processes, free_port, free_ports, poll, wait_http
 
 FAST = ["--backoff-base", "0.05", "--backoff-cap", "0.2", "--heartbeat-ttl", "6", "--scheduler-interval", "0.05",
         "--drain-timeout", "2"]
@@ -232,9 +232,11 @@ def test_success_is_recorded_with_usage_and_the_job_leaves_redis(stack):
     # RQ sees a registered worker; the finished jobs are gone (result_ttl=0), nothing is left started.
     workers = Worker.all(queue=stack.queue)
     assert len(workers) == 1 and workers[0].pid == proc.pid
-    assert stack.redis.exists(*(f"rq:job:{r}" for r in row_ids)) == 0
-    assert StartedJobRegistry(queue=stack.queue).get_job_ids(cleanup=False) == []
-    assert metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="succeeded") == 30
+    # The worker records the row first, then moves the job in Redis and counts it: wait for that, do not sample.
+    poll(lambda: stack.redis.exists(*(f"rq:job:{r}" for r in row_ids)) == 0
+         and StartedJobRegistry(queue=stack.queue).get_job_ids(cleanup=False) == []
+         and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="succeeded") == 30,
+         20, "the jobs to leave Redis and be counted", lambda: stack.procs.log("worker"))
     assert metric(proc.metrics_url, "holdback_worker_attempts_total", outcome="success") == 30
     # SIGTERM: the worker unregisters from RQ.
     stack.procs.stop(proc)
@@ -275,7 +277,7 @@ def test_eviction_parks_the_row_honours_retry_after_and_then_succeeds(stack, scr
             assert h["authorization"] == "Bearer gw-secret"
             assert abs(int(h["x-holdback-deadline"]) - rows[0].created_at - 3600) < 60
             assert json.loads(call["body"]) == CHAT
-    assert metric(proc.metrics_url, "holdback_worker_evictions_total") == 3
+    poll(lambda: metric(proc.metrics_url, "holdback_worker_evictions_total") == 3, 20, "three evictions counted")
     assert metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 3
 
 
@@ -290,9 +292,10 @@ def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
         assert [a.outcome for a in stack.attempts(row.id)] == ["server_error"] * 3
         line = output_line(row)
         assert line["response"]["status_code"] == 500 and "Injected fault" in json.dumps(line)
-    # Failed rows' jobs are kept in RQ's FailedJobRegistry for operators.
-    assert set(FailedJobRegistry(queue=stack.queue).get_job_ids()) == set(row_ids)
-    assert metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="failed") == 2
+    # Failed rows' jobs are kept in RQ's FailedJobRegistry for operators (moved there after the row is final).
+    poll(lambda: set(FailedJobRegistry(queue=stack.queue).get_job_ids()) == set(row_ids)
+         and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="failed") == 2,
+         20, "the failed jobs in the FailedJobRegistry, counted", lambda: stack.procs.log("worker"))
 
 
 def test_transport_errors_are_retried_within_the_budget(stack):
@@ -372,14 +375,14 @@ def test_duplicate_deliveries_give_one_final_result_and_are_counted(stack):
 def test_a_retry_never_runs_past_the_batch_deadline(stack, scripted):
     gw = scripted(lambda rid, n: (429, {"x-llm-d-request-dropped-reason": "rejected-saturated",
                                         "retry-after": "30"}, None, 0))
-    # Long enough for a worker to start on a loaded machine; the 30 s Retry-After lands past it anyway.
-    _, _, row_ids = stack.batch(1, expires_in=12.0)
+    # The worker is up before the batch exists: its first try must come before the deadline, and starting a
+    # worker can take seconds on a loaded machine.
     proc = stack.worker(gw.url, "--closing-recheck", "1")
+    _, _, row_ids = stack.batch(1, expires_in=8.0)
     (row,) = stack.wait_rows(row_ids, lambda r: r.attempts == 1 and r.status == "retry_wait", timeout=20)
-    with stack.db() as s:
-        expires_at = s.get(Batch, row.batch_id).expires_at
-    while time.time() < expires_at + 2:  # past the deadline: the job keeps coming back, but never sends again
-        time.sleep(0.2)
+    # Past the deadline the job keeps coming back (each time logged batch_closing) but never sends again.
+    poll(lambda: stack.procs.log("worker").count("event=batch_closing") >= 2, 40,
+         "the job to come back twice after the deadline", lambda: stack.procs.log("worker"))
     (row,) = stack.rows(row_ids)
     assert len(gw.calls[row.id]) == 1
     assert (row.status, row.attempts) == ("retry_wait", 1)  # left for the processor's expiry, not failed
@@ -457,7 +460,10 @@ def test_processes_share_the_queue_each_registered_with_rq(stack):
     for i in range(2):
         wait_http(f"http://127.0.0.1:{port + i}/metrics", timeout=30, proc=proc)
     rows = stack.wait_final(row_ids)
-    assert sorted(w.name for w in Worker.all(queue=stack.queue)) == ["pool.0", "pool.1"]
+    # A process serves metrics before it registers with RQ, and on a loaded machine the other may have done
+    # all 40 meanwhile: wait for both registrations rather than sampling once.
+    poll(lambda: sorted(w.name for w in Worker.all(queue=stack.queue)) == ["pool.0", "pool.1"], 30,
+         "both worker processes registered with RQ", lambda: stack.procs.log("worker"))
     assert {r.status for r in rows} == {"succeeded"}
     recorded = [metric(f"http://127.0.0.1:{port + i}/metrics", "holdback_worker_results_recorded_total")
                 for i in range(2)]

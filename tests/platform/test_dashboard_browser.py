@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -22,14 +22,16 @@ import openai
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from tests.support import REPO, Processes, chat_lines, free_port, free_ports, submit_batch, wait_batch, wait_http
+from tests.support import (REPO, Processes, chat_lines, free_port, free_ports, poll, submit_batch, wait_batch,
+                           wait_http)
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 SCREENSHOTS = Path(os.environ.get("HOLDBACK_SCREENSHOTS") or tempfile.mkdtemp(prefix="hb-shots-"))
 if not SCREENSHOTS.is_absolute():
     SCREENSHOTS = REPO / SCREENSHOTS
-CHROMIUM = "/usr/bin/chromium"
+# The system's Chromium first (what CI installs), then the browser Playwright downloaded for itself.
+SYSTEM_BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--no-first-run"]
 BATCH_KEY, REALTIME_KEY = "hb-dash-batch-gateway-key", "hb-dash-realtime-key"
@@ -102,14 +104,27 @@ def stack(backend, tmp_path):
         s.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # set up before the per-test stack: without Chromium it fails at once
 def browser():
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=chromium_path(p.chromium.executable_path), args=CHROMIUM_ARGS)
         try:
             yield b
         finally:
             b.close()
+
+
+def chromium_path(playwright_own: str) -> str:
+    """A Chromium to drive: the first of SYSTEM_BROWSERS on PATH, else Playwright's own; fail saying how to get one."""
+    for name in SYSTEM_BROWSERS:
+        if found := shutil.which(name):
+            return found
+    if playwright_own and Path(playwright_own).exists():
+        return playwright_own
+    pytest.fail("the browser tests need Chromium and found none: install the system's "
+                "(`sudo apt-get install chromium` on Debian/Ubuntu) or Playwright's "
+                "(`.venv/bin/python -m playwright install chromium`), or deselect them with `-m 'not browser'`",
+                pytrace=False)
 
 
 def signed_in(browser: Browser, stack: Stack, width: int = 1280, height: int = 900) -> Page:
@@ -268,12 +283,14 @@ def test_pause_holds_dispatch_and_the_gateway_page_shows_evictions(stack, browse
     queue.get_by_role("button", name="Pause dispatch").click()
     expect(page.get_by_test_id("flash")).to_contain_text("Paused queue")
     expect(queue.locator(".badge", has_text="paused")).to_be_visible()
-    # Requests the worker had in flight at the pause (some still waiting at the gateway) finish.
+    # The worker logs when it sees the flag and claims nothing after; then its in-flight requests (some still
+    # waiting at the gateway) finish. Waiting for both, not for a fixed time, holds on a loaded machine.
+    poll(lambda: "event=dispatch_paused" in stack.procs.log("worker"), 30, "the worker to see the pause",
+         lambda: stack.procs.log("worker"))
     expect(queue.locator(".stat", has_text="started").locator(".stat-value")).to_have_text("0", timeout=45_000)
     held = stack.completed(batch_id)  # a worker records the row before its job leaves the started registry
     queued = int(queue.locator(".stat", has_text="queued").locator(".stat-value").inner_text())
     assert queued > 0
-    time.sleep(4.0)
     assert stack.completed(batch_id) == held, "nothing completes while dispatch is paused"
     assert int(queue.locator(".stat", has_text="queued").locator(".stat-value").inner_text()) >= queued
     shoot(browser, stack, "/dashboard/queues", "queues-paused")

@@ -1,24 +1,35 @@
-"""`holdback up` as a newcomer runs it: start, complete a batch with the official client, stop cleanly."""
+"""`holdback up` as a newcomer runs it: start, complete a batch with the official client, stop cleanly;
+and as an unlucky operator runs it: in the background of a script (SIGINT ignored), twice on one data
+dir, killed outright, or beside a leftover process holding a port.
+"""
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from openai import OpenAI
 
-from tests.support import REPO, free_port, free_ports, wait_http
+from holdback.instance_lock import InstanceLock
+from holdback.supervisor import Child, Supervisor
+from tests.support import REPO, free_port, free_ports, poll, wait_http
 
 pytestmark = pytest.mark.e2e
+
+ENV_ADMIN_KEY = "hb-admin-chosen-in-the-environment"
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -28,9 +39,18 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def test_up_completes_a_batch_and_stops_without_orphans(backend):
-    data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
-    api, gateway, sim = free_port(), free_port(), free_ports(2)
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _up_env(backend, data_dir: Path) -> dict[str, str]:
     env = {**os.environ, "HOLDBACK_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
     # The services pass points `up` at PostgreSQL and the machine's Redis; the embedded pass uses its defaults.
     for var in ("DATABASE_URL", "REDIS_URL", "HOLDBACK_ADMIN_KEY"):
@@ -38,17 +58,45 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
     if backend.kind == "services":
         env.update(DATABASE_URL=backend.database_url, REDIS_URL=backend.redis_url,
                    HOLDBACK_REDIS_NAMESPACE=backend.namespace)
-    log = open(data_dir / "up.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "holdback.cli", "up", "--api-port", str(api), "--gateway-port", str(gateway),
-         "--sim-port", str(sim), "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
+    return env
+
+
+def _start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bool = False) -> subprocess.Popen:
+    def background_job() -> None:  # what a shell script does to `cmd &`: SIGINT arrives ignored
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return subprocess.Popen([sys.executable, "-m", "holdback.cli", "up", *args], cwd=REPO, env=env,
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            preexec_fn=background_job if ignore_sigint else None)
+
+
+def test_up_completes_a_batch_and_stops_without_orphans(backend):
+    data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
+    api, gateway, sim = free_port(), free_port(), free_ports(2)
+    env = _up_env(backend, data_dir)
+    # A platform started before with another admin key: the key from the environment must win and be stored.
+    made = subprocess.run([sys.executable, "-m", "holdback.cli", "keys", "create", "--tenant", "default", "--create"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    (data_dir / "local-keys.json").write_text(json.dumps(
+        {"admin": "hb-admin-stored-before", "tenant": made.stdout.strip(), "realtime": "hb-rt-x",
+         "standard": "hb-std-x", "batch_gateway": "hb-bw-x"}))
+    env["HOLDBACK_ADMIN_KEY"] = ENV_ADMIN_KEY
+    ports = ["--api-port", str(api), "--gateway-port", str(gateway), "--sim-port", str(sim)]
+    proc = _start_up(env, data_dir / "up.log", *ports, "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16",
+                     ignore_sigint=True)
     try:
         wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
         wait_http(f"http://127.0.0.1:{gateway}/health", timeout=60, proc=proc)
         keys = json.loads((data_dir / "local-keys.json").read_text())
         assert (data_dir / "local-keys.json").stat().st_mode & 0o077 == 0, "keys file must be owner-only"
+        assert keys["admin"] == ENV_ADMIN_KEY, "HOLDBACK_ADMIN_KEY is stored over the earlier key"
+        chosen = httpx.post(f"http://127.0.0.1:{api}/admin/keys", json={"tenant": "acme"}, timeout=10,
+                            headers={"Authorization": f"Bearer {ENV_ADMIN_KEY}"})
+        assert chosen.status_code == 201, chosen.text
+        stale = httpx.post(f"http://127.0.0.1:{api}/admin/keys", json={"tenant": "acme"}, timeout=10,
+                           headers={"Authorization": "Bearer hb-admin-stored-before"})
+        assert stale.status_code == 401
 
         client = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key=keys["tenant"], max_retries=0)
         lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -57,11 +105,8 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
                         for i in range(40))
         f = client.files.create(file=("up.jsonl", io.BytesIO(lines.encode())), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
-        deadline = time.monotonic() + 120
-        while batch.status not in ("completed", "failed", "expired", "cancelled"):
-            assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
-            time.sleep(0.5)
-            batch = client.batches.retrieve(batch.id)
+        batch = poll(lambda: (b := client.batches.retrieve(batch.id)).status in
+                     ("completed", "failed", "expired", "cancelled") and b, 120, "the batch to finish")
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed) == (40, 40)
         out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
@@ -69,18 +114,85 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
 
         children = _descendants(proc.pid)
         assert len(children) >= 5, f"expected sim, gateway, api, processor and worker, got {children}"
+
+        _demo_counts_agree(env, api, gateway)
+
+        # A second `holdback up` on the same data dir refuses at once, naming the live one.
+        other = [str(p) for p in (free_port(), free_port(), free_ports(2))]
+        second = subprocess.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", other[0],
+                                 "--gateway-port", other[1], "--sim-port", other[2]],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and f"pid {proc.pid}" in second.stdout, second.stdout + second.stderr
+        assert "already running" in second.stdout
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # ignored by inheritance, handled by `holdback up` all the same
         try:
             code = proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-        log.close()
     output = (data_dir / "up.log").read_text(errors="replace")
     assert code == 0, output[-3000:]
-    time.sleep(0.5)
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphans after shutdown: {alive}"
+    poll(lambda: not _alive(children), 30, "every child to exit", lambda: _alive(children))
     if backend.kind == "embedded":
         assert "stopped child=embedded-redis" in output
+
+
+def _demo_counts_agree(env: dict[str, str], api: int, gateway: int) -> None:
+    """`holdback demo` against this platform: its last progress line and its summary give the same counts,
+    the gateway's own p95 sits beside the client's, and evictions are a number."""
+    demo = subprocess.run([sys.executable, "-m", "holdback.cli", "demo", "--api-url", f"http://127.0.0.1:{api}",
+                           "--gateway-url", f"http://127.0.0.1:{gateway}", "--requests", "20", "--max-tokens", "8",
+                           "--warmup", "0", "--burst", "8", "--realtime-rate", "4", "--realtime-seconds", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = demo.stdout
+    assert demo.returncode == 0, out + demo.stderr
+    last_progress = [line for line in out.splitlines() if line.startswith("20/20 requests")][-1]
+    done = int(re.search(r"realtime (\d+) done, 0 in flight", last_progress).group(1))
+    summary = re.search(r"realtime: (\d+) streams, (\d+) with a first token, 0 errors", out)
+    assert summary and int(summary.group(1)) == int(summary.group(2)) == done >= 8, out
+    assert "(gateway's histogram, " in out and re.search(r"gateway evictions: \d+", out), out
+    assert "?" not in out and "unknown" not in out, out
+
+
+def test_a_killed_up_takes_its_children_with_it_and_frees_its_lock(backend):
+    data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
+    api, gateway, sim = free_port(), free_port(), free_ports(1)
+    proc = _start_up(_up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
+                     str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "4")
+    children: list[psutil.Process] = []
+    try:
+        wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
+        expected = 6 if backend.kind == "embedded" else 5  # + the embedded Redis
+        children = poll(lambda: (c := _descendants(proc.pid)) and len(c) >= expected and c, 60,
+                        "every child to start", lambda: _descendants(proc.pid))
+    finally:
+        proc.kill()  # SIGKILL: no handler runs; the kernel tells each child its parent died
+        proc.wait(10)
+    poll(lambda: not _alive(children), 60, "the children of a killed holdback up to exit", lambda: _alive(children))
+    lock = InstanceLock.acquire(data_dir)  # the dead holder's lock is free, not stale
+    lock.release()
+
+
+def test_a_port_answered_by_another_process_fails_start_up(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # Readiness: the URL answers 200, but from this test process, not from the child `up` started.
+        child = Child("api", [], ready_url=f"http://127.0.0.1:{port}/")
+        child.proc = subprocess.Popen(["sleep", "60"])
+        try:
+            with pytest.raises(RuntimeError, match=f"answered by pid {os.getpid()}"):
+                Supervisor([child], {}, tmp_path).wait_ready(child, timeout=20)
+        finally:
+            child.proc.kill()
+            child.proc.wait()
+        # And `holdback up` checks its ports before starting anything.
+        env = {**os.environ, "HOLDBACK_DATA_DIR": str(tmp_path / "data")}
+        refused = subprocess.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", str(port)],
+                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1
+        assert f"api port {port} is in use (pid {os.getpid()})" in refused.stdout, refused.stdout
+    finally:
+        server.shutdown()
