@@ -220,23 +220,24 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
 def test_kv_admission_queues_then_rejects_after_its_deadline():
     async def main():
         fc, clock = controller("admission: {enabled: true, kvPoolBlocks: 100, queueDeadlineMs: 500, "
-                               "tenantMaxShare: 1.0}\nusageLimit: {policy: static}")
+                               "tenantMaxShare: 1.0, tenantSoftShare: 1.0}\nusageLimit: {policy: static}")
         big = req(fc, clock, "batch")
-        big.kv_blocks = 70
-        assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (sheddable cap)
+        big.prompt_tokens = 70 * 16
+        assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (batch keeps the interactive reserve)
         nxt = req(fc, clock, "batch")
-        nxt.kv_blocks = 10
+        nxt.prompt_tokens = 10 * 16
         assert fc.submit(nxt) is Outcome.QUEUED       # 80 > 75: wait for room
         rt = req(fc, clock, "realtime")
-        rt.kv_blocks = 20
+        rt.prompt_tokens = 20 * 16
         assert fc.submit(rt) is Outcome.DISPATCHED     # 90 <= 92: the interactive reserve
         never = req(fc, clock, "batch")
-        never.kv_blocks = 80
-        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_ADMISSION
+        never.prompt_tokens = 80 * 16
+        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_CAPACITY
         clock.t += 0.6
         fc.cycle()
-        assert nxt.drop_reason is DropReason.KV_ADMISSION
-        assert fc.pool.replicas[0].committed_blocks == 90
+        assert nxt.drop_reason is DropReason.KV_CAPACITY and "queueDeadlineMs" in nxt.drop_message
+        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 90
         fc.finish(big)
-        assert fc.pool.replicas[0].committed_blocks == 20
+        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 20
+        assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 90 * 16}
     run(main())

@@ -1,0 +1,117 @@
+"""Prompt token counts for KV admission: the model's own tokenizer through a replica's POST /tokenize.
+
+Counts are cached by a hash of (model, prompt), so a repeated prompt costs one dictionary lookup. Token-id
+prompts are counted locally. When no replica answers /tokenize in time (or the config says `estimate`) the
+count falls back to characters ÷ `charsPerToken`, and each fallback is counted in a metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import aiohttp
+
+from gateway.config import Admission
+from gateway.log import log_event
+
+logger = logging.getLogger("gateway.tokens")
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    prompt_tokens: int
+    max_new_tokens: int
+    exact: bool
+
+
+def _chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    if isinstance(value, dict):
+        return _chars(value.get("content")) + _chars(value.get("text"))
+    return 0
+
+
+def _token_ids(value: Any) -> int | None:
+    """Token count of a prompt given as ids ([1, 2] or [[1, 2], [3]]), else None."""
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return len(value)
+    if isinstance(value, list) and value and all(isinstance(v, list) and v and all(isinstance(i, int) for i in v)
+                                                 for v in value):
+        return sum(len(v) for v in value)
+    return None
+
+
+def max_new_tokens(body: Mapping[str, Any], default: int, path: str) -> int:
+    if path.endswith("/embeddings"):
+        return 0  # embeddings generate nothing
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+class PromptCounter:
+    def __init__(self, cfg: Admission, on_fallback=lambda: None):
+        self.cfg = cfg
+        self.on_fallback = on_fallback
+        self.fallbacks = 0
+        self._cache: OrderedDict[str, int] = OrderedDict()
+
+    async def count(self, body: Mapping[str, Any], path: str, session: aiohttp.ClientSession | None,
+                    replica_url: str | None) -> TokenCount:
+        new = max_new_tokens(body, self.cfg.maxNewTokensDefault, path)
+        prompt = body.get("messages") if "messages" in body else body.get("prompt", body.get("input"))
+        ids = _token_ids(prompt)
+        if ids is not None:
+            return TokenCount(ids, new, True)
+        key_doc = {"model": body.get("model"), "messages" if "messages" in body else "prompt": prompt}
+        key = hashlib.sha256(json.dumps(key_doc, sort_keys=True, default=str).encode()).hexdigest()
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return TokenCount(cached, new, True)
+        counted = None
+        if self.cfg.tokenizer == "replica" and session is not None and replica_url is not None:
+            counted = await self._tokenize(session, replica_url, body.get("model"), prompt, "messages" in body)
+        if counted is None:
+            self.fallbacks += 1
+            self.on_fallback()
+            return TokenCount(math.ceil(_chars(prompt) / self.cfg.charsPerToken), new, False)
+        if self.cfg.tokenCacheSize:
+            self._cache[key] = counted
+            if len(self._cache) > self.cfg.tokenCacheSize:
+                self._cache.popitem(last=False)
+        return TokenCount(counted, new, True)
+
+    async def _tokenize(self, session: aiohttp.ClientSession, url: str, model: Any, prompt: Any,
+                        chat: bool) -> int | None:
+        if chat:
+            docs = [{"model": model, "messages": prompt}]
+        elif isinstance(prompt, str):
+            docs = [{"model": model, "prompt": prompt}]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            docs = [{"model": model, "prompt": p} for p in prompt]
+        else:
+            return None
+        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenizeTimeoutMs / 1000.0)
+        total = 0
+        try:
+            for doc in docs:
+                async with session.post(url + "/tokenize", json=doc, timeout=timeout) as resp:
+                    if resp.status >= 300:
+                        log_event(logger, logging.WARNING, "tokenize_refused", replica=url, status=resp.status)
+                        return None
+                    answer = await resp.json()
+                total += int(answer["count"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
+            log_event(logger, logging.WARNING, "tokenize_failed", replica=url, error=type(exc).__name__)
+            return None
+        return total
