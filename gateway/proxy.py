@@ -215,7 +215,12 @@ class Proxy:
                 if follow:
                     tokens += chunk.count(_EVENT)
                     controller.revise(req, tokens, done=any(f in chunk for f in _FINISHED))
-                await stream.write(chunk)
+                try:
+                    await stream.write(chunk)
+                except ConnectionError:  # the caller closed the stream: a cancel
+                    resp.close()
+                    controller.finish(req, "cancel", time.monotonic())
+                    raise
             resp.release()
             controller.finish(req, "end", time.monotonic())
             if first:
@@ -243,7 +248,7 @@ class Proxy:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             if resp is not None:
                 resp.close()
-            controller.finish(req)
+            controller.finish(req, "error", time.monotonic())
             if stream is not None and stream.prepared:
                 # Status and part of the body are out; dropping the connection is the only honest signal.
                 log_event(logger, logging.WARNING, "stream_broken", request_id=request_id,
