@@ -127,8 +127,10 @@ class Quota(_Model):
 
 class Admission(_Model):
     enabled: bool = True
-    # How prompt tokens are counted: the replica's POST /tokenize (cached by prompt hash), else the estimate.
-    tokenizer: Literal["replica", "estimate"] = "replica"
+    # How prompt tokens are counted: `replica` (its POST /tokenize, cached by prompt hash), `simulator` (the
+    # simulator's tokenizer and chat template run locally: exact for `holdback sim` replicas, no round trip),
+    # or `estimate` (characters / charsPerToken only).
+    tokenizer: Literal["replica", "simulator", "estimate"] = "replica"
     tokenizeTimeoutMs: int = Field(default=500, gt=0)
     tokenCacheSize: int = Field(default=8192, ge=0)
     charsPerToken: float = Field(default=4.0, gt=0)

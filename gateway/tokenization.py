@@ -1,8 +1,9 @@
 """Prompt token counts for KV admission: the model's own tokenizer through a replica's POST /tokenize.
 
 Counts are cached by a hash of (model, prompt), so a repeated prompt costs one dictionary lookup. Token-id
-prompts are counted locally. When no replica answers /tokenize in time (or the config says `estimate`) the
-count falls back to characters ÷ `charsPerToken`, and each fallback is counted in a metric.
+prompts are counted locally, and `tokenizer: simulator` runs the simulator's tokenizer in process (no round
+trip). When no replica answers /tokenize in time (or the config says `estimate`) the count falls back to
+characters ÷ `charsPerToken`, and each fallback is counted in a metric.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class PromptCounter:
             self._cache.move_to_end(key)
             return TokenCount(cached, new, True)
         counted = None
-        if self.cfg.tokenizer == "replica" and session is not None and replica_url is not None:
+        if self.cfg.tokenizer == "simulator":
+            counted = _simulator_count(prompt, "messages" in body)
+        elif self.cfg.tokenizer == "replica" and session is not None and replica_url is not None:
             counted = await self._tokenize(session, replica_url, body.get("model"), prompt, "messages" in body)
         if counted is None:
             self.fallbacks += 1
@@ -115,3 +118,22 @@ class PromptCounter:
             log_event(logger, logging.WARNING, "tokenize_failed", replica=url, error=type(exc).__name__)
             return None
         return total
+
+
+def _simulator_count(prompt: Any, chat: bool) -> int | None:
+    """The simulator's own count (its chat template, its tokenizer); None for a prompt it would refuse."""
+    from model_sim.errors import ApiError
+    from model_sim.protocol import render_chat
+    from model_sim.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer()
+    try:
+        if chat:
+            return len(tokenizer.encode(render_chat(prompt)))
+    except ApiError:
+        return None
+    if isinstance(prompt, str):
+        return len(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return sum(len(tokenizer.encode(p)) for p in prompt)
+    return None
