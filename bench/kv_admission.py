@@ -16,6 +16,10 @@ the median over rounds. Three variants: distinct prompts tokenized by the replic
 round trip each), one repeated prompt (the token-count cache), and distinct prompts with
 `tokenizer: simulator` (the simulator's tokenizer in the gateway process).
 
+Path phase (in one process, so client and network noise stay out): the gateway's own admission work per
+request — parse the body, count the prompt, `FlowController.submit` + `finish` — against `submit` + `finish`
+with admission off, per round in the order off, on, on, off; the added p50 per round and its median.
+
     python bench/kv_admission.py --num-blocks 600 --replicas 2 --duration 40 --rounds 5
 """
 
@@ -267,7 +271,8 @@ async def load(gw: str, args: argparse.Namespace, admission: bool, seed: int) ->
             tasks.append(asyncio.create_task(share_sampler(session, gw, stop, tally)))
         await asyncio.sleep(args.duration)
         stop.set()
-        await asyncio.wait(tasks, timeout=150)
+        # Requests still running are abandoned after a short grace: the figures are for the window.
+        await asyncio.wait(tasks, timeout=10)
         for t in tasks:
             t.cancel()
     return tally
@@ -362,6 +367,64 @@ def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> d
         children.close()
 
 
+def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    """The admission path's own cost, in process: off vs on (local tokenizer, replica /tokenize)."""
+    from gateway.config import parse_config
+    from gateway.flow_control import FlowController
+    from gateway.metrics import GatewayMetrics
+    from gateway.replicas import ReplicaPool
+    from gateway.request import FlowRequest
+    from gateway.tokenization import PromptCounter
+
+    [sim] = start_sims(children, tmp, "sim-path", 1, "--zero-latency")
+    rng = random.Random(args.seed)
+
+    def controller(admission: bool, tokenizer: str) -> tuple[FlowController, PromptCounter]:
+        pool = ReplicaPool([sim])
+        pool.replicas[0].healthy = True
+        pool.replicas[0].kv_blocks_total = args.num_blocks
+        loaded = parse_config(f"replicas: [{sim}]\nsaturation: {{maxConcurrency: 1024}}\n"
+                              f"admission: {{enabled: {str(admission).lower()}, tokenizer: {tokenizer}}}\n", "bench")
+        return FlowController(loaded, pool, GatewayMetrics()), PromptCounter(loaded.config.admission)
+
+    variants = {"off": controller(False, "replica"), "local": controller(True, "simulator"),
+                "replica": controller(True, "replica")}
+
+    async def one(session, name: str, body: bytes, i: int) -> float:
+        fc, counter = variants[name]
+        t0 = time.perf_counter()
+        req = FlowRequest(str(i), "standard", 0, "t", "t", time.monotonic())
+        if fc.admission is not None:
+            count = await counter.count(json.loads(body), "/v1/completions", session, sim)
+            req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
+        fc.submit(req)
+        fc.finish(req)
+        return (time.perf_counter() - t0) * 1000
+
+    async def run() -> dict:
+        added: dict[str, list[float]] = {"local_tokenizer": [], "replica_tokenizer": []}
+        async with aiohttp.ClientSession() as session:
+            i = 0
+            for _ in range(args.rounds):
+                for kind, target in (("local_tokenizer", "local"), ("replica_tokenizer", "replica")):
+                    samples: dict[str, list[float]] = {"off": [], "on": []}
+                    for name in ("off", "on", "on", "off"):
+                        for _ in range(args.requests * 5):
+                            i += 1
+                            body = json.dumps({"model": "sim-model", "prompt": prompt(rng, 200),
+                                               "max_tokens": 16}).encode()
+                            samples[name].append(await one(session, target if name == "on" else "off", body, i))
+                    added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
+        return {kind: {"median_ms": round(statistics.median(v), 4), "min_ms": round(min(v), 4),
+                       "max_ms": round(max(v), 4), "per_round": [round(x, 4) for x in v],
+                       "goal_1ms": verdict(min(v), max(v), 1.0)} for kind, v in added.items()}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        children.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated replica (default 600)")
@@ -387,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["load"] = load_phase(args, children, tmp)
             if not args.skip_overhead:
                 result["overhead_added_p50"] = overhead_phase(args, children, tmp)
+                result["admission_path_added_p50"] = path_phase(args, children, tmp)
         finally:
             children.close()
     text = json.dumps(result, indent=2, default=str)

@@ -102,10 +102,11 @@ class Gateway:
             loaded = load_config(self.config_path)
             if self.replicas_override is not None:
                 loaded = with_replicas(loaded, self.replicas_override)
+            # Applying can still refuse it (an unreadable calibration profile) before anything changes.
+            self.controller.apply_config(loaded)
         except ConfigError as exc:
             log_event(logger, logging.ERROR, "config_rejected", error=str(exc), running_digest=running)
             return False
-        self.controller.apply_config(loaded)
         self.proxy.reconfigure()
         _log_config("config_reloaded", loaded, previous_digest=running)
         return True

@@ -556,11 +556,12 @@ class FlowController:
                 "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
                 "level": admission.level(r) if admission else LEVELS[0]}
         tenants = {}
+        ledger.accrue_all(now)
         for fid, totals in ledger.by_tenant.items():
             tenants[fid] = {"reserved_blocks": totals.reserved_blocks, "reserved_tokens": totals.reserved_tokens,
                             "share": round(totals.reserved_blocks / total_pool, 6) if total_pool else 0.0,
                             "active_sequences": totals.active,
-                            "token_seconds": round(ledger.token_seconds(fairness_id=fid, now=now), 1)}
+                            "token_seconds": round(ledger.token_seconds(fairness_id=fid, now=now, accrued=True), 1)}
         classes = {name: {"reserved_blocks": t.reserved_blocks, "reserved_tokens": t.reserved_tokens,
                           "active_sequences": t.active} for name, t in ledger.by_class.items()}
         waiting: dict[str, int] = {}

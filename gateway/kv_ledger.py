@@ -142,14 +142,20 @@ class KvLedger:
         self.meter.add("class:" + res.traffic_class, amount, now)
 
     def token_seconds(self, *, fairness_id: str | None = None, traffic_class: str | None = None,
-                      now: float) -> float:
-        """Occupied token-seconds in the window, including what running requests hold up to `now`."""
-        for res in self.active:
-            if (fairness_id is not None and res.fairness_id == fairness_id) or (
-                    traffic_class is not None and res.traffic_class == traffic_class):
-                self._accrue(res, now)
+                      now: float, accrued: bool = False) -> float:
+        """Occupied token-seconds in the window, including what running requests hold up to `now`
+        (`accrued`: the caller has just run `accrue_all(now)`)."""
+        if not accrued:
+            for res in self.active:
+                if (fairness_id is not None and res.fairness_id == fairness_id) or (
+                        traffic_class is not None and res.traffic_class == traffic_class):
+                    self._accrue(res, now)
         key = "tenant:" + fairness_id if fairness_id is not None else "class:" + str(traffic_class)
         return self.meter.total(key, now)
+
+    def accrue_all(self, now: float) -> None:
+        for res in self.active:
+            self._accrue(res, now)
 
     # -- totals -----------------------------------------------------------------------------------------------
     def _apply(self, res: Reservation, sign: int) -> None:
