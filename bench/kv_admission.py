@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,10 +38,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.gateway_overhead import Children, holdback
 from bench.readiness import free_port, free_port_block, wait_http
 
-REPO = Path(__file__).resolve().parent.parent
-PY = sys.executable
 WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx", "yz")
 
 
@@ -60,32 +56,6 @@ def gateway_config(admission: bool, max_concurrency: int, tokenizer: str = "repl
 def prompt(rng: random.Random, tokens: int) -> str:
     """`tokens` simulator tokens (one per word), random so prefixes are not shared."""
     return " ".join(rng.choice(WORDS) + str(rng.randrange(10)) for _ in range(tokens))
-
-
-class Children:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        self.procs = []
-
-
-def holdback(*args: str) -> list[str]:
-    return [PY, "-m", "holdback.cli", *args]
 
 
 def start_gateway(children: Children, tmp: Path, name: str, replicas: list[str], config: str) -> str:

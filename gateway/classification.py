@@ -81,6 +81,10 @@ class Classifier:
         """Admin routes: open while no key is configured, else only for a key from `adminKeys`."""
         if not self.keys and not self.admin_keys:
             return
+        if not self.admin_keys:
+            raise ClassificationError(401, "missing_api_key", "This gateway has API keys but no adminKeys, so its "
+                                      "admin routes are closed; add an adminKeys entry to the gateway config.",
+                                      "authentication_error")
         token = self._token(authorization)
         if token is None:
             raise ClassificationError(401, "missing_api_key", "Admin routes need an admin key: send "
