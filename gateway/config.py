@@ -176,6 +176,8 @@ class Admission(_Model):
 
 
 class Picker(_Model):
+    # Replica scorer by name (gateway/picker.py): least-loaded | kv-headroom.
+    policy: Literal["least-loaded", "kv-headroom"] = "least-loaded"
     inFlightWeight: float = Field(default=1.0, ge=0)
     kvUsageWeight: float = Field(default=1.0, ge=0)
 

@@ -99,9 +99,9 @@ class FlowController:
             sat.detector, max_concurrency=sat.maxConcurrency, headroom=sat.headroom,
             queue_depth_threshold=sat.queueDepthThreshold, kv_util_threshold=sat.kvCacheUtilThreshold,
             staleness=sat.metricsStalenessSeconds, scrape_interval=cfg.metrics.scrapeIntervalSeconds)
-        self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency,
+        self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency, policy=cfg.picker.policy,
                                      in_flight_weight=cfg.picker.inFlightWeight,
-                                     kv_usage_weight=cfg.picker.kvUsageWeight)
+                                     kv_usage_weight=cfg.picker.kvUsageWeight, occupancy=self._occupancy_share)
         ev = cfg.eviction
         self.evictor.policy = victim_policy(ev.policy_name())
         self.eviction_enabled = ev.policy_name() != "none"
@@ -384,6 +384,11 @@ class FlowController:
             if band.queued:
                 return True
         return False
+
+    def _occupancy_share(self, replica: Replica) -> float:
+        if self.admission is None:
+            return replica.kv_usage or 0.0
+        return self.admission.occupancy(replica) / self.admission.pool_blocks(replica)
 
     def _demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id)
