@@ -41,8 +41,14 @@ class TokenSecondsMeter:
     def __init__(self, window: float):
         self.window = window
         self._buckets: dict[str, deque[list[float]]] = defaultdict(deque)
+        self._swept = 0.0
 
     def add(self, key: str, amount: float, now: float) -> None:
+        if now - self._swept > self.window:
+            # Forget keys with nothing in the window (fairness ids come and go).
+            self._swept = now
+            for stale in [k for k, b in self._buckets.items() if not b or b[-1][0] <= now - self.window - 1]:
+                del self._buckets[stale]
         if amount <= 0:
             return
         buckets = self._buckets[key]

@@ -134,3 +134,13 @@ def test_config_rejects_watermarks_without_room_for_one_cycle_of_growth():
     parse_config("admission: {kvPoolBlocks: 500, hardWatermark: 0.90}\nsaturation: {maxConcurrency: 48}\n", "t")
     with pytest.raises(ConfigError, match="batchPauseWatermark"):
         parse_config("admission: {admissionWatermark: 0.9, batchPauseWatermark: 0.85}\n", "t")
+
+
+def test_token_seconds_window_forgets_old_tenants():
+    from gateway.kv_ledger import TokenSecondsMeter
+    meter = TokenSecondsMeter(window=10)
+    meter.add("gone", 100, now=1.0)
+    meter.add("here", 50, now=5.0)
+    assert meter.total("gone", now=5.0) == 100
+    meter.add("here", 50, now=30.0)  # a sweep: "gone" has nothing in the window any more
+    assert "gone" not in meter._buckets and meter.total("here", now=30.0) == 50
