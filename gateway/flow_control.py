@@ -118,11 +118,11 @@ class FlowController:
         self.profile = profile
         self.admission = KvAdmission(adm, self.ledger,
                                      self.profile.num_gpu_blocks if self.profile else None) if adm.enabled else None
-        self.pool.on_identify = self._check_calibration
+        self.pool.on_identify = self._on_identify
         for replica in self.pool.replicas:
             replica.refused = None
             if replica.model is not None:
-                self._check_calibration(replica)
+                self._on_identify(replica)
         self.tick = cfg.flowControl.tickSeconds
         self.global_max_requests = cfg.flowControl.maxRequests
         self.traffic_classes = {obj.priority: obj.traffic_class() for obj in cfg.objectives.values()}
@@ -399,6 +399,20 @@ class FlowController:
         self.metrics.child(self.metrics.kv_rejected_tokens, decision.reason.value).inc(
             req.prompt_tokens + req.max_new_tokens)
         return self._reject(req, decision.reason, band, decision.message)
+
+    def _on_identify(self, replica: Replica) -> None:
+        """A replica told us what it serves and (when exported) its KV pool: check both against the config."""
+        self._check_calibration(replica)
+        adm = self.loaded.config.admission
+        if self.admission is None or not replica.kv_blocks_total:
+            return
+        running = adm.maxRunningSequences or self.loaded.config.saturation.maxConcurrency
+        room = int((1.0 - adm.hardWatermark) * replica.kv_blocks_total)
+        if room < running:
+            # The config passed its check against the configured pool; this replica's real pool is smaller.
+            log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
+                      pool_blocks=replica.kv_blocks_total, room_blocks=room, running_sequences=running,
+                      hint="lower admission.hardWatermark or admission.maxRunningSequences")
 
     def _check_calibration(self, replica: Replica) -> None:
         """Refuse a replica the calibration profile was not measured on (its estimate is false headroom)."""
