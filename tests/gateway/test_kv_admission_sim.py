@@ -423,3 +423,12 @@ def test_simulator_faults_need_its_admin_key_when_one_is_set(stack):
     ok = httpx.post(sim + "/admin/faults", json={"rate_503": 0.0}, headers={"Authorization": "Bearer sim-adm"},
                     timeout=5)
     assert ok.status_code == 200
+
+
+def test_a_replica_whose_real_pool_leaves_no_growth_room_is_reported(stack):
+    # The config passes its load-time check against the configured pool (52 GiB); this replica has 200 blocks:
+    # 8 % of 200 = 16 blocks above the hard watermark, less than 48 sequences x 1 block.
+    [sim] = stack.sim(1, "--num-blocks", "200")
+    gw = stack.gateway([sim], "saturation: {maxConcurrency: 48}\n")
+    asyncio.run(wait_until(lambda: "event=kv_growth_room_short" in gw.log()))
+    assert "pool_blocks=200" in gw.log() and "room_blocks=16" in gw.log()
