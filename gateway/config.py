@@ -171,6 +171,10 @@ class Admission(_Model):
                              f"admission.tenantMaxShare ({self.tenantMaxShare})")
         return self
 
+    def growth_room(self, pool_blocks: int) -> int:
+        """Blocks of a pool above the hard watermark: what one scheduling cycle may grow into."""
+        return int((1.0 - self.hardWatermark) * pool_blocks + 1e-9)
+
     def default_pool_blocks(self) -> int:
         return self.kvPoolBlocks or int(self.kvPoolGiB * 2**30 // (self.bytesPerToken * self.blockTokens))
 
@@ -289,7 +293,7 @@ class GatewayConfig(_Model):
             return self
         running = adm.maxRunningSequences or self.saturation.maxConcurrency
         pool = adm.default_pool_blocks()
-        room = int((1.0 - adm.hardWatermark) * pool)
+        room = adm.growth_room(pool)
         if room < running:
             need = 1.0 - running / pool
             raise ValueError(

@@ -407,7 +407,7 @@ class FlowController:
         if self.admission is None or not replica.kv_blocks_total:
             return
         running = adm.maxRunningSequences or self.loaded.config.saturation.maxConcurrency
-        room = int((1.0 - adm.hardWatermark) * replica.kv_blocks_total)
+        room = adm.growth_room(replica.kv_blocks_total)
         if room < running:
             # The config passed its check against the configured pool; this replica's real pool is smaller.
             log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
