@@ -92,15 +92,19 @@ def _calibrate(argv: list[str]) -> int:
     p.add_argument("--replica", required=True, help="replica base URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--gpu", required=True, help="GPU SKU the replica runs on, e.g. H100-80GB (recorded)")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
+    p.add_argument("--probe-tokens", type=int, default=512,
+                   help="prompt tokens of the probe request that measures the safety factor (0: no probe; the "
+                        "replica should be idle) (default %(default)s)")
     args = p.parse_args(argv)
     try:
-        profile = measure(args.replica, args.gpu)
+        profile = measure(args.replica, args.gpu, args.probe_tokens)
     except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
         print(f"cannot calibrate {args.replica}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     write_profile(profile, args.out)
     print(f"wrote {args.out}: model {profile.model}, runtime {profile.runtime_version}, GPU {profile.gpu_sku}, "
-          f"{profile.num_gpu_blocks} blocks of {profile.block_size} tokens")
+          f"{profile.num_gpu_blocks} blocks of {profile.block_size} tokens, measured safety factor "
+          f"{profile.safety_factor}")
     return 0
 
 

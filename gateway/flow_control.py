@@ -109,11 +109,13 @@ class FlowController:
         self.evictor.confirmation_timeout = ev.confirmationTimeoutSeconds
         self.evictor.grace = ev.graceSeconds if ev.graceSeconds is not None else self.detector.confirmation_grace
         # Reservations outlive configs: a reload or rollback changes the rules, never what is held.
+        # A calibration profile's measured factor raises the configured one, never lowers it.
+        safety = max(adm.safetyFactor, profile.safety_factor if profile else 1.0)
         if self.ledger is None:
-            self.ledger = KvLedger(block_tokens=adm.blockTokens, safety_factor=adm.safetyFactor,
+            self.ledger = KvLedger(block_tokens=adm.blockTokens, safety_factor=safety,
                                    window=adm.tokenSecondsWindowSeconds)
         else:
-            self.ledger.configure(block_tokens=adm.blockTokens, safety_factor=adm.safetyFactor,
+            self.ledger.configure(block_tokens=adm.blockTokens, safety_factor=safety,
                                   window=adm.tokenSecondsWindowSeconds)
         self.profile = profile
         self.admission = KvAdmission(adm, self.ledger,

@@ -341,6 +341,8 @@ def test_calibration_profile_mismatch_refuses_the_replica(stack, tmp_path):
     profile = json.loads(good.read_text())
     assert (profile["model"], profile["num_gpu_blocks"], profile["block_size"], profile["gpu_sku"]) == (
         "sim-model", 1000, 16, "H100-80GB")
+    # The probe: the simulator holds what the tokens need, give or take the blocks of tokens streamed meanwhile.
+    assert 1.0 <= profile["safety_factor"] <= 1.3, profile
     stale = tmp_path / "stale.json"
     stale.write_text(json.dumps({**profile, "runtime_version": "vllm-0.4.0"}))
     gw = stack.gateway([sim], BASE + f"  calibrationProfile: {stale}\n")
