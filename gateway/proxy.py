@@ -217,10 +217,11 @@ class Proxy:
                     controller.revise(req, tokens, done=any(f in chunk for f in _FINISHED))
                 try:
                     await stream.write(chunk)
-                except ConnectionError:  # the caller closed the stream: a cancel
+                except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
                     resp.close()
                     controller.finish(req, "cancel", time.monotonic())
-                    raise
+                    log_event(logger, logging.INFO, "caller_left_stream", request_id=request_id)
+                    return stream
             resp.release()
             controller.finish(req, "end", time.monotonic())
             if first:
