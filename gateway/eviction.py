@@ -44,7 +44,7 @@ class Evictor:
                  policy: VictimPolicy | None = None,
                  view: Callable[[FlowRequest, float], VictimCandidate] | None = None):
         self.policy: VictimPolicy = policy or NewestFirst()
-        self.view = view or _plain_view
+        self.view = view or plain_view
         self.max_per_decision = max_per_decision
         self.confirmation_timeout = confirmation_timeout
         self.grace = grace
@@ -134,7 +134,7 @@ class Evictor:
         return late
 
 
-def _plain_view(req: FlowRequest, now: float) -> VictimCandidate:
+def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
     """A view without KV details (tests and the concurrency-only path)."""
     return VictimCandidate(
         request_id=req.request_id, fairness_id=req.fairness_id, priority=req.priority, objective=req.objective,

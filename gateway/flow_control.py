@@ -30,7 +30,7 @@ from gateway.admission import Outcome as KvOutcome
 from gateway.band import PriorityBand
 from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
-from gateway.eviction import BandDemand, Evictor, _plain_view
+from gateway.eviction import BandDemand, Evictor, plain_view
 from gateway.kv_ledger import KvLedger, Reservation
 from gateway.holdback import band_ceilings, holdback_policy
 from gateway.log import log_event
@@ -430,7 +430,7 @@ class FlowController:
             self.wake()
 
     def _victim_view(self, req: FlowRequest, now: float) -> VictimCandidate:
-        view = _plain_view(req, now)
+        view = plain_view(req, now)
         if self.admission is None:
             return view
         total = sum(self.admission.pool_blocks(r) for r in self.pool.healthy()) or 1
