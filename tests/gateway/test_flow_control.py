@@ -241,3 +241,19 @@ def test_kv_admission_queues_then_rejects_after_its_deadline():
         assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 20
         assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 90 * 16}
     run(main())
+
+
+def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
+    async def main():
+        fc, clock = controller("admission: {kvPoolBlocks: 1000, tenantMaxShare: 0.5, tenantSoftShare: 0.1}\n"
+                               "usageLimit: {policy: static}")
+        fc.pool.replicas[0].kv_blocks_total = 1000
+        r = req(fc, clock, "batch", fid="heavy")
+        r.prompt_tokens, r.max_new_tokens, r.resumable = 150 * 16, 50 * 16, True
+        assert fc.submit(r) is Outcome.DISPATCHED
+        view = fc._victim_view(r, clock())
+        assert (view.resumable, view.reserved_blocks, view.prompt_tokens, view.max_new_tokens) == (
+            True, 200, 2400, 800)
+        assert view.tenant_over_soft_quota == pytest.approx(1.0)  # 0.2 of the pool against a soft 0.1
+        assert view.replica == fc.pool.replicas[0].url and not view.streaming_started
+    run(main())
