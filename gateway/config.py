@@ -129,8 +129,10 @@ class Admission(_Model):
     enabled: bool = True
     # How prompt tokens are counted: `replica` (its POST /tokenize, cached by prompt hash), `simulator` (the
     # simulator's tokenizer and chat template run locally: exact for `holdback sim` replicas, no round trip),
-    # or `estimate` (characters / charsPerToken only).
-    tokenizer: Literal["replica", "simulator", "estimate"] = "replica"
+    # `local` (a Hugging Face tokenizer.json named by tokenizerFile, in process, for completion prompts; chat
+    # still goes to the replica, which owns the chat template), or `estimate` (characters / charsPerToken only).
+    tokenizer: Literal["replica", "simulator", "local", "estimate"] = "replica"
+    tokenizerFile: str | None = None
     tokenizeTimeoutMs: int = Field(default=500, gt=0)
     tokenCacheSize: int = Field(default=8192, ge=0)
     charsPerToken: float = Field(default=4.0, gt=0)
@@ -166,6 +168,8 @@ class Admission(_Model):
         for (lo_name, lo), (hi_name, hi) in zip(ladder, ladder[1:]):
             if lo > hi:
                 raise ValueError(f"admission.{lo_name} ({lo}) must not exceed admission.{hi_name} ({hi})")
+        if self.tokenizer == "local" and not self.tokenizerFile:
+            raise ValueError("admission.tokenizer `local` needs admission.tokenizerFile (a tokenizer.json path)")
         if self.tenantSoftShare > self.tenantMaxShare:
             raise ValueError(f"admission.tenantSoftShare ({self.tenantSoftShare}) must not exceed "
                              f"admission.tenantMaxShare ({self.tenantMaxShare})")

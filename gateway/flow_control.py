@@ -39,6 +39,7 @@ from gateway.picker import EndpointPicker
 from gateway.replicas import Replica, ReplicaPool
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.saturation import SaturationDetector, saturation_detector
+from gateway.tokenization import load_local_tokenizer
 from gateway.victims import VictimCandidate, victim_policy
 
 logger = logging.getLogger("gateway.flow")
@@ -91,6 +92,8 @@ class FlowController:
         adm = cfg.admission
         # Read first: a profile that cannot be read rejects the whole config before anything changes.
         profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
+        if adm.enabled and adm.tokenizer == "local":
+            load_local_tokenizer(adm.tokenizerFile or "")
         self.loaded = loaded
         self.history.append((loaded, time.time()))
         del self.history[:-HISTORY]

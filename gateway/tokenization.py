@@ -2,8 +2,10 @@
 
 Counts are cached by a hash of (model, prompt), so a repeated prompt costs one dictionary lookup. Token-id
 prompts are counted locally, and `tokenizer: simulator` runs the simulator's tokenizer in process (no round
-trip). When no replica answers /tokenize in time (or the config says `estimate`) the count falls back to
-characters ÷ `charsPerToken`, and each fallback is counted in a metric.
+trip), and `tokenizer: local` a Hugging Face `tokenizer.json` (the `tokenizers` package) for completion
+prompts, while chat still goes to the replica, which owns the chat template. When no replica answers
+/tokenize in time (or the config says `estimate`) the count falls back to characters ÷ `charsPerToken`, and
+each fallback is counted in a metric.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from gateway.config import Admission
+from gateway.config import Admission, ConfigError
 from gateway.log import log_event
 
 logger = logging.getLogger("gateway.tokens")
@@ -82,7 +85,10 @@ class PromptCounter:
         counted = None
         if self.cfg.tokenizer == "simulator":
             counted = _simulator_count(prompt, "messages" in body)
-        elif self.cfg.tokenizer == "replica" and session is not None and replica_url is not None:
+        elif self.cfg.tokenizer == "local" and "messages" not in body:
+            counted = _local_count(self.cfg.tokenizerFile or "", prompt)
+        if counted is None and self.cfg.tokenizer in ("replica", "local") and session is not None \
+                and replica_url is not None:
             counted = await self._tokenize(session, replica_url, body.get("model"), prompt, "messages" in body)
         if counted is None:
             self.fallbacks += 1
@@ -136,4 +142,27 @@ def _simulator_count(prompt: Any, chat: bool) -> int | None:
         return len(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return sum(len(tokenizer.encode(p)) for p in prompt)
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def load_local_tokenizer(path: str):
+    """A Hugging Face tokenizer from its tokenizer.json; ConfigError when it cannot be used."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("admission.tokenizer `local` needs the `tokenizers` package: pip install "
+                          "'holdback[local-tokenizer]'") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the library raises its own exception types for unreadable files
+        raise ConfigError(f"admission.tokenizerFile {path!r} is not a readable tokenizer.json: {exc}") from None
+
+
+def _local_count(path: str, prompt: Any) -> int | None:
+    tokenizer = load_local_tokenizer(path)
+    if isinstance(prompt, str):
+        return len(tokenizer.encode(prompt).ids)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return sum(len(e.ids) for e in tokenizer.encode_batch(prompt))
     return None
