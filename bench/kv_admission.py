@@ -20,7 +20,7 @@ Path phase (in one process, so client and network noise stay out): the gateway's
 request — parse the body, count the prompt, `FlowController.submit` + `finish` — against `submit` + `finish`
 with admission off, per round in the order off, on, on, off; the added p50 per round and its median.
 
-    python bench/kv_admission.py --num-blocks 600 --replicas 2 --duration 40 --rounds 5
+    python -m bench.kv_admission --num-blocks 600 --replicas 2 --duration 40 --rounds 7 --requests 60
 """
 
 from __future__ import annotations
@@ -337,6 +337,22 @@ def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> d
         children.close()
 
 
+def _word_level_tokenizer(tmp: Path) -> str | None:
+    """A synthetic word-level tokenizer.json over the bench's words (None without the tokenizers package)."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+        from tokenizers.pre_tokenizers import Whitespace
+    except ImportError:
+        return None
+    vocab = {"[UNK]": 0, **{f"{w}{d}": i * 10 + d + 1 for i, w in enumerate(WORDS) for d in range(10)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path = tmp / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
 def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     """The admission path's own cost, in process: off vs on (local tokenizer, replica /tokenize)."""
     from gateway.config import parse_config
@@ -359,6 +375,9 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
 
     variants = {"off": controller(False, "replica"), "local": controller(True, "simulator"),
                 "replica": controller(True, "replica")}
+    hf = _word_level_tokenizer(tmp)
+    if hf is not None:
+        variants["hf"] = controller(True, f"local, tokenizerFile: {hf}")
 
     async def one(session, name: str, body: bytes, i: int) -> float:
         fc, counter = variants[name]
@@ -372,11 +391,14 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         return (time.perf_counter() - t0) * 1000
 
     async def run() -> dict:
-        added: dict[str, list[float]] = {"local_tokenizer": [], "replica_tokenizer": []}
+        kinds = [("local_tokenizer", "local"), ("replica_tokenizer", "replica")]
+        if "hf" in variants:
+            kinds.append(("hf_tokenizer_json", "hf"))
+        added: dict[str, list[float]] = {kind: [] for kind, _ in kinds}
         async with aiohttp.ClientSession() as session:
             i = 0
             for _ in range(args.rounds):
-                for kind, target in (("local_tokenizer", "local"), ("replica_tokenizer", "replica")):
+                for kind, target in kinds:
                     samples: dict[str, list[float]] = {"off": [], "on": []}
                     for name in ("off", "on", "on", "off"):
                         for _ in range(args.requests * 5):
@@ -407,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="overhead rounds")
     p.add_argument("--requests", type=int, default=40, help="sequential requests per overhead run")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--skip-load", action="store_true")
-    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--phases", default="load,overhead,path",
+                   help="comma-separated phases to run: load, overhead (end to end), path (in process)")
     p.add_argument("--out", help="write the JSON result here too")
     args = p.parse_args(argv)
     children = Children()
@@ -416,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hb-kvbench-") as tmpdir:
         tmp = Path(tmpdir)
         try:
-            if not args.skip_load:
+            phases = set(args.phases.split(","))
+            if "load" in phases:
                 result["load"] = load_phase(args, children, tmp)
-            if not args.skip_overhead:
+            if "overhead" in phases:
                 result["overhead_added_p50"] = overhead_phase(args, children, tmp)
+            if "path" in phases:
                 result["admission_path_added_p50"] = path_phase(args, children, tmp)
         finally:
             children.close()
