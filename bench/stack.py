@@ -22,6 +22,8 @@ import yaml
 
 from bench.readiness import free_port_block, wait_http
 
+STUDY_GATEWAY_CONFIG = Path(__file__).with_name("gateway-study.yaml")
+
 
 @dataclass
 class StackSpec:
@@ -86,15 +88,9 @@ class Stack:
         wait_http(url, self.procs[name], timeout, what=f"{name} (log {self.log_dir / (name + '.log')})")
 
     def gateway_config(self) -> dict:
-        config = {
-            "replicas": self.replica_urls,
-            "anonymous": {"enabled": False},
-            "keys": [
-                {"key_env": "HOLDBACK_GATEWAY_REALTIME_KEY", "tenant": "realtime",
-                 "objectives": ["realtime", "standard", "batch"], "defaultObjective": "realtime"},
-                {"key_env": "HOLDBACK_GATEWAY_BATCH_KEY", "tenant": "batch", "objectives": ["batch"]},
-            ],
-        }
+        # The study's own base config: request-count control only (KV admission off), see the file.
+        config = yaml.safe_load(STUDY_GATEWAY_CONFIG.read_text())
+        config["replicas"] = self.replica_urls
         return _merge(config, self.spec.gateway)
 
     def start(self) -> "Stack":
@@ -155,7 +151,11 @@ class Stack:
 
     # -- public read-outs --------------------------------------------------
     def gateway_state(self) -> dict:
-        return httpx.get(f"{self.gateway_url}/admin/state", timeout=5).json()
+        return httpx.get(f"{self.gateway_url}/admin/state", headers=self.admin_headers, timeout=5).json()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"}
 
     def sim_metrics(self) -> list[dict[str, float]]:
         return [parse_prometheus(httpx.get(f"{u}/metrics", timeout=5).text) for u in self.replica_urls]

@@ -126,7 +126,7 @@ class Sampler(threading.Thread):
                     b = client.get(f"{self.stack.api_url}/v1/batches/{self.batch_id}", headers=headers).json()
                     sample["completed"] = (b.get("request_counts") or {}).get("completed", 0)
                     sample["failed"] = (b.get("request_counts") or {}).get("failed", 0)
-                    st = client.get(f"{self.stack.gateway_url}/admin/state").json()
+                    st = client.get(f"{self.stack.gateway_url}/admin/state", headers=self.stack.admin_headers).json()
                     sample["bands"] = {str(x.get("priority")): {"queued": x.get("queued"), "in_flight": x.get("in_flight")}
                                        for x in st.get("bands", [])}
                     sample["evictions"] = _eviction_total(st)

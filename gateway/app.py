@@ -1,7 +1,9 @@
 """The gateway service: wires config, replica pool, flow controller and proxy into one aiohttp application.
 
-Routes: the OpenAI inference paths (through flow control), /v1/models, /health, /metrics and /admin/state.
+Routes: the OpenAI inference paths (through flow control), /v1/models, /health, /metrics, and the admin
+routes /admin/state and POST /admin/rollback (an admin key once any key is configured).
 `Gateway.reload()` (SIGHUP) re-reads the config file; a bad file is logged and the running config stays.
+`Gateway.rollback()` goes back to the previous config digest with the lower admission watermark kept.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.config import ConfigError, LoadedConfig, load_config, with_replicas
+from gateway.classification import ClassificationError
+from gateway.config import ConfigError, LoadedConfig, load_config, with_admission, with_replicas
 from gateway.flow_control import FlowController
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.replicas import ReplicaPool
+from gateway.responses import error_response
 
 logger = logging.getLogger("gateway")
 
@@ -55,6 +59,7 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/admin/state", self.admin_state)
+        app.router.add_post("/admin/rollback", self.admin_rollback)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -97,10 +102,11 @@ class Gateway:
             loaded = load_config(self.config_path)
             if self.replicas_override is not None:
                 loaded = with_replicas(loaded, self.replicas_override)
+            # Applying can still refuse it (an unreadable calibration profile) before anything changes.
+            self.controller.apply_config(loaded)
         except ConfigError as exc:
             log_event(logger, logging.ERROR, "config_rejected", error=str(exc), running_digest=running)
             return False
-        self.controller.apply_config(loaded)
         self.proxy.reconfigure()
         _log_config("config_reloaded", loaded, previous_digest=running)
         return True
@@ -113,8 +119,64 @@ class Gateway:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _refuse_admin(self, request: web.Request) -> web.Response | None:
+        try:
+            self.proxy.classifier.admin(request.headers.get("Authorization"))
+        except ClassificationError as exc:
+            return error_response(exc.status, exc.message, exc.err_type, exc.code)
+        return None
+
     async def admin_state(self, request: web.Request) -> web.Response:
+        refused = self._refuse_admin(request)
+        if refused is not None:
+            return refused
         return web.Response(text=json.dumps(self.controller.snapshot()), content_type="application/json")
+
+    async def admin_rollback(self, request: web.Request) -> web.Response:
+        refused = self._refuse_admin(request)
+        if refused is not None:
+            return refused
+        lower = None
+        if request.can_read_body:
+            try:
+                doc = json.loads(await request.read() or b"{}")
+                lower = doc.get("admissionWatermark") if isinstance(doc, dict) else None
+                if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float))
+                                          or not 0 < lower <= 1):
+                    raise ValueError
+            except (ValueError, UnicodeDecodeError):
+                return error_response(400, "The body must be a JSON object, optionally with `admissionWatermark` "
+                                      "(a number in (0, 1]).", "invalid_request_error", "invalid_body")
+        try:
+            answer = self.rollback(lower)
+        except ConfigError as exc:
+            return error_response(409, str(exc), "invalid_request_error", "rollback_refused")
+        return web.json_response(answer)
+
+    # -- rollback -------------------------------------------------------------------------------------------
+    def rollback(self, lower: float | None = None) -> dict:
+        """Apply the config before the running one, admission on, with the lower of the two admission
+        watermarks (or `lower` when it is lower still): rollback never returns to unlimited acceptance."""
+        history = self.controller.history
+        current = self.controller.loaded
+        previous = next((c for c, _at in reversed(history[:-1]) if c.digest != current.digest), None)
+        if previous is None:
+            raise ConfigError("no earlier config digest to roll back to: only "
+                              f"{current.digest} has been applied since start")
+        marks = [current.config.admission.admissionWatermark, previous.config.admission.admissionWatermark]
+        if lower is not None:
+            marks.append(lower)
+        watermark = min(marks)
+        try:
+            target = with_admission(previous, enabled=True, admissionWatermark=watermark)
+        except ValueError as exc:
+            raise ConfigError(f"the rolled-back config is not valid: {exc}") from exc
+        self.controller.apply_config(target)
+        self.proxy.reconfigure()
+        log_event(logger, logging.WARNING, "config_rolled_back", from_digest=current.digest,
+                  to_digest=previous.digest, applied_digest=target.digest, admission_watermark=watermark)
+        return {"from_digest": current.digest, "to_digest": previous.digest, "applied_digest": target.digest,
+                "admissionWatermark": watermark}
 
 
 def _log_config(event: str, loaded: LoadedConfig, **extra: object) -> None:

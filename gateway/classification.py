@@ -59,16 +59,43 @@ class Classifier:
         self.priorities = {name: obj.priority for name, obj in cfg.objectives.items()}
         self.default_objective = cfg.defaultObjective
         self.keys = {k.key: Caller(k.tenant, k.objectives, k.default_objective) for k in loaded.keys}
+        self.admin_keys = loaded.admin_keys
         anon = cfg.anonymous
         self.anonymous = (Caller(anon.tenant, frozenset(anon.objectives), anon.defaultObjective)
                           if anon.enabled else None)
 
+    def _token(self, authorization: str | None) -> str | None:
+        """The bearer token; with keys configured, any other `Authorization` value is refused (401)."""
+        if authorization is None:
+            return None
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        if self.keys or self.admin_keys:
+            raise ClassificationError(401, "invalid_authorization", "The Authorization header must be "
+                                      "`Bearer KEY` with a key from the gateway config; got a "
+                                      f"{scheme[:20]!r} header without a bearer token.", "authentication_error")
+        return None
+
+    def admin(self, authorization: str | None) -> None:
+        """Admin routes: open while no key is configured, else only for a key from `adminKeys`."""
+        if not self.keys and not self.admin_keys:
+            return
+        if not self.admin_keys:
+            raise ClassificationError(401, "missing_api_key", "This gateway has API keys but no adminKeys, so its "
+                                      "admin routes are closed; add an adminKeys entry to the gateway config.",
+                                      "authentication_error")
+        token = self._token(authorization)
+        if token is None:
+            raise ClassificationError(401, "missing_api_key", "Admin routes need an admin key: send "
+                                      "`Authorization: Bearer KEY` with a key from the gateway's adminKeys.",
+                                      "authentication_error")
+        if token not in self.admin_keys:
+            raise ClassificationError(403, "admin_key_required", "This key may not use the gateway's admin "
+                                      "routes; use a key from the gateway's adminKeys.", "permission_error")
+
     def caller(self, authorization: str | None) -> Caller:
-        token = None
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            if scheme.lower() == "bearer" and value.strip():
-                token = value.strip()
+        token = self._token(authorization)
         if self.keys and token is not None:
             caller = self.keys.get(token)
             if caller is None:

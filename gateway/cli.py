@@ -1,15 +1,25 @@
-"""`holdback gateway`: run the priority-aware gateway in front of model replicas."""
+"""`holdback gateway`: run the priority-aware gateway in front of model replicas.
+
+Two admin commands beside it: `holdback gateway rollback` (POST /admin/rollback on a running gateway) and
+`holdback gateway calibrate` (measure a running replica and write a calibration profile).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import signal
+import sys
+
+import httpx
 
 from aiohttp import web
 
 from gateway.app import Gateway
+from gateway.calibration import measure, write_profile
 from gateway.config import ConfigError, load_config
 from gateway.log import configure_logging, log_event
 from holdback.env_flags import flags_from_env
@@ -20,7 +30,8 @@ logger = logging.getLogger("gateway")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="holdback gateway", description=(
         "Priority-aware gateway: flow control with priority bands, holdback ceilings, TTLs and in-flight "
-        "eviction of sheddable requests, in front of vLLM-compatible replicas. SIGHUP reloads the config."))
+        "eviction of sheddable requests and KV admission, in front of vLLM-compatible replicas. SIGHUP reloads "
+        "the config. Admin commands: `holdback gateway rollback --help`, `holdback gateway calibrate --help`."))
     p.add_argument("--config", help="YAML config file (default: the shipped gateway/default.yaml)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
@@ -46,7 +57,64 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
         await runner.cleanup()
 
 
+def _rollback(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="holdback gateway rollback", description=(
+        "Roll a running gateway back to its previous config digest, keeping the lower admission watermark "
+        "(admission stays on). Prints the answer: from_digest, to_digest, admissionWatermark."))
+    p.add_argument("--url", default="http://127.0.0.1:8200", help="gateway base URL (default %(default)s)")
+    p.add_argument("--key", default=os.environ.get("HOLDBACK_ADMIN_KEY"),
+                   help="admin key (default: $HOLDBACK_ADMIN_KEY); needed once the gateway has keys")
+    p.add_argument("--admission-watermark", type=float, default=None,
+                   help="an admission watermark lower still than both configs' (optional)")
+    args = p.parse_args(argv)
+    body = {} if args.admission_watermark is None else {"admissionWatermark": args.admission_watermark}
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    try:
+        resp = httpx.post(args.url.rstrip("/") + "/admin/rollback", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"cannot reach the gateway at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        print(f"rollback refused ({resp.status_code}): {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(resp.json(), indent=2))
+    return 0
+
+
+def _calibrate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="holdback gateway calibrate", description=(
+        "Measure a running replica (model, runtime version, KV blocks and block size) and write a calibration "
+        "profile for `admission.calibrationProfile`. The gateway refuses a replica whose model or runtime "
+        "differs from the profile's."))
+    p.add_argument("--replica", required=True, help="replica base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--gpu", required=True, help="GPU SKU the replica runs on, e.g. H100-80GB (recorded)")
+    p.add_argument("--out", required=True, help="profile file to write (JSON)")
+    p.add_argument("--probe-tokens", type=int, default=512,
+                   help="prompt tokens of the probe request that measures the safety factor (0: no probe; the "
+                        "replica should be idle) (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        profile = measure(args.replica, args.gpu, args.probe_tokens)
+    except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
+        print(f"cannot calibrate {args.replica}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    write_profile(profile, args.out)
+    print(f"wrote {args.out}: model {profile.model}, runtime {profile.runtime_version}, GPU {profile.gpu_sku}, "
+          f"{profile.num_gpu_blocks} blocks of {profile.block_size} tokens, measured safety factor "
+          f"{profile.safety_factor}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "rollback":
+        return _rollback(argv[1:])
+    if argv and argv[0] == "calibrate":
+        return _calibrate(argv[1:])
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:

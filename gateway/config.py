@@ -6,7 +6,9 @@ nothing deeper reads the environment. A bad file raises `ConfigError` with a mes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
+TrafficClass = Literal["interactive", "batch", "critical"]
+
+
 class Objective(_Model):
     priority: int = 0
+    # Budget class for KV quotas; unset: `batch` below priority 0, else `interactive`.
+    trafficClass: TrafficClass | None = None
+
+    def traffic_class(self) -> str:
+        return self.trafficClass or ("batch" if self.priority < 0 else "interactive")
 
 
 class BandSettings(_Model):
@@ -85,34 +95,97 @@ class UsageLimit(_Model):
 
 
 class Eviction(_Model):
+    # Victim order by name from the registry in gateway/victims.py; `none` is the no-op evictor.
+    policy: str = "newest-first"
+    # Kept for older configs: `enabled: false` means `policy: none`.
     enabled: bool = True
     maxPerDecision: int = Field(default=2, ge=1)
     confirmationTimeoutSeconds: float = Field(default=10.0, gt=0)
     graceSeconds: float | None = Field(default=None, ge=0)
 
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from gateway.victims import POLICIES  # the registry lives beside the policies
+        if name not in POLICIES:
+            raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
+        return name
+
+    def policy_name(self) -> str:
+        return self.policy if self.enabled else "none"
+
+
+class Quota(_Model):
+    """Limits for one fairness id or one traffic class; unset means unlimited."""
+
+    maxReservedTokens: int | None = Field(default=None, gt=0)
+    maxActiveSequences: int | None = Field(default=None, gt=0)
+    maxContextTokens: int | None = Field(default=None, gt=0)
+    # Occupied token-seconds (tokens held in KV × seconds held) over `tokenSecondsWindowSeconds`.
+    maxTokenSeconds: float | None = Field(default=None, gt=0)
+
 
 class Admission(_Model):
-    enabled: bool = False
+    enabled: bool = True
+    # How prompt tokens are counted: `replica` (its POST /tokenize, cached by prompt hash), `simulator` (the
+    # simulator's tokenizer and chat template run locally: exact for `holdback sim` replicas, no round trip),
+    # `local` (a Hugging Face tokenizer.json named by tokenizerFile, in process, for completion prompts; chat
+    # still goes to the replica, which owns the chat template), or `estimate` (characters / charsPerToken only).
+    tokenizer: Literal["replica", "simulator", "local", "estimate"] = "replica"
+    tokenizerFile: str | None = None
+    tokenizeTimeoutMs: int = Field(default=500, gt=0)
+    tokenCacheSize: int = Field(default=8192, ge=0)
+    charsPerToken: float = Field(default=4.0, gt=0)
     kvPoolGiB: float = Field(default=52.0, gt=0)
     bytesPerToken: int = Field(default=131072, gt=0)
     kvPoolBlocks: int | None = Field(default=None, gt=0)
     blockTokens: int = Field(default=16, gt=0)
-    hardWatermark: float = Field(default=0.92, gt=0, le=1)
+    safetyFactor: float = Field(default=1.0, ge=1.0, le=4.0)
     admissionWatermark: float = Field(default=0.82, gt=0, le=1)
+    batchPauseWatermark: float = Field(default=0.88, gt=0, le=1)
+    hardWatermark: float = Field(default=0.92, gt=0, le=1)
     interactiveReserve: float = Field(default=0.25, ge=0, lt=1)
+    # prompt + max new tokens at or above this is "long" for the admission-watermark step.
+    longRequestTokens: int = Field(default=4096, gt=0)
     tenantMaxShare: float = Field(default=0.15, gt=0, le=1)
+    tenantSoftShare: float = Field(default=0.10, gt=0, le=1)
     queueDeadlineMs: int = Field(default=8000, ge=0)
     maxNewTokensDefault: int = Field(default=1024, gt=0)
-    charsPerToken: float = Field(default=4.0, gt=0)
+    # The model's context limit; unset: the replica's reported max_model_len.
+    maxContextTokens: int | None = Field(default=None, gt=0)
+    # Sequences one replica may run at once, for the growth-room check; unset: saturation.maxConcurrency.
+    maxRunningSequences: int | None = Field(default=None, gt=0)
+    tokenSecondsWindowSeconds: float = Field(default=60.0, gt=0)
+    tenantQuota: Quota = Quota()
+    tenants: dict[str, Quota] = {}
+    classes: dict[TrafficClass, Quota] = {}
+    calibrationProfile: str | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> "Admission":
-        if self.admissionWatermark > self.hardWatermark:
-            raise ValueError("admission.admissionWatermark must not exceed admission.hardWatermark")
+        ladder = [("admissionWatermark", self.admissionWatermark),
+                  ("batchPauseWatermark", self.batchPauseWatermark), ("hardWatermark", self.hardWatermark)]
+        for (lo_name, lo), (hi_name, hi) in zip(ladder, ladder[1:]):
+            if lo > hi:
+                raise ValueError(f"admission.{lo_name} ({lo}) must not exceed admission.{hi_name} ({hi})")
+        if self.tokenizer == "local" and not self.tokenizerFile:
+            raise ValueError("admission.tokenizer `local` needs admission.tokenizerFile (a tokenizer.json path)")
+        if self.tenantSoftShare > self.tenantMaxShare:
+            raise ValueError(f"admission.tenantSoftShare ({self.tenantSoftShare}) must not exceed "
+                             f"admission.tenantMaxShare ({self.tenantMaxShare})")
         return self
+
+    def growth_room(self, pool_blocks: int) -> int:
+        """Blocks of a pool above the hard watermark: what one scheduling cycle may grow into."""
+        return int((1.0 - self.hardWatermark) * pool_blocks + 1e-9)
+
+    def default_pool_blocks(self) -> int:
+        return self.kvPoolBlocks or int(self.kvPoolGiB * 2**30 // (self.bytesPerToken * self.blockTokens))
 
 
 class Picker(_Model):
+    # Replica scorer by name (gateway/picker.py): least-loaded | kv-headroom.
+    policy: Literal["least-loaded", "kv-headroom"] = "least-loaded"
     inFlightWeight: float = Field(default=1.0, ge=0)
     kvUsageWeight: float = Field(default=1.0, ge=0)
 
@@ -149,6 +222,17 @@ class KeyEntry(_Model):
         return self
 
 
+class AdminKey(_Model):
+    key: str | None = None
+    key_env: str | None = Field(default=None, alias="keyEnv")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AdminKey":
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("an adminKeys entry needs exactly one of `key` or `key_env`")
+        return self
+
+
 class Anonymous(_Model):
     enabled: bool = True
     tenant: str = "anonymous"
@@ -166,6 +250,8 @@ class GatewayConfig(_Model):
     defaultObjective: str = "standard"
     anonymous: Anonymous = Anonymous()
     keys: list[KeyEntry] = []
+    # Keys for /admin/* (state, rollback); required there as soon as any key is configured.
+    adminKeys: list[AdminKey] = []
     flowControl: FlowControl = FlowControl()
     saturation: Saturation = Saturation()
     usageLimit: UsageLimit = UsageLimit()
@@ -202,6 +288,30 @@ class GatewayConfig(_Model):
             if default is not None and default not in names:
                 raise ValueError(f"{who} has unknown defaultObjective {default!r}")
         return self
+
+    @model_validator(mode="after")
+    def _growth_room(self) -> "GatewayConfig":
+        """The hard watermark must leave one scheduling cycle of growth: every running sequence one block."""
+        adm = self.admission
+        if not adm.enabled:
+            return self
+        running = adm.maxRunningSequences or self.saturation.maxConcurrency
+        pool = adm.default_pool_blocks()
+        room = adm.growth_room(pool)
+        if room < running:
+            need = 1.0 - running / pool
+            raise ValueError(
+                f"admission.hardWatermark {adm.hardWatermark} leaves {room} of {pool} KV blocks above it, less "
+                f"than one scheduling cycle of growth ({running} running sequences x 1 block); lower "
+                f"hardWatermark to at most {max(need, 0):.4f}, lower admission.maxRunningSequences / "
+                f"saturation.maxConcurrency, or set admission.kvPoolBlocks to the real pool size")
+        return self
+
+    def traffic_class(self, priority: int) -> str:
+        for obj in self.objectives.values():
+            if obj.priority == priority:
+                return obj.traffic_class()
+        return "batch" if priority < 0 else "interactive"
 
     def band_priorities(self) -> list[int]:
         """Every provisioned band, highest priority first: objectives, the default 0, and listed bands."""
@@ -244,6 +354,7 @@ class LoadedConfig:
     keys: tuple[ApiKey, ...]
     upstream_api_key: str | None
     skipped_key_envs: tuple[str, ...]
+    admin_keys: frozenset[str] = frozenset()
 
 
 def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -> LoadedConfig:
@@ -279,8 +390,15 @@ def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -
     upstream_key = config.upstream.apiKey
     if config.upstream.apiKey_env:
         upstream_key = env.get(config.upstream.apiKey_env) or upstream_key
+    admin_keys = set()
+    for entry in config.adminKeys:
+        value = entry.key if entry.key_env is None else env.get(entry.key_env) or None
+        if value is None:
+            skipped.append(entry.key_env or "")
+            continue
+        admin_keys.add(value)
     digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped))
+    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped), frozenset(admin_keys))
 
 
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> LoadedConfig:
@@ -299,5 +417,14 @@ def with_replicas(loaded: LoadedConfig, replicas: list[str]) -> LoadedConfig:
         config = GatewayConfig.model_validate({**loaded.config.model_dump(by_alias=True), "replicas": replicas})
     except ValidationError as exc:
         raise ConfigError(f"--replicas: {exc.errors()[0]['msg']}") from exc
-    return LoadedConfig(config, loaded.digest, loaded.source, loaded.keys, loaded.upstream_api_key,
-                        loaded.skipped_key_envs)
+    return dataclasses.replace(loaded, config=config)
+
+
+def with_admission(loaded: LoadedConfig, **changes: object) -> LoadedConfig:
+    """The same config with admission keys changed (rollback); the digest names the resulting document."""
+    raw = loaded.config.model_dump(by_alias=True)
+    raw["admission"] = {**raw["admission"], **changes}
+    config = GatewayConfig.model_validate(raw)
+    text = json.dumps(config.model_dump(by_alias=True), sort_keys=True)
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return dataclasses.replace(loaded, config=config, digest=digest, source=f"rollback of {loaded.source}")

@@ -3,7 +3,9 @@
 The `Evictor` tracks dispatched sheddable requests and decides, never acts: the flow controller asks it for
 victims when a dispatch cycle hits a head-of-line block, then cancels each victim's proxy task, which answers
 the caller 429 `evicted` and closes the upstream connection so the replica aborts the request.
-Victim order: lowest priority first, then most recently dispatched (least work lost).
+Victim order comes from the configured `VictimPolicy` (gateway/victims.py), which sees read-only views.
+Two triggers: a blocked band (saturation sizing below) and a replica whose KV occupancy reached the hard
+watermark (`decide_kv`: victims on that replica until their reservations cover the excess).
 Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
 n = max(1, ceil((deficit − pending) / credit)), at most `maxPerDecision`, victims strictly below the demand.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gateway.request import FlowRequest
+from gateway.victims import NewestFirst, VictimCandidate, VictimPolicy
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,11 @@ class EvictionDecision:
 
 
 class Evictor:
-    def __init__(self, *, max_per_decision: int = 2, confirmation_timeout: float = 10.0, grace: float = 0.01):
+    def __init__(self, *, max_per_decision: int = 2, confirmation_timeout: float = 10.0, grace: float = 0.01,
+                 policy: VictimPolicy | None = None,
+                 view: Callable[[FlowRequest, float], VictimCandidate] | None = None):
+        self.policy: VictimPolicy = policy or NewestFirst()
+        self.view = view or plain_view
         self.max_per_decision = max_per_decision
         self.confirmation_timeout = confirmation_timeout
         self.grace = grace
@@ -77,15 +84,36 @@ class Evictor:
         credit = saturation / tracked_in_flight
         pending_reclaim = len(self.pending) * credit
         wanted = max(1, math.ceil((deficit - pending_reclaim) / credit - 1e-9)) if credit > 0 else 1
-        eligible = sorted((r for r in self.candidates if r.priority < demand.priority),
-                          key=lambda r: (r.priority, -r.dispatched_at, -r.seq))
+        eligible = self._ordered([r for r in self.candidates if r.priority < demand.priority], now)
         victims = eligible[:min(wanted, self.max_per_decision)]
         if not victims:
             return None
+        self._mark(victims, now)
+        return EvictionDecision(victims, demand.priority, deficit, credit)
+
+    def decide_kv(self, replica: object, excess_blocks: float, grace: float, now: float) -> list[FlowRequest]:
+        """Victims on `replica` whose reservations cover `excess_blocks` (KV occupancy over the hard watermark)."""
+        if self.pending or now < self.last_settled + grace:
+            return []
+        eligible = self._ordered([r for r in self.candidates if r.replica is replica], now)
+        victims: list[FlowRequest] = []
+        freed = 0
+        for req in eligible:
+            if freed >= excess_blocks or len(victims) >= self.max_per_decision:
+                break
+            victims.append(req)
+            freed += getattr(req.reservation, "blocks", 0)
+        self._mark(victims, now)
+        return victims
+
+    def _ordered(self, requests: list[FlowRequest], now: float) -> list[FlowRequest]:
+        by_seq = {r.seq: r for r in requests}
+        return [by_seq[c.seq] for c in self.policy.order([self.view(r, now) for r in requests], now)]
+
+    def _mark(self, victims: list[FlowRequest], now: float) -> None:
         for victim in victims:
             self.candidates.discard(victim)
             self.pending[victim] = now
-        return EvictionDecision(victims, demand.priority, deficit, credit)
 
     def confirm(self, req: FlowRequest, now: float) -> float | None:
         """The victim's upstream connection has closed; returns decision→close latency."""
@@ -104,3 +132,14 @@ class Evictor:
         if late and not self.pending:
             self.last_settled = now
         return late
+
+
+def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
+    """A view without KV details (tests and the concurrency-only path)."""
+    return VictimCandidate(
+        request_id=req.request_id, fairness_id=req.fairness_id, priority=req.priority, objective=req.objective,
+        replica=getattr(req.replica, "url", ""), started_at=req.dispatched_at, enqueued_at=req.enqueued_at,
+        deadline=None if req.deadline == math.inf else req.deadline, prompt_tokens=req.prompt_tokens,
+        max_new_tokens=req.max_new_tokens, output_tokens=getattr(req.reservation, "output_tokens", 0),
+        streaming_started=req.streaming_started, resumable=req.resumable, cached_prefix_tokens=0,
+        tenant_over_soft_quota=0.0, reserved_blocks=getattr(req.reservation, "blocks", 0), seq=req.seq)

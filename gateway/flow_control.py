@@ -6,12 +6,16 @@ and the band is under its ceiling (the fast path), else it queues the request an
 The loop (`run()`, one task) wakes on enqueue, completion, eviction confirmed, replica changes and a short
 tick for TTLs, and walks bands strictly from high to low priority: a band with queued work whose ceiling is
 reached stops the walk (head-of-line blocking), which is where in-flight eviction is considered.
+With KV admission on, every admission decision comes from `KvAdmission` and every reservation lives in the
+`KvLedger`; the controller only calls reserve/revise/release at the request's transitions, and evicts batch
+work from a replica whose KV occupancy reached the hard watermark.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import heapq
 import itertools
@@ -21,10 +25,13 @@ import time
 from collections import Counter
 from typing import Callable
 
-from gateway.admission import KvAdmission, Verdict
+from gateway.admission import LEVELS, Decision, Demand, KvAdmission
+from gateway.admission import Outcome as KvOutcome
 from gateway.band import PriorityBand
+from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
-from gateway.eviction import BandDemand, Evictor
+from gateway.eviction import BandDemand, Evictor, plain_view
+from gateway.kv_ledger import KvLedger, Reservation
 from gateway.holdback import band_ceilings, holdback_policy
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
@@ -32,8 +39,12 @@ from gateway.picker import EndpointPicker
 from gateway.replicas import Replica, ReplicaPool
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.saturation import SaturationDetector, saturation_detector
+from gateway.tokenization import load_local_tokenizer
+from gateway.victims import VictimCandidate, victim_policy
 
 logger = logging.getLogger("gateway.flow")
+
+HISTORY = 10
 
 
 class Outcome(enum.Enum):
@@ -51,14 +62,22 @@ class FlowController:
         self.bands: dict[int, PriorityBand] = {}
         self.bands_desc: list[PriorityBand] = []
         self.ceilings: dict[int, float] = {}
-        self.evictor = Evictor()
+        self.evictor = Evictor(view=self._victim_view)
         self.admission: KvAdmission | None = None
+        self.ledger: KvLedger | None = None
+        self.profile: Profile | None = None
         self.total_queued = 0
         self.in_flight = 0
-        self.tenant_blocks: Counter[str] = Counter()
+        self.rejected_tokens: Counter[str] = Counter()
+        self.tokenizer_fallbacks = 0
+        # Dispatches per second (exponentially weighted), for the estimated wait by priority.
+        self._rate = 0.0
+        self._rate_at = clock()
         self.dispatched_total = 0
         self.rejections: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
+        # The last applied configs, oldest first (rollback goes to the one before the running one).
+        self.history: list[tuple[LoadedConfig, float]] = []
         self._seq = itertools.count(1)
         self._expiry: list[tuple[float, int, FlowRequest]] = []
         self._wake = asyncio.Event()
@@ -70,23 +89,48 @@ class FlowController:
     def apply_config(self, loaded: LoadedConfig) -> None:
         """Swap in a validated config; queued and in-flight requests keep their places."""
         cfg = loaded.config
+        adm = cfg.admission
+        # Read first: a profile that cannot be read rejects the whole config before anything changes.
+        profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
+        if adm.enabled and adm.tokenizer == "local":
+            load_local_tokenizer(adm.tokenizerFile or "")
         self.loaded = loaded
+        self.history.append((loaded, time.time()))
+        del self.history[:-HISTORY]
         sat = cfg.saturation
         self.detector: SaturationDetector = saturation_detector(
             sat.detector, max_concurrency=sat.maxConcurrency, headroom=sat.headroom,
             queue_depth_threshold=sat.queueDepthThreshold, kv_util_threshold=sat.kvCacheUtilThreshold,
             staleness=sat.metricsStalenessSeconds, scrape_interval=cfg.metrics.scrapeIntervalSeconds)
-        self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency,
+        self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency, policy=cfg.picker.policy,
                                      in_flight_weight=cfg.picker.inFlightWeight,
-                                     kv_usage_weight=cfg.picker.kvUsageWeight)
+                                     kv_usage_weight=cfg.picker.kvUsageWeight, occupancy=self._occupancy_share)
         ev = cfg.eviction
-        self.eviction_enabled = ev.enabled
+        self.evictor.policy = victim_policy(ev.policy_name())
+        self.eviction_enabled = ev.policy_name() != "none"
         self.evictor.max_per_decision = ev.maxPerDecision
         self.evictor.confirmation_timeout = ev.confirmationTimeoutSeconds
         self.evictor.grace = ev.graceSeconds if ev.graceSeconds is not None else self.detector.confirmation_grace
-        self.admission = KvAdmission(cfg.admission) if cfg.admission.enabled else None
+        # Reservations outlive configs: a reload or rollback changes the rules, never what is held.
+        # A calibration profile's measured factor raises the configured one, never lowers it.
+        safety = max(adm.safetyFactor, profile.safety_factor if profile else 1.0)
+        if self.ledger is None:
+            self.ledger = KvLedger(block_tokens=adm.blockTokens, safety_factor=safety,
+                                   window=adm.tokenSecondsWindowSeconds)
+        else:
+            self.ledger.configure(block_tokens=adm.blockTokens, safety_factor=safety,
+                                  window=adm.tokenSecondsWindowSeconds)
+        self.profile = profile
+        self.admission = KvAdmission(adm, self.ledger,
+                                     self.profile.num_gpu_blocks if self.profile else None) if adm.enabled else None
+        self.pool.on_identify = self._on_identify
+        for replica in self.pool.replicas:
+            replica.refused = None
+            if replica.model is not None:
+                self._on_identify(replica)
         self.tick = cfg.flowControl.tickSeconds
         self.global_max_requests = cfg.flowControl.maxRequests
+        self.traffic_classes = {obj.priority: obj.traffic_class() for obj in cfg.objectives.values()}
         self.objective_names: dict[int, list[str]] = {}
         for name, obj in cfg.objectives.items():
             self.objective_names.setdefault(obj.priority, []).append(name)
@@ -141,6 +185,7 @@ class FlowController:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
         now = self.clock()
         req.seq = next(self._seq)
+        req.traffic_class = self.traffic_classes.get(req.priority) or self.loaded.config.traffic_class(req.priority)
         band = self.band_for(req.priority)
         healthy = self.pool.healthy()
         if not healthy:
@@ -149,17 +194,15 @@ class FlowController:
             req.expires_at = min(req.expires_at, req.arrived + band.ttl)
         if req.deadline <= now:
             return self._reject(req, DropReason.TTL_EXPIRED, band)
-        verdict = Verdict.DISPATCH
+        kv_wait = False
         fits = None
         if self.admission is not None:
-            verdict = self.admission.check(req.kv_blocks, req.priority, req.fairness_id, healthy,
-                                           self.tenant_blocks)
-            if verdict is Verdict.REJECT_QUOTA:
-                return self._reject(req, DropReason.TENANT_QUOTA, band)
-            if verdict is Verdict.REJECT_KV:
-                return self._reject(req, DropReason.KV_ADMISSION, band)
-            fits = self._fits(req)
-        if verdict is Verdict.DISPATCH and not self._queued_at_or_above(req.priority):
+            decision = self.admission.decide(self._demand(req), healthy, now)
+            if decision.outcome is KvOutcome.REJECT:
+                return self._reject_kv(req, decision, band)
+            kv_wait = decision.outcome is KvOutcome.QUEUE
+            fits = _within(decision)
+        if not kv_wait and not self._queued_at_or_above(req.priority):
             if self.detector.saturation(healthy, now) < self.ceilings[req.priority]:
                 replica = self.picker.pick(healthy, self.detector, now, fits)
                 if replica is not None:
@@ -171,7 +214,7 @@ class FlowController:
             return self._reject(req, DropReason.SATURATED, band)
         if self.global_max_requests and self.total_queued >= self.global_max_requests:
             return self._reject(req, DropReason.SATURATED, band)
-        if verdict is Verdict.QUEUE:
+        if kv_wait:
             self._start_kv_wait(req, now)
         req.status = Status.QUEUED
         req.enqueued_at = now
@@ -196,8 +239,10 @@ class FlowController:
         log_event(logger, logging.INFO, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
-    def finish(self, req: FlowRequest) -> None:
-        """A dispatched request is over (completed, failed, client gone or evicted): release its slot."""
+    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None) -> None:
+        """A dispatched request is over (completed, failed, client gone or evicted): release its slot and its
+        KV reservation. `cause` (end, cancel, disconnect, evict, error) and `event_at` (monotonic time the
+        cause was seen) measure release latency."""
         if req.status is not Status.DISPATCHED:
             return
         now = self.clock()
@@ -205,11 +250,11 @@ class FlowController:
         req.status = Status.EVICTED if evicted else Status.FINISHED
         replica: Replica = req.replica  # type: ignore[assignment]
         replica.in_flight -= 1
-        if req.kv_blocks:
-            replica.committed_blocks -= req.kv_blocks
-            self.tenant_blocks[req.fairness_id] -= req.kv_blocks
-            if self.tenant_blocks[req.fairness_id] <= 0:
-                del self.tenant_blocks[req.fairness_id]
+        if isinstance(req.reservation, Reservation) and self.ledger is not None:
+            if self.ledger.release(req.reservation, now):
+                cause = "evict" if evicted else cause
+                start = req.evicted_at if evicted else (event_at if event_at is not None else now)
+                self.metrics.child(self.metrics.kv_release, cause).observe(max(0.0, now - start))
         band = self.bands[req.priority]
         band.in_flight -= 1
         self.in_flight -= 1
@@ -236,17 +281,32 @@ class FlowController:
             return None
         old: Replica = req.replica  # type: ignore[assignment]
         others = [r for r in self.pool.healthy() if r is not old]
-        fits = self._fits(req) if self.admission is not None else None
+        fits = None
+        admission, res = self.admission, req.reservation
+        if admission is not None and isinstance(res, Reservation):
+            # Its blocks are held on the old replica; quotas already count them, only room matters here.
+            demand = self._demand(req)
+            fits = lambda r: admission.fits(demand, res.blocks, r)  # noqa: E731
         new = self.picker.pick(others, self.detector, self.clock(), fits)
         if new is None:
             return None
         old.in_flight -= 1
-        old.committed_blocks -= req.kv_blocks
         new.in_flight += 1
         new.dispatches += 1
-        new.committed_blocks += req.kv_blocks
+        if isinstance(req.reservation, Reservation) and self.ledger is not None:
+            self.ledger.move(req.reservation, new.url)
         req.replica = new
         return new
+
+    def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
+        """Relayed output so far: the ledger's reservation follows it; a finished generation frees the rest."""
+        res = req.reservation
+        if self.ledger is None or not isinstance(res, Reservation) or req.status is not Status.DISPATCHED:
+            return
+        before = res.blocks
+        self.ledger.revise(res, output_tokens, self.clock(), done=done)
+        if res.blocks < before and self.total_queued:
+            self.wake()
 
     def count_mid_stream_eviction(self) -> None:
         self.evictions["mid_stream"] += 1
@@ -276,10 +336,10 @@ class FlowController:
             self.evictions["timed_out"] += 1
             self.metrics.child(self.metrics.evictions, "timed_out").inc()
             log_event(logger, logging.WARNING, "eviction_timed_out", request_id=late.request_id)
-        if not self.total_queued:
-            return
         healthy = self.pool.healthy()
-        if not healthy:
+        if self.admission is not None and self.eviction_enabled:
+            self._evict_over_hard_watermark(healthy, now)
+        if not self.total_queued or not healthy:
             return
         while self.total_queued:
             saturation = self.detector.saturation(healthy, now)
@@ -296,19 +356,17 @@ class FlowController:
                     continue
                 fits = None
                 if self.admission is not None:
-                    verdict = self.admission.check(req.kv_blocks, req.priority, req.fairness_id, healthy,
-                                                   self.tenant_blocks)
-                    if verdict in (Verdict.REJECT_QUOTA, Verdict.REJECT_KV):
+                    decision = self.admission.decide(self._demand(req), healthy, now)
+                    if decision.outcome is KvOutcome.REJECT:
                         band.pop(req)
                         self.total_queued -= 1
-                        reason = DropReason.TENANT_QUOTA if verdict is Verdict.REJECT_QUOTA else DropReason.KV_ADMISSION
-                        self._reject(req, reason, band)
+                        self._reject_kv(req, decision, band)
                         progressed = True
                         break
-                    if verdict is Verdict.QUEUE:
+                    if decision.outcome is KvOutcome.QUEUE:
                         self._start_kv_wait(req, now)
                         break  # head-of-line: this band and the ones below wait for KV room
-                    fits = self._fits(req)
+                    fits = _within(decision)
                 replica = self.picker.pick(healthy, self.detector, now, fits)
                 if replica is None:
                     blocked = band
@@ -332,10 +390,71 @@ class FlowController:
                 return True
         return False
 
-    def _fits(self, req: FlowRequest) -> Callable[[Replica], bool]:
+    def _occupancy_share(self, replica: Replica) -> float:
+        if self.admission is None:
+            return replica.kv_usage or 0.0
+        return self.admission.occupancy(replica) / self.admission.pool_blocks(replica)
+
+    def _demand(self, req: FlowRequest) -> Demand:
+        return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id)
+
+    def _reject_kv(self, req: FlowRequest, decision: Decision, band: PriorityBand) -> Outcome:
+        assert decision.reason is not None
+        self.rejected_tokens[decision.reason.value] += req.prompt_tokens + req.max_new_tokens
+        self.metrics.child(self.metrics.kv_rejected_tokens, decision.reason.value).inc(
+            req.prompt_tokens + req.max_new_tokens)
+        return self._reject(req, decision.reason, band, decision.message)
+
+    def _on_identify(self, replica: Replica) -> None:
+        """A replica told us what it serves and (when exported) its KV pool: check both against the config."""
+        self._check_calibration(replica)
+        adm = self.loaded.config.admission
+        if self.admission is None or not replica.kv_blocks_total:
+            return
+        running = adm.maxRunningSequences or self.loaded.config.saturation.maxConcurrency
+        room = adm.growth_room(replica.kv_blocks_total)
+        if room < running:
+            # The config passed its check against the configured pool; this replica's real pool is smaller.
+            log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
+                      pool_blocks=replica.kv_blocks_total, room_blocks=room, running_sequences=running,
+                      hint="lower admission.hardWatermark or admission.maxRunningSequences")
+
+    def _check_calibration(self, replica: Replica) -> None:
+        """Refuse a replica the calibration profile was not measured on (its estimate is false headroom)."""
+        if self.profile is None:
+            return
+        reason = self.profile.mismatch(replica)
+        if reason != replica.refused:
+            replica.refused = reason
+            log_event(logger, logging.ERROR if reason else logging.INFO,
+                      "calibration_refused" if reason else "calibration_accepted", replica=replica.url,
+                      reason=reason, profile=self.loaded.config.admission.calibrationProfile,
+                      hint="run `holdback gateway calibrate` against this replica" if reason else None)
+            self.wake()
+
+    def _victim_view(self, req: FlowRequest, now: float) -> VictimCandidate:
+        view = plain_view(req, now)
+        if self.admission is None:
+            return view
+        total = sum(self.admission.pool_blocks(r) for r in self.pool.healthy()) or 1
+        return dataclasses.replace(view, tenant_over_soft_quota=self.admission.soft_over(req.fairness_id, total))
+
+    def _evict_over_hard_watermark(self, healthy: list[Replica], now: float) -> None:
+        """Per replica at or above the hard watermark: evict recoverable batch work until under it."""
         admission = self.admission
         assert admission is not None
-        return lambda r: admission.fits(req.kv_blocks, req.priority, r)
+        # The scraped usage shows the freed blocks only after a scrape: wait that long between decisions.
+        grace = max(self.evictor.grace, self.pool.scrape_interval + 0.05)
+        for replica in healthy:
+            excess = admission.occupancy(replica) - admission.cfg.hardWatermark * admission.pool_blocks(replica)
+            if excess < 0:
+                continue
+            victims = self.evictor.decide_kv(replica, excess + 1, grace, now)
+            for victim in victims:
+                self._evict(victim, now, replica=replica.url, trigger="kv-hard-watermark",
+                            occupancy=round(admission.occupancy(replica) / admission.pool_blocks(replica), 4))
+            if victims:
+                return
 
     def _start_kv_wait(self, req: FlowRequest, now: float) -> None:
         if req.kv_wait_deadline < math.inf or self.admission is None:
@@ -352,9 +471,14 @@ class FlowController:
         req.replica = replica
         replica.in_flight += 1
         replica.dispatches += 1
-        if req.kv_blocks:
-            replica.committed_blocks += req.kv_blocks
-            self.tenant_blocks[req.fairness_id] += req.kv_blocks
+        if self.admission is not None and self.ledger is not None:
+            req.reservation = self.ledger.reserve(
+                request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
+                priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
+                max_new_tokens=req.max_new_tokens, now=now)
+        elapsed = max(now - self._rate_at, 1e-3)
+        self._rate = self._rate * math.exp(-elapsed / 5.0) + 1.0 / 5.0
+        self._rate_at = now
         band.in_flight += 1
         self.in_flight += 1
         self.dispatched_total += 1
@@ -370,12 +494,14 @@ class FlowController:
             log_event(logger, logging.DEBUG, "dispatch", request_id=req.request_id, band=band.priority,
                       replica=replica.url, path=path, queue_ms=round((now - req.arrived) * 1000, 2))
 
-    def _reject(self, req: FlowRequest, reason: DropReason, band: PriorityBand) -> Outcome:
+    def _reject(self, req: FlowRequest, reason: DropReason, band: PriorityBand,
+                message: str | None = None) -> Outcome:
         req.status = Status.REJECTED
         req.drop_reason = reason
+        req.drop_message = message
         self._count_rejection(reason, band)
         log_event(logger, logging.INFO, "rejected", request_id=req.request_id, reason=reason.value,
-                  band=band.priority, fairness_id=req.fairness_id)
+                  band=band.priority, fairness_id=req.fairness_id, detail=message)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.REJECTED)
         return Outcome.REJECTED
@@ -396,7 +522,12 @@ class FlowController:
             if not self.pool.healthy():
                 reason = DropReason.NO_ENDPOINTS
             elif req.expires_at == req.kv_wait_deadline:
-                reason = DropReason.KV_ADMISSION
+                waited = self.loaded.config.admission.queueDeadlineMs
+                self._reject_kv(req, Decision(KvOutcome.REJECT, DropReason.KV_CAPACITY, (
+                    f"no replica had KV room for this request ({req.prompt_tokens} prompt + {req.max_new_tokens} "
+                    f"max new tokens) within admission.queueDeadlineMs ({waited} ms); retry later or lower "
+                    f"max_tokens.")), band)
+                continue
             else:
                 reason = DropReason.TTL_EXPIRED
             self._reject(req, reason, band)
@@ -407,16 +538,18 @@ class FlowController:
         if decision is None:
             return
         for victim in decision.victims:
-            victim.drop_reason = DropReason.EVICTED
-            victim.evicted_at = now
-            self.evictions["issued"] += 1
-            self.metrics.child(self.metrics.evictions, "issued").inc()
-            log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority,
-                      replica=getattr(victim.replica, "url", None), demand_band=decision.demand_priority,
-                      saturation=round(saturation, 4), deficit=round(decision.deficit, 4),
-                      victims=len(decision.victims))
-            if victim.task is not None:
-                victim.task.cancel()
+            self._evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
+                        demand_band=decision.demand_priority, saturation=round(saturation, 4),
+                        deficit=round(decision.deficit, 4), victims=len(decision.victims))
+
+    def _evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
+        victim.drop_reason = DropReason.EVICTED
+        victim.evicted_at = now
+        self.evictions["issued"] += 1
+        self.metrics.child(self.metrics.evictions, "issued").inc()
+        log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        if victim.task is not None:
+            victim.task.cancel()
 
     def _schedule_grace_wake(self) -> None:
         if self._grace_timer is not None:
@@ -429,13 +562,53 @@ class FlowController:
         self._grace_timer = loop.call_later(self.evictor.grace + 1e-4, self.wake)
 
     # -- state for /admin/state and /metrics ----------------------------------------------------------------
+    def _kv_state(self, now: float) -> dict:
+        admission, ledger = self.admission, self.ledger
+        assert ledger is not None
+        replicas = {}
+        total_pool = 0
+        for r in self.pool.replicas:
+            totals = ledger.by_replica.get(r.url)
+            reserved = totals.reserved_blocks if totals else 0
+            used = totals.used_blocks if totals else 0
+            pool = admission.pool_blocks(r) if admission else (r.kv_blocks_total or 0)
+            if r.healthy and r.refused is None:
+                total_pool += pool
+            replicas[r.url] = {
+                "total_blocks": pool, "reserved_blocks": reserved, "used_blocks": used,
+                "scraped_used_blocks": round((r.kv_usage or 0.0) * pool) if r.kv_usage is not None else None,
+                "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
+                "level": admission.level(r) if admission else LEVELS[0]}
+        tenants = {}
+        ledger.accrue_all(now)
+        for fid, totals in ledger.by_tenant.items():
+            tenants[fid] = {"reserved_blocks": totals.reserved_blocks, "reserved_tokens": totals.reserved_tokens,
+                            "share": round(totals.reserved_blocks / total_pool, 6) if total_pool else 0.0,
+                            "active_sequences": totals.active,
+                            "token_seconds": round(ledger.token_seconds(fairness_id=fid, now=now, accrued=True), 1)}
+        classes = {name: {"reserved_blocks": t.reserved_blocks, "reserved_tokens": t.reserved_tokens,
+                          "active_sequences": t.active} for name, t in ledger.by_class.items()}
+        waiting: dict[str, int] = {}
+        wait_s: dict[str, float] = {}
+        ahead = 0
+        for band in self.bands_desc:
+            ahead += band.queued
+            waiting[str(band.priority)] = band.queued
+            # Everything queued at or above this band goes first, at the recent dispatch rate.
+            rate = self._rate * math.exp(-(now - self._rate_at) / 5.0)
+            wait_s[str(band.priority)] = round(ahead / rate, 3) if ahead and rate > 1e-6 else 0.0
+        return {"enabled": admission is not None, "replicas": replicas, "tenants": tenants, "classes": classes,
+                "rejected_tokens": dict(self.rejected_tokens), "waiting_by_priority": waiting,
+                "estimated_wait_s_by_priority": wait_s, "tokenizer_fallbacks": self.tokenizer_fallbacks}
+
     def snapshot(self) -> dict:
         now = self.clock()
         healthy = self.pool.healthy()
         saturation = self.detector.saturation(healthy, now)
         cfg = self.loaded.config
         return {
-            "config": {"digest": self.loaded.digest, "source": self.loaded.source},
+            "config": {"digest": self.loaded.digest, "source": self.loaded.source,
+                       "history": [{"digest": c.digest, "applied_at": at} for c, at in self.history]},
             "detector": self.detector.name,
             "saturation": round(saturation, 6),
             "stale_replicas": self.detector.stale_count(healthy, now),
@@ -453,13 +626,19 @@ class FlowController:
                 {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
                  "limit": cfg.saturation.maxConcurrency * (1 + cfg.saturation.headroom),
                  "kv_usage": r.kv_usage, "waiting": r.waiting, "running": r.running,
-                 "committed_blocks": r.committed_blocks,
+                 "model": r.model, "refused": r.refused,
                  "metrics_age_s": round(now - r.metrics_at, 3) if r.metrics_at else None}
                 for r in self.pool.replicas
             ],
             "eviction": {"enabled": self.eviction_enabled, "pending": len(self.evictor.pending),
                          "candidates": len(self.evictor.candidates)},
             "admission": self.admission.state() if self.admission else {"enabled": False},
+            "kv": self._kv_state(now),
             "totals": {"dispatched": self.dispatched_total, "evictions": dict(self.evictions),
                        "rejections": dict(self.rejections)},
         }
+
+
+def _within(decision: Decision) -> Callable[[Replica], bool]:
+    fitting = set(decision.replicas)
+    return lambda replica: replica in fitting

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 PREFIX = "holdback_gateway"
+_RELEASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -36,6 +37,13 @@ class GatewayMetrics:
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
                               "byte from the replica, by objective.", ["objective"], buckets=_LATENCY_BUCKETS,
                               registry=r)
+        self.kv_release = Histogram(
+            f"{PREFIX}_kv_release_seconds", "From a request's end, cancellation, disconnect or eviction decision "
+            "to its KV blocks released in the ledger, by cause.", ["cause"], buckets=_RELEASE_BUCKETS, registry=r)
+        self.kv_rejected_tokens = Counter(f"{PREFIX}_kv_rejected_tokens", "Tokens (prompt + max new) of requests "
+                                          "refused by KV admission, by drop reason.", ["reason"], registry=r)
+        self.tokenizer_fallbacks = Counter(f"{PREFIX}_tokenizer_fallbacks", "Prompts counted by the character "
+                                           "estimate because no replica tokenizer answered.", registry=r)
         self.upstream_errors = Counter(f"{PREFIX}_upstream_errors", "Transport failures talking to a replica.",
                                        ["replica"], registry=r)
         self._children: dict[tuple, object] = {}
@@ -88,6 +96,25 @@ class _StateCollector:
         stale.add_metric([], s["stale_replicas"])
         pending = GaugeMetricFamily(f"{PREFIX}_eviction_pending", "Evictions issued and not yet confirmed.")
         pending.add_metric([], s["eviction"]["pending"])
+        kv = s.get("kv") or {}
+        reserved = GaugeMetricFamily(f"{PREFIX}_kv_reserved_blocks", "KV blocks reserved in the ledger per replica.",
+                                     labels=["replica"])
+        used = GaugeMetricFamily(f"{PREFIX}_kv_used_blocks", "KV blocks used (prompt + output relayed) by the "
+                                 "ledger's reservations per replica.", labels=["replica"])
+        total = GaugeMetricFamily(f"{PREFIX}_kv_total_blocks", "KV pool size per replica.", labels=["replica"])
+        for url, rep in kv.get("replicas", {}).items():
+            reserved.add_metric([url], rep["reserved_blocks"])
+            used.add_metric([url], rep["used_blocks"])
+            total.add_metric([url], rep["total_blocks"])
+        share = GaugeMetricFamily(f"{PREFIX}_tenant_reserved_share", "Share of the KV pool reserved per fairness id.",
+                                  labels=["fairness_id"])
+        for fid, tenant in kv.get("tenants", {}).items():
+            share.add_metric([fid], tenant["share"])
+        waiting = GaugeMetricFamily(f"{PREFIX}_estimated_wait_seconds", "Queued work at or above the band over "
+                                    "the recent dispatch rate.", labels=["band"])
+        for band, seconds in kv.get("estimated_wait_s_by_priority", {}).items():
+            waiting.add_metric([band], seconds)
+        yield from (reserved, used, total, share, waiting)
         info = GaugeMetricFamily(f"{PREFIX}_config_info", "The running config's digest.", labels=["digest"])
         info.add_metric([s["config"]["digest"]], 1.0)
         yield from (sat, queue, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)

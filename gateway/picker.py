@@ -1,27 +1,72 @@
-"""Endpoint picking after dispatch: filter replicas that are down or over their limit, then score the rest.
+"""Endpoint picking after dispatch: filter replicas that are down, over their limit or without KV room, then let
+the configured scorer (`picker.policy`) rank read-only `ReplicaView`s; lowest score wins, ties rotate.
 
-Score = inFlightWeight × (in-flight ÷ maxConcurrency) + kvUsageWeight × scraped KV usage; lowest wins.
-Ties rotate so equal replicas share the load.
+`least-loaded`: inFlightWeight × in-flight ÷ maxConcurrency + kvUsageWeight × KV occupancy.
+`kv-headroom`: KV occupancy first (the most free blocks wins), in-flight ÷ maxConcurrency to break ties.
+KV occupancy is the larger of the scraped usage and the ledger's reservations there (scraped usage alone
+when admission is off).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 from gateway.replicas import Replica
 from gateway.saturation import SaturationDetector
 
 
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a scorer may know about one replica."""
+
+    url: str
+    in_flight: int
+    max_concurrency: int
+    kv_occupancy: float
+
+
+class ReplicaScorer(Protocol):
+    name: str
+
+    def score(self, view: ReplicaView) -> float: ...
+
+
+@dataclass(frozen=True)
+class LeastLoaded:
+    in_flight_weight: float = 1.0
+    kv_usage_weight: float = 1.0
+    name: str = "least-loaded"
+
+    def score(self, view: ReplicaView) -> float:
+        return (self.in_flight_weight * view.in_flight / view.max_concurrency
+                + self.kv_usage_weight * view.kv_occupancy)
+
+
+@dataclass(frozen=True)
+class KvHeadroom:
+    name: str = "kv-headroom"
+
+    def score(self, view: ReplicaView) -> float:
+        return view.kv_occupancy + 1e-3 * view.in_flight / view.max_concurrency
+
+
+SCORERS: dict[str, Callable[[float, float], ReplicaScorer]] = {
+    "least-loaded": lambda in_flight_weight, kv_usage_weight: LeastLoaded(in_flight_weight, kv_usage_weight),
+    "kv-headroom": lambda in_flight_weight, kv_usage_weight: KvHeadroom(),
+}
+
+
 class EndpointPicker:
-    def __init__(self, *, max_concurrency: int, in_flight_weight: float = 1.0, kv_usage_weight: float = 1.0):
+    def __init__(self, *, max_concurrency: int, in_flight_weight: float = 1.0, kv_usage_weight: float = 1.0,
+                 policy: str = "least-loaded", occupancy: Callable[[Replica], float] | None = None):
         self.max_concurrency = max_concurrency
-        self.in_flight_weight = in_flight_weight
-        self.kv_usage_weight = kv_usage_weight
+        self.scorer = SCORERS[policy](in_flight_weight, kv_usage_weight)
+        self.occupancy = occupancy or (lambda r: r.kv_usage or 0.0)
         self._turn = 0
 
-    def score(self, replica: Replica) -> float:
-        return (self.in_flight_weight * replica.in_flight / self.max_concurrency
-                + self.kv_usage_weight * (replica.kv_usage or 0.0))
+    def view(self, replica: Replica) -> ReplicaView:
+        return ReplicaView(replica.url, replica.in_flight, self.max_concurrency, self.occupancy(replica))
 
     def pick(self, replicas: Sequence[Replica], detector: SaturationDetector, now: float,
              fits: Callable[[Replica], bool] | None = None) -> Replica | None:
@@ -36,7 +81,7 @@ class EndpointPicker:
                 continue
             if fits is not None and not fits(r):
                 continue
-            s = self.score(r)
+            s = self.scorer.score(self.view(r))
             if best is None or s < best_score:
                 best, best_score = r, s
         return best

@@ -4,12 +4,15 @@ Non-streaming answers are read whole and returned; event streams are relayed chu
 response headers are sent with the first body chunk, so an eviction before the first token still gets a
 clean 429. Eviction and client disconnects both arrive as cancellation of the handler task: the upstream
 response is closed (the TCP connection is dropped, never pooled), so the replica aborts the request.
+With KV admission on, the body is parsed and its prompt counted before flow control, and the relay counts
+streamed tokens (one per `data: {` event) so the ledger's reservation follows the response.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -24,6 +27,7 @@ from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.responses import drop_response, error_response, evicted_sse_event
+from gateway.tokenization import PromptCounter
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -33,6 +37,9 @@ _HOP_BY_HOP = frozenset({
 })
 # Our own request headers are not forwarded (the gateway key is ours, not the replica's).
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
+RESUMABLE_HEADER = "x-holdback-resumable"
+_EVENT = b"data: {"
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
 
 
 def _request_id(headers) -> str:
@@ -46,10 +53,31 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.classifier = Classifier(controller.loaded)
         self.upstream_api_key = controller.loaded.upstream_api_key
+        self.counter = PromptCounter(controller.loaded.config.admission, self._count_fallback)
 
     def reconfigure(self) -> None:
         self.classifier = Classifier(self.controller.loaded)
         self.upstream_api_key = self.controller.loaded.upstream_api_key
+        self.counter = PromptCounter(self.controller.loaded.config.admission, self._count_fallback)
+
+    def _count_fallback(self) -> None:
+        self.controller.tokenizer_fallbacks += 1
+        self.metrics.tokenizer_fallbacks.inc()
+
+    async def _count_tokens(self, req: FlowRequest, body: bytes, path: str) -> web.Response | None:
+        """Fill the request's prompt and output-limit tokens; an answer when the body is not a JSON object."""
+        try:
+            doc = json.loads(body) if body else {}
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        if not isinstance(doc, dict):
+            return error_response(400, "The request body must be a JSON object.", "invalid_request_error",
+                                  "invalid_json", req.request_id)
+        healthy = self.controller.pool.healthy()
+        url = min(healthy, key=lambda r: r.in_flight).url if healthy else None
+        count = await self.counter.count(doc, path, self.session, url)
+        req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
+        return None
 
     # -- routes ---------------------------------------------------------------------------------------------
     async def inference(self, request: web.Request) -> web.StreamResponse:
@@ -64,18 +92,21 @@ class Proxy:
         body = await request.read()
         controller = self.controller
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
-                          expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in)
+                          expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
+                          resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1")
         if controller.admission is not None:
-            req.kv_blocks = controller.admission.estimate_blocks(body)
+            refused = await self._count_tokens(req, body, request.path)
+            if refused is not None:
+                return refused
         req.task = asyncio.current_task()
         outcome = controller.submit(req)
         if outcome is Outcome.REJECTED:
-            return drop_response(req.drop_reason, request_id)  # type: ignore[arg-type]
+            return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
         try:
             if outcome is Outcome.QUEUED:
                 outcome = await req.waiter  # type: ignore[misc]
                 if outcome is Outcome.REJECTED:
-                    return drop_response(req.drop_reason, request_id)  # type: ignore[arg-type]
+                    return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
             return await self._forward(request, req, body)
         except asyncio.CancelledError:
             if req.status is Status.QUEUED:
@@ -86,7 +117,7 @@ class Proxy:
                 _uncancel()
                 controller.finish(req)
                 return drop_response(DropReason.EVICTED, request_id)
-            controller.finish(req)
+            controller.finish(req, "disconnect", time.monotonic())
             raise
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -169,27 +200,41 @@ class Proxy:
                 data = await resp.read()
                 self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
                 resp.release()
-                controller.finish(req)
+                controller.finish(req, "end", time.monotonic())
                 return web.Response(status=resp.status, body=data, headers=headers)
             stream = web.StreamResponse(status=resp.status, headers=headers)
             first = True
+            tokens = 0
+            follow = req.reservation is not None
             async for chunk in resp.content.iter_any():
                 if first:
                     first = False
                     self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
                     await stream.prepare(request)
-                await stream.write(chunk)
+                    req.streaming_started = True
+                if follow:
+                    tokens += chunk.count(_EVENT)
+                    controller.revise(req, tokens, done=any(f in chunk for f in _FINISHED))
+                try:
+                    await stream.write(chunk)
+                except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
+                    resp.close()
+                    controller.finish(req, "cancel", time.monotonic())
+                    log_event(logger, logging.INFO, "caller_left_stream", request_id=request_id)
+                    return stream
             resp.release()
-            controller.finish(req)
+            controller.finish(req, "end", time.monotonic())
             if first:
                 await stream.prepare(request)
             await stream.write_eof()
             return stream
         except asyncio.CancelledError:
+            seen = time.monotonic()
             if resp is not None:
                 resp.close()
             if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
-                controller.finish(req)  # the caller left: the closed upstream frees the replica's slot
+                # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
+                controller.finish(req, "cancel" if req.streaming_started else "disconnect", seen)
                 raise
             _uncancel()
             controller.finish(req)
@@ -204,7 +249,7 @@ class Proxy:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             if resp is not None:
                 resp.close()
-            controller.finish(req)
+            controller.finish(req, "error", time.monotonic())
             if stream is not None and stream.prepared:
                 # Status and part of the body are out; dropping the connection is the only honest signal.
                 log_event(logger, logging.WARNING, "stream_broken", request_id=request_id,

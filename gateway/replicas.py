@@ -24,6 +24,7 @@ logger = logging.getLogger("gateway.replicas")
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _NUM_GPU_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+_BLOCK_SIZE = re.compile(r'block_size="(\d+)"')
 
 
 @dataclass(eq=False)
@@ -33,13 +34,18 @@ class Replica:
     failures: int = 0
     # Requests the gateway has dispatched here and not yet seen finish.
     in_flight: int = 0
-    # Worst-case KV blocks reserved by those requests (KV admission).
-    committed_blocks: int = 0
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
     kv_blocks_total: int | None = None
+    kv_block_size: int | None = None
+    # What the replica says it serves (GET /v1/models, /version), read once it is healthy.
+    model: str | None = None
+    runtime_version: str | None = None
+    max_model_len: int | None = None
+    # Set when the calibration profile does not match this replica: it gets no work until it does.
+    refused: str | None = None
     metrics_at: float = 0.0
     # Dispatches counted here since start, and their value when the last scrape began: the difference is
     # work the scraped numbers cannot show yet.
@@ -67,6 +73,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             blocks = _NUM_GPU_BLOCKS.search(m.group(2) or "")
             if blocks:
                 out["num_gpu_blocks"] = float(blocks.group(1))
+            size = _BLOCK_SIZE.search(m.group(2) or "")
+            if size:
+                out["block_size"] = float(size.group(1))
             continue
         if name not in wanted:
             continue
@@ -93,6 +102,8 @@ class ReplicaPool:
     def __init__(self, urls: list[str], *, on_change: Callable[[], None] = lambda: None):
         self.replicas: list[Replica] = [Replica(url) for url in urls]
         self.on_change = on_change
+        # Called once a replica's identity is known (the calibration check hooks in here).
+        self.on_identify: Callable[[Replica], None] = lambda replica: None
         self.health_interval = 1.0
         self.health_timeout = 2.0
         self.failures_to_down = 2
@@ -108,7 +119,7 @@ class ReplicaPool:
         self.on_change()
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
+        return [r for r in self.replicas if r.healthy and r.refused is None]
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         """Take a replica out at once (its port refused a connection)."""
@@ -185,6 +196,25 @@ class ReplicaPool:
                       failures=replica.failures)
             self.on_change()
 
+    async def _identify(self, replica: Replica) -> None:
+        """Model, context limit and runtime version, for the context check and the calibration profile."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
+        try:
+            async with self._session.get(replica.url + "/v1/models", timeout=timeout) as resp:
+                models = await resp.json() if resp.status < 300 else {}
+            async with self._session.get(replica.url + "/version", timeout=timeout) as resp:
+                version = await resp.json() if resp.status < 300 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return
+        data = models.get("data") if isinstance(models, dict) else None
+        if not data or not isinstance(data[0], dict):
+            return
+        replica.max_model_len = data[0].get("max_model_len")
+        replica.runtime_version = str(version.get("version")) if isinstance(version, dict) else None
+        replica.model = str(data[0].get("root") or data[0].get("id"))
+        self.on_identify(replica)
+
     async def _scrape(self, replica: Replica) -> None:
         assert self._session is not None
         try:
@@ -204,5 +234,9 @@ class ReplicaPool:
         replica.running = values.get("vllm:num_requests_running")
         if "num_gpu_blocks" in values:
             replica.kv_blocks_total = int(values["num_gpu_blocks"])
+        if "block_size" in values:
+            replica.kv_block_size = int(values["block_size"])
+        if replica.model is None:
+            await self._identify(replica)
         replica.metrics_at = time.monotonic()
         replica.dispatches_at_scrape = dispatches_before

@@ -30,8 +30,9 @@ class DropReason(str, enum.Enum):
     TTL_EXPIRED = "rejected-ttl-expired"
     NO_ENDPOINTS = "rejected-no-endpoints"
     CONTEXT_CANCELLED = "rejected-context-cancelled"
-    KV_ADMISSION = "rejected-kv-admission"
-    TENANT_QUOTA = "rejected-tenant-quota"
+    KV_CAPACITY = "rejected-kv-capacity"
+    QUOTA = "rejected-quota"
+    CONTEXT_LENGTH = "rejected-context-length"
 
 
 @dataclass(eq=False)
@@ -48,13 +49,21 @@ class FlowRequest:
     expires_at: float = math.inf
     # Requested deadline (monotonic), used by earliest-deadline ordering; inf when none.
     deadline: float = math.inf
-    kv_blocks: int = 0
+    # KV admission: exact (or estimated) prompt tokens, the output limit, the budget class, whether the
+    # caller can resume it (x-holdback-resumable), and the ledger's reservation once dispatched.
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    traffic_class: str = "interactive"
+    resumable: bool = False
+    streaming_started: bool = False
+    reservation: object | None = None
     seq: int = 0
     status: Status = Status.NEW
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0
     replica: object | None = None
     drop_reason: DropReason | None = None
+    drop_message: str | None = None
     # KV admission: set the first time the request waits for KV room.
     kv_wait_deadline: float = math.inf
     evicted_at: float = 0.0

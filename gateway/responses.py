@@ -22,10 +22,13 @@ _DROPS: dict[DropReason, tuple[int, str, str]] = {
                              "without capacity to dispatch it; retry later or allow a longer TTL."),
     DropReason.NO_ENDPOINTS: (503, "2", "No model replica is available behind the gateway; retry later."),
     DropReason.CONTEXT_CANCELLED: (503, "1", "The request was cancelled by the caller."),
-    DropReason.KV_ADMISSION: (429, "2", "KV-cache admission refused the request: its worst-case KV "
-                              "commitment (prompt + max_tokens) does not fit; lower max_tokens or retry later."),
-    DropReason.TENANT_QUOTA: (429, "2", "This tenant already holds its maximum share of the KV-cache pool; "
-                              "retry after some of its requests finish."),
+    DropReason.KV_CAPACITY: (429, "2", "KV-cache admission refused the request: its worst-case KV "
+                             "commitment (prompt + max_tokens) does not fit; lower max_tokens or retry later."),
+    DropReason.QUOTA: (429, "2", "A KV quota of this tenant or traffic class is reached; retry after some of "
+                       "its requests finish."),
+    # Retrying cannot help a request longer than the context limit: 400, not 429.
+    DropReason.CONTEXT_LENGTH: (400, "", "The request exceeds the context limit; shorten the prompt or lower "
+                                "max_tokens."),
 }
 
 
@@ -42,11 +45,14 @@ def error_response(status: int, message: str, err_type: str, code: str, request_
                         content_type="application/json")
 
 
-def drop_response(reason: DropReason, request_id: str) -> web.Response:
-    status, retry_after, message = _DROPS[reason]
-    err_type = "rate_limit_error" if status == 429 else "service_unavailable"
-    return error_response(status, message, err_type, reason.value, request_id,
-                          {DROPPED_HEADER: reason.value, "Retry-After": retry_after})
+def drop_response(reason: DropReason, request_id: str, message: str | None = None) -> web.Response:
+    """The drop's envelope; `message` (say which quota, its limit and the usage) replaces the generic text."""
+    status, retry_after, generic = _DROPS[reason]
+    err_type = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "service_unavailable")
+    headers = {DROPPED_HEADER: reason.value}
+    if retry_after:
+        headers["Retry-After"] = retry_after
+    return error_response(status, message or generic, err_type, reason.value, request_id, headers)
 
 
 def evicted_sse_event() -> bytes:

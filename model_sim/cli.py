@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     flt.add_argument("--fault-500-rate", type=float, default=0.0, help="fraction of requests answered 500")
     flt.add_argument("--fault-503-rate", type=float, default=0.0, help="fraction of requests answered 503")
     flt.add_argument("--fault-delay-ms", type=float, default=0.0, help="delay added before each request")
+    flt.add_argument("--admin-key", default=os.environ.get("HOLDBACK_ADMIN_KEY") or None,
+                     help="key /admin/faults requires as `Authorization: Bearer KEY` (default: $HOLDBACK_ADMIN_KEY; "
+                          "unset: open)")
     return flags_from_env(p, "sim")
 
 
@@ -117,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_length_mode=OutputLengthMode(args.output_length_mode),
         seed=args.seed,
         timer_spin_ms=args.timer_spin_ms,
+        admin_key=args.admin_key,
     )
 
 

@@ -41,6 +41,8 @@ class SimConfig:
     seed: int = 0
     # Last part of each step waited by yielding instead of a timer, for sub-millisecond accuracy.
     timer_spin_ms: float = 1.5
+    # When set, GET/POST /admin/faults need `Authorization: Bearer <admin_key>`.
+    admin_key: str | None = None
 
     def validate(self) -> None:
         self.engine.validate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -276,10 +277,21 @@ class Routes:
         include_blocks = request.query.get("blocks", "0") not in ("0", "false", "")
         return web.json_response(self.replica.state(include_blocks))
 
+    def _check_admin(self, request: web.Request) -> None:
+        key = self.replica.config.admin_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "The simulator's /admin/faults needs its admin key: send "
+                           "`Authorization: Bearer KEY` (the key given by --admin-key).", error_type="authentication_error")
+
     async def get_faults(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
         return web.json_response(self.replica.faults.as_dict())
 
     async def set_faults(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
         body = await _json_object(request)
         try:
             self.replica.faults.update(body)

@@ -37,13 +37,16 @@ class GatewayView:
         return self.error is None
 
 
-async def fetch_gateway(base_url: str, client: httpx.AsyncClient | None = None) -> GatewayView:
+async def fetch_gateway(base_url: str, client: httpx.AsyncClient | None = None,
+                        admin_key: str | None = None) -> GatewayView:
+    """The gateway's state and metrics; `admin_key` opens /admin/state once the gateway has keys."""
     url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     view = GatewayView(url)
     own = client is None
     client = client or httpx.AsyncClient(timeout=TIMEOUT)
     try:
-        state = await client.get(f"{url}/admin/state", timeout=TIMEOUT)
+        state = await client.get(f"{url}/admin/state", headers=headers, timeout=TIMEOUT)
         state.raise_for_status()
         view.state = state.json()
         metrics = await client.get(f"{url}/metrics", timeout=TIMEOUT)

@@ -401,14 +401,14 @@ def retry_failed(request: Request, name: str, _session: CheckedPost, context: Co
 
 @router.get("/gateway")
 async def gateway_page(request: Request, session: SessionCookie, context: ContextDep) -> HTMLResponse:
-    view = await fetch_gateway(context.settings.gateway_url)
+    view = await fetch_gateway(context.settings.gateway_url, admin_key=context.settings.admin_key)
     return render(request, "gateway.html", session, page="gateway", gw=view,
                   charts=await run_in_threadpool(_charts, request))
 
 
 @router.get("/fragments/gateway")
 async def gateway_fragment(request: Request, session: SessionCookie, context: ContextDep) -> HTMLResponse:
-    view = await fetch_gateway(context.settings.gateway_url)
+    view = await fetch_gateway(context.settings.gateway_url, admin_key=context.settings.admin_key)
     return render(request, "_gateway.html", session, gw=view)
 
 

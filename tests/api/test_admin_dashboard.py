@@ -271,3 +271,26 @@ def test_charts_scale_to_nice_ticks_and_break_lines_at_gaps():
                      now=now, window=600, label=str, title="t", empty="nothing")
     assert svg.count("<polyline") == 1 and svg.count("<circle") == 1, "a 75 s gap splits the line"
     assert "nothing" in line_chart([], now=now, window=600, label=str, title="t", empty="nothing")
+
+
+def test_gateway_page_reads_the_gateway_with_the_admin_key_and_shows_kv_admission(start_api, tmp_path):
+    from tests.support import Processes, free_port, free_ports, wait_http
+
+    api = start_api()
+    with Processes(log_dir=tmp_path / "logs") as procs:
+        sim_port, gw_port = free_ports(1), free_port()
+        sim = procs.start("sim", "--port", str(sim_port), "--log-level", "WARNING", name="sim")
+        wait_http(f"http://127.0.0.1:{sim_port}/health", proc=sim)
+        config = tmp_path / "gateway.yaml"
+        config.write_text(f"adminKeys: [{{key: {api.settings.admin_key}}}]\nkeys: [{{key: rt, tenant: rt}}]\n")
+        gw = procs.start("gateway", "--config", str(config), "--port", str(gw_port), "--replicas",
+                         f"http://127.0.0.1:{sim_port}", name="gateway")
+        gw_url = f"http://127.0.0.1:{gw_port}"
+        wait_http(gw_url + "/health", proc=gw)
+        assert httpx.get(gw_url + "/admin/state", timeout=5).status_code == 401  # the page needs the key
+        page_api = start_api(gateway_url=gw_url)
+        client, _ = signed_in(page_api)
+        page = client.get("/dashboard/gateway").text
+        assert 'data-testid="gateway-unreachable"' not in page
+        assert 'data-testid="kv-admission"' in page and f'data-kv-replica="http://127.0.0.1:{sim_port}"' in page
+        assert "No reservation held." in page and "Nothing rejected by admission." in page

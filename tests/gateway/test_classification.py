@@ -83,3 +83,27 @@ def test_ttl_and_deadline_headers_smaller_wins():
     with pytest.raises(ClassificationError) as exc:
         classify(x_llm_d_inference_ttl="soon")
     assert exc.value.status == 400 and "x-llm-d-inference-ttl" in exc.value.message
+
+
+@pytest.mark.parametrize("authorization", ["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "bearer", "Token rt-key"])
+def test_malformed_authorization_is_401_when_keys_are_configured(authorization):
+    with pytest.raises(ClassificationError) as exc:
+        classify(Authorization=authorization)
+    assert exc.value.status == 401 and exc.value.code == "invalid_authorization"
+    assert "Bearer KEY" in exc.value.message
+    # Without keys the gateway authenticates nobody, so the header is ignored.
+    assert classify("anonymous: {objectives: ['*']}\n", Authorization=authorization).tenant == "anonymous"
+
+
+def test_admin_routes_need_an_admin_key_once_any_key_is_configured():
+    open_gateway = Classifier(parse_config("", "t"))
+    open_gateway.admin(None)  # no keys at all: open, like the inference routes
+    closed = Classifier(parse_config(CONFIG, "t"))
+    with pytest.raises(ClassificationError, match="no adminKeys"):
+        closed.admin("Bearer rt-key")
+    gated = Classifier(parse_config(CONFIG + "adminKeys: [{key: adm}]\n", "t"))
+    gated.admin("Bearer adm")
+    for header, status in ((None, 401), ("Basic x", 401), ("Bearer rt-key", 403)):
+        with pytest.raises(ClassificationError) as exc:
+            gated.admin(header)
+        assert exc.value.status == status

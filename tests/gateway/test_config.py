@@ -16,7 +16,14 @@ def test_shipped_default_is_the_seed_operating_point():
     assert cfg.band_priorities() == [100, 0, -10]
     assert loaded.keys == ()  # every key comes from an unset env var here
     assert set(loaded.skipped_key_envs) == {"HOLDBACK_GATEWAY_REALTIME_KEY", "HOLDBACK_GATEWAY_STANDARD_KEY",
-                                            "HOLDBACK_GATEWAY_BATCH_KEY"}
+                                            "HOLDBACK_GATEWAY_BATCH_KEY", "HOLDBACK_ADMIN_KEY"}
+    # KV admission is on with the seed's values; callers without a key may only use batch.
+    adm = cfg.admission
+    assert adm.enabled and (adm.admissionWatermark, adm.batchPauseWatermark, adm.hardWatermark) == (0.82, 0.88, 0.92)
+    assert (adm.interactiveReserve, adm.tenantMaxShare, adm.queueDeadlineMs, adm.maxNewTokensDefault) == (
+        0.25, 0.15, 8000, 1024)
+    assert (adm.kvPoolGiB, adm.blockTokens) == (52, 16)
+    assert cfg.anonymous.objectives == ["batch"] and cfg.eviction.policy == "newest-first"
 
 
 def test_key_env_resolves_from_the_given_environment():
@@ -28,7 +35,7 @@ def test_empty_file_means_built_in_defaults():
     cfg = parse_config("", "empty.yaml").config
     assert cfg.usageLimit.policy == "priority-holdback" and cfg.usageLimit.minCeiling == 0.5
     assert cfg.flowControl.defaultRequestTTL == 60
-    assert cfg.admission.enabled is False and cfg.admission.queueDeadlineMs == 8000
+    assert cfg.admission.enabled is True and cfg.admission.queueDeadlineMs == 8000
 
 
 def test_band_settings_merge_over_default_band():

@@ -97,3 +97,48 @@ def test_unconfirmed_victims_time_out_and_reopen_the_gate():
     assert e.expire(now=10.5) == d.victims
     assert e.gate_open(now=10.5)
     assert e.confirm(d.victims[0], now=11.0) is None  # late confirmation is not counted twice
+
+
+def test_the_none_policy_never_evicts_and_policies_see_read_only_views():
+    from gateway.victims import NoEviction, VictimCandidate, victim_policy
+
+    e = Evictor(policy=NoEviction())
+    e.track(inflight("b", -10, 1.0))
+    assert e.decide(1.25, BANDS, blocked_priority=100, tracked_in_flight=4, now=5.0) is None
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def order(self, candidates, now):
+            seen.extend(candidates)
+            return list(candidates)
+
+    e = Evictor(policy=Spy())
+    e.track(inflight("b", -10, 1.0))
+    e.decide(1.25, BANDS, blocked_priority=100, tracked_in_flight=4, now=5.0)
+    assert [type(c) for c in seen] == [VictimCandidate]
+    with pytest.raises(AttributeError):
+        seen[0].priority = 100  # frozen: a policy cannot change the request
+    with pytest.raises(ValueError, match="newest-first"):
+        victim_policy("random")
+
+
+def test_kv_excess_takes_victims_on_that_replica_until_their_reservations_cover_it():
+    from gateway.kv_ledger import KvLedger
+
+    ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
+    here, there = object(), object()
+    e = Evictor(max_per_decision=3)
+    reqs = []
+    for name, replica, blocks, at in (("a", here, 30, 1.0), ("b", here, 30, 2.0), ("c", there, 90, 3.0),
+                                      ("d", here, 30, 0.5)):
+        r = inflight(name, -10, at)
+        r.replica = replica
+        r.reservation = ledger.reserve(request_id=name, fairness_id="t", traffic_class="batch", priority=-10,
+                                       replica="x", prompt_tokens=blocks * 16, max_new_tokens=0, now=0.0)
+        e.track(r)
+        reqs.append(r)
+    victims = e.decide_kv(here, excess_blocks=45, grace=0.1, now=5.0)
+    assert [v.request_id for v in victims] == ["b", "a"]  # newest first, 60 blocks >= 45; never "c" elsewhere
+    assert e.decide_kv(here, excess_blocks=10, grace=0.1, now=5.0) == []  # stop-and-wait: victims pending

@@ -220,23 +220,40 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
 def test_kv_admission_queues_then_rejects_after_its_deadline():
     async def main():
         fc, clock = controller("admission: {enabled: true, kvPoolBlocks: 100, queueDeadlineMs: 500, "
-                               "tenantMaxShare: 1.0}\nusageLimit: {policy: static}")
+                               "tenantMaxShare: 1.0, tenantSoftShare: 1.0}\nusageLimit: {policy: static}")
         big = req(fc, clock, "batch")
-        big.kv_blocks = 70
-        assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (sheddable cap)
+        big.prompt_tokens = 70 * 16
+        assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (batch keeps the interactive reserve)
         nxt = req(fc, clock, "batch")
-        nxt.kv_blocks = 10
+        nxt.prompt_tokens = 10 * 16
         assert fc.submit(nxt) is Outcome.QUEUED       # 80 > 75: wait for room
         rt = req(fc, clock, "realtime")
-        rt.kv_blocks = 20
+        rt.prompt_tokens = 20 * 16
         assert fc.submit(rt) is Outcome.DISPATCHED     # 90 <= 92: the interactive reserve
         never = req(fc, clock, "batch")
-        never.kv_blocks = 80
-        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_ADMISSION
+        never.prompt_tokens = 80 * 16
+        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_CAPACITY
         clock.t += 0.6
         fc.cycle()
-        assert nxt.drop_reason is DropReason.KV_ADMISSION
-        assert fc.pool.replicas[0].committed_blocks == 90
+        assert nxt.drop_reason is DropReason.KV_CAPACITY and "queueDeadlineMs" in nxt.drop_message
+        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 90
         fc.finish(big)
-        assert fc.pool.replicas[0].committed_blocks == 20
+        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 20
+        assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 90 * 16}
+    run(main())
+
+
+def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
+    async def main():
+        fc, clock = controller("admission: {kvPoolBlocks: 1000, tenantMaxShare: 0.5, tenantSoftShare: 0.1}\n"
+                               "usageLimit: {policy: static}")
+        fc.pool.replicas[0].kv_blocks_total = 1000
+        r = req(fc, clock, "batch", fid="heavy")
+        r.prompt_tokens, r.max_new_tokens, r.resumable = 150 * 16, 50 * 16, True
+        assert fc.submit(r) is Outcome.DISPATCHED
+        view = fc._victim_view(r, clock())
+        assert (view.resumable, view.reserved_blocks, view.prompt_tokens, view.max_new_tokens) == (
+            True, 200, 2400, 800)
+        assert view.tenant_over_soft_quota == pytest.approx(1.0)  # 0.2 of the pool against a soft 0.1
+        assert view.replica == fc.pool.replicas[0].url and not view.streaming_started
     run(main())

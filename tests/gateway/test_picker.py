@@ -35,3 +35,15 @@ def test_admission_fit_is_an_extra_filter():
     a = Replica("http://a", healthy=True, in_flight=0)
     b = Replica("http://b", healthy=True, in_flight=3)
     assert p.pick([a, b], d, 0, fits=lambda r: r is b) is b
+
+
+def test_scorers_by_name_see_kv_occupancy_including_reservations():
+    d = ConcurrencyDetector(max_concurrency=4)
+    occupancy = {"http://a": 0.5, "http://b": 0.2}
+    a = Replica("http://a", healthy=True, in_flight=0)
+    b = Replica("http://b", healthy=True, in_flight=3)
+    least = EndpointPicker(max_concurrency=4, occupancy=lambda r: occupancy[r.url])
+    assert least.pick([a, b], d, 0) is a          # 0 + 0.5 < 0.75 + 0.2
+    headroom = EndpointPicker(max_concurrency=4, policy="kv-headroom", occupancy=lambda r: occupancy[r.url])
+    assert headroom.pick([a, b], d, 0) is b       # most free KV blocks wins
+    assert headroom.view(a).kv_occupancy == 0.5

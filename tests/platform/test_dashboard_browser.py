@@ -41,6 +41,7 @@ GATEWAY_CONFIG = """
 keys:
   - {key_env: HOLDBACK_GATEWAY_REALTIME_KEY, tenant: realtime, objectives: [realtime, standard, batch], defaultObjective: realtime}
   - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+adminKeys: [{key_env: HOLDBACK_ADMIN_KEY}]
 anonymous: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: 4}
 eviction: {enabled: true, maxPerDecision: 2}

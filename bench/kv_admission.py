@@ -1,0 +1,458 @@
+"""KV admission off against on, the same load in one run, on simulated replicas whose KV cache runs out.
+
+Load phase (once per mode, fresh replicas and gateway each time, identical gateway configs except
+`admission.enabled`): `--replicas` simulated replicas with `--num-blocks` KV blocks each; batch tenants run
+closed loops of long requests (long prompts and outputs, more than the pool holds at the gateway's request
+limit), a realtime caller streams short requests, and (admission on) a cancellation loop opens long streams
+and closes them after the first chunk. Reported per mode: completed, failed (a non-2xx answer that is not a
+gateway drop), rejected (429 with a drop reason; the caller retries), the simulator's preemptions, realtime
+TTFT p95 with a bootstrap 95 % interval, the largest tenant reserved share in 100 ms samples of
+/admin/state, and release after cancellation (client close → the reservation gone from /admin/state, polled;
+plus the gateway's own histogram).
+
+Overhead phase: one zero-latency replica, two gateways (admission off / on) side by side; rounds of
+sequential requests in the order off, on, on, off; the added p50 is on − off within a round, and the figure is
+the median over rounds. Three variants: distinct prompts tokenized by the replica's /tokenize (one extra
+round trip each), one repeated prompt (the token-count cache), and distinct prompts with
+`tokenizer: simulator` (the simulator's tokenizer in the gateway process).
+
+Path phase (in one process, so client and network noise stay out): the gateway's own admission work per
+request — parse the body, count the prompt, `FlowController.submit` + `finish` — against `submit` + `finish`
+with admission off, per round in the order off, on, on, off; the added p50 per round and its median.
+
+    python -m bench.kv_admission --num-blocks 600 --replicas 2 --duration 40 --rounds 7 --requests 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.gateway_overhead import Children, holdback
+from bench.readiness import free_port, free_port_block, wait_http
+
+WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx", "yz")
+
+
+def gateway_config(admission: bool, max_concurrency: int, tokenizer: str = "replica") -> str:
+    # Identical but for admission.enabled. Anonymous callers may use any objective here (loopback bench).
+    return (f"saturation: {{maxConcurrency: {max_concurrency}}}\n"
+            "anonymous: {objectives: ['*']}\n"
+            "metrics: {scrapeIntervalSeconds: 0.1}\n"
+            f"admission: {{enabled: {'true' if admission else 'false'}, queueDeadlineMs: 8000, "
+            f"tokenizer: {tokenizer}}}\n")
+
+
+def prompt(rng: random.Random, tokens: int) -> str:
+    """`tokens` simulator tokens (one per word), random so prefixes are not shared."""
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(10)) for _ in range(tokens))
+
+
+def start_gateway(children: Children, tmp: Path, name: str, replicas: list[str], config: str) -> str:
+    port = free_port()
+    path = tmp / f"{name}.yaml"
+    path.write_text(config)
+    p = children.start(holdback("gateway", "--config", str(path), "--port", str(port), "--replicas",
+                                ",".join(replicas), "--log-level", "WARNING"), tmp / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", p, what=name)
+    return url
+
+
+def start_sims(children: Children, tmp: Path, name: str, n: int, *args: str) -> list[str]:
+    port = free_port_block(n)
+    p = children.start(holdback("sim", "--port", str(port), "--replicas", str(n), "--log-level", "WARNING",
+                                *args), tmp / f"{name}.log")
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
+    for url in urls:
+        wait_http(url + "/health", p, what=name)
+    return urls
+
+
+# -- statistics -----------------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def bootstrap(values: list[float], q: float, seed: int, n: int = 1000) -> tuple[float, float]:
+    rng = random.Random(seed)
+    est = sorted(percentile([rng.choice(values) for _ in values], q) for _ in range(n))
+    return est[int(0.025 * n)], est[int(0.975 * n) - 1]
+
+
+def verdict(low: float, high: float, goal: float) -> str:
+    if high <= goal:
+        return "met"
+    if low > goal:
+        return "missed"
+    return "undecided"
+
+
+# -- the load phase -------------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    completed: int = 0
+    failed: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    release_ms: list[float] = field(default_factory=list)
+    max_share: float = 0.0
+    share_samples: int = 0
+
+
+async def _answer(resp: aiohttp.ClientResponse, tally: Tally) -> bool:
+    """Count one answer; True when it was a success."""
+    if resp.status == 200:
+        tally.completed += 1
+        return True
+    reason = resp.headers.get("x-llm-d-request-dropped-reason")
+    if reason:
+        tally.rejected[reason] = tally.rejected.get(reason, 0) + 1
+    else:
+        tally.failed += 1
+        if len(tally.failures) < 5:
+            tally.failures.append(f"{resp.status}: {(await resp.text())[:160]}")
+    return False
+
+
+async def batch_loop(session, gw, tenant, rng, stop, tally):
+    while not stop.is_set():
+        body = {"model": "sim-model", "prompt": prompt(rng, rng.randint(800, 2000)),
+                "max_tokens": rng.randint(300, 800), "ignore_eos": True}
+        headers = {"x-llm-d-inference-objective": "batch", "x-llm-d-inference-fairness-id": tenant}
+        try:
+            async with session.post(gw + "/v1/completions", json=body, headers=headers) as resp:
+                ok = await _answer(resp, tally)
+                await resp.read()
+        except aiohttp.ClientError as exc:
+            tally.failed += 1
+            tally.failures.append(f"{type(exc).__name__}")
+            ok = False
+        if not ok:
+            await asyncio.sleep(0.25)  # like a worker: back off, retry later
+
+
+async def realtime_loop(session, gw, rng, stop, tally, interval):
+    while not stop.is_set():
+        body = {"model": "sim-model", "prompt": prompt(rng, rng.randint(100, 300)), "max_tokens": 30,
+                "ignore_eos": True, "stream": True}
+        headers = {"x-llm-d-inference-objective": "realtime", "x-llm-d-inference-fairness-id": "rt"}
+        t0 = time.monotonic()
+        try:
+            async with session.post(gw + "/v1/completions", json=body, headers=headers) as resp:
+                if resp.status == 200:
+                    await resp.content.readany()
+                    tally.ttft.append(time.monotonic() - t0)
+                    await resp.read()
+                await _answer(resp, tally)
+        except aiohttp.ClientError as exc:
+            tally.failed += 1
+            tally.failures.append(f"{type(exc).__name__}")
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+
+
+async def cancel_loop(session, gw, rng, stop, tally):
+    """Open a long stream, close it after the first chunk, time until its reservation is gone."""
+    k = 0
+    while not stop.is_set():
+        k += 1
+        tenant = f"cancel-{k}"
+        body = {"model": "sim-model", "prompt": prompt(rng, 400), "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        headers = {"x-llm-d-inference-objective": "standard", "x-llm-d-inference-fairness-id": tenant}
+        resp = await session.post(gw + "/v1/completions", json=body, headers=headers)
+        if resp.status != 200:
+            await _answer(resp, tally)
+            resp.release()
+            await asyncio.sleep(0.25)
+            continue
+        await resp.content.readany()
+        closed = time.monotonic()
+        resp.close()  # drop the connection: the gateway sees the caller leave
+        deadline = closed + 5.0
+        while time.monotonic() < deadline:
+            async with session.get(gw + "/admin/state") as st:
+                tenants = (await st.json())["kv"]["tenants"]
+            if tenant not in tenants:
+                tally.release_ms.append((time.monotonic() - closed) * 1000)
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.3)
+
+
+async def share_sampler(session, gw, stop, tally):
+    while not stop.is_set():
+        t0 = time.monotonic()
+        async with session.get(gw + "/admin/state") as st:
+            kv = (await st.json())["kv"]
+        shares = [t["share"] for t in kv["tenants"].values()]
+        tally.max_share = max([tally.max_share, *shares])
+        tally.share_samples += 1
+        await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))
+
+
+def preemptions(urls: list[str]) -> float:
+    import httpx
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:num_preemptions_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def histogram_p99(metrics: str, name: str, label: str) -> tuple[float | None, int]:
+    buckets = []
+    for line in metrics.splitlines():
+        if line.startswith(name + "_bucket") and label in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None, 0
+    total = buckets[-1][1]
+    return next(le for le, c in buckets if c >= 0.99 * total), int(total)
+
+
+async def load(gw: str, args: argparse.Namespace, admission: bool, seed: int) -> Tally:
+    tally = Tally()
+    stop = asyncio.Event()
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(batch_loop(session, gw, f"batch-{t}", random.Random(rng.random()), stop,
+                                                tally))
+                 for t in range(args.batch_tenants) for _ in range(args.loops_per_tenant)]
+        tasks.append(asyncio.create_task(realtime_loop(session, gw, random.Random(rng.random()), stop, tally,
+                                                       1.0 / args.realtime_rate)))
+        if admission:  # the ledger and /admin/state kv views exist only with admission on
+            tasks.append(asyncio.create_task(cancel_loop(session, gw, random.Random(rng.random()), stop, tally)))
+            tasks.append(asyncio.create_task(share_sampler(session, gw, stop, tally)))
+        await asyncio.sleep(args.duration)
+        stop.set()
+        # Requests still running are abandoned after a short grace: the figures are for the window.
+        await asyncio.wait(tasks, timeout=10)
+        for t in tasks:
+            t.cancel()
+    return tally
+
+
+def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    import httpx
+    out = {}
+    for mode in ("off", "on"):
+        on = mode == "on"
+        sims = start_sims(children, tmp, f"sim-{mode}", args.replicas, "--num-blocks", str(args.num_blocks),
+                          "--max-num-seqs", "128", "--max-model-len", "8192", "--seed", str(args.seed))
+        gw = start_gateway(children, tmp, f"gateway-{mode}", sims, gateway_config(on, args.max_concurrency))
+        before = preemptions(sims)
+        print(f"load phase, admission {mode}: {args.duration:.0f} s", file=sys.stderr, flush=True)
+        tally = asyncio.run(load(gw, args, on, args.seed))
+        pre = preemptions(sims) - before
+        metrics = httpx.get(gw + "/metrics", timeout=5).text
+        low, high = bootstrap(tally.ttft, 0.95, args.seed) if len(tally.ttft) >= 20 else (float("nan"),) * 2
+        res = {"completed": tally.completed, "failed": tally.failed, "failures": tally.failures,
+               "rejected": tally.rejected, "preemptions": pre,
+               "realtime_ttft_ms": {"n": len(tally.ttft),
+                                    "p50": round(percentile(tally.ttft, 0.5) * 1000, 1) if tally.ttft else None,
+                                    "p95": round(percentile(tally.ttft, 0.95) * 1000, 1) if tally.ttft else None,
+                                    "p95_ci95": [round(low * 1000, 1), round(high * 1000, 1)],
+                                    "goal_900ms": verdict(low, high, 0.9)}}
+        if on:
+            rel = tally.release_ms
+            rl, rh = bootstrap(rel, 0.99, args.seed) if len(rel) >= 10 else (float("nan"),) * 2
+            p99_gw, n_gw = histogram_p99(metrics, "holdback_gateway_kv_release_seconds", 'cause="cancel"')
+            res["max_tenant_share"] = {"value": round(tally.max_share, 4), "samples": tally.share_samples,
+                                       "goal_0.15": "met" if tally.max_share <= 0.15 + 1e-9 else "missed"}
+            res["release_after_cancel_ms"] = {
+                "n": len(rel), "p50": round(percentile(rel, 0.5), 2) if rel else None,
+                "p99": round(percentile(rel, 0.99), 2) if rel else None,
+                "p99_ci95": [round(rl, 2), round(rh, 2)], "goal_50ms": verdict(rl, rh, 50.0),
+                "gateway_histogram_p99_le_s": p99_gw, "gateway_histogram_n": n_gw}
+        out[mode] = res
+        children.close()
+    off, on = out["off"]["preemptions"], out["on"]["preemptions"]
+    out["preemption_ratio_off_over_on"] = (off / on) if on else (float("inf") if off else None)
+    return out
+
+
+# -- the overhead phase ---------------------------------------------------------------------------------------
+async def _sequential(session, url: str, bodies: list[dict]) -> list[float]:
+    out = []
+    for body in bodies:
+        t0 = time.perf_counter()
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{url}: {resp.status} {(await resp.text())[:200]}")
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    sims = start_sims(children, tmp, "sim-overhead", 1, "--zero-latency", "--max-num-seqs", "1024")
+    targets = {"off": start_gateway(children, tmp, "gateway-overhead-off", sims, gateway_config(False, 1024)),
+               "replica": start_gateway(children, tmp, "gateway-overhead-on", sims, gateway_config(True, 1024)),
+               "local": start_gateway(children, tmp, "gateway-overhead-local", sims,
+                                      gateway_config(True, 1024, "simulator"))}
+    variants = {"replica_tokenizer_distinct": ("replica", True), "replica_tokenizer_cached": ("replica", False),
+                "local_tokenizer_distinct": ("local", True)}
+    rng = random.Random(args.seed)
+    fixed = prompt(rng, 200)
+
+    async def run() -> dict:
+        added: dict[str, list[float]] = {kind: [] for kind in variants}
+        async with aiohttp.ClientSession() as session:
+            for rnd in range(args.rounds):
+                for kind, (target, distinct) in variants.items():
+                    samples: dict[str, list[float]] = {"off": [], "on": []}
+                    for name in ("off", "on", "on", "off"):
+                        bodies = [{"model": "sim-model", "max_tokens": 1,
+                                   "prompt": prompt(rng, 200) if distinct else fixed}
+                                  for _ in range(args.requests)]
+                        url = targets[target if name == "on" else "off"]
+                        samples[name] += await _sequential(session, url, bodies)
+                    added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
+                print(f"overhead round {rnd + 1}/{args.rounds}: added p50 " + ", ".join(
+                    f"{k} {v[-1]:.3f} ms" for k, v in added.items()), file=sys.stderr, flush=True)
+        return {kind: {"median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
+                       "max_ms": round(max(v), 3), "per_round": [round(x, 3) for x in v],
+                       "goal_1ms": verdict(min(v), max(v), 1.0)}
+                for kind, v in added.items()}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        children.close()
+
+
+def _word_level_tokenizer(tmp: Path) -> str | None:
+    """A synthetic word-level tokenizer.json over the bench's words (None without the tokenizers package)."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+        from tokenizers.pre_tokenizers import Whitespace
+    except ImportError:
+        return None
+    vocab = {"[UNK]": 0, **{f"{w}{d}": i * 10 + d + 1 for i, w in enumerate(WORDS) for d in range(10)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path = tmp / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    """The admission path's own cost, in process: off vs on (local tokenizer, replica /tokenize)."""
+    from gateway.config import parse_config
+    from gateway.flow_control import FlowController
+    from gateway.metrics import GatewayMetrics
+    from gateway.replicas import ReplicaPool
+    from gateway.request import FlowRequest
+    from gateway.tokenization import PromptCounter
+
+    [sim] = start_sims(children, tmp, "sim-path", 1, "--zero-latency")
+    rng = random.Random(args.seed)
+
+    def controller(admission: bool, tokenizer: str) -> tuple[FlowController, PromptCounter]:
+        pool = ReplicaPool([sim])
+        pool.replicas[0].healthy = True
+        pool.replicas[0].kv_blocks_total = args.num_blocks
+        loaded = parse_config(f"replicas: [{sim}]\nsaturation: {{maxConcurrency: 1024}}\n"
+                              f"admission: {{enabled: {str(admission).lower()}, tokenizer: {tokenizer}}}\n", "bench")
+        return FlowController(loaded, pool, GatewayMetrics()), PromptCounter(loaded.config.admission)
+
+    variants = {"off": controller(False, "replica"), "local": controller(True, "simulator"),
+                "replica": controller(True, "replica")}
+    hf = _word_level_tokenizer(tmp)
+    if hf is not None:
+        variants["hf"] = controller(True, f"local, tokenizerFile: {hf}")
+
+    async def one(session, name: str, body: bytes, i: int) -> float:
+        fc, counter = variants[name]
+        t0 = time.perf_counter()
+        req = FlowRequest(str(i), "standard", 0, "t", "t", time.monotonic())
+        if fc.admission is not None:
+            count = await counter.count(json.loads(body), "/v1/completions", session, sim)
+            req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
+        fc.submit(req)
+        fc.finish(req)
+        return (time.perf_counter() - t0) * 1000
+
+    async def run() -> dict:
+        kinds = [("local_tokenizer", "local"), ("replica_tokenizer", "replica")]
+        if "hf" in variants:
+            kinds.append(("hf_tokenizer_json", "hf"))
+        added: dict[str, list[float]] = {kind: [] for kind, _ in kinds}
+        async with aiohttp.ClientSession() as session:
+            i = 0
+            for _ in range(args.rounds):
+                for kind, target in kinds:
+                    samples: dict[str, list[float]] = {"off": [], "on": []}
+                    for name in ("off", "on", "on", "off"):
+                        for _ in range(args.requests * 5):
+                            i += 1
+                            body = json.dumps({"model": "sim-model", "prompt": prompt(rng, 200),
+                                               "max_tokens": 16}).encode()
+                            samples[name].append(await one(session, target if name == "on" else "off", body, i))
+                    added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
+        return {kind: {"median_ms": round(statistics.median(v), 4), "min_ms": round(min(v), 4),
+                       "max_ms": round(max(v), 4), "per_round": [round(x, 4) for x in v],
+                       "goal_1ms": verdict(min(v), max(v), 1.0)} for kind, v in added.items()}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        children.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-blocks", type=int, default=600, help="KV blocks per simulated replica (default 600)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--max-concurrency", type=int, default=32, help="gateway saturation.maxConcurrency")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per mode")
+    p.add_argument("--batch-tenants", type=int, default=6)
+    p.add_argument("--loops-per-tenant", type=int, default=4)
+    p.add_argument("--realtime-rate", type=float, default=4.0, help="realtime requests per second")
+    p.add_argument("--rounds", type=int, default=5, help="overhead rounds")
+    p.add_argument("--requests", type=int, default=40, help="sequential requests per overhead run")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--phases", default="load,overhead,path",
+                   help="comma-separated phases to run: load, overhead (end to end), path (in process)")
+    p.add_argument("--out", help="write the JSON result here too")
+    args = p.parse_args(argv)
+    children = Children()
+    result: dict = {"args": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="hb-kvbench-") as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            phases = set(args.phases.split(","))
+            if "load" in phases:
+                result["load"] = load_phase(args, children, tmp)
+            if "overhead" in phases:
+                result["overhead_added_p50"] = overhead_phase(args, children, tmp)
+            if "path" in phases:
+                result["admission_path_added_p50"] = path_phase(args, children, tmp)
+        finally:
+            children.close()
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
