@@ -1,4 +1,4 @@
-"""Fixtures for the deployment tests: a fresh, empty PostgreSQL database (no migrations applied)."""
+"""Fixtures for the deployment tests: an empty PostgreSQL database and a real S3-compatible server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
+from bench.s3_server import S3Server
 from tests.conftest import POSTGRES_URL
 
 
@@ -30,3 +31,20 @@ def empty_postgres() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3-compatible server (moto's server mode, a subprocess) for the session's tests."""
+    server = S3Server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_settings(s3_server: S3Server) -> dict[str, object]:
+    """Settings overrides that put this test's files in a fresh bucket on the S3 server."""
+    env = s3_server.env(s3_server.bucket())
+    return {name.removeprefix("HOLDBACK_").lower(): value for name, value in env.items()}
