@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import kubernetes_validate
 import pytest
@@ -208,3 +209,20 @@ def test_dashboard_and_alerts_use_metrics_the_code_exports() -> None:
     for name in names:
         base = re.sub(r"_(total|bucket|count|sum)$", "", name)
         assert f'"{base}"' in source or f'"{base}_total"' in source, f"no metric {name} in the code"
+
+
+def test_the_readme_scaling_out_commands_exist_in_the_cli() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Scaling out"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    commands = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        words = shlex.split(line.split("#", 1)[0])
+        if "holdback" in words:
+            commands.append(tuple(words[words.index("holdback") + 1:]))
+    assert len(commands) >= 6
+    for args in commands:
+        _check_invocation(Invocation("README Scaling out", args))
+    for variable in set(re.findall(r"\b((?:HOLDBACK|DATABASE|REDIS)_[A-Z0-9_]+)=", section)):
+        assert variable in _known_env(), variable
