@@ -45,7 +45,7 @@ class ClusterSpec:
     postgres_url: str = POSTGRES_URL
     redis_url: str = REDIS_URL
     # Short lease and graces so a killed processor's or worker's work moves within seconds, not minutes.
-    processor_args: tuple[str, ...] = ("--poll-interval", "0.1", "--lease-seconds", "6", "--reconcile-interval", "1",
+    processor_args: tuple[str, ...] = ("--poll-interval", "0.1", "--lease-seconds", "10", "--reconcile-interval", "1",
                                        "--reconcile-grace", "5", "--running-grace", "5")
     worker_args: tuple[str, ...] = ("--heartbeat-ttl", "6", "--backoff-base", "0.2", "--backoff-cap", "2")
     # Zero-latency replicas: the runs measure and stress holdback itself, not the model.

@@ -13,13 +13,16 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from bench.cluster import Cluster, ClusterSpec
-from tests.conftest import POSTGRES_URL, REDIS_URL
+from tests.conftest import BACKEND, POSTGRES_URL, REDIS_URL
 
 LINES = 5_000
 
 
 @pytest.fixture
 def cluster(tmp_path) -> Cluster:  # noqa: ANN001
+    if BACKEND != "services":
+        pytest.skip("the drill runs on PostgreSQL and Redis servers: `make test`'s second pass "
+                    "(HOLDBACK_TEST_BACKEND=services) runs it")
     try:
         create_engine(POSTGRES_URL).connect().close()
     except OperationalError as exc:
@@ -33,7 +36,7 @@ def test_drill_kills_a_worker_host_and_the_owning_processor_and_loses_nothing(cl
     print(f"drill hosts: {cluster.network.describe()}")
     batch_id = cluster.submit(LINES, upload_via="api-1", create_via="api-2")
 
-    running = cluster.wait_batch(batch_id, lambda b: b["request_counts"]["completed"] >= LINES // 5, 180,
+    running = cluster.wait_batch(batch_id, lambda b: b["request_counts"]["completed"] >= LINES // 5, 300,
                                  "a fifth of the batch")
     assert running["status"] == "in_progress"
     engine = create_engine(cluster.admin_database_url)
@@ -44,7 +47,7 @@ def test_drill_kills_a_worker_host_and_the_owning_processor_and_loses_nothing(cl
     cluster.kill(owner)
 
     done = cluster.wait_batch(batch_id, lambda b: b["status"] in ("completed", "failed", "expired", "cancelled"),
-                              240, "the batch to finish after the kills")
+                              600, "the batch to finish after the kills")
     assert done["status"] == "completed", done
     assert done["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}
 
