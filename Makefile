@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 # Tests that touch the database or Redis, run once per backend.
-DB_TESTS ?= tests/api tests/pipeline tests/platform
+DB_TESTS ?= tests/api tests/pipeline tests/platform tests/deploy/test_object_store.py tests/deploy/test_retention.py \
+	tests/deploy/test_schema.py tests/deploy/test_migration_race.py tests/deploy/test_multihost_drill.py
 # Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
 TEST_WORKERS ?= 2
 

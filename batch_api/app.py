@@ -25,7 +25,7 @@ from holdback.broker import connect
 from holdback.db import make_engine, make_sessionmaker
 from holdback.schema import upgrade
 from holdback.settings import Settings
-from holdback.storage import LocalFileStore
+from holdback.storage import open_file_store
 
 log = logging.getLogger("batch_api.app")
 
@@ -36,7 +36,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings=settings,
         engine=engine,
         sessions=make_sessionmaker(engine),
-        store=LocalFileStore(settings.files_dir),
+        store=open_file_store(settings),
         metrics=create_metrics(),
     )
 
@@ -48,7 +48,7 @@ def create_app(settings: Settings) -> FastAPI:
         sampler = asyncio.create_task(dashboard.Sampler(context).run(), name="dashboard-sampler")
         log_event(
             log, "api.started", database=engine.url.render_as_string(hide_password=True),
-            files_dir=str(settings.files_dir), migrated=settings.migrate_on_start,
+            files=settings.files_url or str(settings.files_dir), migrated=settings.migrate_on_start,
         )
         try:
             yield

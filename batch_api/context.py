@@ -15,7 +15,7 @@ from starlette.requests import HTTPConnection
 
 from batch_api.observability import ApiMetrics
 from holdback.settings import Settings
-from holdback.storage import LocalFileStore
+from holdback.storage import FileStore
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ApiContext:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    store: LocalFileStore
+    store: FileStore
     metrics: ApiMetrics
     # Connected at start-up (it may start the embedded Redis), closed at shutdown.
     redis: redis.Redis | None = None

@@ -63,6 +63,11 @@ class NotFound(ApiError):
     code = "not_found"
 
 
+class Conflict(ApiError):
+    status = 409
+    code = "conflict"
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     code = "file_too_large"

@@ -10,12 +10,13 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from batch_api.auth import ContextDep, SessionDep, TenantDep
-from batch_api.errors import ServerError
+from batch_api.errors import Conflict, ServerError
 from holdback.logs import log_event
 from batch_api.schemas import FileDeleted, FileList, FileObject, file_to_api, list_page
 from batch_api.tenant_scope import get_file, list_files
 from batch_api.uploads import UploadLimits, receive_upload, record_upload
 from holdback.models import File, new_id, now
+from holdback.retention import FileInUse, check_deletable
 from holdback.storage import CHUNK
 
 router = APIRouter(tags=["files"])
@@ -78,6 +79,10 @@ def download_file(file_id: str, tenant: TenantDep, context: ContextDep, session:
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, summary="Delete a file")
 def delete_file(file_id: str, tenant: TenantDep, context: ContextDep, session: SessionDep) -> dict:
     file = get_file(session, tenant.id, file_id)
+    try:
+        check_deletable(session, file.id)
+    except FileInUse as exc:
+        raise Conflict(str(exc), param="file_id", code="file_in_use") from None
     file.deleted_at = now()
     session.commit()
     # The row is gone for the API first; the bytes follow (a leftover is harmless, a dangling row is not).

@@ -1,7 +1,7 @@
 """Receive a multipart file upload as a stream, straight onto disk, in bounded memory.
 
 The body is fed chunk by chunk from `request.stream()` into python_multipart's streaming parser;
-the `file` part goes directly into `LocalFileStore.open_writer`, which enforces the byte limit and
+the `file` part goes directly into the file store's `open_writer`, which enforces the byte limit and
 publishes the file only on commit. A rejected upload therefore leaves nothing behind. After a
 rejection the rest of the body is read and discarded (up to the largest legal upload) so the
 client sees our answer instead of a reset connection.
@@ -21,8 +21,9 @@ from starlette.requests import ClientDisconnect, Request
 from batch_api.errors import ApiError, BadRequest, PayloadTooLarge
 from batch_api.schemas import EXPIRES_AFTER_MAX, EXPIRES_AFTER_MIN, UPLOAD_PURPOSES
 from holdback.models import File
+from holdback.retention import default_expiry
 from holdback.settings import Settings
-from holdback.storage import FileTooLarge, LocalFileStore, StoredFileWriter
+from holdback.storage import FileStore, FileTooLarge, StoredFileWriter
 
 # Room for the form fields, part headers and boundaries around the file itself.
 FORM_OVERHEAD = 64 * 1024
@@ -92,7 +93,7 @@ class _Part:
 class MultipartUpload:
     """Parser callbacks for one upload body; `feed` each chunk, then `finish`."""
 
-    def __init__(self, store: LocalFileStore, file_id: str, limits: UploadLimits, boundary: bytes, declared: int | None):
+    def __init__(self, store: FileStore, file_id: str, limits: UploadLimits, boundary: bytes, declared: int | None):
         self.store = store
         self.file_id = file_id
         self.limits = limits
@@ -259,7 +260,7 @@ class MultipartUpload:
         return value
 
 
-async def receive_upload(request: Request, store: LocalFileStore, limits: UploadLimits, file_id: str) -> ReceivedUpload:
+async def receive_upload(request: Request, store: FileStore, limits: UploadLimits, file_id: str) -> ReceivedUpload:
     content_type, options = parse_options_header(request.headers.get("content-type"))
     boundary = options.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
@@ -293,7 +294,7 @@ async def receive_upload(request: Request, store: LocalFileStore, limits: Upload
         raise
 
 
-def record_upload(session: Session, store: LocalFileStore, tenant_id: str, upload: ReceivedUpload, created_at: int) -> File:
+def record_upload(session: Session, store: FileStore, tenant_id: str, upload: ReceivedUpload, created_at: int) -> File:
     """Insert the file's row; if that fails the stored bytes go too, so nothing is half-uploaded."""
     file = File(
         id=upload.file_id,
@@ -302,7 +303,8 @@ def record_upload(session: Session, store: LocalFileStore, tenant_id: str, uploa
         purpose=upload.purpose,
         bytes=upload.bytes,
         created_at=created_at,
-        expires_at=created_at + upload.expires_after_seconds if upload.expires_after_seconds else None,
+        expires_at=(created_at + upload.expires_after_seconds if upload.expires_after_seconds
+                    else default_expiry(upload.purpose, created_at)),
         status="processed",
         storage_key=upload.file_id,
     )

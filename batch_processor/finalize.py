@@ -25,12 +25,13 @@ from holdback.logs import log_event
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus
 from holdback.results import count_unfinished, output_line
+from holdback.retention import DEFAULT_FILE_TTL
 from holdback.storage import FileStore, StoredFileWriter
 
 log = logging.getLogger("batch_processor.finalize")
 
 READ_CHUNK = 2000
-DEFAULT_OUTPUT_TTL = 30 * 24 * 3600  # OpenAI keeps batch output files 30 days unless asked otherwise
+DEFAULT_OUTPUT_TTL = DEFAULT_FILE_TTL  # OpenAI keeps batch output files 30 days unless asked otherwise
 ERROR_STATUSES = (RequestStatus.failed, RequestStatus.expired, RequestStatus.cancelled)
 
 _TIMESTAMP = {

@@ -36,8 +36,9 @@ from batch_processor.validation import LineError
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
 from holdback.results import count_unfinished
+from holdback.retention import FileCollector, RetentionMetrics
 from holdback.settings import Settings
-from holdback.storage import FileStore, LocalFileStore
+from holdback.storage import FileStore, open_file_store
 
 log = logging.getLogger("batch_processor.processor")
 
@@ -117,8 +118,10 @@ class Processor:
         self.config = config or ProcessorConfig()
         self.factory = factory or make_sessionmaker(make_engine(settings.sqlalchemy_url))
         self.redis = connection or connect(settings)
-        self.store = store or LocalFileStore(settings.files_dir)
+        self.store = store or open_file_store(settings)
         self.metrics = metrics or ProcessorMetrics()
+        self.collector = FileCollector(self.factory, self.store, grace_seconds=settings.file_retention_grace_seconds,
+                                       metrics=RetentionMetrics(self.metrics.registry))
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RoundRobin(self.config.window)
@@ -195,6 +198,7 @@ class Processor:
         self.step_errors.retain(self.owned)
         self.metrics.batches_owned.set(len(self.owned))
         self.metrics.queue_depth.set(self.queue.depth())
+        self.collector.run_due()  # retention: expired files, once a minute, bounded
         return done
 
     def _load_owned(self) -> list[_Owned]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from abc import ABC, abstractmethod
 
 import httpx
 
@@ -50,3 +51,25 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{name} not ready at {url} after {timeout:.0f}s")
+
+
+class Started(ABC):
+    """`with Thing(...) as thing:` for a set of processes: `start()` on entry (stopping what did start if it
+    fails part-way) and `stop()` on exit."""
+
+    @abstractmethod
+    def start(self):  # noqa: ANN201 - returns self, typed by the subclass
+        ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self):  # noqa: ANN204
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

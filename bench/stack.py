@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.readiness import free_port_block, wait_http
+from bench.readiness import Started, free_port_block, wait_http
 
 STUDY_GATEWAY_CONFIG = Path(__file__).with_name("gateway-study.yaml")
 
@@ -35,7 +35,7 @@ class StackSpec:
     backoff_cap: float = 60.0
 
 
-class Stack:
+class Stack(Started):
     """Start with `with Stack(spec, log_dir) as stack:`; `stack.start_workers()` when batch should begin."""
 
     def __init__(self, spec: StackSpec, log_dir: Path):
@@ -138,16 +138,6 @@ class Stack:
                         "stop_embedded_redis(Path(sys.argv[1]))", str(self.data_dir)],
                        env=self.env, check=False)
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> "Stack":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- public read-outs --------------------------------------------------
     def gateway_state(self) -> dict:

@@ -1,10 +1,12 @@
-"""Upload memory benchmark: does `holdback api` stream a large batch file to disk in bounded memory?
+"""Upload memory benchmark: does `holdback api` stream a large batch file to its store in bounded memory?
 
-Starts `holdback api` as a subprocess on its own temporary data dir (SQLite, embedded Redis),
+Starts `holdback api` as a subprocess on its own temporary data dir (SQLite, embedded Redis) with
+the file store --store names (local disk, or an S3-compatible server: moto's server mode as its
+own subprocess, so the objects it holds in memory are not counted against the API),
 writes a JSONL file of --size-mb MiB on disk, uploads it as multipart with httpx streaming the
 file from disk, and samples the server's RSS (psutil) throughout. Reports the peak RSS growth
 over the pre-upload baseline, absolute and as a fraction of the file size, and the same for
-downloading the file back. Exit status 1 when the upload growth exceeds --goal-mb.
+downloading the file back. Exit status 1 when the upload or download growth exceeds --goal-mb.
 
 Uses only public interfaces: the `holdback` CLI and HTTP.
 """
@@ -29,6 +31,7 @@ import httpx
 import psutil
 
 from bench.readiness import free_port, wait_http
+from bench.s3_server import S3Server
 
 MiB = 1024 * 1024
 
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=int, default=200, help="size of the JSONL file in MiB (default 200)")
     parser.add_argument("--goal-mb", type=float, default=64, help="allowed peak RSS growth in MiB (default 64)")
     parser.add_argument("--port", type=int, default=0, help="port for holdback api (default: a free one)")
+    parser.add_argument("--store", choices=("local", "s3"), default="local",
+                        help="file store: local disk (default) or s3 (a moto S3 server started for the run)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dir and the server log")
     args = parser.parse_args(argv)
 
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     source = work / "input.jsonl"
     print(f"writing a {args.size_mb} MiB JSONL file to {source} ...", flush=True)
     size, sha = write_jsonl(source, args.size_mb * MiB)
+    s3 = S3Server.start() if args.store == "s3" else None
+    if s3 is not None:
+        env.update(s3.env(s3.bucket()))
 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -177,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         _stop_embedded_redis(data_dir)
+        if s3 is not None:
+            s3.stop()
 
     upload_growth = upload_peak - baseline
     download_growth = download_peak - down_baseline
     ok = uploaded["bytes"] == size and down_digest.hexdigest() == sha
     report = {
+        "store": args.store,
         "file_bytes": size,
         "stored_bytes": uploaded["bytes"],
         "round_trip_sha256_matches": down_digest.hexdigest() == sha,
@@ -197,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "goal_mib": args.goal_mb,
     }
     print(json.dumps(report, indent=2))
-    verdict = ok and upload_growth <= args.goal_mb * MiB
+    verdict = ok and max(upload_growth, download_growth) <= args.goal_mb * MiB
     print(
-        f"upload of {size / MiB:.0f} MiB grew the server's RSS by {upload_growth / MiB:.1f} MiB "
-        f"({100 * upload_growth / size:.2f}% of the file); goal < {args.goal_mb:g} MiB: {'met' if verdict else 'NOT met'}"
+        f"{args.store} store: upload of {size / MiB:.0f} MiB grew the server's RSS by {upload_growth / MiB:.1f} MiB "
+        f"({100 * upload_growth / size:.2f}% of the file), download by {download_growth / MiB:.1f} MiB; "
+        f"goal <= {args.goal_mb:g} MiB each: {'met' if verdict else 'NOT met'}"
     )
     if args.keep:
         print(f"kept {work} (server log: {log_path})")

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "api": ("batch_api.cli", "serve the OpenAI-compatible Batch and Files API and the dashboard"),
     "db": ("holdback.db_cli", "database schema: `holdback db upgrade`"),
     "keys": ("holdback.keys_cli", "API keys: `holdback keys create --tenant NAME`, `list`, `revoke KEY_ID`"),
+    "files": ("holdback.files_cli", "file retention: `holdback files gc` deletes expired files once"),
     "processor": ("batch_processor.cli", "claim, validate, expand, enqueue, finalize, cancel and expire batches"),
     "worker": ("async_processor.cli", "send queued batch requests through the gateway (`-n` concurrency)"),
     "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),

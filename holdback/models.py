@@ -90,7 +90,12 @@ class ApiKey(Base):
 
 class File(Base):
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", "created_at"),
+        # The retention collector walks expired, then long-deleted files in bounded steps.
+        Index("ix_files_expires_at", "expires_at"),
+        Index("ix_files_deleted_at", "deleted_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file-"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,11 +37,38 @@ class Settings(BaseSettings):
     max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
     max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")
     migrate_on_start: bool = Field(True, description="Apply migrations when the API server starts.")
+    files_url: str | None = Field(
+        None,
+        description="Where file bytes live: unset = data_dir/files; file:///dir = a (shared) directory; "
+        "s3://bucket/prefix = an S3-compatible object store.",
+    )
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://minio:9000; unset = AWS S3.")
+    s3_region: str = Field("us-east-1", description="S3 region (signing); most S3-compatible servers accept any.")
+    s3_access_key_id: str | None = Field(None, description="S3 access key; unset = boto3's chain (AWS_*, pod role).")
+    s3_secret_access_key: str | None = Field(None, description="S3 secret key; unset = boto3's chain.")
+    s3_part_size_mb: int = Field(8, ge=5, le=512, description="Multipart upload part size; about one part per upload is held in memory.")
+    file_retention_grace_seconds: int = Field(
+        7 * 24 * 3600, ge=0,
+        description="How long a deleted or expired file's row is kept after its bytes are gone before the collector removes it.",
+    )
 
-    @field_validator("database_url", "redis_url", mode="before")
+    @field_validator("database_url", "redis_url", "files_url", "s3_endpoint_url", "s3_access_key_id",
+                     "s3_secret_access_key", mode="before")
     @classmethod
     def _blank_is_unset(cls, value: str | None) -> str | None:
         return value or None
+
+    @field_validator("files_url")
+    @classmethod
+    def _files_url_scheme(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parsed = urlparse(value)
+        if parsed.scheme == "s3" and parsed.netloc:
+            return value
+        if parsed.scheme == "file" and parsed.netloc in ("", "localhost") and parsed.path.startswith("/"):
+            return value
+        raise ValueError(f"HOLDBACK_FILES_URL={value!r}: use s3://bucket/prefix, file:///absolute/dir, or leave it unset")
 
     @cached_property
     def sqlalchemy_url(self) -> str:

@@ -1,15 +1,21 @@
-"""File storage behind a small interface, so an object store can replace local disk later.
+"""File storage behind one small interface: local disk (the default) or an S3-compatible object store.
 
-Writes stream in chunks and land atomically (temp file, then rename): a failed or oversize upload
-leaves nothing behind and never replaces a stored file.
+Writes stream in chunks and publish atomically (local: temp file then rename; S3: the object exists
+only once its upload completes): a failed or oversize upload leaves nothing behind and never replaces
+a stored file. `open_file_store(settings)` picks the backend from `HOLDBACK_FILES_URL`.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Iterator, Protocol
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from holdback.settings import Settings
 
 CHUNK = 1024 * 1024
 
@@ -20,50 +26,85 @@ class FileTooLarge(Exception):
         self.limit = limit
 
 
-class FileStore(Protocol):
-    def open_writer(self, key: str) -> "StoredFileWriter": ...
-    def open_read(self, key: str) -> BinaryIO: ...
-    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
-    def size(self, key: str) -> int: ...
-    def delete(self, key: str) -> None: ...
-    def exists(self, key: str) -> bool: ...
-
-
-class StoredFileWriter:
+class StoredFileWriter(ABC):
     """Append chunks, enforce a byte limit, then `commit()` to publish or `abort()` to discard."""
 
-    def __init__(self, final: Path, limit: int | None = None):
-        self.final = final
-        self.tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.part")
+    def __init__(self, limit: int | None = None):
         self.limit = limit
         self.bytes = 0
-        self._fh = open(self.tmp, "wb")
+        self.closed = False
 
     def write(self, chunk: bytes) -> None:
         self.bytes += len(chunk)
         if self.limit is not None and self.bytes > self.limit:
             self.abort()
             raise FileTooLarge(self.limit)
-        self._fh.write(chunk)
+        self._write(chunk)
 
     def commit(self) -> int:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        os.replace(self.tmp, self.final)
+        """Publish the file; returns its size in bytes."""
+        self._publish()
+        self.closed = True
         return self.bytes
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-        self.tmp.unlink(missing_ok=True)
+        if not self.closed:
+            self.closed = True
+            self._discard()
+
+    @abstractmethod
+    def _write(self, chunk: bytes) -> None: ...
+
+    @abstractmethod
+    def _publish(self) -> None: ...
+
+    @abstractmethod
+    def _discard(self) -> None: ...
 
     def __enter__(self) -> "StoredFileWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
-        if exc_type is not None or not self._fh.closed:
+        if exc_type is not None or not self.closed:
             self.abort()
+
+
+class FileStore(Protocol):
+    """Keys are file ids; which tenant may read a key is decided in the database before the store is asked."""
+
+    def open_writer(self, key: str, limit: int | None = None) -> StoredFileWriter: ...
+    def open_read(self, key: str) -> BinaryIO: ...  # FileNotFoundError when the key has no bytes
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
+    def size(self, key: str) -> int: ...
+    def delete(self, key: str) -> None: ...  # a missing key is not an error
+    def exists(self, key: str) -> bool: ...
+
+
+def iter_chunks(store: FileStore, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+    with store.open_read(key) as fh:
+        while chunk := fh.read(chunk_size):
+            yield chunk
+
+
+class LocalFileWriter(StoredFileWriter):
+    def __init__(self, final: Path, limit: int | None = None):
+        super().__init__(limit)
+        self.final = final
+        self.tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.part")
+        self._fh = open(self.tmp, "wb")
+
+    def _write(self, chunk: bytes) -> None:
+        self._fh.write(chunk)
+
+    def _publish(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self.tmp, self.final)
+
+    def _discard(self) -> None:
+        self._fh.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 class LocalFileStore:
@@ -77,15 +118,13 @@ class LocalFileStore:
         return self.root / key
 
     def open_writer(self, key: str, limit: int | None = None) -> StoredFileWriter:
-        return StoredFileWriter(self._path(key), limit)
+        return LocalFileWriter(self._path(key), limit)
 
     def open_read(self, key: str) -> BinaryIO:
         return open(self._path(key), "rb")
 
     def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        with self.open_read(key) as fh:
-            while chunk := fh.read(chunk_size):
-                yield chunk
+        return iter_chunks(self, key, chunk_size)
 
     def size(self, key: str) -> int:
         return self._path(key).stat().st_size
@@ -95,3 +134,17 @@ class LocalFileStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
+
+
+def open_file_store(settings: "Settings") -> FileStore:
+    """The store `HOLDBACK_FILES_URL` names: unset = `<data dir>/files`, `file:///dir`, or `s3://bucket/prefix`."""
+    url = settings.files_url
+    if not url:
+        return LocalFileStore(settings.files_dir)
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return LocalFileStore(Path(parsed.path))
+    from holdback.object_store import S3FileStore  # boto3 is imported only by deployments that use it
+
+    # Settings accepted only file:// and s3:// URLs.
+    return S3FileStore.from_settings(settings, bucket=parsed.netloc, prefix=parsed.path.strip("/"))

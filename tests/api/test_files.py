@@ -30,7 +30,9 @@ def test_upload_list_retrieve_download_delete(api):
         f = client.files.create(file=(f"input-{i}.jsonl", io.BytesIO(body)), purpose=purpose)
         assert (f.object, f.status, f.purpose, f.filename, f.bytes) == ("file", "processed", purpose, f"input-{i}.jsonl", len(body))
         assert f.id.startswith("file-") and isinstance(f.created_at, int)
-        assert f.expires_at is None and f.status_details is None
+        # OpenAI's default: purpose=batch files expire 30 days after upload; other purposes persist.
+        assert f.expires_at == (f.created_at + 30 * 24 * 3600 if purpose == "batch" else None)
+        assert f.status_details is None
         contents[f.id] = body
         uploaded.append(f.id)
 

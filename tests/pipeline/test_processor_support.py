@@ -19,7 +19,7 @@ from batch_processor.processor import Processor, ProcessorConfig
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, File, RequestRow, RequestStatus, new_id
 from holdback.results import FinalResult, Usage, begin_attempt, record_final
-from holdback.storage import LocalFileStore
+from holdback.storage import open_file_store
 from holdback.tenancy import get_or_create_tenant
 
 ENDPOINT = "/v1/chat/completions"
@@ -48,7 +48,7 @@ class Harness:
         self.settings = backend.settings(**settings)
         self.engine = make_engine(self.settings.sqlalchemy_url)
         self.factory = make_sessionmaker(self.engine)
-        self.store = LocalFileStore(self.settings.files_dir)
+        self.store = open_file_store(self.settings)
         self.redis = backend.redis()
         self.queue = RequestQueue(self.redis, self.settings.redis_namespace)
         self.processors: list[Processor] = []

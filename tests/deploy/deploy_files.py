@@ -1,0 +1,151 @@
+"""What the deployment files name, read the way the deploy tests check it (no tests here).
+
+Kubernetes manifests are rendered with `kubectl kustomize` when kubectl is installed; otherwise the base's
+resource files are read directly (overlays need kustomize). Compose is plain YAML with merge keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from tests.support import REPO
+
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+PACKAGES = ("holdback", "batch_api", "batch_processor", "async_processor", "gateway", "model_sim")
+
+
+def kustomize(directory: Path) -> list[dict]:
+    """The rendered resources of a kustomization directory (needs kubectl)."""
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def base_files() -> list[dict]:
+    """The base's resources as written (what kustomize would render, less its labels and namespace)."""
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    docs: list[dict] = []
+    for name in kustomization["resources"]:
+        docs += [doc for doc in yaml.safe_load_all((K8S / "base" / name).read_text()) if doc]
+    return docs
+
+
+def have_kubectl() -> bool:
+    return shutil.which("kubectl") is not None
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One `holdback ...` command line a deployment file runs, and where."""
+
+    where: str
+    args: tuple[str, ...]
+
+
+def k8s_invocations(docs: list[dict]) -> list[Invocation]:
+    found = []
+    for doc in docs:
+        spec = doc.get("spec", {})
+        pod = spec.get("template", {}).get("spec") or spec.get("jobTemplate", {}).get("spec", {}).get(
+            "template", {}).get("spec")
+        for container in (pod or {}).get("containers", []):
+            if container.get("image", "").split(":")[0].endswith("holdback"):
+                found.append(Invocation(f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}",
+                                        tuple(container.get("args", []))))
+    return found
+
+
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def compose_invocations(doc: dict) -> list[Invocation]:
+    return [Invocation(f"compose/{name}", tuple(svc["command"])) for name, svc in doc["services"].items()
+            if "holdback" in str(svc.get("image", "")) and "command" in svc]
+
+
+@lru_cache(maxsize=None)
+def cli_help(words: tuple[str, ...]) -> str | None:
+    """`holdback WORDS --help`, or None when that is not a command."""
+    out = subprocess.run([sys.executable, "-m", "holdback.cli", *words, "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    return out.stdout if out.returncode == 0 else None
+
+
+def command_words(args: tuple[str, ...]) -> tuple[str, ...]:
+    """The longest run of leading non-flag words that `holdback` accepts as a command (`db upgrade`, `api`)."""
+    words: list[str] = []
+    for arg in args:
+        if arg.startswith("-") or cli_help((*words, arg)) is None:
+            break
+        words.append(arg)
+    return tuple(words)
+
+
+def flags(args: tuple[str, ...]) -> list[str]:
+    return [a.split("=", 1)[0] for a in args if re.fullmatch(r"--?[A-Za-z][\w-]*(=.*)?", a)]
+
+
+def settings_env_names() -> set[str]:
+    """Every environment variable a pydantic-settings class in holdback's packages reads.
+
+    Found by reading the source (classes deriving from BaseSettings), so settings another change adds
+    are known without editing this test."""
+    from pydantic_settings import BaseSettings
+    import importlib
+
+    names: set[str] = set()
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            text = path.read_text()
+            if "BaseSettings" not in text:
+                continue
+            module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+            for obj in vars(module).values():
+                if isinstance(obj, type) and issubclass(obj, BaseSettings) and obj is not BaseSettings:
+                    prefix = obj.model_config.get("env_prefix", "")
+                    for name, info in obj.model_fields.items():
+                        alias = info.validation_alias
+                        names.add(alias.upper() if isinstance(alias, str) else f"{prefix}{name}".upper())
+    return names
+
+
+def gateway_key_envs() -> set[str]:
+    config = yaml.safe_load((REPO / "gateway" / "default.yaml").read_text())
+    return {entry["key_env"] for entry in config.get("keys", []) if "key_env" in entry}
+
+
+def cli_env_names() -> set[str]:
+    """Variables a CLI reads as a flag default (`os.environ.get("HOLDBACK_...")` in an argparse default)."""
+    names: set[str] = set()
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                        and node.args and isinstance(node.args[0], ast.Constant)
+                        and str(node.args[0].value).startswith("HOLDBACK_")):
+                    names.add(node.args[0].value)
+    return names
+
+
+def metric_source() -> str:
+    """The packages' source with `{PREFIX}` f-string parts expanded, to look metric names up in."""
+    chunks = []
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            text = path.read_text()
+            prefix = re.search(r'^PREFIX = "([a-z_]+)"', text, re.M)
+            if prefix:
+                text = text.replace("{PREFIX}", prefix.group(1))
+            chunks.append(text)
+    return "\n".join(chunks)
