@@ -127,6 +127,7 @@ def _check_invocation(invocation: Invocation) -> None:
             f"{invocation.where}: `holdback {' '.join(words)}` has no option {flag}")
 
 
+@pytest.mark.e2e  # runs `holdback ... --help` as a child process
 def test_every_command_and_flag_exists_in_the_cli(manifests, compose_doc) -> None:  # noqa: ANN001
     invocations = k8s_invocations(manifests[1]) + compose_invocations(compose_doc)
     assert {i.args[0] for i in invocations} >= {"api", "processor", "worker", "gateway", "db"}
@@ -134,6 +135,7 @@ def test_every_command_and_flag_exists_in_the_cli(manifests, compose_doc) -> Non
         _check_invocation(invocation)
 
 
+@pytest.mark.e2e  # runs `holdback ... --help` as a child process
 def test_the_flag_check_catches_a_renamed_flag() -> None:
     with pytest.raises(AssertionError, match="has no option --metric-port"):
         _check_invocation(Invocation("example", ("processor", "--metric-port", "9100")))
@@ -141,6 +143,7 @@ def test_the_flag_check_catches_a_renamed_flag() -> None:
         _check_invocation(Invocation("example", ("proccessor",)))
 
 
+@pytest.mark.e2e  # runs `holdback ... --help` as a child process
 def test_every_environment_variable_is_a_setting(manifests, compose_doc) -> None:  # noqa: ANN001
     known = _known_env()
     assert {"DATABASE_URL", "REDIS_URL", "HOLDBACK_FILES_URL", "HOLDBACK_S3_ENDPOINT_URL"} <= known
@@ -214,6 +217,7 @@ def test_dashboard_and_alerts_use_metrics_the_code_exports() -> None:
         assert f'"{base}"' in source or f'"{base}_total"' in source, f"no metric {name} in the code"
 
 
+@pytest.mark.e2e  # runs `holdback ... --help` as a child process
 def test_the_readme_scaling_out_commands_exist_in_the_cli() -> None:
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Scaling out"):]
