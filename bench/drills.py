@@ -255,9 +255,13 @@ class Traffic:
         return [r for r in self.records if r["sent_t"] >= t and (phase is None or r["phase"] == phase)]
 
 
-def rejected(record: dict) -> bool:
-    """A request the gateway turned away explicitly (429, or 400 for a context it can never hold)."""
-    return record["status"] == 429 or bool(record.get("drop_reason"))
+def capacity_rejected(record: dict) -> bool:
+    """A request the gateway turned away for lack of capacity (429 not about the caller's own quota).
+
+    Quota and context-length rejections say the request itself was too big for its tenant or model;
+    they happen at any load, so the ramp does not stop on them.
+    """
+    return record["status"] == 429 and "quota" not in (record.get("drop_reason") or "")
 
 
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
@@ -321,7 +325,7 @@ class DrillRun:
             await traffic.play(self.workload.realtime(f"ramp-{k}", rate, p.ramp_step_s))
             await asyncio.sleep(max(0.0, start + p.ramp_step_s - self.timeline.now()))
             seen = traffic.since(peak["start"])
-            n_rejected = sum(1 for r in seen if rejected(r))
+            n_rejected = sum(1 for r in seen if capacity_rejected(r))
             steps.append({"rate": rate, "start": start, "end": self.timeline.now(), "rejected_so_far": n_rejected})
             if n_rejected:
                 hold_rate = rate

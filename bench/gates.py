@@ -137,16 +137,26 @@ def _storm_drop_note(record: dict) -> str:
             + (f"{back:.1f} s after the cancel (0.5 s sampling)" if back is not None else "never in the window"))
 
 
+def good_config(record: dict) -> list[dict]:
+    """Requests sent while the config under test ran: not during the bad push, nor after it if the rollback failed."""
+    bad = _phase(record, "bad_config")
+    rb = record.get("rollback") or {}
+    if bad is not None and rb and not rb.get("digest_after"):
+        bad = {"start": bad["start"], "end": None}
+    return [r for r in record.get("requests", []) if not _in(r["sent_t"], bad)]
+
+
 def ttft_gate(record: dict) -> Gate:
     limit = record.get("ttft_gate_s", 0.9)
-    bad = _phase(record, "bad_config")
-    recs = [r for r in record.get("requests", []) if not _in(r["sent_t"], bad)]
+    recs = good_config(record)
     critical = [r for r in recs if r["klass"] == "critical"]
     values = _ttfts(recs)
     est, status, text = tail_verdict(values, 0.95, limit)
     refused = sum(1 for r in critical if r["status"] != 200)
     return Gate("critical p95 TTFT", f"p95 time to first token of critical realtime <= {limit * 1000:.0f} ms",
-                text, status, f"{refused}/{len(critical)} critical requests not served (outside the bad-config window)")
+                text, status, f"{refused}/{len(critical)} critical requests not served; bad config excluded"
+                + ("" if (record.get("rollback") or {}).get("digest_after") or not record.get("rollback")
+                   else " (and everything after it: the rollback failed)"))
 
 
 def tenant_share_gate(record: dict) -> Gate:
@@ -158,9 +168,8 @@ def tenant_share_gate(record: dict) -> Gate:
     pool = sum(int(r.get("num_blocks") or 0) for r in first["replicas"].values())
     block = int(record["plan"]["sim_args"][list(record["plan"]["sim_args"]).index("--block-size") + 1])
     intervals: dict[str, list[tuple[float, float, int]]] = {}
-    bad = _phase(record, "bad_config")
-    for r in record.get("requests", []):
-        if r["status"] != 200 or r["e2e_s"] is None or _in(r["sent_t"], bad):
+    for r in good_config(record):
+        if r["status"] != 200 or r["e2e_s"] is None:
             continue
         start = r["sent_t"] + (r["queue_ms"] or 0.0) / 1000.0
         end = r["sent_t"] + r["e2e_s"] - CLIENT_END_SLACK_S
@@ -178,7 +187,7 @@ def tenant_share_gate(record: dict) -> Gate:
     ledger = max((float(v.get("share") or 0.0) for s in record.get("samples", []) if s.get("kv")
                   for v in ((s["kv"].get("tenants") or {}).values())), default=None)
     figure = f"max actual {worst:.1%} ({who}, t={when:.0f} s)" if who else "no served requests"
-    note = "actual = blocks of each served request from dispatch to end at its final size, bad-config window excluded; "
+    note = "actual = blocks of each served request from dispatch to end at its final size, bad config excluded; "
     note += f"ledger max reserved share {ledger:.1%}" if ledger is not None else "no ledger share exported"
     return Gate("tenant share", goal, figure, "pass" if worst <= limit + 1e-9 else "fail", note)
 
