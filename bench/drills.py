@@ -110,14 +110,24 @@ def gateway_settings(plan: DrillPlan, admission: bool) -> dict:
     return settings
 
 
-# The bad push: batch may take every slot and block, no tenant limit, no eviction, no concurrency guard.
-BAD_SETTINGS = {
-    "saturation": {"maxConcurrency": 1024},
-    "flowControl": {"bands": [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
-                              {"priority": -10, "ceiling": 1.0, "fairness": "round-robin"}]},
-    "eviction": {"enabled": False},
-    "admission": {"hardWatermark": 1.0, "admissionWatermark": 1.0, "interactiveReserve": 0.0, "tenantMaxShare": 1.0},
-}
+def bad_settings(good: dict) -> dict:
+    """The bad push: batch may take every slot and block, no tenant limit, no eviction, no concurrency guard."""
+    from gateway.config import Admission
+
+    bad = json.loads(json.dumps(good))
+    bad["saturation"]["maxConcurrency"] = 1024
+    bad["flowControl"]["bands"] = [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
+                                   {"priority": -10, "ceiling": 1.0, "fairness": "round-robin"}]
+    bad["eviction"] = {**bad["eviction"], "enabled": False}
+    if bad["admission"]["enabled"]:
+        loose = {"hardWatermark": 1.0, "batchPauseWatermark": 1.0, "admissionWatermark": 1.0,
+                 "interactiveReserve": 0.0, "tenantMaxShare": 1.0}
+        bad["admission"].update({k: v for k, v in loose.items() if k in Admission.model_fields})
+    return bad
+
+
+# How far below the config's own admission watermark a rollback keeps it.
+ROLLBACK_WATERMARK_STEP = 0.04
 
 
 @dataclass
@@ -159,7 +169,7 @@ class Sampler(threading.Thread):
     def one(self, client: httpx.Client) -> dict:
         sample: dict = {"t": self.timeline.now()}
         try:
-            st = client.get(f"{self.stack.gateway_url}/admin/state").json()
+            st = client.get(f"{self.stack.gateway_url}/admin/state", headers=self.stack.admin_headers).json()
             sample["kv"] = st.get("kv")
             sample["config_digest"] = (st.get("config") or {}).get("digest")
             sample["bands"] = {str(b.get("priority")): {"queued": b.get("queued"), "in_flight": b.get("in_flight")}
@@ -361,12 +371,7 @@ class DrillRun:
         p = self.plan
         rate = (self.record.get("ramp") or {}).get("hold_rate") or p.ramp_rates[len(p.ramp_rates) // 2]
         good_digest = await asyncio.to_thread(self._digest, stack)
-        bad = json.loads(json.dumps(good))
-        for section, values in BAD_SETTINGS.items():
-            bad[section] = {**bad.get(section, {}), **values}
-        if not self.admission:
-            bad["admission"] = {"enabled": False}
-        await asyncio.to_thread(stack.push_gateway_config, bad)
+        await asyncio.to_thread(stack.push_gateway_config, bad_settings(good))
         bad_digest = await self._wait_digest(stack, good_digest)
         self.timeline.event("bad_config_pushed", good_digest=good_digest, bad_digest=bad_digest)
         phase = await self._run_phase(traffic, "bad_config", self.workload.realtime("bad_config", rate, p.bad_config_s),
@@ -378,8 +383,9 @@ class DrillRun:
         # Roll back whether or not the monitor fired, so the kill drill runs on the good config.
         response: dict = {}
         try:
+            lower = round(good["admission"]["admissionWatermark"] - ROLLBACK_WATERMARK_STEP, 4)
             r = await asyncio.to_thread(httpx.post, f"{stack.gateway_url}/admin/rollback",
-                                        headers={"Authorization": f"Bearer {stack.realtime_key}"}, timeout=10)
+                                        json={"admissionWatermark": lower}, headers=stack.admin_headers, timeout=10)
             response = {"status": r.status_code, "body": _json_or_text(r)}
         except httpx.HTTPError as exc:
             response = {"status": 0, "body": repr(exc)[:200]}

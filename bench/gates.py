@@ -275,6 +275,8 @@ def rollback_gate(record: dict) -> Gate:
     resp = rb.get("response") or {}
     body = resp.get("body") if isinstance(resp.get("body"), dict) else {}
     problems = []
+    if rb.get("bad_digest") is None:
+        problems.append("the gateway did not apply the bad config (reload rejected or not seen)")
     if not rb.get("detected"):
         problems.append(f"bad config not detected (its p95 {bad * 1000:.0f} ms)" if bad else "bad config not detected")
     if resp.get("status") != 200:
@@ -282,7 +284,7 @@ def rollback_gate(record: dict) -> Gate:
     elif body.get("to_digest") != rb.get("good_digest"):
         problems.append(f"rolled back to {body.get('to_digest')}, not the previous {rb.get('good_digest')}")
     watermark = body.get("admissionWatermark")
-    if resp.get("status") == 200 and (watermark is None or watermark > (rb.get("good_admission_watermark") or 1.0)):
+    if resp.get("status") == 200 and (watermark is None or watermark >= (rb.get("good_admission_watermark") or 1.0)):
         problems.append(f"admission watermark after rollback {watermark} is not lower")
     bad_text = f"bad config p95 {bad * 1000:.0f} ms; " if bad is not None else ""
     ok = status == "pass" and not problems

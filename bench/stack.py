@@ -185,7 +185,11 @@ class Stack:
 
     # -- public read-outs --------------------------------------------------
     def gateway_state(self) -> dict:
-        return httpx.get(f"{self.gateway_url}/admin/state", timeout=5).json()
+        return httpx.get(f"{self.gateway_url}/admin/state", headers=self.admin_headers, timeout=5).json()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"}
 
     def sim_states(self, replicas: list[int] | None = None, history_since: float | None = None) -> list[dict]:
         params = {"history_since": history_since} if history_since is not None else None
