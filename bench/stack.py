@@ -191,16 +191,16 @@ class Stack:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"}
 
-    def sim_states(self, replicas: list[int] | None = None, history_since: float | None = None) -> list[dict]:
-        params = {"history_since": history_since} if history_since is not None else None
-        return [httpx.get(f"{self.replica_urls[i]}/admin/state", params=params, timeout=5).json()
-                for i in (range(self.spec.replicas) if replicas is None else replicas)]
-
     def sim_metrics(self) -> list[dict[str, float]]:
         return [parse_prometheus(httpx.get(f"{u}/metrics", timeout=5).text) for u in self.replica_urls]
 
     def gateway_metrics(self) -> dict[str, float]:
         return parse_prometheus(httpx.get(f"{self.gateway_url}/metrics", timeout=5).text)
+
+    def sim_states(self, replicas: list[int] | None = None, history_since: float | None = None) -> list[dict]:
+        params = {"history_since": history_since} if history_since is not None else None
+        return [httpx.get(f"{self.replica_urls[i]}/admin/state", params=params, timeout=5).json()
+                for i in (range(self.spec.replicas) if replicas is None else replicas)]
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
