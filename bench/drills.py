@@ -53,20 +53,19 @@ class DrillPlan:
     kill_long_requests: int = 16
     batch_jobs: int = 2
     batch_lines: int = 1500
-    # Above what the replicas can run at once (2 x 48): the good config holds batch back at the gateway,
-    # the bad one lets it through, and critical requests queue behind it on the replicas.
     worker_concurrency: int = 128
     drain_s: float = 240.0
     replicas: int = 2
     shapes: Shapes = Shapes()
-    # The simulated replica: 8192 blocks of 16 tokens (a 32K-token input takes a quarter of it), 48 sequences.
+    # The simulated replica: 8192 blocks of 16 tokens (a 32K-token input takes a quarter of it), 128 sequences.
     sim_args: tuple[str, ...] = (
         "--step-overhead-ms", "4", "--prefill-ms-per-token", "0.01", "--decode-base-ms", "30",
-        "--decode-ms-per-seq", "0.3", "--max-num-seqs", "48", "--max-num-batched-tokens", "8192",
+        "--decode-ms-per-seq", "0.3", "--max-num-seqs", "128", "--max-num-batched-tokens", "8192",
         "--num-blocks", "8192", "--block-size", "16", "--max-model-len", "40960", "--enable-prefix-caching",
         "--preemption", "none", "--jitter", "0.05",
     )
-    max_concurrency: int = 40  # gateway concurrency per replica, below the replica's 48 sequences
+    # Gateway concurrency per replica, below the replica's 128 sequences: KV, not the request count, binds first.
+    max_concurrency: int = 112
 
 
 QUICK = DrillPlan(
@@ -111,17 +110,20 @@ def gateway_settings(plan: DrillPlan, admission: bool) -> dict:
 
 
 def bad_settings(good: dict) -> dict:
-    """The bad push: batch may take every slot and block, no tenant limit, no eviction, no concurrency guard."""
+    """The bad push: a concurrency limit cut to 6 per replica, batch may take every slot and block, no tenant
+    limit, no eviction. Critical requests then wait for slots held by long requests: tail latency."""
     from gateway.config import Admission
 
     bad = json.loads(json.dumps(good))
-    bad["saturation"]["maxConcurrency"] = 1024
+    bad["saturation"]["maxConcurrency"] = 6
     bad["flowControl"]["bands"] = [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
                                    {"priority": -10, "ceiling": 1.0, "fairness": "round-robin"}]
     bad["eviction"] = {**bad["eviction"], "enabled": False}
     if bad["admission"]["enabled"]:
-        loose = {"hardWatermark": 1.0, "batchPauseWatermark": 1.0, "admissionWatermark": 1.0,
-                 "interactiveReserve": 0.0, "tenantMaxShare": 1.0}
+        # As loose as the gateway accepts: it refuses a hard watermark that leaves less than one scheduling
+        # cycle of growth (one block per running sequence) above it.
+        loose = {"hardWatermark": 0.95, "batchPauseWatermark": 0.95, "admissionWatermark": 0.95,
+                 "interactiveReserve": 0.0, "tenantMaxShare": 1.0, "tenantSoftShare": 1.0}
         bad["admission"].update({k: v for k, v in loose.items() if k in Admission.model_fields})
     return bad
 
@@ -178,18 +180,25 @@ class Sampler(threading.Thread):
         except (httpx.HTTPError, ValueError) as exc:
             sample["gateway_error"] = repr(exc)[:120]
         replicas = {}
+        tenant_blocks: dict[str, int] = {}
         for i, url in enumerate(self.stack.replica_urls):
             if i in self.dead:
                 continue
             try:
-                s = client.get(f"{url}/admin/state").json()
+                s = client.get(f"{url}/admin/state", params={"history_since": time.time()}).json()
                 replicas[str(i)] = {"usage": s["kv"]["usage"], "used": s["kv"]["used"],
                                     "num_blocks": s["kv"]["num_blocks"], "running": s["running"],
                                     "waiting": s["waiting"], "kv_oom": s.get("kv_oom"),
                                     "kv_oom_failed_requests": s.get("kv_oom_failed_requests")}
+                # Blocks each tenant actually holds on the replica, by the request id the gateway passed on.
+                for r in s["running_requests"] + s["waiting_requests"]:
+                    tenant = tenant_of(r.get("external_id"))
+                    if tenant is not None:
+                        tenant_blocks[tenant] = tenant_blocks.get(tenant, 0) + int(r["num_blocks"])
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 replicas[str(i)] = {"error": repr(exc)[:120]}
         sample["replicas"] = replicas
+        sample["tenant_blocks"] = tenant_blocks
         headers = {"Authorization": f"Bearer {self.stack.tenant_key}"}
         batches = {}
         for batch_id in self.batch_ids:
@@ -236,7 +245,7 @@ class Traffic:
     async def _send(self, spec: RequestSpec) -> None:
         assert self.session is not None
         headers = {"Authorization": f"Bearer {self.stack.realtime_key}", "x-llm-d-inference-objective": spec.objective,
-                   "x-llm-d-inference-fairness-id": spec.tenant}
+                   "x-llm-d-inference-fairness-id": spec.tenant, "x-request-id": request_id(spec)}
         sent = self.timeline.now()
         outcome = await stream_chat(self.session, self.stack.gateway_url, headers, spec.body(self.model),
                                     spec.cancel_after)
@@ -263,6 +272,20 @@ class Traffic:
 
     def since(self, t: float, phase: str | None = None) -> list[dict]:
         return [r for r in self.records if r["sent_t"] >= t and (phase is None or r["phase"] == phase)]
+
+
+REQUEST_ID_PREFIX = "drill."
+
+
+def request_id(spec: RequestSpec) -> str:
+    """`drill.<tenant>.<index>`: the gateway passes it to the replica, whose /admin/state shows it."""
+    return f"{REQUEST_ID_PREFIX}{spec.tenant}.{spec.index}"
+
+
+def tenant_of(external_id: str | None) -> str | None:
+    if not external_id or not external_id.startswith(REQUEST_ID_PREFIX):
+        return None
+    return external_id[len(REQUEST_ID_PREFIX):].rsplit(".", 1)[0]
 
 
 def capacity_rejected(record: dict) -> bool:
@@ -423,7 +446,7 @@ class DrillRun:
         deadline = phase["start"] + p.kill_s
         while self.timeline.now() < deadline:
             checks.append(await asyncio.to_thread(reservation_check, stack, survivors, self.timeline))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.2)
         await play
         phase["end"] = self.timeline.now()
         self.record["kill"] = {"replica": victim, "url": stack.replica_urls[victim], "checks": checks}
@@ -485,7 +508,9 @@ class DrillRun:
             self.timeline.event("batch_started", jobs=batch_ids)
             try:
                 asyncio.run(self._timeline(stack, model, sampler, good))
-                self.record["evicted_all_done"] = all(wait_evicted_done(stack, b, 60.0) for b in batch_ids)
+                until = time.monotonic() + p.drain_s
+                self.record["evicted_all_done"] = all(wait_evicted_done(stack, b, max(1.0, until - time.monotonic()))
+                                                      for b in batch_ids)
             finally:
                 sampler.stop()
             alive = [i for i in range(p.replicas) if i not in sampler.dead]

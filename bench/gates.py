@@ -16,9 +16,6 @@ RELEASE_GATE_S = 2.0
 EVICTED_COMPLETE_GATE = 0.99
 RELEASE_METRIC = "holdback_gateway_kv_release_seconds"
 PAUSED_LEVELS = ("pause-batch", "evict")
-# The client sees a stream end a little after the gateway released it; intervals are trimmed by this much so
-# a request that ends as the next one of the same tenant starts is not counted twice.
-CLIENT_END_SLACK_S = 0.05
 
 
 @dataclass
@@ -137,12 +134,18 @@ def _storm_drop_note(record: dict) -> str:
             + (f"{back:.1f} s after the cancel (0.5 s sampling)" if back is not None else "never in the window"))
 
 
-def good_config(record: dict) -> list[dict]:
-    """Requests sent while the config under test ran: not during the bad push, nor after it if the rollback failed."""
+def _excluded_window(record: dict) -> dict | None:
+    """When the config under test was not running: the bad push, and everything after it if the rollback failed."""
     bad = _phase(record, "bad_config")
     rb = record.get("rollback") or {}
     if bad is not None and rb and not rb.get("digest_after"):
         bad = {"start": bad["start"], "end": None}
+    return bad
+
+
+def good_config(record: dict) -> list[dict]:
+    """Requests sent while the config under test ran."""
+    bad = _excluded_window(record)
     return [r for r in record.get("requests", []) if not _in(r["sent_t"], bad)]
 
 
@@ -162,32 +165,23 @@ def ttft_gate(record: dict) -> Gate:
 def tenant_share_gate(record: dict) -> Gate:
     limit = float(((record.get("gateway_settings") or {}).get("admission") or {}).get("tenantMaxShare", 0.15))
     goal = f"no tenant's actual KV share above its hard limit {limit:.0%}"
-    first = next((s for s in record.get("samples", []) if s.get("replicas")), None)
-    if first is None:
-        return Gate("tenant share", goal, "no data", "fail", "no replica samples")
-    pool = sum(int(r.get("num_blocks") or 0) for r in first["replicas"].values())
-    block = int(record["plan"]["sim_args"][list(record["plan"]["sim_args"]).index("--block-size") + 1])
-    intervals: dict[str, list[tuple[float, float, int]]] = {}
-    for r in good_config(record):
-        if r["status"] != 200 or r["e2e_s"] is None:
-            continue
-        start = r["sent_t"] + (r["queue_ms"] or 0.0) / 1000.0
-        end = r["sent_t"] + r["e2e_s"] - CLIENT_END_SLACK_S
-        blocks = math.ceil((r["prompt_tokens"] + r["output_tokens"]) / block)
-        if end > start:
-            intervals.setdefault(r["tenant"], []).append((start, end, blocks))
+    samples = [s for s in record.get("samples", []) if s.get("replicas")]
+    if not samples or not any("tenant_blocks" in s for s in samples):
+        return Gate("tenant share", goal, "no data", "fail", "no replica samples with per-request blocks")
+    pool = sum(int(r.get("num_blocks") or 0) for r in samples[0]["replicas"].values())
+    excluded = _excluded_window(record)
     worst, who, when = 0.0, None, None
-    for tenant, spans in intervals.items():
-        points = sorted([(s, b) for s, _, b in spans] + [(e, -b) for _, e, b in spans], key=lambda x: (x[0], x[1]))
-        held = 0
-        for t, change in points:
-            held += change
-            if held / pool > worst:
-                worst, who, when = held / pool, tenant, t
-    ledger = max((float(v.get("share") or 0.0) for s in record.get("samples", []) if s.get("kv")
+    for s in samples:
+        if excluded is not None and _in(s["t"], excluded):
+            continue
+        for tenant, blocks in (s.get("tenant_blocks") or {}).items():
+            if blocks / pool > worst:
+                worst, who, when = blocks / pool, tenant, s["t"]
+    ledger = max((float(v.get("share") or 0.0) for s in samples if s.get("kv")
                   for v in ((s["kv"].get("tenants") or {}).values())), default=None)
-    figure = f"max actual {worst:.1%} ({who}, t={when:.0f} s)" if who else "no served requests"
-    note = "actual = blocks of each served request from dispatch to end at its final size, bad config excluded; "
+    figure = f"max actual {worst:.1%} ({who}, t={when:.0f} s)" if who else "no tenant held blocks"
+    note = (f"actual = blocks the replicas hold for the tenant's requests, sampled every 0.5 s, over the "
+            f"{pool}-block pool, bad config excluded; ")
     note += f"ledger max reserved share {ledger:.1%}" if ledger is not None else "no ledger share exported"
     return Gate("tenant share", goal, figure, "pass" if worst <= limit + 1e-9 else "fail", note)
 

@@ -14,8 +14,9 @@ import random
 from dataclasses import asdict, dataclass
 
 # One-token words of the simulator's tokenizer (a leading space plus at most five letters is one piece), so
-# a prompt of N words is about N tokens and a "32K-token input" really is one.
-VOCAB = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "zeta", "iota", "rho", "tau")
+# a prompt of N words is N tokens and a "32K-token input" really is one. Three letters plus the space make
+# four characters per token, so a gateway that estimates tokens from characters (4 per token) counts the same.
+VOCAB = ("ant", "bee", "cat", "dog", "elk", "fox", "gnu", "hen", "owl", "pig", "ram", "yak")
 KINDS = ("short_qa", "long_input", "long_output", "shared_prefix")
 # The class a kind's latency is judged in: short QA is the critical interactive traffic.
 CLASS_OF = {"short_qa": "critical", "long_input": "interactive", "long_output": "interactive",

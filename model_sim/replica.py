@@ -7,6 +7,8 @@ handler, and the handler aborts the engine request (freeing its KV blocks) on th
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from model_sim.config import SimConfig
@@ -17,6 +19,10 @@ from model_sim.kv_usage import KvUsageHistory
 from model_sim.metrics import ReplicaMetrics
 from model_sim.server import build_app
 from model_sim.tokenizer import Tokenizer
+
+
+# What /admin/state shows of the KV usage history unless `history_since` asks for more.
+DEFAULT_HISTORY_SECONDS = 60.0
 
 
 class Replica:
@@ -110,7 +116,8 @@ class Replica:
             "preemption": sched.config.preemption,
             "kv_oom": stats.kv_oom,
             "kv_oom_failed_requests": stats.kv_oom_failed_requests,
-            "kv_usage_history": self.kv_usage.as_list(history_since),
+            "kv_usage_history": self.kv_usage.as_list(
+                history_since if history_since is not None else time.time() - DEFAULT_HISTORY_SECONDS),
             "num_steps": stats.num_steps,
             "scheduling_policy": sched.policy.value,
             "running_requests": [describe(r) for r in sched.running],

@@ -32,16 +32,19 @@ def test_a_replica_that_exports_no_oom_count_fails_rather_than_passes():
     assert oom_gate(record(samples=[{"t": 0.0, "replicas": {"0": {"usage": 0.1}}}])).status == "fail"
 
 
-def test_tenant_share_counts_overlapping_requests_of_one_tenant():
-    # Pool of 100 blocks; each request holds 2 blocks. Seven overlapping ones = 14% (pass), eight = 16% (fail).
-    seven = record(requests=[req(0.1 * i, e2e=5.0) for i in range(7)] + [req(20.0 + i, tenant="b") for i in range(9)])
-    assert tenant_share_gate(seven).status == "pass"
-    eight = record(requests=[req(0.1 * i, e2e=5.0) for i in range(8)])
-    gate = tenant_share_gate(eight)
-    assert gate.status == "fail" and "16.0%" in gate.figure
-    # Back-to-back requests (one ends as the next starts) are not counted twice.
-    chain = record(requests=[req(float(i), e2e=1.0) for i in range(40)])
-    assert tenant_share_gate(chain).figure.startswith("max actual 2.0%")
+def test_tenant_share_is_the_largest_sampled_share_outside_the_bad_config_window():
+    # Pool of 100 blocks (one replica); the limit is 15%.
+    samples = [{"t": 0.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"a": 14, "b": 3}},
+               {"t": 1.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"a": 15}},
+               {"t": 5.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"b": 40}}]
+    bad_window = [{"name": "bad_config", "start": 4.0, "end": 6.0}]
+    gate = tenant_share_gate(record(samples=samples, phases=bad_window, rollback={"digest_after": "sha256:x"}))
+    assert gate.status == "pass" and gate.figure.startswith("max actual 15.0% (a")
+    assert tenant_share_gate(record(samples=samples)).status == "fail"
+    # A failed rollback leaves the bad config running: everything after the push is excluded.
+    later = samples + [{"t": 9.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"c": 90}}]
+    assert tenant_share_gate(record(samples=later, phases=bad_window, rollback={"digest_after": None})).status == "pass"
+    assert tenant_share_gate(record(samples=[{"t": 0.0, "replicas": {"0": {"num_blocks": 100}}}])).status == "fail"
 
 
 def test_ttft_gate_uses_critical_requests_outside_the_bad_config_window():
