@@ -53,7 +53,7 @@ class DrillPlan:
     kill_long_requests: int = 16
     batch_jobs: int = 2
     batch_lines: int = 1500
-    worker_concurrency: int = 128
+    worker_concurrency: int = 96
     drain_s: float = 240.0
     replicas: int = 2
     shapes: Shapes = Shapes()
@@ -69,12 +69,12 @@ class DrillPlan:
 
 
 QUICK = DrillPlan(
-    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=14.0, burst_requests=64,
+    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0, 22.0), ramp_step_s=7.0, hold_s=14.0, burst_requests=64,
     burst_s=10.0, storm_requests=40, storm_cancel_after_s=3.0, storm_s=10.0, bad_config_s=18.0, verify_s=18.0,
     kill_s=20.0, kill_long_requests=12, batch_lines=450, drain_s=150.0,
-    shapes=Shapes(long_output_max_tokens=(256, 512), mix=(0.5, 0.2, 0.15, 0.15)),
+    shapes=Shapes(mix=(0.45, 0.2, 0.2, 0.15)),
 )
-FULL = DrillPlan(shapes=Shapes(mix=(0.5, 0.2, 0.15, 0.15)))
+FULL = DrillPlan(shapes=Shapes(mix=(0.45, 0.2, 0.2, 0.15)))
 # One drill at minimal sizes, for the test suite.
 SMOKE = replace(
     QUICK, offpeak_s=4.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
@@ -426,10 +426,11 @@ class DrillRun:
         """kill -9 a worker and a replica mid-run, then compare the survivors' reservations with what runs there."""
         p = self.plan
         phase = self.timeline.phase("kill", self.timeline.now())
+        background_s = p.kill_s / 2
         specs = self.workload.long_outputs("kill-long", p.kill_long_requests)
-        specs += self.workload.realtime("kill-background", p.offpeak_rate, p.kill_s)
+        specs += self.workload.realtime("kill-background", p.offpeak_rate, background_s)
         play = asyncio.create_task(traffic.play(specs))
-        await asyncio.sleep(min(5.0, p.kill_s / 4))
+        await asyncio.sleep(min(3.0, background_s / 2))
         victim = p.replicas - 1
         await asyncio.to_thread(stack.kill, "worker")
         self.timeline.event("worker_killed")
@@ -439,15 +440,21 @@ class DrillRun:
         await asyncio.sleep(2.0)
         await asyncio.to_thread(stack.start_workers)
         self.timeline.event("worker_restarted")
-        # The gateway needs its health checks to mark the replica down; then compare repeatedly.
-        await asyncio.sleep(4.0)
+        # The gateway needs its health checks to mark the replica down. Then batch dispatch is paused (admin
+        # API) and the realtime background has ended, so the ledger moves only when a request finishes and a
+        # check can find a moment when gateway and replica agree; the long requests are still running.
+        await play
+        await asyncio.sleep(2.0)
+        paused = await asyncio.to_thread(set_batch_dispatch, stack, False)
+        self.timeline.event("batch_dispatch_paused", queues=paused)
         survivors = [i for i in range(p.replicas) if i != victim]
         checks = []
-        deadline = phase["start"] + p.kill_s
+        deadline = max(phase["start"] + p.kill_s, self.timeline.now() + 6.0)
         while self.timeline.now() < deadline:
             checks.append(await asyncio.to_thread(reservation_check, stack, survivors, self.timeline))
-            await asyncio.sleep(0.2)
-        await play
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(set_batch_dispatch, stack, True)
+        self.timeline.event("batch_dispatch_resumed")
         phase["end"] = self.timeline.now()
         self.record["kill"] = {"replica": victim, "url": stack.replica_urls[victim], "checks": checks}
 
@@ -534,6 +541,16 @@ class DrillRun:
     @property
     def name(self) -> str:
         return f"drills-admission-{'on' if self.admission else 'off'}"
+
+
+def set_batch_dispatch(stack: Stack, running: bool) -> list[str]:
+    """Pause (or resume) every worker queue through the admin API; returns the queue names."""
+    base = f"{stack.api_url}/admin/queues"
+    names = [q["name"] for q in httpx.get(base, headers=stack.admin_headers, timeout=10).json()["data"]]
+    for name in names:
+        httpx.post(f"{base}/{name}/{'resume' if running else 'pause'}", headers=stack.admin_headers,
+                   timeout=10).raise_for_status()
+    return names
 
 
 def reservation_check(stack: Stack, survivors: list[int], timeline: Timeline) -> dict:

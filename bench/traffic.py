@@ -67,9 +67,11 @@ class StreamOutcome:
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict,
                       cancel_after: float | None = None) -> StreamOutcome:
-    """POST a streaming chat completion and read it to the end, or close it `cancel_after` seconds after sending.
+    """POST a chat completion and read it to the end, or close it `cancel_after` seconds after sending.
 
-    An SSE `error` event (a replica failing mid-stream) turns the outcome into a 500 with its message.
+    Streams are read chunk by chunk (TTFT is the first content chunk); a non-streaming body (`stream` false)
+    is read whole and has no TTFT. An SSE `error` event (a replica failing mid-stream) turns the outcome
+    into a 500 with its message.
     """
     sent = time.monotonic()
     state = {"ttft": None, "tokens": 0, "prompt": 0, "queue_ms": None}
@@ -82,6 +84,10 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, headers: dict[st
             if r.status != 200:
                 text = await r.text()
                 return StreamOutcome(r.status, None, None, 0, 0, state["queue_ms"], drop, text[:200])
+            if not body.get("stream"):
+                usage = (await r.json()).get("usage") or {}
+                return StreamOutcome(200, None, time.monotonic() - sent, int(usage.get("completion_tokens") or 0),
+                                     int(usage.get("prompt_tokens") or 0), state["queue_ms"], None, None)
             async for raw in r.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):

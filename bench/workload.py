@@ -22,6 +22,7 @@ KINDS = ("short_qa", "long_input", "long_output", "shared_prefix")
 CLASS_OF = {"short_qa": "critical", "long_input": "interactive", "long_output": "interactive",
             "shared_prefix": "interactive", "burst": "interactive", "storm": "interactive"}
 OBJECTIVE_OF_CLASS = {"critical": "realtime", "interactive": "standard"}
+STREAMED = ("short_qa", "shared_prefix")
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,18 @@ class RequestSpec:
     def objective(self) -> str:
         return OBJECTIVE_OF_CLASS[self.klass]
 
+    @property
+    def stream(self) -> bool:
+        """Short answers stream (their TTFT is judged); long ones are read whole, which spares the client
+        parsing hundreds of chunks per request, work that would otherwise delay every TTFT it measures."""
+        return self.kind in STREAMED
+
     def body(self, model: str) -> dict:
-        return {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": self.max_tokens, "ignore_eos": True,
+        body = {"model": model, "stream": self.stream, "max_tokens": self.max_tokens, "ignore_eos": True,
                 "messages": [{"role": "user", "content": self.prompt}]}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
 
     def describe(self) -> dict:
         """The spec without its prompt text (the prompt is reproducible from the seed)."""
