@@ -51,6 +51,7 @@ class DrillPlan:
     verify_s: float = 40.0
     kill_s: float = 40.0
     kill_long_requests: int = 16
+    kill_idle_wait_s: float = 120.0  # longest wait for the survivors to run dry with batch dispatch paused
     batch_jobs: int = 2
     batch_lines: int = 1500
     worker_concurrency: int = 96
@@ -59,8 +60,8 @@ class DrillPlan:
     shapes: Shapes = Shapes()
     # The simulated replica: 8192 blocks of 16 tokens (a 32K-token input takes a quarter of it), 128 sequences.
     sim_args: tuple[str, ...] = (
-        "--step-overhead-ms", "4", "--prefill-ms-per-token", "0.01", "--decode-base-ms", "30",
-        "--decode-ms-per-seq", "0.3", "--max-num-seqs", "128", "--max-num-batched-tokens", "8192",
+        "--step-overhead-ms", "4", "--prefill-ms-per-token", "0.002", "--decode-base-ms", "30",
+        "--decode-ms-per-seq", "0.3", "--max-num-seqs", "128", "--max-num-batched-tokens", "16384",
         "--num-blocks", "8192", "--block-size", "16", "--max-model-len", "40960", "--enable-prefix-caching",
         "--preemption", "none", "--jitter", "0.05",
     )
@@ -69,12 +70,12 @@ class DrillPlan:
 
 
 QUICK = DrillPlan(
-    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0, 22.0), ramp_step_s=7.0, hold_s=14.0, burst_requests=64,
+    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=14.0, burst_requests=64,
     burst_s=10.0, storm_requests=40, storm_cancel_after_s=3.0, storm_s=10.0, bad_config_s=18.0, verify_s=18.0,
-    kill_s=20.0, kill_long_requests=12, batch_lines=450, drain_s=150.0,
-    shapes=Shapes(mix=(0.45, 0.2, 0.2, 0.15)),
+    kill_s=20.0, kill_long_requests=12, kill_idle_wait_s=90.0, batch_lines=450, drain_s=150.0,
+    shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)),
 )
-FULL = DrillPlan(shapes=Shapes(mix=(0.45, 0.2, 0.2, 0.15)))
+FULL = DrillPlan(shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)))
 # One drill at minimal sizes, for the test suite.
 SMOKE = replace(
     QUICK, offpeak_s=4.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
@@ -449,10 +450,15 @@ class DrillRun:
         self.timeline.event("batch_dispatch_paused", queues=paused)
         survivors = [i for i in range(p.replicas) if i != victim]
         checks = []
-        deadline = max(phase["start"] + p.kill_s, self.timeline.now() + 6.0)
+        # Until the survivors have nothing left (the last check then compares an idle ledger with idle
+        # replicas: a stale reservation would still be there) or the time is up.
+        deadline = self.timeline.now() + p.kill_idle_wait_s
         while self.timeline.now() < deadline:
-            checks.append(await asyncio.to_thread(reservation_check, stack, survivors, self.timeline))
-            await asyncio.sleep(0.1)
+            check = await asyncio.to_thread(reservation_check, stack, survivors, self.timeline)
+            checks.append(check)
+            if check.get("replicas") and all(r["sequences"] == 0 for r in check["replicas"].values()):
+                break
+            await asyncio.sleep(0.2)
         await asyncio.to_thread(set_batch_dispatch, stack, True)
         self.timeline.event("batch_dispatch_resumed")
         phase["end"] = self.timeline.now()

@@ -225,11 +225,12 @@ def batch_pause_gate(record: dict) -> Gate:
     figure = "batch rows/s before / peak / after: " + " / ".join("-" if r is None else f"{r:.1f}" for r in rates)
     if not _has_ledger(record):
         return Gate("batch pause/resume", goal, figure, "fail", NO_LEDGER)
-    paused = [s for s in samples if _in(s["t"], peak) and levels(s) and all(l in PAUSED_LEVELS for l in levels(s))]
+    paused = [s for s in samples if _in(s["t"], peak) and any(l in PAUSED_LEVELS for l in levels(s))
+              and int(((s.get("kv") or {}).get("waiting_by_priority") or {}).get("-10") or 0) > 0]
     resumed = [s for s in samples if _in(s["t"], after) and levels(s) and not any(l in PAUSED_LEVELS for l in levels(s))]
     ok = bool(paused) and bool(resumed) and (rates[2] or 0) > 0
-    note = (f"{len(paused)} peak samples with every replica at pause-batch or above; "
-            f"{len(resumed)} off-peak samples back below it")
+    note = (f"{len(paused)} peak samples with a replica at pause-batch or above and batch waiting; "
+            f"{len(resumed)} off-peak samples with every replica back below it")
     return Gate("batch pause/resume", goal, figure, "pass" if ok else "fail", note)
 
 
@@ -238,22 +239,28 @@ def kill_gate(record: dict) -> Gate:
     kill = record.get("kill")
     if not kill:
         return Gate("reservations after kill", goal, "-", "n/a", "kill drill not run")
-    checks = [c for c in kill.get("checks", []) if "error" not in c]
+    checks = [c for c in kill.get("checks", []) if "error" not in c and c.get("replicas")]
     if not checks or all(r.get("reserved_blocks") is None for c in checks for r in c["replicas"].values()):
         return Gate("reservations after kill", goal, "no data", "fail", NO_LEDGER)
-    stable = [c for c in checks if all(r["stable"] for r in c["replicas"].values())]
 
     def matches(c: dict) -> bool:
         # One block of slack per sequence: the gateway's prompt token count may round differently.
-        return all(abs(r["reserved_blocks"] - r["actual_blocks"]) <= r["sequences"] for r in c["replicas"].values())
+        return all(r["stable"] and abs(r["reserved_blocks"] - r["actual_blocks"]) <= r["sequences"]
+                   for r in c["replicas"].values())
 
-    matching = [c for c in stable if matches(c)]
-    gaps = [max(abs(r["reserved_blocks"] - r["actual_blocks"]) for r in c["replicas"].values()) for c in stable]
-    figure = f"{len(matching)}/{len(stable)} stable checks equal; smallest gap {min(gaps) if gaps else '-'} blocks"
-    # A stale reservation never goes away, so no check can match; a transient difference (a request between
-    # the gateway and the replica) does. One matching stable check shows nothing stale is counted.
-    return Gate("reservations after kill", goal, figure, "pass" if matching else "fail",
-                f"{len(checks)} checks, {len(stable)} with an unchanged ledger across the replica read")
+    matching = [c for c in checks if matches(c)]
+    stable = [c for c in checks if all(r["stable"] for r in c["replicas"].values())]
+    last = checks[-1]["replicas"]
+    idle = all(r["sequences"] == 0 for r in last.values())
+    stale = sum(r["reserved_blocks"] or 0 for r in last.values()) if idle else None
+    figure = (f"{len(matching)}/{len(stable)} stable checks equal"
+              + (f"; once idle: {stale} blocks reserved for 0 sequences" if idle else "; survivors never idle"))
+    # A stale reservation never goes away: an idle replica with blocks still reserved is one; so is a run
+    # where no stable check ever matched. A transient difference (a request between gateway and replica) is not.
+    ok = stale == 0 if idle else bool(matching)
+    return Gate("reservations after kill", goal, figure, "pass" if ok else "fail",
+                f"{len(checks)} checks with batch dispatch paused; a check is stable when two ledger reads "
+                "around the replica read agree")
 
 
 def rollback_gate(record: dict) -> Gate:

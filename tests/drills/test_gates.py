@@ -65,19 +65,22 @@ def test_tail_verdict_is_undecided_when_the_interval_straddles_the_goal():
     assert lo <= 0.94 <= hi
 
 
-def _check(reserved: int, again: int, actual: int, seqs: int = 3) -> dict:
+def _check(reserved: int | None, again: int | None, actual: int, seqs: int = 3) -> dict:
     return {"t": 1.0, "replicas": {"0": {"reserved_blocks": reserved, "reserved_blocks_again": again,
                                           "stable": reserved == again, "actual_blocks": actual, "sequences": seqs}}}
 
 
-def test_kill_gate_passes_on_one_matching_stable_check_and_fails_on_a_stale_reservation():
-    transient = record(kill={"checks": [_check(130, 130, 100), _check(100, 101, 100), _check(101, 101, 100)]})
-    assert kill_gate(transient).status == "pass"
-    stale = record(kill={"checks": [_check(160, 160, 100), _check(170, 170, 110), _check(90, 95, 90)]})
-    gate = kill_gate(stale)
-    assert gate.status == "fail" and "0/2 stable checks" in gate.figure
-    no_ledger = record(kill={"checks": [_check(None, None, 100)]})
-    assert kill_gate(no_ledger).status == "fail"
+def test_kill_gate_judges_the_idle_ledger_and_otherwise_needs_one_matching_stable_check():
+    idle_clean = record(kill={"checks": [_check(130, 120, 100), _check(0, 0, 0, seqs=0)]})
+    assert kill_gate(idle_clean).status == "pass"
+    idle_stale = record(kill={"checks": [_check(101, 101, 100), _check(40, 40, 0, seqs=0)]})
+    gate = kill_gate(idle_stale)
+    assert gate.status == "fail" and "40 blocks reserved for 0 sequences" in gate.figure
+    busy_match = record(kill={"checks": [_check(130, 130, 100), _check(100, 101, 100), _check(101, 101, 100)]})
+    assert kill_gate(busy_match).status == "pass"
+    busy_stale = record(kill={"checks": [_check(160, 160, 100), _check(170, 170, 110), _check(90, 95, 90)]})
+    assert kill_gate(busy_stale).status == "fail"
+    assert kill_gate(record(kill={"checks": [_check(None, None, 100)]})).status == "fail"
 
 
 def test_drills_that_did_not_run_are_not_applicable_not_passed():
