@@ -29,7 +29,7 @@ STREAMED = ("short_qa", "shared_prefix")
 class Shapes:
     """Sizes of each kind of request (token counts; uniform ranges are inclusive)."""
 
-    tenants: int = 8
+    tenants: int = 12
     short_prompt: tuple[int, int] = (24, 96)
     short_max_tokens: tuple[int, int] = (16, 48)
     long_input_tokens: int = 32768
