@@ -93,7 +93,7 @@ def markdown(results: list[tuple[dict, list[Gate]]], plots: list[str]) -> list[s
                                                f"{len(failed)} gate(s) failed: {', '.join(failed)}."))
     lines.append("")
     for record, _ in results:
-        lines += [f"## Timeline ({label(record)})", "", "| phase | start s | end s | requests | served | rejected | failed |",
+        lines += [f"## Timeline ({label(record)})", "", "| phase | start s | end s | requests | served | rejected | cancelled or failed |",
                   "|---|---|---|---|---|---|---|"]
         for p in record.get("phases", []):
             inside = [r for r in record.get("requests", [])
