@@ -70,7 +70,7 @@ class DrillPlan:
 
 
 QUICK = DrillPlan(
-    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=14.0, burst_requests=64,
+    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=25.0, burst_requests=64,
     burst_s=10.0, storm_requests=40, storm_cancel_after_s=3.0, storm_s=10.0, bad_config_s=18.0, verify_s=18.0,
     kill_s=20.0, kill_long_requests=12, kill_idle_wait_s=90.0, batch_lines=450, drain_s=150.0,
     shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)),
