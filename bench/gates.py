@@ -269,7 +269,8 @@ def rollback_gate(record: dict) -> Gate:
     watermark = body.get("admissionWatermark")
     if resp.get("status") == 200 and (watermark is None or watermark >= (rb.get("good_admission_watermark") or 1.0)):
         problems.append(f"admission watermark after rollback {watermark} is not lower")
-    bad_text = f"bad config p95 {bad * 1000:.0f} ms; " if bad is not None else ""
+    bad_text = (f"bad config p95 {bad * 1000:.0f} ms; " if bad is not None
+                else "bad config: no critical first token in its window; " if rb.get("detected") else "")
     ok = status == "pass" and not problems
     return Gate("rollback", goal, bad_text + "after: " + text, "pass" if ok else "fail",
                 "; ".join(problems) or f"to {body.get('to_digest', '')[:19]}, admissionWatermark {watermark}")
