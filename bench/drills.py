@@ -24,7 +24,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from bench.stack import Stack, StackSpec, parse_prometheus
+from bench.report import percentile
+from bench.stack import Stack, StackSpec
 from bench.study import admin_rows, wait_evicted_done
 from bench.traffic import stream_chat
 from bench.workload import RequestSpec, Shapes, Workload
@@ -299,8 +300,6 @@ def capacity_rejected(record: dict) -> bool:
 
 
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
-    from bench.report import percentile
-
     values = [r["ttft_s"] for r in records if r["klass"] == klass and r["status"] == 200 and r["ttft_s"] is not None]
     return percentile(values, 0.95)
 
