@@ -26,7 +26,7 @@ import httpx
 
 from bench.report import percentile
 from bench.stack import Stack, StackSpec
-from bench.study import admin_rows, wait_evicted_done
+from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
 from bench.traffic import stream_chat
 from bench.workload import RequestSpec, Shapes, Workload
 

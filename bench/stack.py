@@ -28,11 +28,11 @@ class StackSpec:
     replicas: int = 1
     sim_args: list[str] = field(default_factory=list)
     gateway: dict = field(default_factory=dict)  # merged over the base gateway config
+    # One simulator process per replica, so a drill can kill -9 a single replica.
+    sim_per_replica: bool = False
     worker_concurrency: int = 64
     backoff_base: float = 2.0
     backoff_cap: float = 60.0
-    # One simulator process per replica, so a drill can kill -9 a single replica.
-    sim_per_replica: bool = False
 
 
 class Stack:
@@ -149,7 +149,6 @@ class Stack:
         self.procs["gateway"].send_signal(signal.SIGHUP)
 
     def start_workers(self) -> None:
-        self.procs.pop("worker", None)
         self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
                     "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap))
 

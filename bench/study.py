@@ -157,7 +157,7 @@ def batch_file(w: Workload, model: str, seed: int) -> bytes:
     return out.getvalue().encode()
 
 
-def admin_rows(stack: Stack, batch_id: str) -> list[dict]:
+def _admin_rows(stack: Stack, batch_id: str) -> list[dict]:
     rows: list[dict] = []
     after = None
     headers = {"Authorization": f"Bearer {stack.admin_key}"}
@@ -171,7 +171,7 @@ def admin_rows(stack: Stack, batch_id: str) -> list[dict]:
         after = page["data"][-1]["id"]
 
 
-def wait_evicted_done(stack: Stack, batch_id: str, timeout: float) -> bool:
+def _wait_evicted_done(stack: Stack, batch_id: str, timeout: float) -> bool:
     """Wait until every request that was evicted has a final result (its retry completed)."""
     deadline = time.monotonic() + timeout
     headers = {"Authorization": f"Bearer {stack.admin_key}"}
@@ -223,7 +223,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
                             "window_s": w.window_s, "traffic_done": (t_end - sampler.t0) if sampler else t_end - t_rt}
         record["evicted_all_done"] = None
         if batch_id:
-            record["evicted_all_done"] = wait_evicted_done(stack, batch_id, w.retry_wait_s)
+            record["evicted_all_done"] = _wait_evicted_done(stack, batch_id, w.retry_wait_s)
         # Read before the cancel below: its aborts must not count as eviction recompute.
         record["sim_metrics"] = stack.sim_metrics()
         record["gateway_metrics"] = {k: v for k, v in stack.gateway_metrics().items() if k.startswith("holdback_gateway")}
@@ -232,7 +232,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
             sampler.stop()
             record["samples"] = sampler.samples
         if batch_id:
-            record["rows"] = admin_rows(stack, batch_id)
+            record["rows"] = _admin_rows(stack, batch_id)
             client.batches.cancel(batch_id)
             deadline = time.monotonic() + 60
             b = client.batches.retrieve(batch_id)
