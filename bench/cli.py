@@ -1,11 +1,15 @@
-"""`holdback bench`: run the seed study (`study`) or regenerate its report from raw records (`report`)."""
+"""`holdback bench`: run the seed study (`study`) or regenerate its report from raw records (`report`);
+run the KV policy's failure drills and deployment gates (`drills`)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
+from bench import drill_report
+from bench.drills import DRILLS, PLANS, run_drills
 from bench.report import render
 from bench.study import FULL, QUICK, SCENARIOS, run_study, with_overrides
 
@@ -26,8 +30,28 @@ def main(argv: list[str]) -> int:
     st.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
     rp = sub.add_parser("report", help="regenerate summary.json, report.md and the plots from DIR/raw/*.json")
     rp.add_argument("dir", type=Path)
+    dr = sub.add_parser(
+        "drills", help="run the KV policy's failure drills on simulated replicas and check the deployment gates",
+        description="Starts a stack on simulated replicas, runs the drills (ramp until rejection then hold, "
+                    "single-tenant burst, cancellation storm, bad config pushed live and rolled back, kill -9 of a "
+                    "worker and a replica) with batch jobs throughout, prints the gate table and writes raw records, "
+                    "summary.json, report.md and plots. Exits 1 when a gate fails (with --admission both: when a "
+                    "gate fails with admission on).")
+    size = dr.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="short phases (a few minutes per run; default)")
+    size.add_argument("--full", action="store_true", help="longer phases and larger batch jobs")
+    dr.add_argument("--admission", choices=("on", "off", "both"), default="on",
+                    help="run with the gateway's KV admission on, off (to see which gates fail without it), or both")
+    dr.add_argument("--drills", default=",".join(DRILLS),
+                    help="comma-separated subset of: " + ", ".join(DRILLS) + " (off-peak traffic always runs)")
+    dr.add_argument("--seed", type=int, default=14, help="workload seed, recorded with the results (default %(default)s)")
+    dr.add_argument("--out", type=Path, default=None, help="results folder (default results/drills-<mode>-<time>)")
+    dr.add_argument("--report", type=Path, default=None, metavar="DIR",
+                    help="only regenerate the gate table, summary and report from DIR/raw/drills-*.json")
     args = p.parse_args(argv)
 
+    if args.action == "drills":
+        return _drills(p, args)
     if args.action == "report":
         if not (args.dir / "raw").is_dir():
             p.error(f"{args.dir} has no raw/ folder: pass a folder written by `holdback bench study`")
@@ -47,3 +71,29 @@ def main(argv: list[str]) -> int:
     run_study(names, workload, repeats, args.seed, out)
     print(render(out))
     return 0
+
+
+def _drills(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.report is None:
+        drills = tuple(n.strip() for n in args.drills.split(",") if n.strip())
+        unknown = [n for n in drills if n not in DRILLS]
+        if unknown:
+            p.error(f"unknown drill(s) {', '.join(unknown)}; choose from {', '.join(DRILLS)}")
+        mode = "full" if args.full else "quick"
+        out = args.out or Path("results") / f"drills-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for admission in {"on": (True,), "off": (False,), "both": (True, False)}[args.admission]:
+            print(f"holdback bench drills: {mode} run, admission {'on' if admission else 'off'}, seed {args.seed} -> {out}",
+                  flush=True)
+            run_drills(PLANS[mode], admission, args.seed, out, drills)
+    else:
+        out = args.report
+        if not (out / "raw").is_dir():
+            p.error(f"{out} has no raw/ folder: pass a folder written by `holdback bench drills`")
+    path, results = drill_report.render(out)
+    for record, gates in results:
+        print(drill_report.console_table(record, gates))
+    print(f"report: {path}")
+    judged = [gates for record, gates in results if record["admission"]] or [gates for _, gates in results]
+    return 1 if any(g.failed for gates in judged for g in gates) else 0

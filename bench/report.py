@@ -57,7 +57,7 @@ def _completed_at(samples: list[dict], t: float) -> float | None:
     return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
 
-def _histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float | None:
+def histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float | None:
     buckets = []
     for key, value in metrics.items():
         if key.startswith(f"{name}_bucket{{"):
@@ -127,8 +127,8 @@ def figures(record: dict) -> dict:
            if r["status"] == "succeeded" and r.get("first_attempt_at") and r.get("finished_at")]
     f["batch_p95_e2e_s"] = percentile(e2e, 0.95)
     gm = record.get("gateway_metrics", {})
-    f["release_p50_ms"] = _ms(_histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.5))
-    f["release_p99_ms"] = _ms(_histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.99))
+    f["release_p50_ms"] = _ms(histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.5))
+    f["release_p99_ms"] = _ms(histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.99))
     f["evicted_all_done"] = record.get("evicted_all_done")
     return f
 

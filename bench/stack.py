@@ -30,6 +30,8 @@ class StackSpec:
     replicas: int = 1
     sim_args: list[str] = field(default_factory=list)
     gateway: dict = field(default_factory=dict)  # merged over the base gateway config
+    # One simulator process per replica, so a drill can kill -9 a single replica.
+    sim_per_replica: bool = False
     worker_concurrency: int = 64
     backoff_base: float = 2.0
     backoff_cap: float = 60.0
@@ -98,15 +100,20 @@ class Stack(Started):
         subprocess.run([sys.executable, "-m", "holdback.cli", "db", "upgrade"], env=self.env, check=True,
                        stdout=subprocess.DEVNULL)
         assert db.exists(), "db upgrade did not create the SQLite file"
-        cfg = self.data_dir / "gateway.yaml"
+        cfg = self.gateway_config_path
         cfg.write_text(yaml.safe_dump(self.gateway_config(), sort_keys=False))
-        self._start("sim", "sim", "--port", str(self.sim_port), "--replicas", str(self.spec.replicas),
-                    *self.spec.sim_args)
+        if self.spec.sim_per_replica:
+            for i in range(self.spec.replicas):
+                self._start(f"sim-{i}", "sim", "--port", str(self.sim_port + i), "--replicas", "1",
+                            *self.spec.sim_args)
+        else:
+            self._start("sim", "sim", "--port", str(self.sim_port), "--replicas", str(self.spec.replicas),
+                        *self.spec.sim_args)
         self._start("gateway", "gateway", "--config", str(cfg), "--port", str(self.gateway_port))
         self._start("api", "api", "--port", str(self.api_port))
         self._start("processor", "processor", "--poll-interval", "0.1")
         for i in range(self.spec.replicas):
-            self._wait("sim", f"{self.replica_urls[i]}/health")
+            self._wait(self.sim_process(i), f"{self.replica_urls[i]}/health")
         self._wait("gateway", f"{self.gateway_url}/health")
         self._wait("api", f"{self.api_url}/readyz")
         r = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "study"},
@@ -114,6 +121,28 @@ class Stack(Started):
         r.raise_for_status()
         self.tenant_key = r.json()["key"]
         return self
+
+    @property
+    def gateway_config_path(self) -> Path:
+        return self.data_dir / "gateway.yaml"
+
+    def sim_process(self, replica: int) -> str:
+        """Name of the process serving replica `replica` (for kill)."""
+        return f"sim-{replica}" if self.spec.sim_per_replica else "sim"
+
+    def kill(self, name: str) -> None:
+        """kill -9 one started process (its whole process group), as a crash would."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+    def push_gateway_config(self, overrides: dict) -> None:
+        """Write the base config merged with `overrides` to the gateway's file and SIGHUP it (a live push)."""
+        self.gateway_config_path.write_text(yaml.safe_dump(_merge(self.gateway_config(), overrides), sort_keys=False))
+        self.procs["gateway"].send_signal(signal.SIGHUP)
 
     def start_workers(self) -> None:
         self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
@@ -152,6 +181,11 @@ class Stack(Started):
 
     def gateway_metrics(self) -> dict[str, float]:
         return parse_prometheus(httpx.get(f"{self.gateway_url}/metrics", timeout=5).text)
+
+    def sim_states(self, replicas: list[int] | None = None, history_since: float | None = None) -> list[dict]:
+        params = {"history_since": history_since} if history_since is not None else None
+        return [httpx.get(f"{self.replica_urls[i]}/admin/state", params=params, timeout=5).json()
+                for i in (range(self.spec.replicas) if replicas is None else replicas)]
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -51,22 +51,43 @@ def prompt_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(words))
 
 
-async def _one(session: aiohttp.ClientSession, url: str, key: str, objective: str, model: str, prompt: str,
-               max_tokens: int, index: int, scheduled: float, t0: float) -> RealtimeRecord:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
-    headers = {"Authorization": f"Bearer {key}", "x-llm-d-inference-objective": objective}
+@dataclass
+class StreamOutcome:
+    """What one streamed chat completion came to, seen from the client."""
+
+    status: int  # HTTP status; 0 when the connection failed, 499 when we cancelled it
+    ttft_s: float | None
+    e2e_s: float | None
+    output_tokens: int
+    prompt_tokens: int
+    queue_ms: float | None
+    drop_reason: str | None
+    error: str | None
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict,
+                      cancel_after: float | None = None) -> StreamOutcome:
+    """POST a chat completion and read it to the end, or close it `cancel_after` seconds after sending.
+
+    Streams are read chunk by chunk (TTFT is the first content chunk); a non-streaming body (`stream` false)
+    is read whole and has no TTFT. An SSE `error` event (a replica failing mid-stream) turns the outcome
+    into a 500 with its message.
+    """
     sent = time.monotonic()
-    ttft = None
-    tokens = prompt_tokens = 0
-    try:
+    state = {"ttft": None, "tokens": 0, "prompt": 0, "queue_ms": None}
+
+    async def read() -> StreamOutcome:
         async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
             queue_ms = r.headers.get("x-holdback-queue-ms")
+            state["queue_ms"] = float(queue_ms) if queue_ms else None
             drop = r.headers.get("x-llm-d-request-dropped-reason")
             if r.status != 200:
                 text = await r.text()
-                return RealtimeRecord(index, scheduled, sent - t0, r.status, None, None, 0, 0,
-                                      float(queue_ms) if queue_ms else None, drop, text[:200])
+                return StreamOutcome(r.status, None, None, 0, 0, state["queue_ms"], drop, text[:200])
+            if not body.get("stream"):
+                usage = (await r.json()).get("usage") or {}
+                return StreamOutcome(200, None, time.monotonic() - sent, int(usage.get("completion_tokens") or 0),
+                                     int(usage.get("prompt_tokens") or 0), state["queue_ms"], None, None)
             async for raw in r.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -75,16 +96,41 @@ async def _one(session: aiohttp.ClientSession, url: str, key: str, objective: st
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
-                if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                    ttft = time.monotonic() - sent
+                if chunk.get("error"):
+                    message = str((chunk["error"] or {}).get("message"))[:200]
+                    return StreamOutcome(500, state["ttft"], None, state["tokens"], state["prompt"],
+                                         state["queue_ms"], None, message)
+                if state["ttft"] is None and any((c.get("delta") or {}).get("content")
+                                                 for c in chunk.get("choices") or []):
+                    state["ttft"] = time.monotonic() - sent
                 if chunk.get("usage"):
-                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                    prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
-            return RealtimeRecord(index, scheduled, sent - t0, 200, ttft, time.monotonic() - sent, tokens, prompt_tokens,
-                                  float(queue_ms) if queue_ms else None, None, None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        return RealtimeRecord(index, scheduled, sent - t0, 0, ttft, None, tokens, prompt_tokens, None, None,
-                              repr(exc)[:200])
+                    state["tokens"] = int(chunk["usage"].get("completion_tokens") or 0)
+                    state["prompt"] = int(chunk["usage"].get("prompt_tokens") or 0)
+            return StreamOutcome(200, state["ttft"], time.monotonic() - sent, state["tokens"], state["prompt"],
+                                 state["queue_ms"], None, None)
+
+    try:
+        if cancel_after is None:
+            return await read()
+        return await asyncio.wait_for(read(), cancel_after)
+    except asyncio.TimeoutError:
+        if cancel_after is not None and time.monotonic() - sent >= cancel_after * 0.99:
+            return StreamOutcome(499, state["ttft"], None, state["tokens"], state["prompt"], state["queue_ms"],
+                                 None, "cancelled by the client")
+        return StreamOutcome(0, state["ttft"], None, state["tokens"], state["prompt"], None, None, "timeout")
+    except (aiohttp.ClientError, ValueError) as exc:
+        return StreamOutcome(0, state["ttft"], None, state["tokens"], state["prompt"], None, None, repr(exc)[:200])
+
+
+async def _one(session: aiohttp.ClientSession, url: str, key: str, objective: str, model: str, prompt: str,
+               max_tokens: int, index: int, scheduled: float, t0: float) -> RealtimeRecord:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
+    headers = {"Authorization": f"Bearer {key}", "x-llm-d-inference-objective": objective}
+    sent = time.monotonic()
+    o = await stream_chat(session, url, headers, body)
+    return RealtimeRecord(index, scheduled, sent - t0, o.status, o.ttft_s, o.e2e_s, o.output_tokens, o.prompt_tokens,
+                          o.queue_ms, o.drop_reason, o.error)
 
 
 async def run_realtime(url: str, key: str, model: str, offsets: list[float], *, objective: str = "realtime",

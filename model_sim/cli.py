@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy], default="fcfs",
                      help="waiting order and preemption victim; priority: LOWER request priority runs first")
     eng.add_argument("--enable-prefix-caching", action="store_true", help="share full prompt blocks by prefix hash")
+    eng.add_argument("--preemption", choices=("recompute", "none"), default="recompute",
+                     help="what happens when running sequences outgrow the KV cache: recompute preempts the "
+                          "newest (vLLM); none counts an out-of-memory and fails every request of that step's batch")
     eng.add_argument("--default-max-tokens", type=int, default=16,
                      help="output length cap when a request sets no max_tokens")
     eng.add_argument("--output-length-mode", choices=[m.value for m in OutputLengthMode], default="fixed",
@@ -114,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             max_model_len=args.max_model_len,
             scheduling_policy=SchedulingPolicy(args.scheduling_policy),
             enable_prefix_caching=args.enable_prefix_caching,
+            preemption=args.preemption == "recompute",
         ),
         timing=timing,
         faults=FaultSettings(args.fault_429_rate, args.fault_500_rate, args.fault_503_rate, args.fault_delay_ms),

@@ -20,6 +20,9 @@ class EngineConfig:
     max_model_len: int = 8192
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     enable_prefix_caching: bool = False
+    # False models a runtime that cannot preempt: a running sequence that cannot grow is an out-of-memory
+    # failure of the whole step's batch instead of a recompute preemption.
+    preemption: bool = True
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):

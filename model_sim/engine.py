@@ -166,6 +166,10 @@ class Engine:
         last = self._last_deadline
         started = last if last is not None and 0.0 <= now - last <= CATCHUP_SECONDS else now
         out = self.scheduler.schedule(now)
+        for request in out.failed:
+            stream = self._streams.pop(request.request_id, None)
+            if stream is not None:
+                stream.notify()
         modeled = 0.0
         if not out.is_empty:
             modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng)

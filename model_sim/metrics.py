@@ -59,6 +59,10 @@ class _EngineStateCollector(Collector):
         # Not a vLLM metric: the simulator's own count of computed work thrown away by aborts.
         yield counter("sim:aborted_computed_tokens", "Prompt and output tokens computed for requests later aborted.",
                       stats.aborted_tokens)
+        yield counter("sim:kv_oom", "Steps that ran out of KV memory with nothing preemptible (preemption off).",
+                      stats.kv_oom)
+        yield counter("sim:kv_oom_failed_requests", "Requests failed by those out-of-memory steps.",
+                      stats.kv_oom_failed_requests)
         success = CounterMetricFamily(
             "vllm:request_success", "Count of finished requests by finish reason.", labels=["model_name", "finished_reason"]
         )

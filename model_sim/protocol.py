@@ -192,3 +192,9 @@ class SseFormatter:
         return (f'{self._head}],"usage":{json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n').encode()
 
     DONE = b"data: [DONE]\n\n"
+
+    @staticmethod
+    def error(message: str, code: int) -> bytes:
+        body = {"error": {"message": message, "type": "server_error" if code >= 500 else "invalid_request_error",
+                          "param": None, "code": code}}
+        return f"data: {json.dumps(body)}\n\n".encode()

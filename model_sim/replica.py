@@ -7,15 +7,22 @@ handler, and the handler aborts the engine request (freeing its KV blocks) on th
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from model_sim.config import SimConfig
 from model_sim.engine import Engine
 from model_sim.faults import FaultInjector
 from model_sim.generation import OutputLengthSampler
+from model_sim.kv_usage import KvUsageHistory
 from model_sim.metrics import ReplicaMetrics
 from model_sim.server import build_app
 from model_sim.tokenizer import Tokenizer
+
+
+# What /admin/state shows of the KV usage history unless `history_since` asks for more.
+DEFAULT_HISTORY_SECONDS = 60.0
 
 
 class Replica:
@@ -36,12 +43,14 @@ class Replica:
         )
         self.metrics = ReplicaMetrics(self.engine, config.model)
         self.faults = FaultInjector(config.faults, seed)
+        self.kv_usage = KvUsageHistory(self.engine.scheduler.kv.usage)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start the engine loop and the HTTP server; returns the bound port."""
         self.engine.start()
+        self.kv_usage.start()
         self._runner = web.AppRunner(build_app(self), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=1.0)
         await self._runner.setup()
@@ -51,12 +60,13 @@ class Replica:
         return self.port
 
     async def stop(self) -> None:
+        await self.kv_usage.stop()
         await self.engine.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
-    def state(self, include_blocks: bool = False) -> dict:
+    def state(self, include_blocks: bool = False, history_since: float | None = None) -> dict:
         """What /admin/state returns: queues, blocks, counters and each live request."""
         sched = self.engine.scheduler
         pool = sched.kv.pool
@@ -103,6 +113,11 @@ class Replica:
             "generation_tokens": stats.generation_tokens,
             "aborted_computed_tokens": stats.aborted_tokens,
             "finished": dict(stats.finished),
+            "preemption": sched.config.preemption,
+            "kv_oom": stats.kv_oom,
+            "kv_oom_failed_requests": stats.kv_oom_failed_requests,
+            "kv_usage_history": self.kv_usage.as_list(
+                history_since if history_since is not None else time.time() - DEFAULT_HISTORY_SECONDS),
             "num_steps": stats.num_steps,
             "scheduling_policy": sched.policy.value,
             "running_requests": [describe(r) for r in sched.running],

@@ -63,6 +63,8 @@ class Request:
     # Time between the two newest output tokens (None before the second token).
     token_gap: float | None = None
     finished_time: float | None = None
+    # Why the runtime failed this request (e.g. out of KV memory); None for a normal finish or a client abort.
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

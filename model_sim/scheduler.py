@@ -26,6 +26,8 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # Requests failed by an out-of-memory in this step (preemption off): their streams end with an error.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -52,6 +54,10 @@ class SchedulerStats:
     # e.g. a gateway eviction): work a retry has to do again.
     aborted_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    # Steps in which running sequences needed more KV blocks than the cache had, with nothing preemptible,
+    # and the requests those out-of-memory failures took down.
+    kv_oom: int = 0
+    kv_oom_failed_requests: int = 0
 
 
 class Scheduler:
@@ -101,6 +107,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.preemption and not self.kv.allocate_slots(request, n):
+                out.failed = self._out_of_memory(request, n, now)
+                num_scheduled.clear()
+                break
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -113,7 +123,7 @@ class Scheduler:
                 num_scheduled[request.request_id] = n
                 budget -= n
 
-        if not out.preempted:
+        if not out.preempted and not out.failed:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting.peek()
                 hits = self.kv.get_computed_blocks(request)
@@ -144,6 +154,20 @@ class Scheduler:
                 out.num_prefill_tokens += n
             out.scheduled.append((request, n))
         return out
+
+    def _out_of_memory(self, request: Request, n: int, now: float) -> list[Request]:
+        """A real runtime's forward pass fails as a whole when it runs out of memory: every running request fails."""
+        need = self.kv.blocks_for_tokens(request.num_computed_tokens + n) - self.kv.num_blocks_of(request.request_id)
+        message = (f"CUDA out of memory: sequence {request.request_id} needed {need} more KV blocks, "
+                   f"{self.kv.pool.num_free} of {self.kv.num_blocks} were free and preemption is off.")
+        failed = list(self.running)
+        self.running.clear()
+        for victim in failed:
+            victim.error = message
+            self._finish(victim, RequestStatus.FINISHED_ABORTED, now)
+        self.stats.kv_oom += 1
+        self.stats.kv_oom_failed_requests += len(failed)
+        return failed
 
     def _pick_victim(self) -> Request:
         if self.policy is SchedulingPolicy.PRIORITY:

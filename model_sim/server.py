@@ -160,6 +160,8 @@ class Routes:
                 return await self._stream(request, stream, params, response_id, created, chat)
             while not req.status.is_finished:
                 await stream.wait()
+            if req.error is not None:
+                raise ApiError(500, req.error)
             if req.status is RequestStatus.FINISHED_ABORTED:
                 raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
             return web.json_response(protocol.completion_body(
@@ -180,6 +182,11 @@ class Routes:
             while True:
                 n = req.num_output_tokens
                 finished = req.status.is_finished
+                if req.error is not None:
+                    # As vLLM does when the engine fails mid-stream: an error event, no [DONE].
+                    await resp.write(fmt.error(req.error, 500))
+                    await resp.write_eof()
+                    return resp
                 if n > sent:
                     texts = [output_token_text(i) for i in range(sent, n)]
                     await resp.write(fmt.tokens(texts, req.status.finish_reason if finished else None))
@@ -275,7 +282,13 @@ class Routes:
 
     async def admin_state(self, request: web.Request) -> web.Response:
         include_blocks = request.query.get("blocks", "0") not in ("0", "false", "")
-        return web.json_response(self.replica.state(include_blocks))
+        since = request.query.get("history_since")
+        try:
+            history_since = float(since) if since is not None else None
+        except ValueError:
+            raise InvalidRequest(f"history_since must be a Unix time in seconds, got {since!r}.",
+                                 "history_since") from None
+        return web.json_response(self.replica.state(include_blocks, history_since))
 
     def _check_admin(self, request: web.Request) -> None:
         key = self.replica.config.admin_key

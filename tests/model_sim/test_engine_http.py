@@ -242,3 +242,46 @@ def test_metrics_agree_with_admin_state_under_load(start_sim):
     for s in socks:
         s.close()
     wait_until(lambda: _idle(sim), what="idle after all clients left")
+
+
+def test_kv_oom_fails_requests_with_an_error_and_is_counted(start_sim):
+    # Preemption off: four requests that each grow to 6 blocks in a 12-block cache run out of memory.
+    sim = start_sim(timing=slow(decode_ms=5), num_blocks=12, block_size=16, max_num_seqs=8, preemption=False)
+    body = {"prompt": prompt_of(20), "max_tokens": 70, "ignore_eos": True}
+    together = threading.Barrier(4)
+
+    def one(i: int) -> tuple[int, str]:
+        together.wait()
+        if i % 2:
+            r = httpx.post(sim.url + "/v1/completions", json=body, timeout=60)
+            return r.status_code, r.text
+        with httpx.stream("POST", sim.url + "/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+            events = list(sse_events(r))
+            return (500 if any("error" in e for e in events) else r.status_code), json.dumps(events[-1:])
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    failed = [text for status, text in results if status == 500]
+    assert failed and all("out of memory" in text for text in failed)
+    state = sim.state()
+    assert state["kv_oom"] >= 1 and state["kv_oom_failed_requests"] == len(failed)
+    assert sim.metrics()["sim:kv_oom_total"] == state["kv_oom"]
+    assert _idle(sim)
+
+
+def test_kv_usage_history_samples_usage_over_time(start_sim):
+    sim = start_sim(timing=slow(decode_ms=200), num_blocks=64, block_size=16)
+    t0 = time.time()
+    sock = sim.raw_request("/v1/completions", json.dumps({"prompt": prompt_of(40), "max_tokens": 200,
+                                                           "ignore_eos": True, "stream": True}).encode())
+    try:
+        busy = wait_until(lambda: [s for s in sim.state()["kv_usage_history"] if s[1] > 0], what="a busy sample")
+        assert busy[0][0] >= t0 and busy[0][1] >= 3 / 64  # at least 40 prompt tokens + 1 output: 3 of 64 blocks
+    finally:
+        sock.close()
+    wait_until(lambda: sim.state()["kv_usage_history"][-1][1] == 0, what="an idle sample after the abort")
+    history = sim.state()["kv_usage_history"]
+    assert [t for t, _ in history] == sorted(t for t, _ in history)
+    later = sim.http.get("/admin/state", params={"history_since": history[-1][0]}).json()["kv_usage_history"]
+    assert later and later[0][0] >= history[-1][0]
+    assert sim.http.get("/admin/state", params={"history_since": "soon"}).status_code == 400

@@ -216,3 +216,34 @@ def test_abort_counts_the_computed_work_it_throws_away():
     assert sched.stats.aborted_tokens == 0
     sched.abort_request(decoding.request_id, 0.0)
     assert sched.stats.aborted_tokens == 43
+
+
+def test_without_preemption_outgrowing_the_cache_is_an_oom_that_fails_the_whole_batch():
+    # 16 blocks x 16 tokens. Two requests of 30 prompt tokens (2 blocks each) are admitted; each grows to
+    # 30 + 99 tokens (9 blocks), 18 together, so decoding runs out of blocks with nothing preemptible.
+    sched = Scheduler(EngineConfig(num_blocks=16, block_size=16, preemption=False))
+    a, b = make_request(30, 100), make_request(30, 100)
+    sched.add_request(a)
+    sched.add_request(b)
+    failed = []
+    for _ in range(200):
+        out, _ = run_step(sched)
+        failed += out.failed
+        if out.failed:
+            break
+    assert sched.stats.kv_oom == 1
+    assert {r.request_id for r in failed} == {a.request_id, b.request_id}
+    assert sched.stats.kv_oom_failed_requests == 2
+    assert all(r.status is RequestStatus.FINISHED_ABORTED and "out of memory" in r.error for r in failed)
+    assert sched.stats.num_preemptions == 0
+    assert sched.kv.pool.num_used == 0 and not sched.running
+
+
+def test_with_preemption_the_same_load_preempts_and_never_counts_an_oom():
+    sched = Scheduler(EngineConfig(num_blocks=16, block_size=16))
+    a, b = make_request(30, 100), make_request(30, 100)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_to_completion(sched)
+    assert sched.stats.kv_oom == 0 and sched.stats.num_preemptions > 0
+    assert a.error is None and b.error is None and a.num_output_tokens == b.num_output_tokens == 100

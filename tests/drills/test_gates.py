@@ -1,0 +1,89 @@
+"""The deployment gates judged on hand-built drill records: each gate passes on good data and fails on bad."""
+
+from __future__ import annotations
+
+from bench.gates import evaluate, kill_gate, oom_gate, quantile_interval, tenant_share_gate, tail_verdict, ttft_gate
+
+PLAN = {"sim_args": ["--num-blocks", "100", "--block-size", "16"]}
+
+
+def record(**extra) -> dict:
+    base = {"seed": 1, "admission": True, "plan": PLAN, "ttft_gate_s": 0.9,
+            "gateway_settings": {"admission": {"tenantMaxShare": 0.15}},
+            "samples": [{"t": 0.0, "replicas": {"0": {"num_blocks": 100, "used": 0, "kv_oom": 0}}}],
+            "requests": [], "phases": []}
+    return base | extra
+
+
+def req(t: float, tenant: str = "a", klass: str = "critical", ttft: float | None = 0.1, e2e: float = 1.0,
+        prompt: int = 16, out: int = 16, status: int = 200) -> dict:
+    return {"sent_t": t, "tenant": tenant, "klass": klass, "ttft_s": ttft, "e2e_s": e2e, "prompt_tokens": prompt,
+            "output_tokens": out, "status": status, "queue_ms": None, "drop_reason": None, "phase": "x"}
+
+
+def test_an_oom_on_any_replica_fails_the_oom_gate():
+    assert oom_gate(record()).status == "pass"
+    bad = record(samples=[{"t": 0.0, "replicas": {"0": {"kv_oom": 0}, "1": {"kv_oom": 2, "kv_oom_failed_requests": 5}}}])
+    gate = oom_gate(bad)
+    assert gate.status == "fail" and gate.figure.startswith("2 OOMs, 5 requests")
+
+
+def test_a_replica_that_exports_no_oom_count_fails_rather_than_passes():
+    assert oom_gate(record(samples=[{"t": 0.0, "replicas": {"0": {"usage": 0.1}}}])).status == "fail"
+
+
+def test_tenant_share_is_the_largest_sampled_share_outside_the_bad_config_window():
+    # Pool of 100 blocks (one replica); the limit is 15%.
+    samples = [{"t": 0.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"a": 14, "b": 3}},
+               {"t": 1.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"a": 15}},
+               {"t": 5.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"b": 40}}]
+    bad_window = [{"name": "bad_config", "start": 4.0, "end": 6.0}]
+    gate = tenant_share_gate(record(samples=samples, phases=bad_window, rollback={"digest_after": "sha256:x"}))
+    assert gate.status == "pass" and gate.figure.startswith("max actual 15.0% (a")
+    assert tenant_share_gate(record(samples=samples)).status == "fail"
+    # A failed rollback leaves the bad config running: everything after the push is excluded.
+    later = samples + [{"t": 9.0, "replicas": {"0": {"num_blocks": 100}}, "tenant_blocks": {"c": 90}}]
+    assert tenant_share_gate(record(samples=later, phases=bad_window, rollback={"digest_after": None})).status == "pass"
+    assert tenant_share_gate(record(samples=[{"t": 0.0, "replicas": {"0": {"num_blocks": 100}}}])).status == "fail"
+
+
+def test_ttft_gate_uses_critical_requests_outside_the_bad_config_window():
+    fast = [req(float(i), ttft=0.2) for i in range(100)]
+    slow_in_window = [req(200.0 + i, ttft=3.0) for i in range(50)]
+    phases = [{"name": "bad_config", "start": 200.0, "end": 260.0}]
+    assert ttft_gate(record(requests=fast + slow_in_window, phases=phases)).status == "pass"
+    assert ttft_gate(record(requests=fast + slow_in_window)).status == "fail"
+    interactive_slow = [req(float(i), klass="interactive", ttft=5.0) for i in range(100)]
+    assert ttft_gate(record(requests=fast + interactive_slow)).status == "pass"
+
+
+def test_tail_verdict_is_undecided_when_the_interval_straddles_the_goal():
+    values = [i / 100 for i in range(100)]  # p95 = 0.94
+    assert tail_verdict(values, 0.95, 0.94)[2].endswith("undecided")
+    assert tail_verdict(values, 0.95, 5.0)[2].endswith(", decided")
+    lo, hi = quantile_interval(values, 0.95)
+    assert lo <= 0.94 <= hi
+
+
+def _check(reserved: int | None, again: int | None, actual: int, seqs: int = 3) -> dict:
+    return {"t": 1.0, "replicas": {"0": {"reserved_blocks": reserved, "reserved_blocks_again": again,
+                                          "stable": reserved == again, "actual_blocks": actual, "sequences": seqs}}}
+
+
+def test_kill_gate_judges_the_idle_ledger_and_otherwise_needs_one_matching_stable_check():
+    idle_clean = record(kill={"checks": [_check(130, 120, 100), _check(0, 0, 0, seqs=0)]})
+    assert kill_gate(idle_clean).status == "pass"
+    idle_stale = record(kill={"checks": [_check(101, 101, 100), _check(40, 40, 0, seqs=0)]})
+    gate = kill_gate(idle_stale)
+    assert gate.status == "fail" and "40 blocks reserved for 0 sequences" in gate.figure
+    busy_match = record(kill={"checks": [_check(130, 130, 100), _check(100, 101, 100), _check(101, 101, 100)]})
+    assert kill_gate(busy_match).status == "pass"
+    busy_stale = record(kill={"checks": [_check(160, 160, 100), _check(170, 170, 110), _check(90, 95, 90)]})
+    assert kill_gate(busy_stale).status == "fail"
+    assert kill_gate(record(kill={"checks": [_check(None, None, 100)]})).status == "fail"
+
+
+def test_drills_that_did_not_run_are_not_applicable_not_passed():
+    gates = {g.name: g.status for g in evaluate(record())}
+    assert gates["release after cancel"] == gates["reservations after kill"] == gates["rollback"] == "n/a"
+    assert gates["batch pause/resume"] == "n/a"
