@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from bench import drill_report
 from bench.drills import SMOKE, run_drills
 
 
+@pytest.mark.e2e
 def test_cancellation_storm_drill_passes_every_gate(tmp_path):
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_drills(SMOKE, admission=True, seed=14, out_dir=tmp_path, drills=("storm",))
