@@ -29,6 +29,7 @@ class WorkerSettings(BaseSettings):
     heartbeat_ttl: int = Field(90, description="seconds an in-flight job stays started without a heartbeat")
     scheduler_interval: float = Field(0.1, description="seconds between moves of due retries to the queue")
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
+    resume: bool = Field(True, description="an evicted streamed request continues from its partial output")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class WorkerConfig:
     heartbeat_ttl: int = 90
     scheduler_interval: float = 0.1
     db_lanes: int = 2
+    resume: bool = True
     burst: bool = False
     metrics_port: int | None = None
     drain_timeout: float = 30.0
