@@ -31,6 +31,7 @@ class StackSpec:
     worker_concurrency: int = 64
     backoff_base: float = 2.0
     backoff_cap: float = 60.0
+    worker_args: list[str] = field(default_factory=list)  # extra `holdback worker` flags, e.g. --no-resume
 
 
 class Stack:
@@ -121,7 +122,8 @@ class Stack:
 
     def start_workers(self) -> None:
         self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
-                    "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap))
+                    "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap),
+                    *self.spec.worker_args)
 
     def stop(self) -> None:
         for name in reversed(list(self.procs)):
