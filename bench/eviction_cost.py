@@ -8,7 +8,8 @@ Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` 
 Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
 recomputed per eviction (the workers' per-attempt record: earlier work an attempt computed again), tokens
 kept, the simulator's computed-then-aborted tokens, and realtime p95 TTFT with a 95% order-statistic
-interval. Ratios are taken within a round and reported as the median over rounds.
+interval. Ratios are taken within a round and reported as the median over rounds. `--report DIR` recomputes
+everything from the raw records a run left in DIR/raw (also after an interrupted run).
 
 The victim policy is chosen with the gateway's `eviction.policy`; a gateway without that key runs every
 eviction arm with its built-in newest-first order, and the report says so (`policy applied: no`).
@@ -152,27 +153,38 @@ def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> 
 def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     takes_policy = gateway_takes_policy()
-    results: list[dict] = []
     for r in range(rounds):
-        arms: dict[str, ArmFigures] = {}
         for name in arm_names:
             scenario = ARMS[name]
             if not takes_policy:
                 scenario = replace(scenario, eviction_policy=None)
             print(f"round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            record = run_one(scenario, w, r, seed + r, out_dir, collect=attempt_tokens)
-            arms[name] = arm_figures(record, takes_policy or not ARMS[name].eviction)
-        results.append({"arms": {k: asdict(v) for k, v in arms.items()}, "ratios": round_ratios(arms),
-                        "ttft_cost_resume_on_vs_newest_restart_off": ttft_verdict(arms, "cost_resume_on",
-                                                                                  "newest_restart_off")})
+            run_one(scenario, w, r, seed + r, out_dir, collect=attempt_tokens)
+    return summarize(out_dir, {"workload": asdict(w), "seed": seed, "policy_selectable": takes_policy})
+
+
+def summarize(out_dir: Path, meta: dict | None = None) -> dict:
+    """Figures of every raw record under `out_dir/raw` (a run's arms, or what an interrupted run left)."""
+    by_round: dict[int, dict[str, ArmFigures]] = {}
+    for path in sorted((out_dir / "raw").glob("*.json")):
+        record = json.loads(path.read_text())
+        scenario = record["scenario"]
+        if scenario["name"] not in ARMS:
+            continue
+        applied = scenario.get("eviction_policy") is not None or not scenario["eviction"]
+        by_round.setdefault(record["repeat"], {})[scenario["name"]] = arm_figures(record, applied)
+    results = [{"arms": {k: asdict(v) for k, v in arms.items()}, "ratios": round_ratios(arms),
+                "ttft_cost_resume_on_vs_newest_restart_off": ttft_verdict(arms, "cost_resume_on",
+                                                                          "newest_restart_off")}
+               for _, arms in sorted(by_round.items())]
     medians = {}
-    for key in results[0]["ratios"]:
+    for key in (results[0]["ratios"] if results else {}):
         values = [x["ratios"][key] for x in results if x["ratios"][key] is not None]
         medians[key] = statistics.median(values) if values else None
-    summary = {"workload": asdict(w), "rounds": rounds, "seed": seed, "policy_selectable": takes_policy,
-               "median_ratios": medians, "results": results,
-               "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
-                         "completions_ratio": GOAL_COMPLETIONS_RATIO}}
+    applied = all(a["policy_applied"] for x in results for a in x["arms"].values())
+    summary = {**(meta or {}), "rounds": len(results), "policy_selectable": applied, "median_ratios": medians,
+               "results": results, "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
+                                             "completions_ratio": GOAL_COMPLETIONS_RATIO}}
     (out_dir / "eviction_cost.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -206,7 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")
     p.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/eviction-cost-<time>)")
+    p.add_argument("--report", type=Path, metavar="DIR", help="only recompute the figures from DIR/raw/*.json")
     args = p.parse_args(argv)
+    if args.report is not None:
+        if not (args.report / "raw").is_dir():
+            p.error(f"{args.report} has no raw/ folder: pass a folder written by this bench")
+        print(render(summarize(args.report)))
+        return 0
     names = [n.strip() for n in args.arms.split(",") if n.strip()]
     unknown = [n for n in names if n not in ARMS]
     if unknown:

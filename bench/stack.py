@@ -113,6 +113,9 @@ class Stack:
         for i in range(self.spec.replicas):
             self._wait("sim", f"{self.replica_urls[i]}/health")
         self._wait("gateway", f"{self.gateway_url}/health")
+        # The gateway answers /health before its first replica health check; runs start once it serves.
+        wait_http(f"{self.gateway_url}/v1/models", self.procs["gateway"], 60.0, what="gateway replicas",
+                  headers={"Authorization": f"Bearer {self.realtime_key}"})
         self._wait("api", f"{self.api_url}/readyz")
         r = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "study"},
                        headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
