@@ -181,7 +181,9 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     for key in (results[0]["ratios"] if results else {}):
         values = [x["ratios"][key] for x in results if x["ratios"][key] is not None]
         medians[key] = statistics.median(values) if values else None
-    applied = all(a["policy_applied"] for x in results for a in x["arms"].values())
+    # Only eviction arms say whether the policy took: holdback-alone arms never name one.
+    flags = [a["policy_applied"] for x in results for name, a in x["arms"].items() if ARMS[name].eviction]
+    applied = all(flags) if flags else None
     summary = {**(meta or {}), "rounds": len(results), "policy_selectable": applied, "median_ratios": medians,
                "results": results, "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
                                              "completions_ratio": GOAL_COMPLETIONS_RATIO}}
@@ -190,7 +192,8 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
 
 
 def render(summary: dict) -> str:
-    lines = [f"policy selectable by config: {'yes' if summary['policy_selectable'] else 'no (newest-first in every arm)'}",
+    selectable = {True: "yes", False: "no (newest-first in every arm)", None: "n/a (no eviction arm)"}
+    lines = [f"policy selectable by config: {selectable[summary['policy_selectable']]}",
              "", "| arm | round | completions | evictions | recomputed/eviction | kept | aborted-computed | "
              "p95 TTFT ms [95% interval] |", "|---|---|---|---|---|---|---|---|"]
     for i, res in enumerate(summary["results"]):
