@@ -2,7 +2,9 @@
 
 The asyncio worker runs many of these at once; `async_processor.job.run_request` runs one for a plain RQ
 worker — the same code path. Database work is two transactions (`holdback.dispatch.begin`, then
-`record_outcome`), each run on a database lane thread because SQLAlchemy's engine is synchronous.
+`record_outcome`, each wrapped by `async_processor.resume` to read and write what a resumed request needs),
+each run on a database lane thread because SQLAlchemy's engine is synchronous. Resumable requests are sent
+streamed (`async_processor.stream`), the rest as they are.
 """
 
 from __future__ import annotations
