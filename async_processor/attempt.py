@@ -2,7 +2,9 @@
 
 The asyncio worker runs many of these at once; `async_processor.job.run_request` runs one for a plain RQ
 worker — the same code path. Database work is two transactions (`holdback.dispatch.begin`, then
-`record_outcome`), each run on a database lane thread because SQLAlchemy's engine is synchronous.
+`record_outcome`, each wrapped by `async_processor.resume` to read and write what a resumed request needs),
+each run on a database lane thread because SQLAlchemy's engine is synchronous. Resumable requests are sent
+streamed (`async_processor.stream`), the rest as they are.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from async_processor import resume
+from async_processor.stream import send_streamed
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
+from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip
 
 T = TypeVar("T")
 
@@ -126,17 +130,19 @@ class Runtime:
     policy: RetryPolicy
     worker_name: str
     request_timeout: float
+    resume: bool = True  # evicted streams continue from their partial output (False: they restart)
     _next_lane: int = 0
 
     @classmethod
     def build(cls, database_url: str, *, gateway_url: str, gateway_key: str | None, policy: RetryPolicy,
-              worker_name: str, request_timeout: float, db_lanes: int = 2) -> "Runtime":
+              worker_name: str, request_timeout: float, db_lanes: int = 2, resume: bool = True) -> "Runtime":
         engine = make_worker_engine(database_url, db_lanes)
         sessions = make_sessionmaker(engine)
         # SQLite has one writer at a time: more lanes would only queue on its lock.
         n = 1 if engine.dialect.name == "sqlite" else max(1, db_lanes)
         lanes = [DatabaseLane(sessions, f"db-{i}") for i in range(n)]
-        return cls(sessions, lanes, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout)
+        return cls(sessions, lanes, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout,
+                   resume)
 
     def close(self) -> None:
         for lane in self.lanes:
@@ -200,25 +206,34 @@ async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gatewa
 async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
                       cancelled_batch: Callable[[str], bool] = lambda _batch_id: False) -> AttemptResult:
     """Begin, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises."""
-    opened = await rt.db(begin, job.row_id, rt.worker_name)
+    opened = await rt.db(resume.open_attempt, job.row_id, rt.worker_name)
     if isinstance(opened, Skip):
         return AttemptResult(skip=opened)
-    dispatch = opened
+    dispatch, progress = opened
+    plan = resume.plan_attempt(dispatch, progress, rt.resume)
     job.batch_id = dispatch.batch_id
     started = time.monotonic()
+    tokens = None
     if cancelled_batch(dispatch.batch_id):
         # The cancel was published while this attempt was opening: do not send it at all.
         reply = Reply.cancelled("batch cancelled or expired before the request was sent")
     else:
+        url = rt.gateway_url + dispatch.url
         job.send_task = asyncio.ensure_future(
-            send(http, rt.gateway_url + dispatch.url, dispatch, rt.gateway_key, rt.request_timeout))
+            send_streamed(http, url, plan.body, resume.headers(dispatch, plan, rt.gateway_key, rt.resume),
+                          rt.request_timeout) if plan.streamed
+            else send(http, url, dispatch, rt.gateway_key, rt.request_timeout))
         try:
-            reply = await job.send_task
+            sent = await job.send_task
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if job.abort_reason is None or (current is not None and current.cancelling()):
                 raise
-            reply = Reply.cancelled(job.abort_reason)
+            sent = Reply.cancelled(job.abort_reason)
+        if isinstance(sent, Reply):
+            reply = sent
+        else:
+            reply, tokens = resume.streamed_reply(plan, sent), resume.attempt_tokens(plan, sent)
     seconds = time.monotonic() - started
-    recorded = await rt.db(record_outcome, dispatch, reply, rt.policy)
+    recorded = await rt.db(resume.record_attempt, dispatch, reply, rt.policy, tokens)
     return AttemptResult(dispatch=dispatch, recorded=recorded, seconds=seconds)

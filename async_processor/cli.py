@@ -68,6 +68,9 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--db-lanes", type=int, default=env.db_lanes,
                    help="database threads per process; each runs the calls waiting for it in one transaction "
                         "(group commit). SQLite always uses 1 (default %(default)s)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", default=env.resume,
+                   help="restart evicted requests from scratch instead of continuing their partial output "
+                        "(HOLDBACK_WORKER_RESUME=0; for comparisons)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="DEBUG also logs every successful request (default %(default)s)")
     return flags_from_env(p, "worker")
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler_interval=args.scheduler_interval,
             probe_interval=args.probe_interval,
             db_lanes=args.db_lanes,
+            resume=args.resume,
             burst=args.burst,
             metrics_port=args.metrics_port,
             drain_timeout=args.drain_timeout,

@@ -30,6 +30,7 @@ class WorkerSettings(BaseSettings):
     scheduler_interval: float = Field(0.1, description="seconds between moves of due retries to the queue")
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
     probe_interval: float = Field(1.0, description="seconds between probes of the gateway while its circuit is open")
+    resume: bool = Field(True, description="an evicted streamed request continues from its partial output")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class WorkerConfig:
     scheduler_interval: float = 0.1
     probe_interval: float = 1.0
     db_lanes: int = 2
+    resume: bool = True
     burst: bool = False
     metrics_port: int | None = None
     drain_timeout: float = 30.0

@@ -22,7 +22,7 @@ from typing import Annotated, Iterable
 import redis
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE
 from rq.job import Job, JobStatus
@@ -117,6 +117,9 @@ class AttemptObject(BaseModel):
     input_tokens: int
     output_tokens: int
     error: str | None
+    cached_tokens: int = 0
+    tokens_kept: int = Field(0, description="output tokens carried in from earlier attempts (resumed)")
+    tokens_recomputed: int = Field(0, description="earlier attempts' prompt + output this attempt computed again")
 
 
 class AttemptList(BaseModel):
@@ -340,7 +343,8 @@ def attempts_of(session: Session, row_id: str) -> list[dict]:
             "number": a.number, "worker": a.worker, "replica": a.replica, "started_at": a.started_at,
             "ended_at": a.ended_at, "outcome": a.outcome, "status_code": a.status_code,
             "drop_reason": a.drop_reason, "evicted": bool(a.evicted), "input_tokens": a.input_tokens or 0,
-            "output_tokens": a.output_tokens or 0, "error": a.error,
+            "output_tokens": a.output_tokens or 0, "error": a.error, "cached_tokens": a.cached_tokens or 0,
+            "tokens_kept": a.tokens_kept or 0, "tokens_recomputed": a.tokens_recomputed or 0,
         }
         for a in session.scalars(select(Attempt).where(Attempt.request_id == row_id).order_by(Attempt.number))
     ]

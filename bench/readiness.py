@@ -37,7 +37,8 @@ def free_port_block(n: int) -> int:
     raise RuntimeError(f"no block of {n} free ports")
 
 
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0, what: str = "") -> None:
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0, what: str = "",
+              headers: dict[str, str] | None = None) -> None:
     """Wait until GET url answers 2xx; fail at once if `proc` exits first. `what` names it in errors."""
     name = what or url
     deadline = time.monotonic() + timeout
@@ -45,7 +46,7 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} before {url} was ready")
         try:
-            if httpx.get(url, timeout=1.0).status_code < 300:
+            if httpx.get(url, timeout=1.0, headers=headers).status_code < 300:
                 return
         except httpx.HTTPError:
             pass

@@ -35,6 +35,7 @@ class StackSpec:
     worker_concurrency: int = 64
     backoff_base: float = 2.0
     backoff_cap: float = 60.0
+    worker_args: list[str] = field(default_factory=list)  # extra `holdback worker` flags, e.g. --no-resume
 
 
 class Stack(Started):
@@ -115,6 +116,9 @@ class Stack(Started):
         for i in range(self.spec.replicas):
             self._wait(self.sim_process(i), f"{self.replica_urls[i]}/health")
         self._wait("gateway", f"{self.gateway_url}/health")
+        # The gateway answers /health before its first replica health check; runs start once it serves.
+        wait_http(f"{self.gateway_url}/v1/models", self.procs["gateway"], 60.0, what="gateway replicas",
+                  headers={"Authorization": f"Bearer {self.realtime_key}"})
         self._wait("api", f"{self.api_url}/readyz")
         r = httpx.post(f"{self.api_url}/admin/keys", json={"tenant": "study"},
                        headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
@@ -146,7 +150,8 @@ class Stack(Started):
 
     def start_workers(self) -> None:
         self._start("worker", "worker", "-n", str(self.spec.worker_concurrency),
-                    "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap))
+                    "--backoff-base", str(self.spec.backoff_base), "--backoff-cap", str(self.spec.backoff_cap),
+                    *self.spec.worker_args)
 
     def stop(self) -> None:
         for name in reversed(list(self.procs)):

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -71,6 +72,11 @@ class Scenario:
     eviction: bool = False
     replicas: int = 1
     objective: str = "realtime"  # what the interactive traffic asks for
+    # Variations for the eviction-cost bench: the gateway's victim policy (None: its default), extra
+    # simulator flags (prefix caching) and worker flags (--no-resume).
+    eviction_policy: str | None = None
+    sim_extra: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
     # pressure the one-replica runs see and eviction is exercised across replicas.
 
@@ -84,7 +90,8 @@ class Scenario:
             "saturation": {"detector": "concurrency", "maxConcurrency": w.max_concurrency, "headroom": 0.0},
             "usageLimit": {"policy": "static", "threshold": 1.0},
             "flowControl": {"bands": bands},
-            "eviction": {"enabled": self.eviction, "maxPerDecision": 2},
+            "eviction": {"enabled": self.eviction, "maxPerDecision": 2,
+                         **({"policy": self.eviction_policy} if self.eviction_policy else {})},
         }
 
 
@@ -185,9 +192,12 @@ def _wait_evicted_done(stack: Stack, batch_id: str, timeout: float) -> bool:
     return False
 
 
-def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Path, log=print) -> dict:  # noqa: ANN001
-    spec = StackSpec(replicas=scenario.replicas, sim_args=list(w.sim_args), gateway=scenario.gateway_overrides(w),
-                     worker_concurrency=w.worker_concurrency, backoff_base=w.backoff_base, backoff_cap=w.backoff_cap)
+def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Path, log=print,  # noqa: ANN001
+            collect: Callable[[Stack, list[dict]], dict] | None = None) -> dict:
+    """One run; `collect(stack, rows)` adds its own read-outs while the stack is up (before the cancel)."""
+    spec = StackSpec(replicas=scenario.replicas, sim_args=[*w.sim_args, *scenario.sim_extra],
+                     gateway=scenario.gateway_overrides(w), worker_concurrency=w.worker_concurrency,
+                     backoff_base=w.backoff_base, backoff_cap=w.backoff_cap, worker_args=list(scenario.worker_args))
     run_name = f"{scenario.name}-r{repeat}"
     record: dict = {"scenario": asdict(scenario), "repeat": repeat, "seed": seed, "workload": asdict(w),
                     "started_at": time.time()}
@@ -234,6 +244,8 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
             record["samples"] = sampler.samples
         if batch_id:
             record["rows"] = _admin_rows(stack, batch_id)
+            if collect is not None:
+                record["collected"] = collect(stack, record["rows"])
             client.batches.cancel(batch_id)
             deadline = time.monotonic() + 60
             b = client.batches.retrieve(batch_id)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy
 
+from gateway.cache_salt import private_salt
 from gateway.config import LoadedConfig
 
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
@@ -39,6 +40,8 @@ class Caller:
     tenant: str
     objectives: frozenset[str]
     default_objective: str | None
+    # The prefix-cache scope of this caller's requests; None for a key marked sharePublicPrompts.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Classification:
     # deadline as seconds from now (inf: none); the smaller of TTL and deadline bounds the wait.
     wait_limit: float
     deadline_in: float
+    cache_salt: str | None = None
 
 
 class Classifier:
@@ -58,11 +62,13 @@ class Classifier:
         cfg = loaded.config
         self.priorities = {name: obj.priority for name, obj in cfg.objectives.items()}
         self.default_objective = cfg.defaultObjective
-        self.keys = {k.key: Caller(k.tenant, k.objectives, k.default_objective) for k in loaded.keys}
+        self.keys = {k.key: Caller(k.tenant, k.objectives, k.default_objective,
+                                   None if k.share_public_prompts else private_salt(k.tenant, k.permission_version))
+                     for k in loaded.keys}
         self.admin_keys = loaded.admin_keys
         anon = cfg.anonymous
-        self.anonymous = (Caller(anon.tenant, frozenset(anon.objectives), anon.defaultObjective)
-                          if anon.enabled else None)
+        self.anonymous = (Caller(anon.tenant, frozenset(anon.objectives), anon.defaultObjective,
+                                 private_salt(anon.tenant, 1)) if anon.enabled else None)
 
     def _token(self, authorization: str | None) -> str | None:
         """The bearer token; with keys configured, any other `Authorization` value is refused (401)."""
@@ -135,7 +141,7 @@ class Classifier:
             deadline_in = _seconds(deadline, DEADLINE_HEADER, "unix time in seconds") - time.time()
             wait_limit = min(wait_limit, deadline_in)
         return Classification(objective, self.priorities[objective], fairness, caller.tenant, wait_limit,
-                              deadline_in)
+                              deadline_in, caller.cache_salt)
 
     def _first_allowed(self, caller: Caller) -> str:
         if "*" in caller.objectives or self.default_objective in caller.objectives:

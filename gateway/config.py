@@ -214,6 +214,9 @@ class KeyEntry(_Model):
     tenant: str
     objectives: list[str] = ["*"]
     defaultObjective: str | None = None
+    # Prefix-cache scope (gateway.cache_salt): private to the tenant unless its prompts are public.
+    sharePublicPrompts: bool = False
+    permissionVersion: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> "KeyEntry":
@@ -342,6 +345,8 @@ class ApiKey:
     tenant: str
     objectives: frozenset[str]
     default_objective: str | None
+    share_public_prompts: bool = False
+    permission_version: int = 1
 
 
 @dataclass(frozen=True)
@@ -384,7 +389,8 @@ def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -
             if value is None:
                 skipped.append(entry.key_env)
                 continue
-        keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective))
+        keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective,
+                           entry.sharePublicPrompts, entry.permissionVersion))
     if len({k.key for k in keys}) != len(keys):
         raise ConfigError(f"{source}: two keys entries have the same key value")
     upstream_key = config.upstream.apiKey

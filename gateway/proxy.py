@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.flow_control import FlowController, Outcome
 from gateway.log import log_event
@@ -89,7 +90,7 @@ class Proxy:
         except ClassificationError as exc:
             log_event(logger, logging.INFO, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
-        body = await request.read()
+        body = salted_body(await request.read(), request.path, cls.cache_salt)
         controller = self.controller
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,

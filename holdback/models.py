@@ -227,3 +227,10 @@ class Attempt(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Resume after eviction (async_processor.resume): prompt tokens served from the prefix cache, the
+    # output so far when a stream was cut (all attempts' text, so the next attempt continues from it),
+    # output tokens carried in from earlier attempts, and earlier work this attempt had to compute again.
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    partial_output: Mapped[str | None] = mapped_column(Text, nullable=True)
+    tokens_kept: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    tokens_recomputed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -126,6 +126,8 @@ class Engine:
         ignore_eos: bool = False,
         priority: int = 0,
         external_id: str | None = None,
+        output_offset: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         self.check_request(len(prompt_token_ids), max_tokens)
         self._next_id += 1
@@ -137,6 +139,8 @@ class Engine:
             priority=priority,
             arrival_time=time.perf_counter(),
             external_id=external_id,
+            output_offset=output_offset,
+            cache_salt=cache_salt,
         )
         stream = RequestStream(request)
         self._streams[request.request_id] = stream

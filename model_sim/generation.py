@@ -1,7 +1,9 @@
 """What the simulated model "generates": how many tokens, and which ones.
 
 Token text is a fixed word list indexed by output position, so every run and every replica
-produces the same text and a test can predict it. The length is `max_tokens` unless the replica
+produces the same text and a test can predict it. The model continues its own text: a prompt that
+already ends with the first k output words (a resumed request) generates from position k on, so a
+continued request ends with the text an uninterrupted run would have produced. The length is `max_tokens` unless the replica
 runs in `random` output-length mode and the request does not set `ignore_eos`.
 """
 
@@ -32,6 +34,40 @@ def output_token_text(position: int) -> str:
 
 def output_text(start: int, end: int) -> str:
     return "".join(output_token_text(i) for i in range(start, end))
+
+
+_WORD_POSITION = {w: i for i, w in enumerate(WORDS)}
+
+
+def continuation_offset(text: str) -> int:
+    """How many output words `text` already ends with: the k of the longest `output_text(0, k)` suffix.
+
+    Read from the end, word by word, while the words follow the output sequence backwards; the
+    answer is the longest run that starts at output position 0.
+    """
+    end = len(text)
+    last = None  # position of the final word in the cycle
+    run = 0
+    while end > 0:
+        space = text.rfind(" ", 0, end)
+        if space < 0:
+            break
+        position = _WORD_POSITION.get(text[space + 1:end])
+        if position is None:
+            break
+        if last is None:
+            last = position
+        elif position != (last - run) % len(WORDS):
+            break
+        run += 1
+        end = space
+    if last is None:
+        return 0
+    # k output words end at position k - 1 ≡ last (mod len(WORDS)); take the longest k within the run.
+    k = last + 1
+    if k > run:
+        return 0
+    return k + (run - k) // len(WORDS) * len(WORDS)
 
 
 class OutputLengthMode(str, enum.Enum):

@@ -2,8 +2,8 @@
 
 `BlockPool` owns the blocks, their reference counts and the free queue; `KVCacheManager` maps
 requests to blocks. With prefix caching, a full block is registered under the chain hash of all
-tokens up to its end; a later request whose prompt starts with the same tokens takes the same
-block (ref count + 1). A freed block with a hash stays in the free queue with its contents, in
+tokens up to its end (and, for the first block, the request's `cache_salt`); a later request whose
+prompt starts with the same tokens and carries the same salt takes the same block (ref count + 1). A freed block with a hash stays in the free queue with its contents, in
 LRU order, until an allocation needs the space: usage counts it as free, a hit revives it.
 """
 
@@ -82,6 +82,10 @@ def chain_hash(parent: int | None, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def salt_seed(cache_salt: str | None) -> int | None:
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
@@ -103,7 +107,8 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # As in vLLM, the salt enters the first block's hash only; the chain carries it to the rest.
+            parent = hashes[-1] if hashes else salt_seed(request.cache_salt)
             hashes.append(chain_hash(parent, request.token_slice(i * bs, (i + 1) * bs)))
         return hashes
 

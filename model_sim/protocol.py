@@ -24,6 +24,10 @@ class GenerationParams:
     priority: int
     stream: bool
     include_usage: bool
+    # vLLM's stream_options.continuous_usage_stats: usage on every chunk, so a cut stream still says
+    # how many tokens it carried.
+    continuous_usage: bool = False
+    cache_salt: str | None = None
 
 
 def _is_int(value) -> bool:
@@ -38,7 +42,31 @@ def check_model(body: dict, served: str) -> None:
         raise InvalidRequest(f"The model `{model}` does not exist. Set \"model\" to \"{served}\".", "model")
 
 
-def render_chat(messages) -> str:
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    # The final message's content when it is continued (continue_final_message), else None.
+    continued: str | None
+
+
+def chat_prompt(body: dict) -> ChatPrompt:
+    """Render `messages` with vLLM's `add_generation_prompt` (default true) and `continue_final_message`.
+
+    Continuing the final message leaves it open (no end of turn, no new assistant header), so the
+    model writes on in the same message: how an interrupted assistant answer is resumed.
+    """
+    add_generation_prompt = _bool_field(body, "add_generation_prompt", True)
+    continue_final = _bool_field(body, "continue_final_message")
+    if continue_final and add_generation_prompt:
+        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to true; "
+                             "send \"add_generation_prompt\": false to continue the final message.",
+                             "continue_final_message")
+    text = render_chat(body.get("messages"), add_generation_prompt, continue_final)
+    continued = _content_text(body["messages"][-1].get("content"), len(body["messages"]) - 1) if continue_final else None
+    return ChatPrompt(text, continued)
+
+
+def render_chat(messages, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
     """The simulator's chat template: one `<|role|>` header per message, then the assistant header."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("\"messages\" is required: send a non-empty list of {\"role\", \"content\"} objects.",
@@ -51,7 +79,10 @@ def render_chat(messages) -> str:
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}.", "messages")
         parts.append(f"<|{role}|>\n{_content_text(message.get('content'), i)}\n")
-    parts.append("<|assistant|>\n")
+    if continue_final_message:
+        parts[-1] = parts[-1][:-1]  # the final message stays open
+    elif add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
@@ -92,10 +123,10 @@ def _int_field(body: dict, name: str, default, minimum: int):
     return value
 
 
-def _bool_field(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _bool_field(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise InvalidRequest(f"\"{name}\" must be true or false, got {value!r}.", name)
     return value
@@ -122,7 +153,7 @@ def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens
         raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise InvalidRequest("\"stream_options\" can only be set when \"stream\" is true.", "stream_options")
@@ -130,6 +161,10 @@ def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens
             raise InvalidRequest("\"stream_options\" must be an object such as {\"include_usage\": true}.",
                                  "stream_options")
         include_usage = _bool_field(options, "include_usage")
+        continuous_usage = _bool_field(options, "continuous_usage_stats")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequest("\"cache_salt\" must be a non-empty string if provided.", "cache_salt")
     return GenerationParams(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
@@ -138,16 +173,21 @@ def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens
         priority=priority,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=include_usage and continuous_usage,
+        cache_salt=cache_salt,
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_body(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                    prompt_tokens: int, completion_tokens: int, chat: bool) -> dict:
+                    prompt_tokens: int, completion_tokens: int, chat: bool, cached_tokens: int | None = None) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason, "stop_reason": None}
@@ -156,7 +196,7 @@ def completion_body(response_id: str, created: int, model: str, text: str, finis
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class SseFormatter:
@@ -171,25 +211,37 @@ class SseFormatter:
         self._close = "}," if chat else ","
         self.role_sent = not chat
 
-    def tokens(self, texts: list[str], finish_reason: str | None) -> bytes:
+    def tokens(self, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
+               sent: int = 0) -> bytes:
+        """Chunks for `texts`; with `prompt_tokens` (continuous usage) each carries the usage so far."""
         out = []
         if not self.role_sent:
+            tail = self._usage_tail(prompt_tokens, sent)
             out.append(f'{self._head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
-                       f'"logprobs":null,"finish_reason":null}}]}}\n\n')
+                       f'"logprobs":null,"finish_reason":null}}]{tail}}}\n\n')
             self.role_sent = True
         last = len(texts) - 1
         for i, text in enumerate(texts):
             reason = json.dumps(finish_reason) if (i == last and finish_reason) else "null"
+            tail = self._usage_tail(prompt_tokens, sent + i + 1)
             out.append(f'{self._head}{self._field}{json.dumps(text)}{self._close}'
-                       f'"logprobs":null,"finish_reason":{reason}}}]}}\n\n')
+                       f'"logprobs":null,"finish_reason":{reason}}}]{tail}}}\n\n')
         return "".join(out).encode()
+
+    @staticmethod
+    def _usage_tail(prompt_tokens: int | None, completion_tokens: int) -> str:
+        if prompt_tokens is None:
+            return ""
+        return f',"usage":{json.dumps(usage(prompt_tokens, completion_tokens))}'
+
 
     def finish_only(self, finish_reason: str) -> bytes:
         empty = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
         return f'{self._head}{empty}"logprobs":null,"finish_reason":{json.dumps(finish_reason)}}}]}}\n\n'.encode()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return (f'{self._head}],"usage":{json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n').encode()
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        body = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return f'{self._head}],"usage":{json.dumps(body)}}}\n\n'.encode()
 
     DONE = b"data: [DONE]\n\n"
 

@@ -47,6 +47,11 @@ class Request:
     priority: int = 0
     arrival_time: float = 0.0
     external_id: str | None = None
+    # Output position of the first generated token: a continued request picks up its own text there.
+    output_offset: int = 0
+    # vLLM's `cache_salt`: folded into the first block's hash, so only requests with the same salt
+    # share prefix-cache blocks.
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

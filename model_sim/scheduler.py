@@ -195,7 +195,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.prompt_tokens += request.num_prompt_tokens
-            request.output_token_ids.append(output_token_id(request.num_output_tokens))
+            request.output_token_ids.append(output_token_id(request.output_offset + request.num_output_tokens))
             if request.last_token_time is not None:
                 request.token_gap = now - request.last_token_time
             request.last_token_time = now

@@ -23,7 +23,7 @@ from model_sim import protocol
 from model_sim.engine import RequestRejected
 from model_sim.errors import ApiError, InvalidRequest, error_response
 from model_sim.faults import FORCE_ERROR_HEADER
-from model_sim.generation import output_text, output_token_text
+from model_sim.generation import continuation_offset, output_text, output_token_text
 from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from model_sim.request import RequestStatus
 
@@ -129,17 +129,20 @@ class Routes:
         await self._inject_faults(request)
         body = await _json_object(request)
         protocol.check_model(body, self.model)
-        prompt_ids = self.tokenizer.encode(protocol.render_chat(body.get("messages")))
-        return await self._generate(request, body, prompt_ids, chat=True)
+        prompt = protocol.chat_prompt(body)
+        offset = continuation_offset(prompt.continued) if prompt.continued is not None else 0
+        return await self._generate(request, body, self.tokenizer.encode(prompt.text), chat=True, offset=offset)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await self._inject_faults(request)
         body = await _json_object(request)
         protocol.check_model(body, self.model)
         prompt_ids = protocol.completion_prompt_ids(body.get("prompt"), self.tokenizer)
-        return await self._generate(request, body, prompt_ids, chat=False)
+        prompt = body.get("prompt")
+        offset = continuation_offset(prompt) if isinstance(prompt, str) else 0
+        return await self._generate(request, body, prompt_ids, chat=False, offset=offset)
 
-    async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool):
+    async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool, offset: int):
         params = protocol.parse_generation(body, prompt_ids, self.replica.config.default_max_tokens, chat)
         try:
             stream = self.engine.add_request(
@@ -149,6 +152,8 @@ class Routes:
                 ignore_eos=params.ignore_eos,
                 priority=params.priority,
                 external_id=request.headers.get("x-request-id"),
+                output_offset=offset,
+                cache_salt=params.cache_salt,
             )
         except RequestRejected as exc:
             raise InvalidRequest(str(exc), exc.param) from None
@@ -165,8 +170,9 @@ class Routes:
             if req.status is RequestStatus.FINISHED_ABORTED:
                 raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
             return web.json_response(protocol.completion_body(
-                response_id, created, self.model, output_text(0, req.num_output_tokens),
-                req.status.finish_reason, req.num_prompt_tokens, req.num_output_tokens, chat))
+                response_id, created, self.model, output_text(offset, offset + req.num_output_tokens),
+                req.status.finish_reason, req.num_prompt_tokens, req.num_output_tokens, chat,
+                _cached_tokens(req)))
         finally:
             if not req.status.is_finished:
                 self.engine.abort_request(req.request_id)
@@ -178,6 +184,8 @@ class Routes:
         await resp.prepare(request)
         fmt = protocol.SseFormatter(response_id, created, self.model, chat)
         sent = 0
+        offset = req.output_offset
+        running_usage = req.num_prompt_tokens if params.continuous_usage else None
         try:
             while True:
                 n = req.num_output_tokens
@@ -188,15 +196,16 @@ class Routes:
                     await resp.write_eof()
                     return resp
                 if n > sent:
-                    texts = [output_token_text(i) for i in range(sent, n)]
-                    await resp.write(fmt.tokens(texts, req.status.finish_reason if finished else None))
+                    texts = [output_token_text(offset + i) for i in range(sent, n)]
+                    await resp.write(fmt.tokens(texts, req.status.finish_reason if finished else None,
+                                                running_usage, sent))
                     sent = n
                 elif finished:
                     await resp.write(fmt.finish_only(req.status.finish_reason))
                 if finished:
                     break
                 await stream.wait()
-            tail = fmt.usage(req.num_prompt_tokens, sent) if params.include_usage else b""
+            tail = fmt.usage(req.num_prompt_tokens, sent, _cached_tokens(req)) if params.include_usage else b""
             await resp.write(tail + fmt.DONE)
             await resp.write_eof()
         except ConnectionResetError:
@@ -250,7 +259,7 @@ class Routes:
         body = await _json_object(request)
         protocol.check_model(body, self.model)
         if "messages" in body:
-            text = protocol.render_chat(body["messages"])
+            text = protocol.chat_prompt(body).text
         elif isinstance(body.get("prompt"), str):
             text = body["prompt"]
         else:
@@ -311,6 +320,11 @@ class Routes:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         return web.json_response(self.replica.faults.as_dict())
+
+
+def _cached_tokens(req) -> int:
+    """Prompt tokens served from the prefix cache at admission (vLLM's usage.prompt_tokens_details)."""
+    return max(req.num_cached_tokens, 0)
 
 
 def _embedding(token_ids: list[int], dims: int) -> list[float]:

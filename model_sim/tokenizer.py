@@ -1,7 +1,9 @@
 """The simulator's tokenizer: deterministic, reversible, and the same everywhere it is used.
 
-Text is split into words (with their leading whitespace), punctuation marks and whitespace runs;
-any piece longer than 6 UTF-8 bytes is cut into 6-byte pieces. A token id packs the piece's bytes
+Text is split as GPT-2-style tokenizers do: words and punctuation marks with at most one leading space,
+and whitespace runs (a run before a word leaves its last space to the word, so a newline never merges with
+the word after it: text continued after a chat header tokenizes as the model generated it). Any piece
+longer than 6 UTF-8 bytes is cut into 6-byte pieces. A token id packs the piece's bytes
 and its length into one integer below 2**53, so `decode(encode(text)) == text` and ids survive JSON
 in any language. English prose comes out at roughly one token per short word, two per long word.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import re
 
 MAX_PIECE_BYTES = 6
-_PIECES = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+_PIECES = re.compile(r" ?\w+| ?[^\w\s]|\s+(?!\S)|\s+")
 
 
 def _split_bytes(piece: bytes) -> list[bytes]:

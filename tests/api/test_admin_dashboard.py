@@ -132,8 +132,8 @@ def test_pages_carry_a_strict_content_security_policy(api):
 def test_batch_pages_show_rows_attempts_and_act_on_them(api, backend):
     rows = Rows(backend)
     batch_id, ids = rows.batch([
-        {"status": "succeeded", "attempts": [(time.time() - 9, "evicted"), (time.time() - 5, "success")],
-         "evictions": 1},
+        {"status": "succeeded", "attempts": [(time.time() - 9, "evicted"), (time.time() - 5, "success", {
+            "tokens_kept": 40, "tokens_recomputed": 17})], "evictions": 1},
         {"status": "queued"},
         {"status": "failed", "attempts": [(time.time() - 4, "client_error")]},
     ])
@@ -154,6 +154,8 @@ def test_batch_pages_show_rows_attempts_and_act_on_them(api, backend):
     assert f'data-request-id="{ids[2]}"' in failed and f'data-request-id="{ids[0]}"' not in failed
     attempts = client.get(f"/dashboard/fragments/requests/{ids[0]}/attempts").text
     assert "Attempts of line 1" in attempts and "evicted" in attempts and "success" in attempts
+    assert "kept 40 · recomputed 17" in attempts, "a resumed attempt shows what it kept and recomputed"
+    assert attempts.count('data-testid="resume-tokens"') == 1
     assert client.get("/dashboard/batches/batch_nope").status_code == 404
 
     r = client.post(f"/dashboard/batches/{batch_id}/cancel", headers={"x-csrf-token": csrf})

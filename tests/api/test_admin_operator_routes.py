@@ -48,11 +48,11 @@ class Rows:
                                  evictions=spec.get("evictions", 0), attempts=len(spec.get("attempts", [])))
                 s.add(row)
                 s.flush()
-                for n, (started, outcome) in enumerate(spec.get("attempts", []), start=1):
+                for n, (started, outcome, *extra) in enumerate(spec.get("attempts", []), start=1):
                     s.add(Attempt(request_id=row.id, batch_id=batch.id, number=n, worker="w1", started_at=started,
                                   ended_at=started + 0.5, outcome=outcome, evicted=outcome == "evicted",
                                   status_code=429 if outcome == "evicted" else 200,
-                                  drop_reason="evicted" if outcome == "evicted" else None))
+                                  drop_reason="evicted" if outcome == "evicted" else None, **(extra or [{}])[0]))
                 ids.append(row.id)
             return batch.id, ids
 
@@ -151,9 +151,10 @@ def test_requests_are_listed_in_line_order_with_filters_and_a_cursor(api, backen
 def test_attempts_of_a_request_in_order(api, backend):
     rows = Rows(backend)
     batch_id, ids = rows.batch([{"status": "succeeded", "evictions": 1,
-                                 "attempts": [(100.0, "evicted"), (104.0, "success")]}])
+                                 "attempts": [(100.0, "evicted"), (104.0, "success", {"tokens_kept": 9})]}])
     rows.close()
     body = admin(api).get(f"/admin/requests/{ids[0]}/attempts").json()
+    assert [(a["tokens_kept"], a["tokens_recomputed"]) for a in body["data"]] == [(0, 0), (9, 0)]
     assert body["request_id"] == ids[0] and body["batch_id"] == batch_id
     assert [(a["number"], a["outcome"], a["evicted"], a["drop_reason"], a["status_code"]) for a in body["data"]] == [
         (1, "evicted", True, "evicted", 429), (2, "success", False, None, 200)]

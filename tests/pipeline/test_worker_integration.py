@@ -56,19 +56,20 @@ class Stack:
         self.procs.close()
         self.engine.dispose()
 
-    def batch(self, n: int, body: dict | None = None, expires_in: float = 3600.0, enqueue: bool = True):
+    def batch(self, n: int, body: dict | None = None, expires_in: float = 3600.0, enqueue: bool = True,
+              url: str = "/v1/chat/completions"):
         body_text = json.dumps(body or CHAT)
         with transaction(self.db) as s:
             t = Tenant(name=f"tenant-{time.time_ns()}")
             s.add(t)
             s.flush()
-            b = Batch(tenant_id=t.id, endpoint="/v1/chat/completions", input_file_id="file-x",
+            b = Batch(tenant_id=t.id, endpoint=url, input_file_id="file-x",
                       completion_window="24h", window_seconds=86400, status="in_progress", total=n,
                       in_progress_at=int(time.time()), expires_at=int(time.time() + expires_in))
             s.add(b)
             s.flush()
             rows = [RequestRow(batch_id=b.id, tenant_id=t.id, line=i + 1, custom_id=f"req-{i}",
-                               url="/v1/chat/completions", body=body_text, status="queued") for i in range(n)]
+                               url=url, body=body_text, status="queued") for i in range(n)]
             s.add_all(rows)
             s.flush()
             batch_id, tenant_id, row_ids = b.id, t.id, [r.id for r in rows]
@@ -138,6 +139,8 @@ class ScriptedGateway:
     200 becomes an OpenAI chat completion with usage. Every request is recorded with its headers.
     """
 
+    paths = ("/v1/chat/completions",)
+
     def __init__(self, script):
         self.script = script
         self.calls: dict[str, list[dict]] = defaultdict(list)
@@ -152,7 +155,8 @@ class ScriptedGateway:
     def _run(self):
         asyncio.set_event_loop(self._loop)
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._handle)
+        for path in self.paths:
+            app.router.add_post(path, self._handle)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
@@ -276,7 +280,10 @@ def test_eviction_parks_the_row_honours_retry_after_and_then_succeeds(stack, scr
             assert h["x-llm-d-inference-fairness-id"] == tenant_id
             assert h["authorization"] == "Bearer gw-secret"
             assert abs(int(h["x-holdback-deadline"]) - rows[0].created_at - 3600) < 60
-            assert json.loads(call["body"]) == CHAT
+            # A resumable chat request is asked for streamed, and says it can resume.
+            assert json.loads(call["body"]) == {**CHAT, "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True}}
+            assert h["x-holdback-resumable"] == "1"
     poll(lambda: metric(proc.metrics_url, "holdback_worker_evictions_total") == 3, 20, "three evictions counted")
     assert metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 3
 

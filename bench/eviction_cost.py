@@ -1,0 +1,244 @@
+"""What an eviction costs: newest-first victims that restart (today) against cost-ranked victims that resume,
+with prefix caching off and on, at the study's operating point (50% batch reserve), in one run.
+
+Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` repeats the set):
+  holdback_off / holdback_on      holdback alone (eviction off), prefix caching off / on: the baseline
+  newest_restart_off / _on        eviction, `newest-first` victims, workers restart evicted requests
+  cost_resume_off / _on           eviction, `cost-ranked` victims, workers resume from partial output
+Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
+recomputed per eviction (the workers' per-attempt record: earlier work an attempt computed again), tokens
+kept, the simulator's computed-then-aborted tokens, and realtime p95 TTFT with a 95% order-statistic
+interval. Ratios are taken within a round and reported as the median over rounds. `--report DIR` recomputes
+everything from the raw records a run left in DIR/raw (also after an interrupted run).
+
+The victim policy is chosen with the gateway's `eviction.policy`; a gateway without that key runs every
+eviction arm with its built-in newest-first order, and the report says so (`policy applied: no`).
+
+    python -m bench.eviction_cost --rounds 1 --window 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from bench.report import figures, percentile
+from bench.stack import Stack
+from bench.study import QUICK, Scenario, Workload, run_one, with_overrides
+from gateway.config import Eviction
+
+CACHE = ("--enable-prefix-caching",)
+RESERVE_CEILING = 0.5
+ARMS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("holdback_off", "Holdback alone, prefix cache off", batch_ceiling=RESERVE_CEILING),
+    Scenario("holdback_on", "Holdback alone, prefix cache on", batch_ceiling=RESERVE_CEILING, sim_extra=CACHE),
+    Scenario("newest_restart_off", "Newest-first + restart, cache off", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",)),
+    Scenario("newest_restart_on", "Newest-first + restart, cache on", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",), sim_extra=CACHE),
+    Scenario("cost_resume_off", "Cost-ranked + resume, cache off", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="cost-ranked"),
+    Scenario("cost_resume_on", "Cost-ranked + resume, cache on", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="cost-ranked", sim_extra=CACHE),
+)}
+GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
+GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
+
+
+def gateway_takes_policy() -> bool:
+    """Whether this tree's gateway config has `eviction.policy` (the victim-policy registry)."""
+    return "policy" in Eviction.model_fields
+
+
+def attempt_tokens(stack: Stack, rows: list[dict]) -> dict:
+    """Sum the per-attempt resume figures over every request that was evicted at least once."""
+    headers = {"Authorization": f"Bearer {stack.admin_key}"}
+    out = {"evicted_attempts": 0, "tokens_recomputed": 0, "tokens_kept": 0, "resumed_attempts": 0}
+    with httpx.Client(timeout=30) as client:
+        for row in rows:
+            if not row.get("evictions"):
+                continue
+            for a in client.get(f"{stack.api_url}/admin/requests/{row['id']}/attempts", headers=headers).json()["data"]:
+                out["evicted_attempts"] += a["outcome"] == "evicted"
+                out["tokens_recomputed"] += a.get("tokens_recomputed", 0)
+                out["tokens_kept"] += a.get("tokens_kept", 0)
+                out["resumed_attempts"] += a.get("tokens_kept", 0) > 0
+    return out
+
+
+def quantile_interval(values: list[float], q: float, z: float = 1.96) -> tuple[float | None, float | None]:
+    """Distribution-free interval for the q-quantile: order statistics around rank n·q (normal approximation)."""
+    n = len(values)
+    if n < 20:
+        return None, None
+    ordered = sorted(values)
+    half = z * math.sqrt(n * q * (1 - q))
+    lo, hi = max(0, math.floor(n * q - half) - 1), min(n - 1, math.ceil(n * q + half) - 1)
+    return ordered[lo], ordered[hi]
+
+
+@dataclass(frozen=True)
+class ArmFigures:
+    arm: str
+    policy_applied: bool
+    batch_completions: int | None
+    evictions: int
+    tokens_recomputed: int
+    tokens_kept: int
+    recomputed_per_eviction: float | None
+    aborted_computed_tokens: int
+    p95_ttft_ms: float | None
+    p95_ttft_lo_ms: float | None
+    p95_ttft_hi_ms: float | None
+
+
+def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
+    f = figures(record)
+    got = record.get("collected") or {}
+    ttfts = [r["ttft_s"] * 1000 for r in record.get("realtime", []) if r["status"] == 200 and r["ttft_s"] is not None]
+    lo, hi = quantile_interval(ttfts, 0.95)
+    evictions = got.get("evicted_attempts", 0)
+    recomputed = got.get("tokens_recomputed", 0)
+    return ArmFigures(
+        arm=record["scenario"]["name"], policy_applied=policy_applied, batch_completions=f.get("batch_completions"),
+        evictions=evictions, tokens_recomputed=recomputed, tokens_kept=got.get("tokens_kept", 0),
+        recomputed_per_eviction=recomputed / evictions if evictions else None,
+        aborted_computed_tokens=f.get("recomputed_tokens", 0), p95_ttft_ms=percentile(ttfts, 0.95),
+        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
+    def per_eviction(name: str) -> float | None:
+        return arms[name].recomputed_per_eviction if name in arms else None
+
+    def completions(name: str) -> float | None:
+        return arms[name].batch_completions if name in arms else None
+
+    return {
+        "recompute_restart_off_vs_resume_on": _ratio(per_eviction("newest_restart_off"), per_eviction("cost_resume_on")),
+        "recompute_restart_on_vs_resume_on": _ratio(per_eviction("newest_restart_on"), per_eviction("cost_resume_on")),
+        "recompute_restart_off_vs_resume_off": _ratio(per_eviction("newest_restart_off"),
+                                                      per_eviction("cost_resume_off")),
+        "completions_resume_on_vs_holdback_on": _ratio(completions("cost_resume_on"), completions("holdback_on")),
+        "completions_resume_off_vs_holdback_off": _ratio(completions("cost_resume_off"), completions("holdback_off")),
+        "completions_restart_off_vs_holdback_off": _ratio(completions("newest_restart_off"),
+                                                          completions("holdback_off")),
+    }
+
+
+def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> str:
+    """p95 TTFT of `candidate` no worse than `baseline`: decided only when the intervals do not overlap."""
+    a, b = arms.get(candidate), arms.get(baseline)
+    if a is None or b is None or None in (a.p95_ttft_lo_ms, a.p95_ttft_hi_ms, b.p95_ttft_lo_ms, b.p95_ttft_hi_ms):
+        return "undecided (too few requests)"
+    if a.p95_ttft_hi_ms <= b.p95_ttft_lo_ms:
+        return "met (better, intervals apart)"
+    if a.p95_ttft_lo_ms > b.p95_ttft_hi_ms:
+        return "not met (worse, intervals apart)"
+    return "undecided (intervals overlap)"
+
+
+def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    takes_policy = gateway_takes_policy()
+    for r in range(rounds):
+        for name in arm_names:
+            scenario = ARMS[name]
+            if not takes_policy:
+                scenario = replace(scenario, eviction_policy=None)
+            print(f"round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+            run_one(scenario, w, r, seed + r, out_dir, collect=attempt_tokens)
+    return summarize(out_dir, {"workload": asdict(w), "seed": seed, "policy_selectable": takes_policy})
+
+
+def summarize(out_dir: Path, meta: dict | None = None) -> dict:
+    """Figures of every raw record under `out_dir/raw` (a run's arms, or what an interrupted run left)."""
+    by_round: dict[int, dict[str, ArmFigures]] = {}
+    for path in sorted((out_dir / "raw").glob("*.json")):
+        record = json.loads(path.read_text())
+        scenario = record["scenario"]
+        if scenario["name"] not in ARMS:
+            continue
+        applied = scenario.get("eviction_policy") is not None or not scenario["eviction"]
+        by_round.setdefault(record["repeat"], {})[scenario["name"]] = arm_figures(record, applied)
+    results = [{"arms": {k: asdict(v) for k, v in arms.items()}, "ratios": round_ratios(arms),
+                "ttft_cost_resume_on_vs_newest_restart_off": ttft_verdict(arms, "cost_resume_on",
+                                                                          "newest_restart_off")}
+               for _, arms in sorted(by_round.items())]
+    medians = {}
+    for key in (results[0]["ratios"] if results else {}):
+        values = [x["ratios"][key] for x in results if x["ratios"][key] is not None]
+        medians[key] = statistics.median(values) if values else None
+    # Only eviction arms say whether the policy took: holdback-alone arms never name one.
+    flags = [a["policy_applied"] for x in results for name, a in x["arms"].items() if ARMS[name].eviction]
+    applied = all(flags) if flags else None
+    summary = {**(meta or {}), "rounds": len(results), "policy_selectable": applied, "median_ratios": medians,
+               "results": results, "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
+                                             "completions_ratio": GOAL_COMPLETIONS_RATIO}}
+    (out_dir / "eviction_cost.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def render(summary: dict) -> str:
+    selectable = {True: "yes", False: "no (newest-first in every arm)", None: "n/a (no eviction arm)"}
+    lines = [f"policy selectable by config: {selectable[summary['policy_selectable']]}",
+             "", "| arm | round | completions | evictions | recomputed/eviction | kept | aborted-computed | "
+             "p95 TTFT ms [95% interval] |", "|---|---|---|---|---|---|---|---|"]
+    for i, res in enumerate(summary["results"]):
+        for a in res["arms"].values():
+            per = "—" if a["recomputed_per_eviction"] is None else f"{a['recomputed_per_eviction']:.1f}"
+            ttft = "—" if a["p95_ttft_ms"] is None else f"{a['p95_ttft_ms']:.0f}"
+            interval = "" if a["p95_ttft_lo_ms"] is None else f" [{a['p95_ttft_lo_ms']:.0f}, {a['p95_ttft_hi_ms']:.0f}]"
+            lines.append(f"| {a['arm']} | {i + 1} | {a['batch_completions']} | {a['evictions']} | {per} | "
+                         f"{a['tokens_kept']} | {a['aborted_computed_tokens']} | {ttft}{interval} |")
+    lines.append("")
+    for key, value in summary["median_ratios"].items():
+        lines.append(f"- {key}: {'—' if value is None else f'{value:.2f}×'}")
+    for i, res in enumerate(summary["results"]):
+        lines.append(f"- round {i + 1} realtime p95 TTFT, cost-ranked resume (cache on) vs newest-first restart: "
+                     f"{res['ttft_cost_resume_on_vs_newest_restart_off']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.eviction_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    p.add_argument("--rounds", type=int, default=1, help="repeats of the whole set (default %(default)s)")
+    p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")
+    p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")
+    p.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default results/eviction-cost-<time>)")
+    p.add_argument("--report", type=Path, metavar="DIR", help="only recompute the figures from DIR/raw/*.json")
+    args = p.parse_args(argv)
+    if args.report is not None:
+        if not (args.report / "raw").is_dir():
+            p.error(f"{args.report} has no raw/ folder: pass a folder written by this bench")
+        print(render(summarize(args.report)))
+        return 0
+    names = [n.strip() for n in args.arms.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    w = with_overrides(QUICK, window_s=args.window, lead_s=args.lead)
+    out = args.out or Path("results") / f"eviction-cost-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(render(run(names, w, args.rounds, args.seed, out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

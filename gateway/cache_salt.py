@@ -1,0 +1,42 @@
+"""Prefix-cache scope: the `cache_salt` the gateway puts on every generation request.
+
+vLLM shares prefix-cache blocks only between requests with the same `cache_salt`. A private caller's salt is
+derived from its tenant and the key's permission version (bump it to drop every cached prefix of the tenant
+at once), and always replaces whatever salt the caller sent, so no caller can name another tenant's scope.
+A key marked `sharePublicPrompts: true` gets no salt: its prompts share blocks with every other public
+caller; a salt it sends itself is kept under a `public:` prefix, which no private salt ever has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+# Only these bodies reach vLLM's prefix cache; embeddings and everything else pass untouched.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+PUBLIC_PREFIX = "public:"
+
+
+def private_salt(tenant: str, permission_version: int) -> str:
+    digest = hashlib.sha256(f"{tenant}\x00{permission_version}".encode()).hexdigest()[:32]
+    return f"tenant:{digest}"
+
+
+def salted_body(body: bytes, path: str, salt: str | None) -> bytes:
+    """The request body with the caller's cache scope applied; `salt=None` means a public caller."""
+    if path not in GENERATION_PATHS:
+        return body
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body  # the replica answers the caller's bad JSON with its own 400
+    if not isinstance(parsed, dict):
+        return body
+    own = parsed.get("cache_salt")
+    if salt is not None:
+        parsed["cache_salt"] = salt
+    elif isinstance(own, str) and own:
+        parsed["cache_salt"] = PUBLIC_PREFIX + own
+    else:
+        return body
+    return json.dumps(parsed, separators=(",", ":")).encode()
