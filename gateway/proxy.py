@@ -227,7 +227,9 @@ class Proxy:
             controller.finish(req, "end", time.monotonic())
             if first:
                 await stream.prepare(request)
-            await stream.write_eof()
+            # The whole answer was relayed and released; a caller that left before the final chunk is no error.
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+                await stream.write_eof()
             return stream
         except asyncio.CancelledError:
             seen = time.monotonic()
