@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from batch_api.auth import ContextDep
 from batch_api.context import ApiContext
 from batch_api.errors import ServiceUnavailable
+from batch_api.openapi import NOT_READY
 
 router = APIRouter(tags=["operations"])
 
@@ -20,7 +21,7 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="The database and Redis answer")
+@router.get("/readyz", summary="The database and Redis answer", responses=NOT_READY)
 async def readyz(context: ContextDep) -> JSONResponse:
     checks = await run_in_threadpool(_check_dependencies, context)
     failing = {name: result for name, result in checks.items() if result != "ok"}
