@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
@@ -34,7 +34,10 @@ async def readyz(context: ContextDep) -> JSONResponse:
     return JSONResponse({**error.envelope(), "checks": checks}, status_code=error.status, headers=error.headers)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get(
+    "/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format."}},
+)
 def metrics(context: ContextDep) -> Response:
     return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
