@@ -19,10 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from batch_api.context import ApiContext, get_context
-from batch_api.errors import BadRequest
+from batch_api.errors import BadRequest, PayloadTooLarge
 
 # Deeper than any request body we accept needs; bounds the walk below and Python's recursive parser.
 MAX_JSON_DEPTH = 32
+# The largest JSON body a route takes (a batch with full metadata) is under 20 KB.
+MAX_JSON_BODY_BYTES = 1 << 20
 NON_STANDARD_CONSTANTS = ("NaN", "Infinity", "-Infinity")
 
 Authenticate = Callable[[Request, ApiContext], object]
@@ -70,7 +72,12 @@ def check_path_and_query(request: Request) -> None:
 
 
 async def check_json_body(request: Request) -> None:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_JSON_BODY_BYTES:
+        raise _too_large()  # refused before a byte of it is read
     raw = await request.body()  # Starlette keeps it; FastAPI reads the same bytes next
+    if len(raw) > MAX_JSON_BODY_BYTES:
+        raise _too_large()
     if not raw:
         return  # FastAPI answers the missing body with the field it needed
     content_type = request.headers.get("content-type")
@@ -147,6 +154,14 @@ def _too_deep(param: str | None) -> BadRequest:
         "Send the documented object.",
         param=param,
         code="invalid_json",
+    )
+
+
+def _too_large() -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"The JSON request body is larger than {MAX_JSON_BODY_BYTES} bytes; no route of this API takes one "
+        "that large. Send the documented object.",
+        code="request_too_large",
     )
 
 

@@ -36,11 +36,13 @@ UNAUTHORIZED = _error("Missing or invalid API key (`Authorization: Bearer <key>`
 SERVER_ERROR = _error("Internal error; the message names the request id to look up in the server's log.")
 NOT_FOUND = _error("No such id (or cursor) for this key.")
 
+TOO_LARGE = _error("The request body is larger than the route accepts.")
 TENANT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: BAD_REQUEST,
     401: UNAUTHORIZED,
     403: _error("The admin key was sent to /v1; /v1 takes tenant keys."),
     404: NOT_FOUND,
+    413: TOO_LARGE,
     500: SERVER_ERROR,
 }
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,11 +50,12 @@ ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
     401: UNAUTHORIZED,
     403: _error("A tenant key was sent to an operator route, or no admin key is configured."),
     404: NOT_FOUND,
+    413: TOO_LARGE,
     500: SERVER_ERROR,
     503: _error("Redis is unreachable; retry after the seconds in `Retry-After`."),
 }
 UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
-    413: _error("The file is larger than the server accepts for its purpose."),
+    413: _error("The file is larger than the server accepts for its purpose (or the upload's total size is)."),
 }
 NOT_READY = {503: _error("The database or Redis does not answer; `checks` says which.")}
 

@@ -11,6 +11,7 @@ import io
 import httpx
 import pytest
 
+from tests.api.test_admin_dashboard import signed_in
 from tests.api.test_errors import LINE, assert_error, multipart
 from tests.support import free_port
 
@@ -57,6 +58,14 @@ def test_a_nul_byte_in_operator_routes_is_a_400(api):
         assert_error(http.post("/admin/keys", json={"tenant": "ac\x00me"}), 400, "NUL", param="tenant")
 
 
+def test_a_nul_byte_in_dashboard_ids_and_filters_is_a_400(api):
+    client, _ = signed_in(api)
+    for path, params, param in [("/dashboard/batches/batch_%00", {}, "batch_id"),
+                                ("/dashboard", {"after": "batch_\x00"}, "after"),
+                                ("/dashboard/fragments/requests/r%00/attempts", {}, "row_id")]:
+        assert_error(client.get(path, params=params), 400, "NUL", param=param)
+
+
 def test_a_nul_byte_in_a_batch_body_is_a_400(tenant):
     api, key, file_id, _ = tenant
     body = {"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}
@@ -93,6 +102,9 @@ def test_queue_and_worker_routes_answer_503_while_redis_is_down(start_api):
         err = assert_error(r, 503, "Redis", "retry")
         assert err["code"] == "redis_unavailable" and err["type"] == "server_error"
         assert r.headers["retry-after"].isdigit()
+    # Dashboard sessions and the sign-in count live in Redis too: sign-in says so rather than failing.
+    r = httpx.post(api.url + "/dashboard/login", data={"admin_key": api.settings.admin_key}, timeout=30)
+    assert_error(r, 503, "Redis")
 
 
 # ---- authentication first, then the body ---------------------------------------------------------------------
@@ -136,6 +148,15 @@ def test_a_deeply_nested_body_is_a_400(tenant):
             assert err["code"] == "invalid_json"
             if depth == 40:
                 assert err["param"].startswith("metadata.0.0"), err
+
+
+def test_an_oversized_json_body_is_a_413(tenant):
+    api, key, _, _ = tenant
+    body = b'{"input_file_id": "' + b"x" * (2 << 20) + b'"}'
+    with api.http(key) as http:
+        r = http.post("/v1/batches", content=body, headers={"content-type": "application/json"})
+    err = assert_error(r, 413, "larger than")
+    assert err["code"] == "request_too_large"
 
 
 # ---- 405 -------------------------------------------------------------------------------------------------------
