@@ -1,9 +1,9 @@
 """Every error the API returns, in the OpenAI envelope `{"error": {message, type, param, code}}`.
 
-Routes raise `ApiError` (or a subclass); the handlers installed by `install_error_handlers` turn
-it, FastAPI's validation errors, Starlette's 404/405 (with an `Allow` naming every method of the path),
-an unreachable Redis (503) and any unexpected exception into that
-envelope. 409 is never used: the OpenAI SDK retries it, and our conflicts are permanent.
+Routes raise `ApiError` (or a subclass); the handlers installed by `install_error_handlers` turn it,
+FastAPI's validation errors, Starlette's 404/405 (with an `Allow` naming every method of the path), an
+unreachable Redis (503) and any unexpected exception into that envelope. 409 is never used: the OpenAI
+SDK retries it, and our conflicts are permanent.
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Annotated
 from urllib.parse import quote
 
+import redis
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-
-import redis
 
 from batch_api.auth import ContextDep
 from batch_api.context import ApiContext
