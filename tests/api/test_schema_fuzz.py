@@ -3,6 +3,7 @@ backends; `make test`'s second pass is PostgreSQL, where a NUL byte used to beco
 
 Valid and invalid requests alike must get no 5xx, only the statuses the document lists, and every error in
 the OpenAI envelope. The run is bounded by Hypothesis's example count per operation (see FUZZ_SETTINGS).
+A NUL in every id, cursor and filter of every operation is swept on top: random strings seldom hold one.
 """
 
 from __future__ import annotations
@@ -72,3 +73,35 @@ def test_every_operation_answers_as_its_schema_says(api, fuzz_keys, mode):  # no
 
         answers()
     print(f"{mode}: fuzzed {len(operations) - len(skipped)} of {len(operations)} operations; skipped {skipped}")
+
+
+def _free_text(parameter) -> bool:  # noqa: ANN001 - schemathesis's OpenAPI parameter
+    """A string parameter with no enum: an id, a cursor or a filter, where a NUL could reach the database."""
+    schema = parameter.definition.get("schema", {})
+    options = schema.get("anyOf", [schema])
+    return any(option.get("type") == "string" and "enum" not in option and "pattern" not in option
+               for option in options)
+
+
+def test_a_nul_in_every_free_text_parameter_is_a_400(api, fuzz_keys):  # noqa: ANN001
+    # Random strings rarely hold a NUL, so every operation is also sent one in each id, cursor and filter.
+    schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", config=FUZZ_CONFIG)
+    swept = []
+    for operation in (result.ok() for result in schema.get_all_operations()):
+        key = next((k for prefix, k in fuzz_keys.items() if operation.path.startswith(prefix)), None)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        targets = [(p.location, p.name) for p in [*operation.path_parameters, *operation.query] if _free_text(p)]
+        for location, name in targets:
+            fixed = {"path_parameters" if location.value == "path" else "query": {name: "x\x00y"}}
+
+            @settings(FUZZ_SETTINGS, max_examples=3)
+            @given(case=operation.as_strategy(GenerationMode.POSITIVE, **fixed))
+            def refused(case: schemathesis.Case) -> None:
+                response = case.call_and_validate(base_url=api.url, headers=headers, timeout=30)
+                assert response.status_code == 400, (operation.label, name, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "invalid_characters" and error["param"] == name, error
+
+            refused()
+            swept.append(f"{operation.label} {name}")
+    assert len(swept) >= 15, swept
