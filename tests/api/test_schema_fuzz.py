@@ -28,6 +28,11 @@ FUZZ_SETTINGS = settings(
 )
 
 
+def _auth(keys: dict[str, str], path: str) -> dict[str, str]:
+    key = next((k for prefix, k in keys.items() if path.startswith(prefix)), None)
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 # Every built-in check but one: a schema-valid request may still be refused for what a schema cannot say
 # (a batch file must be named *.jsonl and hold JSONL; a batch needs a file of purpose=batch).
 FUZZ_CONFIG = schemathesis.Config.from_dict({"checks": {"positive_data_acceptance": {"enabled": False}}})
@@ -57,8 +62,7 @@ def test_every_operation_answers_as_its_schema_says(api, fuzz_keys, mode):  # no
             # would report Unsatisfiable). Positive mode still sends them arbitrary strings.
             skipped.append(operation.label)
             continue
-        key = next((k for prefix, k in fuzz_keys.items() if operation.path.startswith(prefix)), None)
-        headers = {"authorization": f"Bearer {key}"} if key else {}
+        headers = _auth(fuzz_keys, operation.path)
 
         @FUZZ_SETTINGS
         @given(case=operation.as_strategy(mode))
@@ -88,8 +92,7 @@ def test_a_nul_in_every_free_text_parameter_is_a_400(api, fuzz_keys):  # noqa: A
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", config=FUZZ_CONFIG)
     swept = []
     for operation in (result.ok() for result in schema.get_all_operations()):
-        key = next((k for prefix, k in fuzz_keys.items() if operation.path.startswith(prefix)), None)
-        headers = {"authorization": f"Bearer {key}"} if key else {}
+        headers = _auth(fuzz_keys, operation.path)
         targets = [(p.location, p.name) for p in [*operation.path_parameters, *operation.query] if _free_text(p)]
         for location, name in targets:
             fixed = {"path_parameters" if location.value == "path" else "query": {name: "x\x00y"}}
