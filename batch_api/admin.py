@@ -41,9 +41,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batch_api import batches, files
-from batch_api.auth import AdminDep, ContextDep, CurrentTenant, SessionDep
-from batch_api.errors import NotFound, ServiceUnavailable
+from batch_api.auth import AdminDep, AdminRoute, ContextDep, CurrentTenant, SessionDep
+from batch_api.errors import NotFound
 from holdback.logs import log_event
+from batch_api.openapi import ADMIN_ERRORS
 from batch_api.schemas import AdminBatch, AdminBatchList, CreatedKey, KeyCreate, batch_to_api, list_page
 from batch_api.tenant_scope import list_batches
 from holdback.broker import is_paused, requests_queue_name, set_paused
@@ -59,7 +60,7 @@ from holdback.models import (
 )
 from holdback.tenancy import create_key, get_or_create_tenant
 
-router = APIRouter(tags=["admin"], dependencies=[AdminDep])
+router = APIRouter(tags=["admin"], dependencies=[AdminDep], route_class=AdminRoute, responses=ADMIN_ERRORS)
 log = logging.getLogger("batch_api.admin")
 
 # Rows whose job belongs in RQ: a failed job of such a row is requeued by retry-failed.
@@ -492,9 +493,7 @@ def workers(connection: redis.Redis, queues: list[str]) -> list[dict]:
 
 
 def queue_redis(context) -> redis.Redis:  # noqa: ANN001 - ApiContext
-    if context.redis is None:
-        raise ServiceUnavailable("Redis is not connected yet; retry in a moment.")
-    return context.redis
+    return context.require_redis()
 
 
 def _int(value: str | None) -> int | None:

@@ -13,6 +13,7 @@ from typing import Annotated, Iterator
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from batch_api.boundary import guarded_route
 from batch_api.context import ApiContext, get_context
 from batch_api.errors import Forbidden, Unauthorized
 from holdback.tenancy import tenant_for_key
@@ -54,6 +55,10 @@ def is_admin_key(context: ApiContext, key: str) -> bool:
 
 
 def current_tenant(request: Request, context: ContextDep) -> CurrentTenant:
+    # The route class (batch_api.boundary) authenticates before the body is read; the dependency reuses that.
+    known = getattr(request.state, "tenant", None)
+    if known is not None:
+        return known
     key = bearer_key(request)
     if is_admin_key(context, key):
         raise Forbidden(
@@ -68,6 +73,7 @@ def current_tenant(request: Request, context: ContextDep) -> CurrentTenant:
     if identity is None:
         raise Unauthorized("Invalid API key: check the key you send as 'Authorization: Bearer <key>'.")
     request.state.tenant_id = identity.id
+    request.state.tenant = identity
     return identity
 
 
@@ -75,6 +81,8 @@ TenantDep = Annotated[CurrentTenant, Depends(current_tenant)]
 
 
 def require_admin(request: Request, context: ContextDep) -> None:
+    if getattr(request.state, "admin", False):
+        return
     if not context.settings.admin_key:
         raise Forbidden(
             "Operator routes are disabled because no admin key is configured; "
@@ -83,6 +91,7 @@ def require_admin(request: Request, context: ContextDep) -> None:
         )
     key = bearer_key(request)
     if is_admin_key(context, key):
+        request.state.admin = True
         return
     with context.sessions() as session:
         is_tenant_key = tenant_for_key(session, key) is not None
@@ -95,3 +104,8 @@ def require_admin(request: Request, context: ContextDep) -> None:
 
 
 AdminDep = Depends(require_admin)
+
+
+# Route classes that authenticate before FastAPI reads the body (see batch_api.boundary).
+TenantRoute = guarded_route(current_tenant)
+AdminRoute = guarded_route(require_admin)

@@ -12,14 +12,15 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sqlalchemy import update
 
-from batch_api.auth import SessionDep, TenantDep
+from batch_api.auth import SessionDep, TenantDep, TenantRoute
 from batch_api.errors import BadRequest
 from holdback.logs import log_event
+from batch_api.openapi import TENANT_ERRORS
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
 from batch_api.tenant_scope import get_batch, get_file, list_batches
 from holdback.models import Batch, BatchStatus, now
 
-router = APIRouter(tags=["batches"])
+router = APIRouter(tags=["batches"], route_class=TenantRoute, responses=TENANT_ERRORS)
 log = logging.getLogger("batch_api.batches")
 
 CANCELLABLE = (BatchStatus.validating.value, BatchStatus.in_progress.value)

@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import HTTPConnection
 
+from batch_api.errors import ServiceUnavailable
 from batch_api.observability import ApiMetrics
 from holdback.settings import Settings
 from holdback.storage import FileStore
@@ -27,6 +28,11 @@ class ApiContext:
     metrics: ApiMetrics
     # Connected at start-up (it may start the embedded Redis), closed at shutdown.
     redis: redis.Redis | None = None
+
+    def require_redis(self) -> redis.Redis:
+        if self.redis is None:
+            raise ServiceUnavailable("Redis is not connected yet; retry in a moment.", headers={"retry-after": "1"})
+        return self.redis
 
 
 def get_context(connection: HTTPConnection) -> ApiContext:

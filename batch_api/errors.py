@@ -1,8 +1,9 @@
 """Every error the API returns, in the OpenAI envelope `{"error": {message, type, param, code}}`.
 
-Routes raise `ApiError` (or a subclass); the handlers installed by `install_error_handlers` turn
-it, FastAPI's validation errors, Starlette's 404/405 and any unexpected exception into that
-envelope. 409 is never used: the OpenAI SDK retries it, and our conflicts are permanent.
+Routes raise `ApiError` (or a subclass); the handlers installed by `install_error_handlers` turn it,
+FastAPI's validation errors, Starlette's 404/405 (with an `Allow` naming every method of the path), an
+unreachable Redis (503) and any unexpected exception into that envelope. 409 is never used: the OpenAI
+SDK retries it, and our conflicts are permanent.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("batch_api.errors")
+
+REDIS_RETRY_AFTER_S = 5
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 class ApiError(Exception):
@@ -138,16 +145,44 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
         )
         code = "not_found"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow") or ""
+        allowed = allowed_methods(request)
         message = f"Method {request.method} is not allowed on {request.url.path}." + (
             f" Use one of: {allowed}." if allowed else ""
         )
         code = "method_not_allowed"
+        headers = {**(exc.headers or {}), "allow": allowed}
+        headers.pop("Allow", None)
+        return JSONResponse(envelope(message, "invalid_request_error", None, code), status_code=405, headers=headers)
     else:
         message = str(exc.detail)
-        code = None
+        code = "invalid_body" if exc.status_code == 400 else None
     type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
     return JSONResponse(envelope(message, type_, None, code), status_code=exc.status_code, headers=exc.headers)
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path: the router answers 405 with the first route's alone.
+
+    Each method is tried against the routing table, so routes inside included routers count too."""
+    allowed = []
+    for method in HTTP_METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
+async def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
+    log.warning(
+        "request.redis_unreachable",
+        extra={"fields": {"method": request.method, "path": request.url.path, "error": repr(exc)}},
+    )
+    return ServiceUnavailable(
+        "Redis, which holds the dispatch queues, is unreachable; retry in a few seconds. "
+        "Operators: GET /readyz names the failing dependency; check REDIS_URL and the Redis server.",
+        code="redis_unavailable",
+        headers={"retry-after": str(REDIS_RETRY_AFTER_S)},
+    ).response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -175,4 +210,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(RedisConnectionError, _on_redis_down)
+    app.add_exception_handler(RedisTimeoutError, _on_redis_down)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from batch_api.auth import ContextDep, SessionDep, TenantDep
-from batch_api.errors import Conflict, ServerError
+from batch_api.auth import ContextDep, SessionDep, TenantDep, TenantRoute
+from batch_api.errors import BadRequest, ServerError
 from holdback.logs import log_event
+from batch_api.openapi import TENANT_ERRORS, UPLOAD_BODY, UPLOAD_ERRORS
 from batch_api.schemas import FileDeleted, FileList, FileObject, file_to_api, list_page
 from batch_api.tenant_scope import get_file, list_files
 from batch_api.uploads import UploadLimits, receive_upload, record_upload
@@ -19,11 +20,14 @@ from holdback.models import File, new_id, now
 from holdback.retention import FileInUse, check_deletable
 from holdback.storage import CHUNK
 
-router = APIRouter(tags=["files"])
+router = APIRouter(tags=["files"], route_class=TenantRoute, responses=TENANT_ERRORS)
 log = logging.getLogger("batch_api.files")
 
 
-@router.post("/v1/files", response_model=FileObject, summary="Upload a file (multipart: purpose, file)")
+@router.post(
+    "/v1/files", response_model=FileObject, summary="Upload a file (multipart: purpose, file)",
+    responses=UPLOAD_ERRORS, openapi_extra=UPLOAD_BODY,
+)
 async def upload_file(request: Request, tenant: TenantDep, context: ContextDep, session: SessionDep) -> dict:
     file_id = new_id("file-")
     upload = await receive_upload(request, context.store, UploadLimits.from_settings(context.settings), file_id)
@@ -82,7 +86,8 @@ def delete_file(file_id: str, tenant: TenantDep, context: ContextDep, session: S
     try:
         check_deletable(session, file.id)
     except FileInUse as exc:
-        raise Conflict(str(exc), param="file_id", code="file_in_use") from None
+        # 400, not 409: the SDK retries 409 at once, and the batch may hold the file for hours.
+        raise BadRequest(str(exc), param="file_id", code="file_in_use") from None
     file.deleted_at = now()
     session.commit()
     # The row is gone for the API first; the bytes follow (a leftover is harmless, a dangling row is not).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from batch_api.auth import ContextDep
 from batch_api.context import ApiContext
 from batch_api.errors import ServiceUnavailable
+from batch_api.openapi import NOT_READY
 
 router = APIRouter(tags=["operations"])
 
@@ -20,7 +21,7 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="The database and Redis answer")
+@router.get("/readyz", summary="The database and Redis answer", responses=NOT_READY)
 async def readyz(context: ContextDep) -> JSONResponse:
     checks = await run_in_threadpool(_check_dependencies, context)
     failing = {name: result for name, result in checks.items() if result != "ok"}
@@ -33,7 +34,10 @@ async def readyz(context: ContextDep) -> JSONResponse:
     return JSONResponse({**error.envelope(), "checks": checks}, status_code=error.status, headers=error.headers)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get(
+    "/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format."}},
+)
 def metrics(context: ContextDep) -> Response:
     return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

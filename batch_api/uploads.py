@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from batch_api.boundary import reject_nul
 from batch_api.errors import ApiError, BadRequest, PayloadTooLarge
 from batch_api.schemas import EXPIRES_AFTER_MAX, EXPIRES_AFTER_MIN, UPLOAD_PURPOSES
 from holdback.models import File
@@ -162,6 +163,7 @@ class MultipartUpload:
         filename = raw_name.decode("utf-8", errors="replace").replace("\\", "/").rsplit("/", 1)[-1].strip()
         if not filename or len(filename) > FILENAME_MAX:
             raise BadRequest(f"The filename must have 1 to {FILENAME_MAX} characters.", param="file")
+        reject_nul(filename, "file", "filename of the part")
         self.filename = filename
         purpose = self.fields.get("purpose")
         if purpose is not None:

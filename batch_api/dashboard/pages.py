@@ -27,15 +27,16 @@ from batch_api.dashboard import charts
 from batch_api.dashboard.gateway_view import fetch_gateway
 from batch_api.dashboard.sampler import WINDOW, recent_samples
 from batch_api.dashboard.session import (
-    COOKIE,
     CheckedPost,
     SessionCookie,
     clear_cookie,
-    issue_session,
+    close_session,
+    open_session,
     safe_next,
-    session_valid,
     set_cookie,
+    signed_in,
 )
+from batch_api.dashboard.throttle import LOGIN_ATTEMPTS, LoginThrottle
 from batch_api.errors import ApiError
 from holdback.logs import log_event
 from batch_api.tenant_scope import list_batches
@@ -151,8 +152,7 @@ def flash(request: Request, message: str, *, ok: bool = True, status_code: int =
 @router.get("/login")
 def login_form(request: Request, context: ContextDep, next: str | None = None) -> Response:  # noqa: A002
     admin_key = context.settings.admin_key
-    token = request.cookies.get(COOKIE, "")
-    if admin_key and token and session_valid(admin_key, token):
+    if admin_key and signed_in(request, context):
         return RedirectResponse(safe_next(next), status_code=303)
     return render(request, "login.html", next=safe_next(next), error=None, disabled=not admin_key)
 
@@ -164,20 +164,35 @@ def login(
 ) -> Response:
     if not context.settings.admin_key:
         return render(request, "login.html", next=safe_next(next), error=None, disabled=True, status_code=403)
+    connection, namespace = context.require_redis(), context.settings.redis_namespace
+    client = request.client.host if request.client else "unknown"
+    throttle = LoginThrottle(connection, namespace)
+    wait = throttle.admit(client)
+    if wait:
+        log_event(log, "dashboard.login_throttled", logging.WARNING, client=client, retry_after_s=wait)
+        return render(request, "login.html", next=safe_next(next), disabled=False, status_code=429,
+                      headers={"retry-after": str(wait)},
+                      error=f"Too many failed sign-ins from your address ({LOGIN_ATTEMPTS} a minute); "
+                            f"try again in {wait} s.")
     if not is_admin_key(context, admin_key.strip()):
-        log_event(log, "dashboard.login_failed", logging.WARNING, client=request.client.host if request.client else None)
+        log_event(log, "dashboard.login_failed", logging.WARNING, client=client)
         return render(request, "login.html", next=safe_next(next), disabled=False, status_code=401,
                       error="That is not the admin key. Use the value of HOLDBACK_ADMIN_KEY the API server runs with.")
+    throttle.succeeded(client)
     response = RedirectResponse(safe_next(next), status_code=303)
-    set_cookie(response, issue_session(context.settings.admin_key), secure=request.url.scheme == "https")
-    log_event(log, "dashboard.login", client=request.client.host if request.client else None)
+    token = open_session(connection, namespace, context.settings.admin_key)
+    set_cookie(response, token, secure=request.url.scheme == "https")
+    log_event(log, "dashboard.login", client=client)
     return response
 
 
 @router.post("/logout")
-def logout(request: Request, _session: CheckedPost) -> Response:
+def logout(request: Request, session: CheckedPost, context: ContextDep) -> Response:
+    # Ended on the server: the cookie is worthless even if a copy of it survives the browser's.
+    close_session(context.require_redis(), context.settings.redis_namespace, session.token)
     response = Response(status_code=204, headers={"HX-Redirect": "/dashboard/login"})
     clear_cookie(response, secure=request.url.scheme == "https")
+    log_event(log, "dashboard.logout", client=request.client.host if request.client else None)
     return response
 
 

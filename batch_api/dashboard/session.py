@@ -5,6 +5,10 @@ never the key itself, valid for `SESSION_SECONDS`, and void as soon as the admin
 and SameSite=Strict (Secure over https). Every POST also needs `X-CSRF-Token`, HMAC(admin key,
 "csrf:<cookie>"), which the page hands to htmx through `hx-headers`: a forged cross-site request has
 neither the cookie (SameSite) nor the token.
+
+A signed cookie alone cannot be taken back, so each session is also recorded in Redis (shared by every API
+process of the namespace) under a hash of the cookie, with the admin key's fingerprint and the session's
+lifetime: signing out deletes the record, and a record made under another admin key does not count.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from dataclasses import dataclass
 from typing import Annotated
 from urllib.parse import quote
 
+import redis
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from batch_api.auth import ContextDep
+from batch_api.context import ApiContext
 from batch_api.errors import ApiError
 
 COOKIE = "holdback_dashboard"
@@ -47,6 +53,46 @@ def session_valid(admin_key: str, token: str, now: float | None = None) -> bool:
     if not -60 <= age <= SESSION_SECONDS:
         return False
     return hmac.compare_digest(mac, _mac(admin_key, "session", f"{issued}.{nonce}"))
+
+
+def session_key(namespace: str, token: str) -> str:
+    """Where Redis records a session: a hash of the cookie, so Redis never holds a usable cookie."""
+    return f"{namespace}:dashboard:session:{hashlib.sha256(token.encode()).hexdigest()}"
+
+
+def _fingerprint(admin_key: str) -> str:
+    return _mac(admin_key, "fingerprint", "dashboard-session")
+
+
+def open_session(connection: redis.Redis, namespace: str, admin_key: str) -> str:
+    """A new signed session cookie, recorded in Redis for its lifetime."""
+    token = issue_session(admin_key)
+    connection.set(session_key(namespace, token), _fingerprint(admin_key), ex=SESSION_SECONDS)
+    return token
+
+
+def session_open(connection: redis.Redis, namespace: str, admin_key: str, token: str) -> bool:
+    """The cookie is signed with this admin key, unexpired, and its session was not ended."""
+    if not session_valid(admin_key, token):
+        return False
+    recorded = connection.get(session_key(namespace, token))
+    recorded_text = recorded.decode() if isinstance(recorded, bytes) else recorded
+    return recorded_text is not None and hmac.compare_digest(recorded_text, _fingerprint(admin_key))
+
+
+def close_session(connection: redis.Redis, namespace: str, token: str) -> None:
+    connection.delete(session_key(namespace, token))
+
+
+def signed_in(request: Request, context: ApiContext) -> str | None:
+    """This request's open session cookie, or None."""
+    admin_key = context.settings.admin_key
+    token = request.cookies.get(COOKIE, "")
+    if not admin_key or not token:
+        return None
+    if not session_open(context.require_redis(), context.settings.redis_namespace, admin_key, token):
+        return None
+    return token
 
 
 def csrf_token(admin_key: str, session_token: str) -> str:
@@ -98,11 +144,10 @@ class CsrfRejected(ApiError):
 
 
 def current_session(request: Request, context: ContextDep) -> DashboardSession:
-    admin_key = context.settings.admin_key
-    token = request.cookies.get(COOKIE, "")
-    if not admin_key or not token or not session_valid(admin_key, token):
+    token = signed_in(request, context)
+    if token is None:
         raise LoginRequired(request)
-    return DashboardSession(token, csrf_token(admin_key, token))
+    return DashboardSession(token, csrf_token(context.settings.admin_key, token))
 
 
 SessionCookie = Annotated[DashboardSession, Depends(current_session)]

@@ -47,7 +47,7 @@ def test_uploads_get_openai_default_expiry_and_in_use_inputs_cannot_be_deleted(b
                                       completion_window="24h")
         with server.http(key) as http:
             refused = http.delete(f"/v1/files/{batch_input.id}")
-            assert refused.status_code == 409
+            assert refused.status_code == 400
             error = refused.json()["error"]
             assert error["code"] == "file_in_use" and error["param"] == "file_id" and batch.id in error["message"]
             assert "cancel" in error["message"]
