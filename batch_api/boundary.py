@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from batch_api.context import ApiContext, get_context
 from batch_api.errors import BadRequest, PayloadTooLarge
+from holdback import strict_json
 
 # Deeper than any request body we accept needs; bounds the walk below and Python's recursive parser.
 MAX_JSON_DEPTH = 32
@@ -100,8 +101,8 @@ def parse_json_body(raw: bytes) -> Any:
             code="invalid_encoding",
         ) from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except _NonStandardConstant as exc:
+        value = strict_json.loads(text)
+    except strict_json.NonStandardConstant as exc:
         raise BadRequest(
             f"The request body is not valid JSON: {exc.constant} is not a JSON value (JSON has no NaN or "
             "Infinity); send a finite number, or null.",
@@ -117,16 +118,6 @@ def parse_json_body(raw: bytes) -> Any:
         raise _too_deep(None) from None
     _check_value(value, (), 0)
     return value
-
-
-class _NonStandardConstant(ValueError):
-    def __init__(self, constant: str):
-        super().__init__(constant)
-        self.constant = constant
-
-
-def _reject_constant(constant: str) -> float:
-    raise _NonStandardConstant(constant)
 
 
 def _check_value(value: Any, path: tuple[str, ...], depth: int) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from holdback import strict_json
+
 MAX_ERRORS = 100
 # Column widths in holdback.models: longer values could not be stored.
 MAX_CUSTOM_ID_CHARS = 512
@@ -88,9 +90,14 @@ class InputValidator:
 
     def _check_line(self, line_no: int, raw: bytes) -> ValidRequest | None:
         try:
-            item = json.loads(raw)
+            item = strict_json.loads(raw)
         except RecursionError:
             item = None  # nested too deep to parse: reported below like any over-deep line
+        except strict_json.NonStandardConstant as exc:
+            self._fail("invalid_json_line",
+                       f"This line is not valid JSON: {exc.constant} is not a JSON value (JSON has no NaN or "
+                       "Infinity); write a finite number, or null.", line_no)
+            return None
         except (UnicodeDecodeError, ValueError):
             self._fail("invalid_json_line",
                        "This line is not parseable as valid JSON. Each line must be one complete JSON object "

@@ -28,6 +28,9 @@ POISON = {
     "nul_custom_id": (_line(custom_id="req\\u0000x"), "missing_custom_id", "custom_id"),
     "nul_model": (_line(model="m1\\u0000"), "missing_model", "body.model"),
     "surrogate_custom_id": (_line(custom_id="req\\ud800"), "missing_custom_id", "custom_id"),
+    # Python's json reads these; no replica or output-file reader would.
+    "nan_in_body": (_line(temperature="NaN"), "invalid_json_line", None),
+    "infinity_in_body": (_line(temperature="-Infinity"), "invalid_json_line", None),
 }
 
 
