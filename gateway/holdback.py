@@ -1,17 +1,22 @@
 """Usage-limit policies ("priority holdback"): one ceiling in [0, 1] per priority band.
 
 A band dispatches only while pool saturation is below its ceiling, so lower bands stop earlier as the pool
-fills and the rest stays reserved for higher ones. Ceilings depend only on the band list, so they are
-computed once per config; explicit per-band `ceiling` overrides win over the policy.
+fills and the rest stays reserved for higher ones. `static` and `priority-holdback` ceilings depend only on
+the band list, so they are computed once per config; `adaptive-reserve` (gateway/reserve.py) follows demand
+and the flow controller recomputes them as it observes. Explicit per-band `ceiling` overrides win.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence
 
+from gateway.reserve import AdaptiveReservePolicy, ReserveSettings
+
 
 class HoldbackPolicy(Protocol):
     name: str
+    # True: the controller feeds it band demand (`observe`) and recomputes ceilings when it says they moved.
+    follows_demand: bool
 
     def ceilings(self, priorities: Sequence[int]) -> dict[int, float]: ...
 
@@ -20,6 +25,7 @@ class StaticPolicy:
     """The same threshold for every band (1.0: no holdback)."""
 
     name = "static"
+    follows_demand = False
 
     def __init__(self, threshold: float = 1.0):
         self.threshold = threshold
@@ -37,6 +43,7 @@ class PriorityHoldbackPolicy:
     """
 
     name = "priority-holdback"
+    follows_demand = False
 
     def __init__(self, min_ceiling: float, max_ceiling: float = 1.0, domain: str = "rank"):
         if not 0 <= min_ceiling <= max_ceiling <= 1:
@@ -70,9 +77,11 @@ def band_ceilings(policy: HoldbackPolicy, priorities: Sequence[int],
 
 
 def holdback_policy(name: str, *, min_ceiling: float, max_ceiling: float, domain: str,
-                    threshold: float) -> HoldbackPolicy:
+                    threshold: float, reserve: ReserveSettings | None = None) -> HoldbackPolicy:
     if name == "static":
         return StaticPolicy(threshold)
     if name == "priority-holdback":
         return PriorityHoldbackPolicy(min_ceiling, max_ceiling, domain)
-    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback or static")
+    if name == "adaptive-reserve":
+        return AdaptiveReservePolicy(reserve or ReserveSettings(min_ceiling=min_ceiling, max_ceiling=max_ceiling))
+    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback, static or adaptive-reserve")
