@@ -32,9 +32,8 @@ from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
 from gateway.eviction import BandDemand, Evictor, plain_view
 from gateway.kv_ledger import KvLedger, Reservation
-from gateway.holdback import band_ceilings, holdback_policy
+from gateway.holdback import band_ceilings, configured_policy
 from gateway.log import log_event
-from gateway.reserve import ReserveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.picker import EndpointPicker
 from gateway.replicas import Replica, ReplicaPool
@@ -147,12 +146,7 @@ class FlowController:
                 self.bands[p] = PriorityBand(p, **kwargs)
         self._drop_idle_bands(keep=set(configured))
         self._configured = set(configured)
-        limit, reserve = cfg.usageLimit, cfg.usageLimit.reserve()
-        self._policy = holdback_policy(limit.policy, min_ceiling=limit.minCeiling, max_ceiling=limit.maxCeiling,
-                                       domain=limit.domain, threshold=limit.threshold, reserve=ReserveSettings(
-                                           protected_priority=reserve.protectedPriority, margin=reserve.margin,
-                                           half_life=reserve.halfLifeSeconds, peak_window=reserve.peakWindowSeconds,
-                                           min_ceiling=limit.minCeiling, max_ceiling=limit.maxCeiling))
+        self._policy = configured_policy(cfg.usageLimit)
         self._refresh_ceilings()
         self.pool.health_interval = cfg.health.intervalSeconds
         self.pool.health_timeout = cfg.health.timeoutSeconds
@@ -170,7 +164,7 @@ class FlowController:
     def _follow_demand(self, healthy: list[Replica], now: float) -> None:
         """Feed a demand-following policy the bands' queued + in-flight counts; recompute ceilings if they moved."""
         policy = self._policy
-        if policy.follows_demand and policy.observe(  # type: ignore[attr-defined]
+        if policy.follows_demand and policy.observe(
                 [(b.priority, b.queued + b.in_flight) for b in self.bands_desc],
                 len(healthy) * self.loaded.config.saturation.maxConcurrency, now):
             self._refresh_ceilings()
@@ -644,7 +638,7 @@ class FlowController:
                 for r in self.pool.replicas
             ],
             "holdback": {"policy": self._policy.name,
-                         "forecast": self._policy.state() if self._policy.follows_demand else None,  # type: ignore[attr-defined]
+                         "forecast": self._policy.state(),
                          "ceilings": {str(p): round(c, 6) for p, c in self.ceilings.items()}},
             "eviction": {"enabled": self.eviction_enabled, "pending": len(self.evictor.pending),
                          "candidates": len(self.evictor.candidates)},

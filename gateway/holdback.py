@@ -8,8 +8,9 @@ and the flow controller recomputes them as it observes. Explicit per-band `ceili
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
+from gateway.config import UsageLimit
 from gateway.reserve import AdaptiveReservePolicy, ReserveSettings
 
 
@@ -20,12 +21,27 @@ class HoldbackPolicy(Protocol):
 
     def ceilings(self, priorities: Sequence[int]) -> dict[int, float]: ...
 
+    def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool: ...
 
-class StaticPolicy:
+    def state(self) -> dict | None: ...
+
+
+class _FixedCeilings:
+    """Policies whose ceilings ignore demand: nothing to observe, no forecast to show."""
+
+    follows_demand = False
+
+    def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool:
+        return False
+
+    def state(self) -> dict | None:
+        return None
+
+
+class StaticPolicy(_FixedCeilings):
     """The same threshold for every band (1.0: no holdback)."""
 
     name = "static"
-    follows_demand = False
 
     def __init__(self, threshold: float = 1.0):
         self.threshold = threshold
@@ -34,7 +50,7 @@ class StaticPolicy:
         return {p: self.threshold for p in priorities}
 
 
-class PriorityHoldbackPolicy:
+class PriorityHoldbackPolicy(_FixedCeilings):
     """Linear ceilings from maxCeiling (highest band) down to minCeiling (lowest band).
 
     rank:  c_i = max − i·(max − min)/(N − 1), i = 0 for the highest priority.
@@ -43,7 +59,6 @@ class PriorityHoldbackPolicy:
     """
 
     name = "priority-holdback"
-    follows_demand = False
 
     def __init__(self, min_ceiling: float, max_ceiling: float = 1.0, domain: str = "rank"):
         if not 0 <= min_ceiling <= max_ceiling <= 1:
@@ -85,3 +100,13 @@ def holdback_policy(name: str, *, min_ceiling: float, max_ceiling: float, domain
     if name == "adaptive-reserve":
         return AdaptiveReservePolicy(reserve or ReserveSettings(min_ceiling=min_ceiling, max_ceiling=max_ceiling))
     raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback, static or adaptive-reserve")
+
+
+def configured_policy(limit: UsageLimit) -> HoldbackPolicy:
+    """The policy `usageLimit` names, with its parameters."""
+    r = limit.reserve()
+    return holdback_policy(limit.policy, min_ceiling=limit.minCeiling, max_ceiling=limit.maxCeiling,
+                           domain=limit.domain, threshold=limit.threshold, reserve=ReserveSettings(
+                               protected_priority=r.protectedPriority, margin=r.margin, half_life=r.halfLifeSeconds,
+                               peak_window=r.peakWindowSeconds, min_ceiling=limit.minCeiling,
+                               max_ceiling=limit.maxCeiling))

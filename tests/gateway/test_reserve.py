@@ -113,3 +113,12 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
         assert fc.ceilings[-10] == pytest.approx(0.9)
         assert fc.bands[-10].in_flight == 6 and fc.bands[-10].queued == 0
     asyncio.run(main())
+
+
+def test_fixed_policies_show_their_ceilings_and_no_forecast():
+    async def main():
+        fc, _clock = controller()
+        state = fc.snapshot()["holdback"]
+        assert state == {"policy": "priority-holdback", "forecast": None,
+                         "ceilings": {"100": 1.0, "0": 0.75, "-10": 0.5}}
+    asyncio.run(main())
