@@ -29,6 +29,7 @@ SHORT = {
     "holdback_50_evict": "holdback 50%\n+ eviction", "reserve_25_evict": "reserve 25%\n+ eviction",
     "reserve_75_evict": "reserve 75%\n+ eviction", "reserve_25_noevict": "reserve 25%\neviction off",
     "two_replicas": "two replicas\n50% + evict", "standard_check": "standard\nreclaims",
+    "adaptive_evict": "adaptive\n+ eviction", "batch_alone": "batch\nalone",
 }
 SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict", 75)]
 
@@ -103,12 +104,17 @@ def figures(record: dict) -> dict:
         # A short window makes the burst's aftermath a large share of all requests; this shows how much.
         "p95_ttft_after_burst_ms": percentile([r["ttft_s"] * 1000 for r in ok if r["sent_s"] >= BURST_SETTLE_S], 0.95),
         "realtime_queued_p95_ms": percentile([r["queue_ms"] for r in rt if r.get("queue_ms") is not None], 0.95),
+        "realtime_output_tps": sum(r.get("output_tokens") or 0 for r in ok) / win["window_s"] if win.get("window_s") else None,
     }
     if not record["scenario"]["batch"]:
         return f
     start = win.get("realtime_start", 0.0)
     c0, c1 = _completed_at(samples, start), _completed_at(samples, start + win.get("window_s", 0.0))
     f["batch_completions"] = None if c0 is None or c1 is None else round(c1 - c0)
+    f["batch_output_tps"] = _batch_output_tps(rows, win)
+    ceilings = [x["batch_ceiling"] for x in samples
+                if x.get("batch_ceiling") is not None and start <= x["t"] <= start + win.get("window_s", 0.0)]
+    f["batch_ceiling_mean"] = statistics.fmean(ceilings) if ceilings else None
     evicted_rows = [r for r in rows if r.get("evictions", 0) > 0]
     f["evictions"] = sum(r.get("evictions", 0) for r in rows)
     f["evicted_requests"] = len(evicted_rows)
@@ -131,6 +137,28 @@ def figures(record: dict) -> dict:
     f["release_p99_ms"] = _ms(histogram_quantile(gm, "holdback_gateway_eviction_confirmation_seconds", 0.99))
     f["evicted_all_done"] = record.get("evicted_all_done")
     return f
+
+
+def _batch_output_tps(rows: list[dict], win: dict) -> float | None:
+    """Output tokens/s of batch requests that finished inside the realtime window (None: no wall-clock anchor,
+    which records written before the anchor was added lack)."""
+    start, length = win.get("realtime_start_wall"), win.get("window_s")
+    if start is None or not length:
+        return None
+    tokens = sum(r.get("output_tokens") or 0 for r in rows
+                 if r["status"] == "succeeded" and r.get("finished_at") and start <= r["finished_at"] <= start + length)
+    return tokens / length
+
+
+def harvest(summary: dict[str, dict], name: str) -> float | None:
+    """Batch output tokens/s under mixed load ÷ (pool output tokens/s with batch alone − realtime's alone):
+    the share of the capacity realtime leaves spare that batch actually used."""
+    mixed = (summary.get(name) or {}).get("batch_output_tps")
+    alone = (summary.get("batch_alone") or {}).get("batch_output_tps")
+    rt = (summary.get("realtime_only") or {}).get("realtime_output_tps")
+    if mixed is None or alone is None or rt is None or alone - rt <= 0:
+        return None
+    return mixed / (alone - rt)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -157,6 +185,9 @@ def summarize(run_figures: list[dict]) -> dict[str, dict]:
                 med[f"{k}_sum"] = sum(r.get(k) or 0 for r in runs)
         med["repeats"] = len(runs)
         out[name] = med
+    for name, med in out.items():
+        if name not in ("batch_alone", "realtime_only"):
+            med["harvest"] = harvest(out, name)
     return out
 
 
@@ -285,6 +316,8 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(s(name, 'batch_completions'))} | {_fmt(s(name, 'evictions_sum'))} | "
                      f"{_fmt(s(name, 'evicted_completed_sum'))} of {_fmt(s(name, 'evicted_requests_sum'))} | "
                      f"{_fmt(s(name, 'duplicate_final_results_sum'))} |")
+    lines += ["", "## Adaptive reserve with eviction", ""] + adaptive_section(summary)
+    lines += ["", "## Harvest", ""] + harvest_section(summary)
     lines += ["", "## Every run", "",
               "| run | p95 TTFT ms | batch done | evictions | evicted → completed | dup | recomputed tok | "
               "batch p95 e2e s | release p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
@@ -299,6 +332,69 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Workload", "", "```json", json.dumps(w, indent=2), "```", ""]
     return "\n".join(lines)
+
+
+def _ratio(a, b, digits: int = 2) -> str:  # noqa: ANN001
+    return "—" if a is None or b in (None, 0) else f"{a / b:.{digits}f}"
+
+
+def adaptive_section(summary: dict[str, dict]) -> list[str]:
+    """The adaptive reserve against the fixed reserves measured in the same study, as ratios."""
+    from bench.study import ADAPTIVE_RESERVE, SCENARIOS
+
+    s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
+    if "adaptive_evict" not in summary:
+        return ["Not run in this study (scenario `adaptive_evict`)."]
+    fixed = [n for n, _ in SWEEP if s(n, "batch_completions") is not None]
+    best = max(fixed, key=lambda n: s(n, "batch_completions")) if fixed else None
+    base = s("realtime_only", "p95_ttft_ms")
+    a_done, a_p95 = s("adaptive_evict", "batch_completions"), s("adaptive_evict", "p95_ttft_ms")
+    # Fewer than three repeats leave the spread unmeasured: a verdict says which side this run fell on only.
+    decided = (s("adaptive_evict", "repeats") or 1) >= 3
+    verdict = lambda value, goal, above: _verdict(value, goal, above, decided)  # noqa: E731
+    out = [f"Gateway `usageLimit: {{policy: adaptive-reserve, minCeiling: 0.5, adaptive: {json.dumps(ADAPTIVE_RESERVE)}}}`"
+           ": the batch ceiling is 1 − forecast − margin, never below the 50% reserve's ceiling.", "",
+           "| scenario | p95 TTFT | p95 after the burst (diagnostic) | batch completions | evictions | "
+           "mean batch ceiling in window |", "|---|---|---|---|---|---|"]
+    for name in [n for n in ("realtime_only", *[n for n, _ in SWEEP], "adaptive_evict") if n in summary]:
+        out.append(f"| {SCENARIOS[name].title} | {_fmt(s(name, 'p95_ttft_ms'), suffix=' ms')} | "
+                   f"{_fmt(s(name, 'p95_ttft_after_burst_ms'), suffix=' ms')} | {_fmt(s(name, 'batch_completions'))} | {_fmt(s(name, 'evictions'))} | "
+                   f"{_fmt(s(name, 'batch_ceiling_mean'), 3)} |")
+    out += ["", "| ratio | value | goal | verdict |", "|---|---|---|---|"]
+    if best is not None:
+        r = a_done / s(best, "batch_completions") if a_done is not None and s(best, "batch_completions") else None
+        out.append(f"| batch completions ÷ best fixed reserve measured ({SCENARIOS[best].title}) | {_ratio(a_done, s(best, 'batch_completions'))} "
+                   f"| ≥ 1.25 | {verdict(r, 1.25, True)} |")
+    out.append(f"| realtime p95 TTFT ÷ realtime-only | {_ratio(a_p95, base)} | ≤ 1.05 | "
+               f"{verdict(a_p95 / base if a_p95 is not None and base else None, 1.05, False)} |")
+    if best is not None:
+        out.append(f"| realtime p95 TTFT ÷ {SCENARIOS[best].title} | {_ratio(a_p95, s(best, 'p95_ttft_ms'))} | — | — |")
+    if not decided:
+        out += ["", "Undecided: with fewer than three repeats the run-to-run spread is not measured, and a quick-mode "
+                "p95 over about 280 requests moves by an engine step between reruns."]
+    return out
+
+
+def _verdict(value: float | None, goal: float, above: bool, decided: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value >= goal if above else value <= goal
+    if not decided:
+        return f"undecided (this run {'meets' if met else 'misses'} it)"
+    return "yes" if met else "NO"
+
+
+def harvest_section(summary: dict[str, dict]) -> list[str]:
+    missing = [n for n in ("batch_alone", "realtime_only") if n not in summary]
+    out = ["Harvest = batch output tokens/s under mixed load ÷ (pool output tokens/s with batch alone − realtime "
+           "output tokens/s alone), batch tokens counted for requests that finished inside the window."]
+    if missing:
+        return out + ["", f"Not computed: this study did not run {' and '.join(f'`{n}`' for n in missing)}."]
+    out += ["", "| scenario | batch output tok/s | harvest |", "|---|---|---|"]
+    for name, v in summary.items():
+        if "harvest" in v:
+            out.append(f"| {name} | {_fmt(v.get('batch_output_tps'), 1)} | {_fmt(v.get('harvest'), 2)} |")
+    return out
 
 
 def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> list[str]:

@@ -63,6 +63,9 @@ QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.
 FULL = Workload()
 
 
+ADAPTIVE_RESERVE = {"protectedPriority": 0, "margin": 0.1, "halfLifeSeconds": 5.0, "peakWindowSeconds": 10.0}
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -77,6 +80,11 @@ class Scenario:
     eviction_policy: str | None = None
     sim_extra: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    # The adaptive reserve: batch's ceiling follows realtime demand (gateway usageLimit adaptive-reserve)
+    # instead of the fixed `batch_ceiling`, which is then its floor.
+    adaptive: bool = False
+    # False: no realtime traffic; the window only measures batch alone (the harvest's denominator).
+    realtime: bool = True
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
     # pressure the one-replica runs see and eviction is exercised across replicas.
 
@@ -84,11 +92,19 @@ class Scenario:
         # Explicit ceilings per band: realtime and standard may use the whole pool, batch stops at its ceiling
         # (no holdback: batch may fill the whole request budget too).
         batch_ceiling = 1.0 if self.batch_ceiling is None else self.batch_ceiling
-        bands = [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
-                 {"priority": -10, "ceiling": batch_ceiling, "fairness": "round-robin"}]
+        batch_band = {"priority": -10, "fairness": "round-robin"}
+        if self.adaptive:
+            # The fixed ceiling is the floor. A realtime request lives about a second here, so a 10 s peak window
+            # (the gateway default is 30 s) covers many lifetimes of arrival noise; the margin is the default.
+            usage = {"policy": "adaptive-reserve", "minCeiling": batch_ceiling, "maxCeiling": 1.0,
+                     "adaptive": ADAPTIVE_RESERVE}
+        else:
+            usage = {"policy": "static", "threshold": 1.0}
+            batch_band["ceiling"] = batch_ceiling
+        bands = [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0}, batch_band]
         return {
             "saturation": {"detector": "concurrency", "maxConcurrency": w.max_concurrency, "headroom": 0.0},
-            "usageLimit": {"policy": "static", "threshold": 1.0},
+            "usageLimit": usage,
             "flowControl": {"bands": bands},
             "eviction": {"enabled": self.eviction, "maxPerDecision": 2,
                          **({"policy": self.eviction_policy} if self.eviction_policy else {})},
@@ -97,6 +113,7 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("realtime_only", "Realtime only", batch=False),
+    Scenario("batch_alone", "Batch alone, whole pool", batch_ceiling=None, realtime=False),
     Scenario("no_controls", "Realtime + batch, no controls", batch_ceiling=None),
     Scenario("holdback_50", "Priority holdback (50% reserve)", batch_ceiling=0.5),
     Scenario("holdback_50_evict", "Holdback (50%) + eviction and retry", batch_ceiling=0.5, eviction=True),
@@ -104,6 +121,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("reserve_75_evict", "Reserve 75% + eviction", batch_ceiling=0.25, eviction=True),
     Scenario("reserve_25_noevict", "Reserve 25%, eviction off", batch_ceiling=0.75, eviction=False),
     Scenario("two_replicas", "Holdback (50%) + eviction, two replicas", batch_ceiling=0.5, eviction=True, replicas=2),
+    Scenario("adaptive_evict", "Adaptive reserve + eviction", batch_ceiling=0.5, eviction=True, adaptive=True),
     Scenario("standard_check", "Standard (priority 0) reclaims from batch", batch_ceiling=0.5, eviction=True,
              objective="standard"),
 )}
@@ -138,6 +156,7 @@ class Sampler(threading.Thread):
                                        for x in st.get("bands", [])}
                     sample["evictions"] = _eviction_total(st)
                     sample["saturation"] = st.get("saturation")
+                    sample["batch_ceiling"] = ((st.get("holdback") or {}).get("ceilings") or {}).get("-10")
                 except (httpx.HTTPError, ValueError) as exc:
                     sample["error"] = repr(exc)[:120]
                 self.samples.append(sample)
@@ -225,12 +244,18 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
         time.sleep(w.lead_s if scenario.batch else 1.0)
         t_rt = time.monotonic()
         offsets = schedule(seed, w.burst * scenario.replicas, w.rate * scenario.replicas, w.window_s)
-        realtime = asyncio.run(run_realtime(stack.gateway_url, stack.realtime_key, model, offsets,
-                                            objective=scenario.objective, prompt_words=w.realtime_prompt_words,
-                                            max_tokens=w.realtime_max_tokens, seed=seed))
+        if scenario.realtime:
+            realtime = asyncio.run(run_realtime(stack.gateway_url, stack.realtime_key, model, offsets,
+                                                objective=scenario.objective, prompt_words=w.realtime_prompt_words,
+                                                max_tokens=w.realtime_max_tokens, seed=seed))
+        else:
+            realtime = []
+            time.sleep(w.window_s)
         t_end = time.monotonic()
         record["realtime"] = [r.to_json() for r in realtime]
         record["window"] = {"realtime_start": (t_rt - sampler.t0) if sampler else 0.0,
+                            # Wall clock of the same instant, to place the Batch API's timestamps in the window.
+                            "realtime_start_wall": time.time() - (time.monotonic() - t_rt),
                             "window_s": w.window_s, "traffic_done": (t_end - sampler.t0) if sampler else t_end - t_rt}
         record["evicted_all_done"] = None
         if batch_id:

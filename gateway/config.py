@@ -80,18 +80,36 @@ class Saturation(_Model):
     metricsStalenessSeconds: float = Field(default=2.0, gt=0)
 
 
+class AdaptiveReserve(_Model):
+    """How `adaptive-reserve` forecasts protected demand; its ceilings stay within usageLimit.min/maxCeiling."""
+
+    # Bands at or above this priority are the demand the reserve protects; bands below are limited.
+    protectedPriority: int = 0
+    # Pool share kept free above the forecast.
+    margin: float = Field(default=0.1, ge=0, lt=1)
+    halfLifeSeconds: float = Field(default=10.0, gt=0)
+    peakWindowSeconds: float = Field(default=30.0, ge=0)
+
+
 class UsageLimit(_Model):
-    policy: Literal["priority-holdback", "static"] = "priority-holdback"
+    policy: Literal["priority-holdback", "static", "adaptive-reserve"] = "priority-holdback"
     minCeiling: float = Field(default=0.5, ge=0, lt=1)
     maxCeiling: float = Field(default=1.0, gt=0, le=1)
     domain: Literal["rank", "value"] = "rank"
     threshold: float = Field(default=1.0, ge=0, le=1)
+    adaptive: AdaptiveReserve | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> "UsageLimit":
         if self.minCeiling > self.maxCeiling:
             raise ValueError(f"usageLimit.minCeiling {self.minCeiling} is above maxCeiling {self.maxCeiling}")
+        if self.adaptive is not None and self.policy != "adaptive-reserve":
+            raise ValueError(f"usageLimit.adaptive only applies to policy adaptive-reserve (policy is "
+                             f"{self.policy!r}); set usageLimit.policy: adaptive-reserve or remove usageLimit.adaptive")
         return self
+
+    def reserve(self) -> AdaptiveReserve:
+        return self.adaptive or AdaptiveReserve()
 
 
 class Eviction(_Model):
@@ -308,6 +326,21 @@ class GatewayConfig(_Model):
                 f"than one scheduling cycle of growth ({running} running sequences x 1 block); lower "
                 f"hardWatermark to at most {max(need, 0):.4f}, lower admission.maxRunningSequences / "
                 f"saturation.maxConcurrency, or set admission.kvPoolBlocks to the real pool size")
+        return self
+
+    @model_validator(mode="after")
+    def _protected_split(self) -> "GatewayConfig":
+        """The adaptive reserve needs bands on both sides of its protected priority."""
+        if self.usageLimit.policy != "adaptive-reserve":
+            return self
+        line = self.usageLimit.reserve().protectedPriority
+        bands = self.band_priorities()
+        if not any(p >= line for p in bands):
+            raise ValueError(f"usageLimit.adaptive.protectedPriority {line} is above every band {bands}: no demand "
+                             f"would be protected; set it to the lowest priority realtime traffic uses")
+        if not any(p < line for p in bands):
+            raise ValueError(f"usageLimit.adaptive.protectedPriority {line} leaves no band below it {bands}: the "
+                             f"adaptive reserve would limit nothing; set it above the batch band's priority")
         return self
 
     def traffic_class(self, priority: int) -> str:

@@ -32,7 +32,7 @@ from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
 from gateway.eviction import BandDemand, Evictor, plain_view
 from gateway.kv_ledger import KvLedger, Reservation
-from gateway.holdback import band_ceilings, holdback_policy
+from gateway.holdback import band_ceilings, configured_policy
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.picker import EndpointPicker
@@ -146,10 +146,7 @@ class FlowController:
                 self.bands[p] = PriorityBand(p, **kwargs)
         self._drop_idle_bands(keep=set(configured))
         self._configured = set(configured)
-        policy = holdback_policy(cfg.usageLimit.policy, min_ceiling=cfg.usageLimit.minCeiling,
-                                 max_ceiling=cfg.usageLimit.maxCeiling, domain=cfg.usageLimit.domain,
-                                 threshold=cfg.usageLimit.threshold)
-        self._policy = policy
+        self._policy = configured_policy(cfg.usageLimit)
         self._refresh_ceilings()
         self.pool.health_interval = cfg.health.intervalSeconds
         self.pool.health_timeout = cfg.health.timeoutSeconds
@@ -163,6 +160,14 @@ class FlowController:
         self.bands_desc = sorted(self.bands.values(), key=lambda b: -b.priority)
         self.ceilings = band_ceilings(self._policy, [b.priority for b in self.bands_desc],
                                       {b.priority: b.ceiling_override for b in self.bands_desc})
+
+    def _follow_demand(self, healthy: list[Replica], now: float) -> None:
+        """Feed a demand-following policy the bands' queued + in-flight counts; recompute ceilings if they moved."""
+        policy = self._policy
+        if policy.follows_demand and policy.observe(
+                [(b.priority, b.queued + b.in_flight) for b in self.bands_desc],
+                len(healthy) * self.loaded.config.saturation.maxConcurrency, now):
+            self._refresh_ceilings()
 
     def _drop_idle_bands(self, keep: set[int]) -> None:
         for p in [p for p, b in self.bands.items() if p not in keep and not b.queued and not b.in_flight]:
@@ -202,6 +207,7 @@ class FlowController:
                 return self._reject_kv(req, decision, band)
             kv_wait = decision.outcome is KvOutcome.QUEUE
             fits = _within(decision)
+        self._follow_demand(healthy, now)
         if not kv_wait and not self._queued_at_or_above(req.priority):
             if self.detector.saturation(healthy, now) < self.ceilings[req.priority]:
                 replica = self.picker.pick(healthy, self.detector, now, fits)
@@ -337,6 +343,7 @@ class FlowController:
             self.metrics.child(self.metrics.evictions, "timed_out").inc()
             log_event(logger, logging.WARNING, "eviction_timed_out", request_id=late.request_id)
         healthy = self.pool.healthy()
+        self._follow_demand(healthy, now)
         if self.admission is not None and self.eviction_enabled:
             self._evict_over_hard_watermark(healthy, now)
         if not self.total_queued or not healthy:
@@ -630,6 +637,9 @@ class FlowController:
                  "metrics_age_s": round(now - r.metrics_at, 3) if r.metrics_at else None}
                 for r in self.pool.replicas
             ],
+            "holdback": {"policy": self._policy.name,
+                         "forecast": self._policy.state(),
+                         "ceilings": {str(p): round(c, 6) for p, c in self.ceilings.items()}},
             "eviction": {"enabled": self.eviction_enabled, "pending": len(self.evictor.pending),
                          "candidates": len(self.evictor.candidates)},
             "admission": self.admission.state() if self.admission else {"enabled": False},

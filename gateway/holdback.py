@@ -1,22 +1,44 @@
 """Usage-limit policies ("priority holdback"): one ceiling in [0, 1] per priority band.
 
 A band dispatches only while pool saturation is below its ceiling, so lower bands stop earlier as the pool
-fills and the rest stays reserved for higher ones. Ceilings depend only on the band list, so they are
-computed once per config; explicit per-band `ceiling` overrides win over the policy.
+fills and the rest stays reserved for higher ones. `static` and `priority-holdback` ceilings depend only on
+the band list, so they are computed once per config; `adaptive-reserve` (gateway/reserve.py) follows demand
+and the flow controller recomputes them as it observes. Explicit per-band `ceiling` overrides win.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
+
+from gateway.config import UsageLimit
+from gateway.reserve import AdaptiveReservePolicy, ReserveSettings
 
 
 class HoldbackPolicy(Protocol):
     name: str
+    # True: the controller feeds it band demand (`observe`) and recomputes ceilings when it says they moved.
+    follows_demand: bool
 
     def ceilings(self, priorities: Sequence[int]) -> dict[int, float]: ...
 
+    def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool: ...
 
-class StaticPolicy:
+    def state(self) -> dict | None: ...
+
+
+class _FixedCeilings:
+    """Policies whose ceilings ignore demand: nothing to observe, no forecast to show."""
+
+    follows_demand = False
+
+    def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool:
+        return False
+
+    def state(self) -> dict | None:
+        return None
+
+
+class StaticPolicy(_FixedCeilings):
     """The same threshold for every band (1.0: no holdback)."""
 
     name = "static"
@@ -28,7 +50,7 @@ class StaticPolicy:
         return {p: self.threshold for p in priorities}
 
 
-class PriorityHoldbackPolicy:
+class PriorityHoldbackPolicy(_FixedCeilings):
     """Linear ceilings from maxCeiling (highest band) down to minCeiling (lowest band).
 
     rank:  c_i = max − i·(max − min)/(N − 1), i = 0 for the highest priority.
@@ -70,9 +92,21 @@ def band_ceilings(policy: HoldbackPolicy, priorities: Sequence[int],
 
 
 def holdback_policy(name: str, *, min_ceiling: float, max_ceiling: float, domain: str,
-                    threshold: float) -> HoldbackPolicy:
+                    threshold: float, reserve: ReserveSettings | None = None) -> HoldbackPolicy:
     if name == "static":
         return StaticPolicy(threshold)
     if name == "priority-holdback":
         return PriorityHoldbackPolicy(min_ceiling, max_ceiling, domain)
-    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback or static")
+    if name == "adaptive-reserve":
+        return AdaptiveReservePolicy(reserve or ReserveSettings(min_ceiling=min_ceiling, max_ceiling=max_ceiling))
+    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback, static or adaptive-reserve")
+
+
+def configured_policy(limit: UsageLimit) -> HoldbackPolicy:
+    """The policy `usageLimit` names, with its parameters."""
+    r = limit.reserve()
+    return holdback_policy(limit.policy, min_ceiling=limit.minCeiling, max_ceiling=limit.maxCeiling,
+                           domain=limit.domain, threshold=limit.threshold, reserve=ReserveSettings(
+                               protected_priority=r.protectedPriority, margin=r.margin, half_life=r.halfLifeSeconds,
+                               peak_window=r.peakWindowSeconds, min_ceiling=limit.minCeiling,
+                               max_ceiling=limit.maxCeiling))

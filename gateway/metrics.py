@@ -115,6 +115,14 @@ class _StateCollector:
         for band, seconds in kv.get("estimated_wait_s_by_priority", {}).items():
             waiting.add_metric([band], seconds)
         yield from (reserved, used, total, share, waiting)
+        forecast = (s.get("holdback") or {}).get("forecast")
+        if forecast is not None:
+            demand = GaugeMetricFamily(f"{PREFIX}_reserve_demand", "adaptive-reserve: protected bands' queued + "
+                                       "in-flight requests as a share of the pool, by reading (demand now, ewma, "
+                                       "peak in the window, forecast = max(ewma, peak)).", labels=["reading"])
+            for reading in ("demand", "ewma", "peak", "forecast"):
+                demand.add_metric([reading], forecast[reading])
+            yield demand
         info = GaugeMetricFamily(f"{PREFIX}_config_info", "The running config's digest.", labels=["digest"])
         info.add_metric([s["config"]["digest"]], 1.0)
         yield from (sat, queue, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)

@@ -57,6 +57,13 @@ def test_band_settings_merge_over_default_band():
     ("- just\n- a list", "mapping"),
     ("replicas: [", "YAML"),
     ("flowControl: {bands: [{maxRequests: 3}]}", "priority"),
+    ("usageLimit: {policy: adaptive}", "'adaptive-reserve'"),
+    ("usageLimit: {policy: static, adaptive: {margin: 0.2}}", "only applies to policy adaptive-reserve"),
+    ("usageLimit: {policy: adaptive-reserve, adaptive: {protectedPriority: 101}}", "above every band"),
+    ("usageLimit: {policy: adaptive-reserve, adaptive: {protectedPriority: -10}}", "leaves no band below it"),
+    ("usageLimit: {policy: adaptive-reserve, adaptive: {halfLifeSeconds: 0}}", "adaptive.halfLifeSeconds"),
+    ("usageLimit: {policy: adaptive-reserve, adaptive: {margin: 1}}", "adaptive.margin"),
+    ("usageLimit: {policy: adaptive-reserve, adaptive: {peakWindow: 5}}", "peakWindow"),
 ])
 def test_bad_config_is_refused_with_a_message_naming_the_problem(text, needle):
     with pytest.raises(ConfigError, match=needle):
