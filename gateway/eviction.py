@@ -7,7 +7,8 @@ Victim order comes from the configured `VictimPolicy` (gateway/victims.py), whic
 Two triggers: a blocked band (saturation sizing below) and a replica whose KV occupancy reached the hard
 watermark (`decide_kv`: victims on that replica until their reservations cover the excess).
 Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
-n = max(1, ceil((deficit − pending) / credit)), at most `maxPerDecision`, victims strictly below the demand.
+n = max(1, ceil((deficit − pending) / credit), queued requests of the demand band), at most `maxPerDecision`,
+victims strictly below the demand.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
 and a short grace for the detector to see the freed capacity has passed.
 """
@@ -84,6 +85,9 @@ class Evictor:
         credit = saturation / tracked_in_flight
         pending_reclaim = len(self.pending) * credit
         wanted = max(1, math.ceil((deficit - pending_reclaim) / credit - 1e-9)) if credit > 0 else 1
+        # A band whose ceiling is the whole pool (realtime at 1.0) has no deficit while it waits at a full pool:
+        # size by its queue instead, one slot per queued request, so a burst is not served one victim a round.
+        wanted = max(wanted, demand.queued)
         eligible = self._ordered([r for r in self.candidates if r.priority < demand.priority], now)
         victims = eligible[:min(wanted, self.max_per_decision)]
         if not victims:

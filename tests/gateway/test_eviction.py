@@ -35,12 +35,19 @@ def test_victims_lowest_priority_first_then_newest():
     assert d.demand_priority == 100
 
 
-def test_deficit_sizing_one_when_exactly_at_the_ceiling():
+def test_at_a_whole_pool_ceiling_sizing_follows_the_queue():
+    # Realtime's ceiling is 1.0, so at a full pool its deficit is 0: one victim per queued request instead.
     e = Evictor(max_per_decision=2)
     for i in range(8):
         e.track(inflight(f"b{i}", -10, float(i)))
-    d = e.decide(1.0, BANDS, 100, tracked_in_flight=8, now=10.0)
+    one_queued = [BandDemand(100, 1.0, 1), *BANDS[1:]]
+    d = e.decide(1.0, one_queued, 100, tracked_in_flight=8, now=10.0)
     assert len(d.victims) == 1 and d.deficit == pytest.approx(0.0)
+    e = Evictor(max_per_decision=2)
+    for i in range(8):
+        e.track(inflight(f"b{i}", -10, float(i)))
+    d = e.decide(1.0, BANDS, 100, tracked_in_flight=8, now=10.0)  # 3 queued: 3 wanted, capped at 2
+    assert len(d.victims) == 2 and d.deficit == pytest.approx(0.0)
 
 
 def test_deficit_sizing_capped_per_decision():
