@@ -10,7 +10,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,32 +17,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.readiness import free_port, free_port_block
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> int:
-    """First of n consecutive free ports (the simulator takes --port P for replica 0, P+1 for 1, ...)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
+free_ports = free_port_block  # the tests' name for it
 
 
 def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: float = 0.1):  # noqa: ANN001
