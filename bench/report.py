@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench.stack import metric_sum
 
-# The seed study's published medians (000_b20857e45f36b932.txt).
+# The published medians of the study this benchmark reproduces.
 SEED = {
     "realtime_only": {"p95_ttft_ms": 342},
     "no_controls": {"p95_ttft_ms": 561},
