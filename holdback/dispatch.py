@@ -344,6 +344,7 @@ class Recorded:
     wake_at: float | None = None  # when the job should run again (retry, closing)
     delay: float | None = None  # the backoff chosen (retry)
     usage: Usage = Usage()
+    reason: str | None = None  # why the row failed (final failed): what RQ's failed job shows
 
 
 def record_outcome(
@@ -403,8 +404,23 @@ def record_outcome(
 def _final(session: Session, dispatch: Dispatch, outcome: Outcome, result: FinalResult,
            usage: Usage = Usage()) -> Recorded:
     if record_final(session, dispatch.row_id, result):
-        return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage)
+        return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
+                        reason=None if result.status is RequestStatus.succeeded else failure_reason(result))
     return Recorded(Disposition.duplicate, outcome)
+
+
+def failure_reason(result: FinalResult) -> str:
+    """One line saying why a row failed: our own message, else the upstream's error message and status."""
+    if result.error_message:
+        return f"{result.error_code or result.status.value}: {result.error_message}"
+    body = result.response_body
+    message = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+    elif isinstance(body, str):
+        message = body[:500]
+    return f"HTTP {result.response_status}: {message or 'no error message in the response'}"
 
 
 def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: RetryPolicy, now: float,
