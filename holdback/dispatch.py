@@ -31,7 +31,6 @@ from holdback.models import (
     Attempt,
     AttemptOutcome,
     Batch,
-    BatchStatus,
     RequestRow,
     RequestStatus,
 )
@@ -246,16 +245,14 @@ class Skip(str, enum.Enum):
     closing = "closing"  # its batch is past its deadline or being cancelled: the processor will close it
 
 
-_CLOSED_BATCH = {s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
-                                   BatchStatus.failed, BatchStatus.completed)}
-
 # Hot-path statements, built once (Core, bound parameters): every attempt runs them.
 _rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
 _LOOKUP = (
-    select(_rows.c.status, _batches.c.status, _batches.c.expires_at)
+    select(_rows.c.status)
     .select_from(_rows.join(_batches, _batches.c.id == _rows.c.batch_id))
     .where(_rows.c.id == bindparam("row_id"))
 )
+_DEADLINE = select(_batches.c.expires_at).where(_batches.c.id == bindparam("batch_id"))
 _CLOSE_SUPERSEDED = (
     update(_attempts)
     .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.ended_at.is_(None),
@@ -271,27 +268,26 @@ _COUNT_TRANSIENT = (
 
 
 def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
-    """Open the row's next attempt (row → running), unless the row is final or its batch is closing."""
+    """Open the row's next attempt (row → running), unless the row is final or its batch is closing.
+
+    A first attempt costs three statements: the row's move (which also checks the batch), the attempt's
+    INSERT and the batch deadline; the reasons for opening nothing are looked up only when nothing opened.
+    """
     now = time.time() if now is None else now
     conn = session.connection()
-    found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
-    if found is None or found[0] in REQUEST_TERMINAL_VALUES:
-        return Skip.final
-    previous_status, batch_status, expires_at = found
-    if batch_status in _CLOSED_BATCH or (expires_at is not None and now >= expires_at):
-        return Skip.closing
-    attempt = begin_attempt(session, row_id, worker)
+    attempt = begin_attempt(session, row_id, worker, open_batch_only=True, now=now)
     if attempt is None:
-        return Skip.final
-    if previous_status == RequestStatus.running.value:
-        # The row was running: an earlier delivery's worker died (or is a racing duplicate, whose own
-        # end_attempt will overwrite this). Close its open attempt so the history stays truthful.
+        found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
+        return Skip.final if found is None or found[0] in REQUEST_TERMINAL_VALUES else Skip.closing
+    if attempt.number > 1:
+        # An earlier delivery's attempt may still be open: its worker died (or is a racing duplicate, whose
+        # own end_attempt will overwrite this). Close it so the history stays truthful.
         conn.execute(_CLOSE_SUPERSEDED, {"row_id": row_id, "new_number": attempt.number, "closed_at": now})
-    row = session.get(RequestRow, row_id)  # loaded by begin_attempt: no query
+    deadline = conn.execute(_DEADLINE, {"batch_id": attempt.batch_id}).scalar()
     return Dispatch(
-        row_id=row_id, batch_id=row.batch_id, tenant_id=row.tenant_id, custom_id=row.custom_id, url=row.url,
-        body=row.body, deadline=expires_at, attempt_id=attempt.id, attempt=attempt.number,
-        transient_failures=row.transient_failures,
+        row_id=row_id, batch_id=attempt.batch_id, tenant_id=attempt.tenant_id, custom_id=attempt.custom_id,
+        url=attempt.url, body=attempt.body, deadline=deadline, attempt_id=attempt.id, attempt=attempt.number,
+        transient_failures=attempt.transient_failures,
     )
 
 
