@@ -53,7 +53,7 @@ GATEWAY_CONFIG = """
 keys:
   - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
 anonymous: {enabled: false}
-saturation: {detector: concurrency, maxConcurrency: 4096}
+saturation: {detector: concurrency, maxConcurrency: 1024}
 usageLimit: {policy: static, threshold: 1.0}
 flowControl: {defaultBand: {maxRequests: 100000}}
 """

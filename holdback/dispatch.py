@@ -252,7 +252,6 @@ _LOOKUP = (
     .select_from(_rows.join(_batches, _batches.c.id == _rows.c.batch_id))
     .where(_rows.c.id == bindparam("row_id"))
 )
-_DEADLINE = select(_batches.c.expires_at).where(_batches.c.id == bindparam("batch_id"))
 _CLOSE_SUPERSEDED = (
     update(_attempts)
     .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.ended_at.is_(None),
@@ -270,8 +269,8 @@ _COUNT_TRANSIENT = (
 def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
     """Open the row's next attempt (row → running), unless the row is final or its batch is closing.
 
-    A first attempt costs three statements: the row's move (which also checks the batch), the attempt's
-    INSERT and the batch deadline; the reasons for opening nothing are looked up only when nothing opened.
+    A first attempt costs two statements: the row's move (which also checks the batch and returns its
+    deadline) and the attempt's INSERT; why nothing opened is looked up only when nothing did.
     """
     now = time.time() if now is None else now
     conn = session.connection()
@@ -283,10 +282,9 @@ def begin(session: Session, row_id: str, worker: str, *, now: float | None = Non
         # An earlier delivery's attempt may still be open: its worker died (or is a racing duplicate, whose
         # own end_attempt will overwrite this). Close it so the history stays truthful.
         conn.execute(_CLOSE_SUPERSEDED, {"row_id": row_id, "new_number": attempt.number, "closed_at": now})
-    deadline = conn.execute(_DEADLINE, {"batch_id": attempt.batch_id}).scalar()
     return Dispatch(
         row_id=row_id, batch_id=attempt.batch_id, tenant_id=attempt.tenant_id, custom_id=attempt.custom_id,
-        url=attempt.url, body=attempt.body, deadline=deadline, attempt_id=attempt.id, attempt=attempt.number,
+        url=attempt.url, body=attempt.body, deadline=attempt.deadline, attempt_id=attempt.id, attempt=attempt.number,
         transient_failures=attempt.transient_failures,
     )
 

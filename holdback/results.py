@@ -74,6 +74,7 @@ class OpenedAttempt:
     body: str
     transient_failures: int
     started_at: float
+    deadline: float | None  # the batch's expires_at
 
 
 _rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
@@ -81,14 +82,16 @@ _CLOSED_BATCH_VALUES = tuple(s.value for s in (BatchStatus.cancelling, BatchStat
                                                BatchStatus.failed, BatchStatus.completed))
 
 # The row moves to running and its attempt number is taken in one statement (the row lock orders racing
-# deliveries: each gets the next number), returning what the request needs — no SELECT first.
+# deliveries: each gets the next number), returning what the request needs, its batch's deadline included
+# (a subquery in RETURNING: PostgreSQL and SQLite both allow it) — no SELECT before or after.
 _OPEN_ROW = (
     update(_rows)
     .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
     .values(status=RequestStatus.running.value, attempts=_rows.c.attempts + 1, updated_at=bindparam("now"),
             next_attempt_at=None)
     .returning(_rows.c.attempts, _rows.c.batch_id, _rows.c.tenant_id, _rows.c.custom_id, _rows.c.url,
-               _rows.c.body, _rows.c.transient_failures)
+               _rows.c.body, _rows.c.transient_failures,
+               select(_batches.c.expires_at).where(_batches.c.id == _rows.c.batch_id).scalar_subquery())
 )
 # The same, only while the row's batch is open and before its deadline (the worker's `begin`).
 _OPEN_ROW_OF_OPEN_BATCH = _OPEN_ROW.where(
@@ -116,11 +119,11 @@ def begin_attempt(session: Session, row_id: str, worker: str, *, open_batch_only
     row = conn.execute(statement, {"row_id": row_id, "now": now}).one_or_none()
     if row is None:
         return None
-    number, batch_id, tenant_id, custom_id, url, body, transient_failures = row
+    number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
     attempt_id = conn.execute(_INSERT_ATTEMPT, {"row_id": row_id, "batch_id": batch_id, "number": number,
                                                 "worker": worker, "now": now}).scalar_one()
     return OpenedAttempt(attempt_id, number, row_id, batch_id, tenant_id, custom_id, url, body, transient_failures,
-                         now)
+                         now, deadline)
 
 
 def end_attempt(

@@ -112,10 +112,11 @@ def test_begin_attempt_of_an_open_batch_only_skips_a_closing_batch(backend):
     factory = make_sessionmaker(make_engine(backend.database_url))
     batch_id, (row_id,) = _batch_with_rows(factory, 1)
     with transaction(factory) as s:
-        s.get(Batch, batch_id).status = "cancelling"
+        batch = s.get(Batch, batch_id)
+        batch.status, batch.expires_at = "cancelling", 4_000_000_000
     with transaction(factory) as s:
         assert begin_attempt(s, row_id, "w1", open_batch_only=True) is None
         opened = begin_attempt(s, row_id, "w1")
-        assert (opened.number, opened.batch_id, opened.custom_id) == (1, batch_id, "c0")
+        assert (opened.number, opened.batch_id, opened.custom_id, opened.deadline) == (1, batch_id, "c0", 4_000_000_000)
     with factory() as s:
         assert (s.get(RequestRow, row_id).status, s.get(RequestRow, row_id).attempts) == ("running", 1)
