@@ -28,6 +28,7 @@ from async_processor import resume
 from async_processor.stream import send_streamed
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip
+from holdback.results import deferred_batch_counts
 
 T = TypeVar("T")
 
@@ -57,7 +58,9 @@ class DatabaseLane:
     """One thread that runs database work in groups: every call queued while the thread was busy shares the
     next transaction (group commit), so N attempts cost one BEGIN/COMMIT instead of N.
 
-    If a group's transaction fails, each call of it runs again alone in its own transaction (retried while
+    The group's batch counter updates are applied once per batch at its end (`deferred_batch_counts`), so
+    the hot batch row is locked only for the commit. If a group's transaction fails, each call of it runs
+    again alone in its own transaction (retried while
     the database is busy or away), so one bad call never fails the others.
     """
 
@@ -98,7 +101,7 @@ class DatabaseLane:
 
     def _run_group(self, group: list) -> None:
         try:
-            with transaction(self.sessions) as session:
+            with transaction(self.sessions) as session, deferred_batch_counts(session):
                 results = [fn(session, *args) for fn, args, _ in group]
         except Exception:  # noqa: BLE001 - every call is retried alone below, with its own error
             for fn, args, future in group:
@@ -111,7 +114,7 @@ class DatabaseLane:
         try:
             for attempt in Retrying(stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.05, max=2.0),
                                     retry=retry_if_exception_type(OperationalError), reraise=True):
-                with attempt, transaction(self.sessions) as session:
+                with attempt, transaction(self.sessions) as session, deferred_batch_counts(session):
                     result = fn(session, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
             future.set_exception(exc)

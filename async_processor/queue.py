@@ -11,8 +11,10 @@ the job's arguments are never deserialized here: the database row is the truth.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -72,7 +74,7 @@ _FINISH = """
 -- KEYS: started registry, worker executions set, worker key, queue, scheduled registry, failed registry
 -- ARGV: job id, execution id, mode, when(float: schedule time or failed-registry expiry), now(utc),
 --       job prefix, execution prefix, executions prefix, results prefix, counter field, seconds worked,
---       failure ttl
+--       failure ttl, failure reason (zlib+base64 as RQ's Result stores exc_string, or ''), worker name
 local job_id, exec_id, mode = ARGV[1], ARGV[2], ARGV[3]
 local composite = job_id .. ':' .. exec_id
 local job_key = ARGV[6] .. job_id
@@ -97,6 +99,13 @@ elseif mode == 'failed' then
   redis.call('HSET', job_key, 'status', 'failed', 'ended_at', ARGV[5])
   redis.call('EXPIRE', job_key, ARGV[12])
   redis.call('ZADD', KEYS[6], ARGV[4], job_id)
+  if ARGV[13] ~= '' then
+    -- A FAILED Result (type 2), so job.latest_result() and the dashboards show why the row failed.
+    local results_key = ARGV[9] .. job_id
+    redis.call('XADD', results_key, 'MAXLEN', 10, '*', 'type', '2', 'worker_name', ARGV[14],
+               'exc_string', ARGV[13], 'execution_id', exec_id)
+    redis.call('EXPIRE', results_key, ARGV[12])
+  end
 elseif mode == 'requeue' then
   redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[5])
   redis.call('LPUSH', KEYS[4], job_id)
@@ -198,18 +207,23 @@ class RequestQueue:
         pairs = [x.decode() if isinstance(x, bytes) else x for x in raw[:-1]]
         return [Claim(pairs[i], pairs[i + 1], now) for i in range(0, len(pairs), 2)], missing
 
-    async def finish(self, claim: Claim, mode: str, when: float | None = None, *, succeeded: bool = True) -> None:
-        """End the claim's execution and move its job according to `mode` (see `Finish`)."""
+    async def finish(self, claim: Claim, mode: str, when: float | None = None, *, succeeded: bool = True,
+                     reason: str | None = None) -> None:
+        """End the claim's execution and move its job according to `mode` (see `Finish`); a failed job
+        keeps `reason` (the row's failure) as its RQ result's exc_string."""
         now = time.time()
+        exc_string = ""
         if mode == Finish.failed:
             when = now + self.failure_ttl
+            if reason:
+                exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
         await self._finish(
             keys=[self.started_key, self.executions_key, self.worker_key, self.key, self.scheduled_key,
                   self.failed_key],
             args=[claim.job_id, claim.execution_id, mode, repr(when or now), utcformat(rq_now()), JOB_PREFIX,
                   EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, RESULTS_PREFIX,
                   "successful_job_count" if succeeded else "failed_job_count", repr(max(0.0, now - claim.claimed_at)),
-                  self.failure_ttl],
+                  self.failure_ttl, exc_string, self.worker_name],
         )
 
     async def heartbeat(self, claims: list[Claim]) -> None:

@@ -240,7 +240,8 @@ class AsyncWorker:
             failed = rec.final_status is not RequestStatus.succeeded
             log.event(logging.WARNING if failed else logging.DEBUG, "request_final",
                       final=rec.final_status.value, **fields)
-            await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed)
+            await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed,
+                                    reason=rec.reason)
         elif rec.disposition is Disposition.duplicate:
             m.duplicates.labels("result").inc()
             log.event(logging.INFO, "duplicate_result", **fields)

@@ -117,7 +117,7 @@ class _LostRace(Exception):
     """The batch stopped being ours (or validating) before the expansion committed."""
 
 
-_ROW_COLUMNS = (
+ROW_COLUMNS = (
     "id", "batch_id", "tenant_id", "line", "custom_id", "url", "body", "status", "attempts", "evictions",
     "transient_failures", "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "duplicates",
     "created_at", "updated_at",
@@ -147,13 +147,13 @@ def _insert_rows(session: Session, store: FileStore, storage_key: str, validator
 
 
 def _row_writer(session: Session):
-    """A function that inserts row tuples (in `_ROW_COLUMNS` order) in the session's transaction.
+    """A function that inserts row tuples (in `ROW_COLUMNS` order) in the session's transaction.
 
-    PostgreSQL gets COPY, several times faster than batched INSERTs for 50,000 rows; elsewhere an
-    executemany INSERT (SQLite does that quickly in one transaction)."""
+    PostgreSQL gets COPY, several times faster than batched INSERTs for 50,000 rows; SQLite the driver's
+    executemany INSERT (quick in one transaction)."""
     connection = session.connection()
     if connection.dialect.name == "postgresql":
-        copy_sql = f"COPY request_rows ({', '.join(_ROW_COLUMNS)}) FROM STDIN"
+        copy_sql = f"COPY request_rows ({', '.join(ROW_COLUMNS)}) FROM STDIN"
 
         def copy_rows(rows: list[tuple]) -> None:
             with connection.connection.dbapi_connection.cursor() as cursor, cursor.copy(copy_sql) as copy:
@@ -161,10 +161,13 @@ def _row_writer(session: Session):
                     copy.write_row(row)
 
         return copy_rows
-    table = RequestRow.__table__
+    # The driver's own executemany with the tuples as they are: SQLAlchemy's would build a dict per row and
+    # compile parameters for each (a third of the write's time on SQLite).
+    insert_sql = (f"INSERT INTO request_rows ({', '.join(ROW_COLUMNS)}) "
+                  f"VALUES ({', '.join('?' for _ in ROW_COLUMNS)})")
 
     def insert_rows(rows: list[tuple]) -> None:
-        connection.execute(table.insert(), [dict(zip(_ROW_COLUMNS, row)) for row in rows])
+        connection.exec_driver_sql(insert_sql, rows)
 
     return insert_rows
 

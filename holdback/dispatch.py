@@ -31,7 +31,6 @@ from holdback.models import (
     Attempt,
     AttemptOutcome,
     Batch,
-    BatchStatus,
     RequestRow,
     RequestStatus,
 )
@@ -246,13 +245,10 @@ class Skip(str, enum.Enum):
     closing = "closing"  # its batch is past its deadline or being cancelled: the processor will close it
 
 
-_CLOSED_BATCH = {s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
-                                   BatchStatus.failed, BatchStatus.completed)}
-
 # Hot-path statements, built once (Core, bound parameters): every attempt runs them.
 _rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
 _LOOKUP = (
-    select(_rows.c.status, _batches.c.status, _batches.c.expires_at)
+    select(_rows.c.status)
     .select_from(_rows.join(_batches, _batches.c.id == _rows.c.batch_id))
     .where(_rows.c.id == bindparam("row_id"))
 )
@@ -271,27 +267,25 @@ _COUNT_TRANSIENT = (
 
 
 def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
-    """Open the row's next attempt (row → running), unless the row is final or its batch is closing."""
+    """Open the row's next attempt (row → running), unless the row is final or its batch is closing.
+
+    A first attempt costs two statements: the row's move (which also checks the batch and returns its
+    deadline) and the attempt's INSERT; why nothing opened is looked up only when nothing did.
+    """
     now = time.time() if now is None else now
     conn = session.connection()
-    found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
-    if found is None or found[0] in REQUEST_TERMINAL_VALUES:
-        return Skip.final
-    previous_status, batch_status, expires_at = found
-    if batch_status in _CLOSED_BATCH or (expires_at is not None and now >= expires_at):
-        return Skip.closing
-    attempt = begin_attempt(session, row_id, worker)
+    attempt = begin_attempt(session, row_id, worker, open_batch_only=True, now=now)
     if attempt is None:
-        return Skip.final
-    if previous_status == RequestStatus.running.value:
-        # The row was running: an earlier delivery's worker died (or is a racing duplicate, whose own
-        # end_attempt will overwrite this). Close its open attempt so the history stays truthful.
+        found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
+        return Skip.final if found is None or found[0] in REQUEST_TERMINAL_VALUES else Skip.closing
+    if attempt.number > 1:
+        # An earlier delivery's attempt may still be open: its worker died (or is a racing duplicate, whose
+        # own end_attempt will overwrite this). Close it so the history stays truthful.
         conn.execute(_CLOSE_SUPERSEDED, {"row_id": row_id, "new_number": attempt.number, "closed_at": now})
-    row = session.get(RequestRow, row_id)  # loaded by begin_attempt: no query
     return Dispatch(
-        row_id=row_id, batch_id=row.batch_id, tenant_id=row.tenant_id, custom_id=row.custom_id, url=row.url,
-        body=row.body, deadline=expires_at, attempt_id=attempt.id, attempt=attempt.number,
-        transient_failures=row.transient_failures,
+        row_id=row_id, batch_id=attempt.batch_id, tenant_id=attempt.tenant_id, custom_id=attempt.custom_id,
+        url=attempt.url, body=attempt.body, deadline=attempt.deadline, attempt_id=attempt.id, attempt=attempt.number,
+        transient_failures=attempt.transient_failures,
     )
 
 
@@ -344,6 +338,7 @@ class Recorded:
     wake_at: float | None = None  # when the job should run again (retry, closing)
     delay: float | None = None  # the backoff chosen (retry)
     usage: Usage = Usage()
+    reason: str | None = None  # why the row failed (final failed): what RQ's failed job shows
 
 
 def record_outcome(
@@ -403,8 +398,23 @@ def record_outcome(
 def _final(session: Session, dispatch: Dispatch, outcome: Outcome, result: FinalResult,
            usage: Usage = Usage()) -> Recorded:
     if record_final(session, dispatch.row_id, result):
-        return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage)
+        return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
+                        reason=None if result.status is RequestStatus.succeeded else failure_reason(result))
     return Recorded(Disposition.duplicate, outcome)
+
+
+def failure_reason(result: FinalResult) -> str:
+    """One line saying why a row failed: our own message, else the upstream's error message and status."""
+    if result.error_message:
+        return f"{result.error_code or result.status.value}: {result.error_message}"
+    body = result.response_body
+    message = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+    elif isinstance(body, str):
+        message = body[:500]
+    return f"HTTP {result.response_status}: {message or 'no error message in the response'}"
 
 
 def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: RetryPolicy, now: float,

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from holdback.models import (
     REQUEST_TERMINAL_VALUES,
     Attempt,
     Batch,
+    BatchStatus,
     RequestRow,
     RequestStatus,
 )
@@ -57,26 +60,70 @@ class FinalResult:
     usage: Usage = Usage()
 
 
-def begin_attempt(session: Session, row_id: str, worker: str) -> Attempt | None:
-    """Mark the row running and open its next attempt; None if the row is already final or gone."""
-    row = session.get(RequestRow, row_id, with_for_update=True)
-    if row is None or row.status in REQUEST_TERMINAL_VALUES:
+@dataclass(frozen=True)
+class OpenedAttempt:
+    """An attempt just opened, with what sending it needs from its row (read by the same statement)."""
+
+    id: int
+    number: int
+    request_id: str
+    batch_id: str
+    tenant_id: str
+    custom_id: str
+    url: str
+    body: str
+    transient_failures: int
+    started_at: float
+    deadline: float | None  # the batch's expires_at
+
+
+_rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
+_CLOSED_BATCH_VALUES = tuple(s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
+                                               BatchStatus.failed, BatchStatus.completed))
+
+# The row moves to running and its attempt number is taken in one statement (the row lock orders racing
+# deliveries: each gets the next number), returning what the request needs, its batch's deadline included
+# (a subquery in RETURNING: PostgreSQL and SQLite both allow it) — no SELECT before or after.
+_OPEN_ROW = (
+    update(_rows)
+    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
+    .values(status=RequestStatus.running.value, attempts=_rows.c.attempts + 1, updated_at=bindparam("now"),
+            next_attempt_at=None)
+    .returning(_rows.c.attempts, _rows.c.batch_id, _rows.c.tenant_id, _rows.c.custom_id, _rows.c.url,
+               _rows.c.body, _rows.c.transient_failures,
+               select(_batches.c.expires_at).where(_batches.c.id == _rows.c.batch_id).scalar_subquery())
+)
+# The same, only while the row's batch is open and before its deadline (the worker's `begin`).
+_OPEN_ROW_OF_OPEN_BATCH = _OPEN_ROW.where(
+    select(_batches.c.id)
+    .where(_batches.c.id == _rows.c.batch_id, _batches.c.status.not_in(_CLOSED_BATCH_VALUES),
+           or_(_batches.c.expires_at.is_(None), _batches.c.expires_at > bindparam("now")))
+    .exists()
+)
+_INSERT_ATTEMPT = (
+    insert(_attempts)
+    .values(request_id=bindparam("row_id"), batch_id=bindparam("batch_id"), number=bindparam("number"),
+            worker=bindparam("worker"), started_at=bindparam("now"), evicted=False, input_tokens=0,
+            output_tokens=0)
+    .returning(_attempts.c.id)
+)
+
+
+def begin_attempt(session: Session, row_id: str, worker: str, *, open_batch_only: bool = False,
+                  now: float | None = None) -> OpenedAttempt | None:
+    """Mark the row running and open its next attempt (two statements); None if the row is already final
+    or gone — or, with `open_batch_only`, if its batch is closing or past its deadline."""
+    now = time.time() if now is None else now
+    conn = session.connection()
+    statement = _OPEN_ROW_OF_OPEN_BATCH if open_batch_only else _OPEN_ROW
+    row = conn.execute(statement, {"row_id": row_id, "now": now}).one_or_none()
+    if row is None:
         return None
-    number = row.attempts + 1
-    now = time.time()
-    moved = session.execute(
-        update(RequestRow)
-        .where(RequestRow.id == row_id, RequestRow.attempts == row.attempts,
-               RequestRow.status.not_in(REQUEST_TERMINAL_VALUES))
-        .values(status=RequestStatus.running.value, attempts=number, updated_at=now, next_attempt_at=None)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    if moved != 1:
-        return None  # another delivery of the same job won the race for this attempt number
-    attempt = Attempt(request_id=row_id, batch_id=row.batch_id, number=number, worker=worker, started_at=now)
-    session.add(attempt)
-    session.flush()
-    return attempt
+    number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
+    attempt_id = conn.execute(_INSERT_ATTEMPT, {"row_id": row_id, "batch_id": batch_id, "number": number,
+                                                "worker": worker, "now": now}).scalar_one()
+    return OpenedAttempt(attempt_id, number, row_id, batch_id, tenant_id, custom_id, url, body, transient_failures,
+                         now, deadline)
 
 
 def end_attempt(
@@ -91,30 +138,35 @@ def end_attempt(
     usage: Usage = Usage(),
     error: str | None = None,
 ) -> None:
-    session.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt_id)
-        .values(
-            ended_at=time.time(), outcome=outcome, status_code=status_code, replica=replica,
-            drop_reason=drop_reason, evicted=evicted, input_tokens=usage.input_tokens,
-            output_tokens=usage.output_tokens, error=error,
-        )
-    )
+    session.connection().execute(_END_ATTEMPT, {
+        "attempt_id": attempt_id, "ended_at": time.time(), "outcome": outcome, "status_code": status_code,
+        "replica": replica, "drop_reason": drop_reason, "evicted": evicted, "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens, "error": error,
+    })
+
+
+_END_ATTEMPT = (
+    update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
+    .values(**{name: bindparam(name) for name in ("ended_at", "outcome", "status_code", "replica", "drop_reason",
+                                                  "evicted", "input_tokens", "output_tokens", "error")})
+)
 
 
 def schedule_retry(session: Session, row_id: str, next_attempt_at: float, *, evicted: bool, transient: bool) -> bool:
     """Park a non-final row until next_attempt_at. Returns False if it became final meanwhile."""
-    values: dict = {"status": RequestStatus.retry_wait.value, "next_attempt_at": next_attempt_at, "updated_at": time.time()}
-    if evicted:
-        values["evictions"] = RequestRow.evictions + 1
-    if transient:
-        values["transient_failures"] = RequestRow.transient_failures + 1
-    return session.execute(
-        update(RequestRow)
-        .where(RequestRow.id == row_id, RequestRow.status.not_in(REQUEST_TERMINAL_VALUES))
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    ).rowcount == 1
+    return session.connection().execute(_PARK_ROW, {
+        "row_id": row_id, "next_attempt_at": next_attempt_at, "now": time.time(),
+        "evicted": 1 if evicted else 0, "transient": 1 if transient else 0,
+    }).rowcount == 1
+
+
+_PARK_ROW = (
+    update(_rows)
+    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
+    .values(status=RequestStatus.retry_wait.value, next_attempt_at=bindparam("next_attempt_at"),
+            updated_at=bindparam("now"), evictions=_rows.c.evictions + bindparam("evicted"),
+            transient_failures=_rows.c.transient_failures + bindparam("transient"))
+)
 
 
 def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
@@ -123,40 +175,102 @@ def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
     if body is not None and not isinstance(body, str):
         body = json.dumps(body, separators=(",", ":"))
     now = time.time()
-    won = session.execute(
-        update(RequestRow)
-        .where(RequestRow.id == row_id, RequestRow.status.not_in(REQUEST_TERMINAL_VALUES))
-        .values(
-            status=result.status.value, response_status=result.response_status, response_body=body,
-            error_code=result.error_code, error_message=result.error_message,
-            input_tokens=result.usage.input_tokens, output_tokens=result.usage.output_tokens,
-            cached_tokens=result.usage.cached_tokens, reasoning_tokens=result.usage.reasoning_tokens,
-            finished_at=now, updated_at=now, next_attempt_at=None,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount == 1
-    if not won:
-        session.execute(
-            update(RequestRow).where(RequestRow.id == row_id).values(duplicates=RequestRow.duplicates + 1)
-            .execution_options(synchronize_session=False)
-        )
+    conn = session.connection()
+    batch_id = conn.execute(_FINISH_ROW, {
+        "row_id": row_id, "status": result.status.value, "response_status": result.response_status,
+        "response_body": body, "error_code": result.error_code, "error_message": result.error_message,
+        "input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens,
+        "cached_tokens": result.usage.cached_tokens, "reasoning_tokens": result.usage.reasoning_tokens,
+        "now": now,
+    }).scalar_one_or_none()
+    if batch_id is None:
+        conn.execute(_COUNT_DUPLICATE, {"row_id": row_id})
         return False
-    batch_id = session.scalar(select(RequestRow.batch_id).where(RequestRow.id == row_id))
     succeeded = result.status is RequestStatus.succeeded
-    session.execute(
-        update(Batch)
-        .where(Batch.id == batch_id)
-        .values(
-            completed=Batch.completed + (1 if succeeded else 0),
-            failed=Batch.failed + (0 if succeeded else 1),
-            input_tokens=Batch.input_tokens + result.usage.input_tokens,
-            output_tokens=Batch.output_tokens + result.usage.output_tokens,
-            cached_tokens=Batch.cached_tokens + result.usage.cached_tokens,
-            reasoning_tokens=Batch.reasoning_tokens + result.usage.reasoning_tokens,
-        )
-        .execution_options(synchronize_session=False)
-    )
+    count_final(session, batch_id, BatchCounts(
+        completed=1 if succeeded else 0, failed=0 if succeeded else 1,
+        input_tokens=result.usage.input_tokens, output_tokens=result.usage.output_tokens,
+        cached_tokens=result.usage.cached_tokens, reasoning_tokens=result.usage.reasoning_tokens))
     return True
+
+
+_FINISH_ROW = (
+    update(_rows)
+    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
+    .values(status=bindparam("status"), response_status=bindparam("response_status"),
+            response_body=bindparam("response_body"), error_code=bindparam("error_code"),
+            error_message=bindparam("error_message"), input_tokens=bindparam("input_tokens"),
+            output_tokens=bindparam("output_tokens"), cached_tokens=bindparam("cached_tokens"),
+            reasoning_tokens=bindparam("reasoning_tokens"), finished_at=bindparam("now"),
+            updated_at=bindparam("now"), next_attempt_at=None)
+    .returning(_rows.c.batch_id)
+)
+_COUNT_DUPLICATE = update(_rows).where(_rows.c.id == bindparam("row_id")).values(duplicates=_rows.c.duplicates + 1)
+
+
+# --- batch counters ------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchCounts:
+    """What final rows add to their batch's counters."""
+
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def add(self, other: "BatchCounts") -> None:
+        for name in _COUNTER_NAMES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_COUNTER_NAMES = tuple(BatchCounts.__dataclass_fields__)
+_ADD_TO_BATCH = (
+    update(_batches).where(_batches.c.id == bindparam("batch_id"))
+    .values(**{name: _batches.c[name] + bindparam(f"d_{name}") for name in _COUNTER_NAMES})
+)
+_LEDGER = "holdback.batch_counts"  # session.info key of the deferred counters
+
+
+def count_final(session: Session, batch_id: str, counts: BatchCounts) -> None:
+    """Add to a batch's counters: at once, or at the end of the transaction when counters are deferred."""
+    ledger = session.info.get(_LEDGER)
+    if ledger is None:
+        _add_to_batches(session, {batch_id: counts})
+    else:
+        ledger.setdefault(batch_id, BatchCounts()).add(counts)
+
+
+@contextmanager
+def deferred_batch_counts(session: Session) -> Iterator[None]:
+    """Batch counter updates inside this block become one UPDATE per batch at its end.
+
+    A worker's group transaction records many final rows of the same batch: adding to the batch row as each
+    lands would hold that one row's lock from the first result to the commit, serialising every other
+    process's transaction behind it. Deferred, the lock is taken once, just before the commit; batches
+    are updated in id order, so two processes never wait on each other in a cycle.
+    """
+    if _LEDGER in session.info:  # nested: the outer block applies everything
+        yield
+        return
+    ledger: dict[str, BatchCounts] = {}
+    session.info[_LEDGER] = ledger
+    try:
+        yield
+    finally:
+        session.info.pop(_LEDGER, None)
+    _add_to_batches(session, ledger)
+
+
+def _add_to_batches(session: Session, ledger: dict[str, BatchCounts]) -> None:
+    conn = session.connection()
+    for batch_id in sorted(ledger):
+        counts = ledger[batch_id]
+        conn.execute(_ADD_TO_BATCH, {"batch_id": batch_id,
+                                     **{f"d_{name}": getattr(counts, name) for name in _COUNTER_NAMES}})
 
 
 def close_unfinished(session: Session, batch_id: str, status: RequestStatus, code: str, message: str) -> int:
@@ -174,10 +288,7 @@ def close_unfinished(session: Session, batch_id: str, status: RequestStatus, cod
         .execution_options(synchronize_session=False)
     ).rowcount
     if closed:
-        session.execute(
-            update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + closed)
-            .execution_options(synchronize_session=False)
-        )
+        count_final(session, batch_id, BatchCounts(failed=closed))
     return closed
 
 

@@ -10,14 +10,15 @@ from holdback.results import (
     begin_attempt,
     close_unfinished,
     count_unfinished,
+    deferred_batch_counts,
     output_line,
     record_final,
 )
 
 
-def _batch_with_rows(factory, n):
+def _batch_with_rows(factory, n, tenant="t1"):
     with transaction(factory) as s:
-        t = Tenant(name="t1")
+        t = Tenant(name=tenant)
         s.add(t)
         s.flush()
         b = Batch(tenant_id=t.id, endpoint="/v1/chat/completions", input_file_id="file-x",
@@ -70,3 +71,52 @@ def test_cancel_closes_only_unfinished_rows_and_a_late_success_loses(backend):
         assert (batch.completed, batch.failed) == (1, 2)
         line = output_line(s.get(RequestRow, rows[2]))
         assert line["response"] is None and line["error"]["code"] == "batch_cancelled"
+
+
+def _counters(factory, batch_id):
+    with factory() as s:
+        b = s.get(Batch, batch_id)
+        return b.completed, b.failed, b.input_tokens, b.output_tokens
+
+
+def test_deferred_counters_land_once_per_batch_at_the_end_of_the_block(backend):
+    factory = make_sessionmaker(make_engine(backend.database_url))
+    first, rows = _batch_with_rows(factory, 3)
+    second, (other,) = _batch_with_rows(factory, 1, tenant="t2")
+    with transaction(factory) as s, deferred_batch_counts(s):
+        assert record_final(s, rows[0], _ok(3)) and record_final(s, rows[1], _ok(4))
+        assert record_final(s, rows[2], FinalResult(RequestStatus.failed, 400, {"error": {"message": "no"}}))
+        assert record_final(s, other, _ok(7))
+        with deferred_batch_counts(s):  # nested: still applied once, by the outer block
+            assert record_final(s, rows[0], _ok()) is False
+        assert s.get(Batch, first).completed == 0  # nothing applied before the block ends
+    assert _counters(factory, first) == (2, 1, 10, 7)
+    assert _counters(factory, second) == (1, 0, 5, 7)
+
+
+def test_deferred_counters_are_not_applied_when_the_block_fails(backend):
+    factory = make_sessionmaker(make_engine(backend.database_url))
+    batch_id, (row_id,) = _batch_with_rows(factory, 1)
+    try:
+        with transaction(factory) as s, deferred_batch_counts(s):
+            record_final(s, row_id, _ok())
+            raise RuntimeError("the group failed")
+    except RuntimeError:
+        pass
+    assert _counters(factory, batch_id) == (0, 0, 0, 0)
+    with factory() as s:
+        assert s.get(RequestRow, row_id).status == "pending"  # rolled back with it
+
+
+def test_begin_attempt_of_an_open_batch_only_skips_a_closing_batch(backend):
+    factory = make_sessionmaker(make_engine(backend.database_url))
+    batch_id, (row_id,) = _batch_with_rows(factory, 1)
+    with transaction(factory) as s:
+        batch = s.get(Batch, batch_id)
+        batch.status, batch.expires_at = "cancelling", 4_000_000_000
+    with transaction(factory) as s:
+        assert begin_attempt(s, row_id, "w1", open_batch_only=True) is None
+        opened = begin_attempt(s, row_id, "w1")
+        assert (opened.number, opened.batch_id, opened.custom_id, opened.deadline) == (1, batch_id, "c0", 4_000_000_000)
+    with factory() as s:
+        assert (s.get(RequestRow, row_id).status, s.get(RequestRow, row_id).attempts) == ("running", 1)

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from aiohttp import web
 from rq import Queue
+from rq.job import Job
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 from rq.worker import Worker
 
@@ -303,6 +304,9 @@ def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
     poll(lambda: set(FailedJobRegistry(queue=stack.queue).get_job_ids()) == set(row_ids)
          and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="failed") == 2,
          20, "the failed jobs in the FailedJobRegistry, counted", lambda: stack.procs.log("worker"))
+    # RQ's tools show why: the failed job's latest result carries the row's failure.
+    reason = Job.fetch(row_ids[0], connection=stack.redis).latest_result().exc_string
+    assert reason == f"server_error: {rows[0].error_message}" and "gave up after 3 transient failures" in reason
 
 
 def test_transport_errors_are_retried_within_the_budget(stack):
@@ -348,7 +352,11 @@ def test_client_error_is_final_with_the_response_kept(stack):
     assert (row.status, row.response_status, row.attempts) == ("failed", 400, 1)
     assert stack.attempts(row.id)[0].outcome == "client_error"
     line = output_line(row)
-    assert line["response"]["status_code"] == 400 and line["response"]["body"]["error"]["message"]
+    message = line["response"]["body"]["error"]["message"]
+    assert line["response"]["status_code"] == 400 and message
+    poll(lambda: FailedJobRegistry(queue=stack.queue).get_job_ids() == [row.id], 20,
+         "the failed job in the FailedJobRegistry", lambda: stack.procs.log("worker"))
+    assert Job.fetch(row.id, connection=stack.redis).latest_result().exc_string == f"HTTP 400: {message}"
 
 
 def test_duplicate_deliveries_give_one_final_result_and_are_counted(stack):
