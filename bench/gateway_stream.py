@@ -59,30 +59,31 @@ class _Pipe(asyncio.Protocol):
             self.peer.transport.close()
 
 
+class _Accepted(_Pipe):
+    """The caller's side: reading waits until the upstream connection exists."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__()
+        self.upstream_port = upstream_port
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        transport.pause_reading()
+        asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        _t, up = await asyncio.get_running_loop().create_connection(_Pipe, "127.0.0.1", self.upstream_port)
+        up.peer, self.peer = self, up
+        assert self.transport is not None
+        self.transport.resume_reading()
+
+
 def serve_byte_relay(port: int, upstream_port: int) -> None:
     """Each accepted connection spliced to a new upstream connection: no HTTP, no parsing, uvloop."""
 
     async def serve() -> None:
-        loop = asyncio.get_running_loop()
-
-        def accepted() -> _Pipe:
-            down = _Pipe()
-
-            async def connect() -> None:
-                _t, up = await loop.create_connection(_Pipe, "127.0.0.1", upstream_port)
-                up.peer, down.peer = down, up
-                assert down.transport is not None
-                down.transport.resume_reading()
-
-            def made(transport) -> None:
-                _Pipe.connection_made(down, transport)
-                transport.pause_reading()  # until the upstream side exists
-                loop.create_task(connect())
-
-            down.connection_made = made  # type: ignore[method-assign]
-            return down
-
-        server = await loop.create_server(accepted, "127.0.0.1", port, backlog=1024)
+        server = await asyncio.get_running_loop().create_server(lambda: _Accepted(upstream_port), "127.0.0.1",
+                                                                port, backlog=1024)
         async with server:
             await server.serve_forever()
 
