@@ -22,21 +22,18 @@ def private_salt(tenant: str, permission_version: int) -> str:
     return f"tenant:{digest}"
 
 
-def salted_body(body: bytes, path: str, salt: str | None) -> bytes:
-    """The request body with the caller's cache scope applied; `salt=None` means a public caller."""
-    if path not in GENERATION_PATHS:
-        return body
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+def salted_body(body: bytes, path: str, salt: str | None, doc: object) -> bytes:
+    """The request body with the caller's cache scope applied; `salt=None` means a public caller.
+
+    `doc` is `body` already parsed (None when it is not JSON): the proxy parses each body once, for this
+    and for KV admission, and serialises it again only when the salt changes it."""
+    if path not in GENERATION_PATHS or not body or not isinstance(doc, dict):
         return body  # the replica answers the caller's bad JSON with its own 400
-    if not isinstance(parsed, dict):
-        return body
-    own = parsed.get("cache_salt")
+    own = doc.get("cache_salt")
     if salt is not None:
-        parsed["cache_salt"] = salt
+        doc["cache_salt"] = salt
     elif isinstance(own, str) and own:
-        parsed["cache_salt"] = PUBLIC_PREFIX + own
+        doc["cache_salt"] = PUBLIC_PREFIX + own
     else:
         return body
-    return json.dumps(parsed, separators=(",", ":")).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()

@@ -45,7 +45,10 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     await site.start()
-    log_event(logger, logging.INFO, "listening", host=host, port=port)
+    # uvloop (a dependency off Windows) runs the transports and callbacks of every relayed chunk in C;
+    # asyncio is the fallback where it does not install. The log says which one runs.
+    log_event(logger, logging.INFO, "listening", host=host, port=port,
+              event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

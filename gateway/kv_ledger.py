@@ -3,8 +3,10 @@
 A reservation is a request's worst-case commitment, ceil(safetyFactor × ceil((prompt + max new) ÷
 blockTokens)) blocks, taken at dispatch. As the response is relayed its used part (prompt + output so far)
 grows and the remaining allowance shrinks; when generation ends the reservation shrinks to what is used,
-and at end, cancel, disconnect or eviction it is released at once. Totals are kept per replica, per
-fairness id and per traffic class, plus occupied token-seconds (tokens held × seconds) over a window.
+and at end, cancel, disconnect or eviction it is released at once. The relay revises a reservation when its
+blocks change (a block boundary, the output limit, the finish marker), so held tokens and token-seconds follow
+the stream block by block. Totals are kept per replica, per fairness id and per traffic class, plus occupied
+token-seconds (tokens held × seconds) over a window.
 """
 
 from __future__ import annotations
@@ -125,6 +127,11 @@ class KvLedger:
         # An estimate that was too low grows the reservation to what is really held.
         res.blocks = max(res.blocks, res.used_blocks)
         self._apply(res, +1)
+
+    def revision_due(self, res: Reservation) -> int:
+        """The output-token count at which `revise` next changes the reservation (a block boundary of the
+        held tokens, or the output limit): the relay revises only then, not on every streamed chunk."""
+        return min(res.max_new_tokens, res.used_blocks * self.block_tokens - res.prompt_tokens + 1)
 
     def move(self, res: Reservation, replica: str) -> None:
         self._apply(res, -1)

@@ -24,6 +24,7 @@ from multidict import CIMultiDict
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.flow_control import FlowController, Outcome
+from gateway.kv_ledger import Reservation
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
@@ -40,7 +41,7 @@ _HOP_BY_HOP = frozenset({
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
 RESUMABLE_HEADER = "x-holdback-resumable"
 _EVENT = b"data: {"
-_FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
+_FINISHED, _FINISHED_SPACED = b'"finish_reason":"', b'"finish_reason": "'
 
 
 def _request_id(headers) -> str:
@@ -65,12 +66,8 @@ class Proxy:
         self.controller.tokenizer_fallbacks += 1
         self.metrics.tokenizer_fallbacks.inc()
 
-    async def _count_tokens(self, req: FlowRequest, body: bytes, path: str) -> web.Response | None:
+    async def _count_tokens(self, req: FlowRequest, doc: object, path: str) -> web.Response | None:
         """Fill the request's prompt and output-limit tokens; an answer when the body is not a JSON object."""
-        try:
-            doc = json.loads(body) if body else {}
-        except (ValueError, UnicodeDecodeError):
-            doc = None
         if not isinstance(doc, dict):
             return error_response(400, "The request body must be a JSON object.", "invalid_request_error",
                                   "invalid_json", req.request_id)
@@ -90,13 +87,15 @@ class Proxy:
         except ClassificationError as exc:
             log_event(logger, logging.INFO, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
-        body = salted_body(await request.read(), request.path, cls.cache_salt)
+        raw = await request.read()
+        doc = _document(raw)
+        body = salted_body(raw, request.path, cls.cache_salt, doc)
         controller = self.controller
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                           resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1")
         if controller.admission is not None:
-            refused = await self._count_tokens(req, body, request.path)
+            refused = await self._count_tokens(req, doc, request.path)
             if refused is not None:
                 return refused
         req.task = asyncio.current_task()
@@ -204,28 +203,37 @@ class Proxy:
                 controller.finish(req, "end", time.monotonic())
                 return web.Response(status=resp.status, body=data, headers=headers)
             stream = web.StreamResponse(status=resp.status, headers=headers)
-            first = True
+            # The per-chunk path is the gateway's hot loop: one count, two substring tests, one write; the
+            # ledger is revised only when the reservation's blocks change (see KvLedger.revision_due).
+            content = resp.content
+            write = stream.write
+            res = req.reservation if isinstance(req.reservation, Reservation) else None
+            ledger = controller.ledger if res is not None else None
+            due = ledger.revision_due(res) if ledger is not None and res is not None else 0
             tokens = 0
-            follow = req.reservation is not None
-            async for chunk in resp.content.iter_any():
-                if first:
-                    first = False
-                    self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
-                    await stream.prepare(request)
-                    req.streaming_started = True
-                if follow:
+            chunk = await content.readany()
+            if chunk:
+                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                await stream.prepare(request)
+                req.streaming_started = True
+            while chunk:
+                if ledger is not None:
                     tokens += chunk.count(_EVENT)
-                    controller.revise(req, tokens, done=any(f in chunk for f in _FINISHED))
+                    done = _FINISHED in chunk or _FINISHED_SPACED in chunk
+                    if done or tokens >= due:
+                        controller.revise(req, tokens, done=done)
+                        due = ledger.revision_due(res)
                 try:
-                    await stream.write(chunk)
+                    await write(chunk)
                 except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
                     resp.close()
                     controller.finish(req, "cancel", time.monotonic())
                     log_event(logger, logging.INFO, "caller_left_stream", request_id=request_id)
                     return stream
+                chunk = await content.readany()
             resp.release()
             controller.finish(req, "end", time.monotonic())
-            if first:
+            if not stream.prepared:
                 await stream.prepare(request)
             # The whole answer was relayed and released; a caller that left before the final chunk is no error.
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
@@ -259,6 +267,16 @@ class Proxy:
                           replica=replica.url, error=f"{type(exc).__name__}: {exc}")
                 raise
             return self._upstream_failure(replica, exc, request_id)
+
+
+def _document(body: bytes) -> object:
+    """The request body parsed once, for the cache salt and KV admission: {} when empty, None when not JSON."""
+    if not body:
+        return {}
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _uncancel() -> None:

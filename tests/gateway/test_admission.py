@@ -50,6 +50,26 @@ def test_revise_follows_output_and_release_frees_everything():
     assert ledger.reserved_on("r") == 0 and ledger.tenant("t").active == 0
 
 
+@pytest.mark.parametrize("prompt, max_new", [(32, 64), (5, 40), (17, 3), (0, 33)])
+def test_revising_only_when_due_keeps_the_same_blocks_as_revising_every_token(prompt, max_new):
+    every, due_only = (KvLedger(block_tokens=16, safety_factor=1.0, window=60) for _ in range(2))
+    a, b = (ledger.reserve(request_id="a", fairness_id="t", traffic_class="interactive", priority=0,
+                           replica="r", prompt_tokens=prompt, max_new_tokens=max_new, now=0.0)
+            for ledger in (every, due_only))
+    due = due_only.revision_due(b)
+    revisions = 0
+    for out in range(1, max_new + 1):
+        every.revise(a, out, float(out))
+        if out >= due:
+            due_only.revise(b, out, float(out))
+            due = due_only.revision_due(b)
+            revisions += 1
+        assert (b.blocks, b.used_blocks, due_only.reserved_on("r")) == (a.blocks, a.used_blocks,
+                                                                         every.reserved_on("r")), out
+    # The ledger is touched once per block crossed (and at the output limit), not once per token.
+    assert revisions <= max_new // 16 + 2
+
+
 def test_the_watermark_ladder():
     adm, ledger = setup()
     r = rep()

@@ -34,15 +34,23 @@ def test_private_salt_depends_on_tenant_and_permission_version_public_keys_get_n
     assert salt_of("pub1-key") is None and salt_of("pub2-key") is None
 
 
+def salted(body: bytes, path: str, salt: str | None) -> bytes:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    return salted_body(body, path, salt, doc)
+
+
 def test_the_gateway_salt_replaces_the_callers_and_public_salts_are_namespaced():
     body = json.dumps({"messages": [], "cache_salt": private_salt("tenant-a", 1)}).encode()
-    assert json.loads(salted_body(body, CHAT, salt_of("b-key")))["cache_salt"] == salt_of("b-key"), \
+    assert json.loads(salted(body, CHAT, salt_of("b-key")))["cache_salt"] == salt_of("b-key"), \
         "tenant b cannot claim tenant a's scope by naming it"
-    assert json.loads(salted_body(body, CHAT, None))["cache_salt"] == "public:" + private_salt("tenant-a", 1)
+    assert json.loads(salted(body, CHAT, None))["cache_salt"] == "public:" + private_salt("tenant-a", 1)
     plain = json.dumps({"prompt": "x"}).encode()
-    assert salted_body(plain, "/v1/completions", None) == plain, "a public caller without a salt sends none"
-    assert salted_body(plain, "/v1/embeddings", salt_of("a-key")) == plain, "only generation bodies"
-    assert salted_body(b"not json", CHAT, salt_of("a-key")) == b"not json", "the replica reports bad JSON"
+    assert salted(plain, "/v1/completions", None) == plain, "a public caller without a salt sends none"
+    assert salted(plain, "/v1/embeddings", salt_of("a-key")) == plain, "only generation bodies"
+    assert salted(b"not json", CHAT, salt_of("a-key")) == b"not json", "the replica reports bad JSON"
 
 
 def test_tenant_b_sending_tenant_as_exact_prompt_gets_no_cached_tokens(stack):

@@ -1,0 +1,309 @@
+"""The gateway's cost per streamed token and its added streaming latency, against the simulator in the same run.
+
+One simulated replica (default step timing, no timer spin, so its CPU is the work of generating tokens), one
+`holdback gateway` in front of it (KV admission on, so the relay also keeps the ledger's token count) and a bare
+aiohttp pass-through relay (the one of bench/gateway_overhead.py: the floor of any relay built on aiohttp) and a
+TCP byte relay (uvloop protocols splicing each connection, no HTTP at all: the floor of any relay in Python).
+Each round sends `--streams` concurrent streamed chat completions of `--tokens` tokens directly to the replica,
+through the gateway and through both relays (the order reverses every other round); a load generator in its
+own process records each stream's time to first token and the gaps between its tokens. Reported, per gateway
+run, the gateway's CPU per 1,000 streamed tokens divided by the simulator's CPU in the same run (goal at most
+0.25) and by the bare relay's CPU per 1,000 tokens (what holdback adds to aiohttp), the byte relay's CPU over
+the simulator's (what no Python relay can go below), and per round the
+p95 TTFT and p95 inter-token gap through the gateway divided by direct (goal at most 1.1); medians over rounds,
+and for the pooled p95s a distribution-free interval with whether the goal is decided.
+
+    python -m bench.gateway_stream --rounds 3 --streams 256 --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from bench.eviction_cost import quantile_interval
+from bench.gateway_overhead import Children, holdback
+from bench.readiness import free_port, wait_http
+
+PY = sys.executable
+_EVENT = b"data: {"
+
+
+# -- the byte relay (baseline: the floor of any relay in Python) -------------------------------------------------
+class _Pipe(asyncio.Protocol):
+    """One direction of a TCP splice: what arrives is written to the peer's transport, nothing else."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Pipe | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        assert self.peer is not None and self.peer.transport is not None
+        self.peer.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+
+
+class _Accepted(_Pipe):
+    """The caller's side: reading waits until the upstream connection exists."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__()
+        self.upstream_port = upstream_port
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        transport.pause_reading()
+        asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        _t, up = await asyncio.get_running_loop().create_connection(_Pipe, "127.0.0.1", self.upstream_port)
+        up.peer, self.peer = self, up
+        assert self.transport is not None
+        self.transport.resume_reading()
+
+
+def serve_byte_relay(port: int, upstream_port: int) -> None:
+    """Each accepted connection spliced to a new upstream connection: no HTTP, no parsing, uvloop."""
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(lambda: _Accepted(upstream_port), "127.0.0.1",
+                                                                port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    import uvloop
+    uvloop.run(serve())
+
+
+# -- the load generator (its own process) ----------------------------------------------------------------------
+async def _streams(url: str, streams: int, tokens: int) -> dict:
+    body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}],
+                       "max_tokens": tokens, "ignore_eos": True, "stream": True}).encode()
+    headers = {"Content-Type": "application/json"}
+    ttft: list[float] = []
+    gaps: list[float] = []
+    counted = errors = 0
+    connector = aiohttp.TCPConnector(limit=streams, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one() -> None:
+            nonlocal counted, errors
+            t0 = time.perf_counter()
+            last = None
+            seen = 0
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    if r.status != 200:
+                        errors += 1
+                        await r.read()
+                        return
+                    async for chunk in r.content.iter_any():
+                        now = time.perf_counter()
+                        n = chunk.count(_EVENT)
+                        if not n:
+                            continue
+                        if last is None:
+                            ttft.append(now - t0)
+                        else:
+                            gaps.append(now - last)
+                        # Tokens that arrived in one read arrived together: their gaps are zero.
+                        gaps.extend([0.0] * (n - 1))
+                        last = now
+                        seen += n
+            except aiohttp.ClientError:
+                errors += 1
+                return
+            counted += seen
+
+        await asyncio.gather(*(one() for _ in range(streams)))
+    return {"tokens": counted, "errors": errors, "ttft": ttft, "gaps": gaps}
+
+
+def run_streams(url: str, streams: int, tokens: int) -> dict:
+    out = subprocess.run([PY, "-m", "bench.gateway_stream", "--load", url, "--streams", str(streams),
+                          "--tokens", str(tokens)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]
+
+
+def _cpu(proc: psutil.Process) -> float:
+    """CPU seconds of a process and its children (`holdback` may run the service in a child)."""
+    total = sum(proc.cpu_times()[:2])
+    for child in proc.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _verdict(gw: list[float], direct: list[float], goal: float) -> dict:
+    g_lo, g_hi = quantile_interval(gw, 0.95)
+    d_lo, d_hi = quantile_interval(direct, 0.95)
+    out = {"gateway_p95_ms": _p95(gw) * 1000, "direct_p95_ms": _p95(direct) * 1000,
+           "gateway_interval_ms": [g_lo * 1000, g_hi * 1000] if g_lo is not None else None,
+           "direct_interval_ms": [d_lo * 1000, d_hi * 1000] if d_lo is not None else None}
+    if g_lo is None or d_lo is None or not d_lo:
+        out["goal"] = "undecided (too few samples)"
+    elif g_hi <= goal * d_lo:
+        out["goal"] = f"met (even the interval ends are within {goal}x)"
+    elif g_lo > goal * d_hi:
+        out["goal"] = f"not met (the interval ends are apart by more than {goal}x)"
+    else:
+        out["goal"] = "undecided (the intervals straddle the goal)"
+    return out
+
+
+def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    sim_port, gw_port = free_port(), free_port()
+    sim = f"http://127.0.0.1:{sim_port}"
+    sim_proc = children.start(holdback("sim", "--port", str(sim_port), "--max-num-seqs", str(2 * args.streams),
+                                       "--num-blocks", "200000", "--timer-spin-ms", "0", "--log-level", "WARNING"),
+                              tmp / "sim.log")
+    wait_http(sim + "/health", sim_proc)
+    config = tmp / "gateway.yaml"
+    # Capacity above the load and a KV pool far larger than it: this measures the relay, not queueing.
+    config.write_text("saturation: {maxConcurrency: 1024}\nanonymous: {objectives: ['*']}\n"
+                      "admission: {enabled: true, tokenizer: estimate, kvPoolGiB: 4096}\n")
+    gw_proc = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas",
+                                      sim, "--log-level", "WARNING"), tmp / "gateway.log")
+    gw = f"http://127.0.0.1:{gw_port}"
+    wait_http(gw + "/health", gw_proc)
+    # The floor of an aiohttp relay: the bare pass-through proxy of bench/gateway_overhead.py, same library.
+    bare_port = free_port()
+    bare_proc = children.start([PY, "-m", "bench.gateway_overhead", "--serve-bare-proxy", str(bare_port),
+                                "--upstream", sim], tmp / "bare.log")
+    bare = f"http://127.0.0.1:{bare_port}"
+    wait_http(bare + "/health", bare_proc)
+    byte_port = free_port()
+    byte_proc = children.start([PY, "-m", "bench.gateway_stream", "--serve-byte-relay", str(byte_port),
+                                "--upstream-port", str(sim_port)], tmp / "byte.log")
+    byte = f"http://127.0.0.1:{byte_port}"
+    wait_http(byte + "/health", byte_proc)
+    sim_ps = psutil.Process(sim_proc.pid)
+    relays = {"gateway": psutil.Process(gw_proc.pid), "bare_relay": psutil.Process(bare_proc.pid),
+              "byte_relay": psutil.Process(byte_proc.pid)}
+    targets = {"direct": sim, "gateway": gw, "bare_relay": bare, "byte_relay": byte}
+    for url in (gw, bare, byte):  # warm the relays' connections and imports
+        run_streams(url + "/v1/chat/completions", 16, 16)
+    cpu_ratios: list[float] = []
+    bare_ratios: list[float] = []
+    byte_ratios: list[float] = []
+    relay_itl: dict[str, list[float]] = {"bare_relay": [], "byte_relay": []}
+    gw_ms_per_k: list[float] = []
+    sim_ms_per_k: list[float] = []
+    ttft_ratios: list[float] = []
+    itl_ratios: list[float] = []
+    pooled: dict[str, dict[str, list[float]]] = {t: {"ttft": [], "gaps": []} for t in targets}
+    errors = dict.fromkeys(targets, 0)
+    for rnd in range(args.rounds):
+        order = list(targets) if rnd % 2 == 0 else list(targets)[::-1]
+        runs: dict[str, dict] = {}
+        for name in order:
+            sim0 = _cpu(sim_ps)
+            relay = relays.get(name)
+            relay0 = _cpu(relay) if relay is not None else 0.0
+            res = run_streams(targets[name] + "/v1/chat/completions", args.streams, args.tokens)
+            res["sim_cpu"] = _cpu(sim_ps) - sim0
+            res["relay_cpu"] = _cpu(relay) - relay0 if relay is not None else 0.0
+            runs[name] = res
+            errors[name] += res["errors"]
+            pooled[name]["ttft"] += res["ttft"]
+            pooled[name]["gaps"] += res["gaps"]
+        g, d = runs["gateway"], runs["direct"]
+        per_k_gw = g["relay_cpu"] / g["tokens"] * 1e6
+        per_k = {n: runs[n]["relay_cpu"] / runs[n]["tokens"] * 1e6 for n in ("bare_relay", "byte_relay")}
+        bare_ratios.append(per_k_gw / per_k["bare_relay"])
+        for name, ratios in relay_itl.items():
+            ratios.append(_p95(runs[name]["gaps"]) / _p95(d["gaps"]))
+        byte_ratios.append(per_k["byte_relay"] / (g["sim_cpu"] / g["tokens"] * 1e6))
+        per_k_sim = g["sim_cpu"] / g["tokens"] * 1e6
+        gw_ms_per_k.append(per_k_gw)
+        sim_ms_per_k.append(per_k_sim)
+        cpu_ratios.append(per_k_gw / per_k_sim)
+        ttft_ratios.append(_p95(g["ttft"]) / _p95(d["ttft"]))
+        itl_ratios.append(_p95(g["gaps"]) / _p95(d["gaps"]))
+        print(f"round {rnd + 1}/{args.rounds}: gateway {per_k_gw:.1f} ms CPU / 1k tokens, simulator "
+              f"{per_k_sim:.1f} (ratio {cpu_ratios[-1]:.3f}), gateway / bare aiohttp relay {bare_ratios[-1]:.3f}, "
+              f"byte relay / simulator {byte_ratios[-1]:.3f}; "
+              f"p95 TTFT gw/direct {ttft_ratios[-1]:.3f}, "
+              f"p95 inter-token gw/direct {itl_ratios[-1]:.3f}; tokens {g['tokens']}/{d['tokens']}",
+              file=sys.stderr, flush=True)
+    return {
+        "streams": args.streams, "tokens_per_stream": args.tokens, "rounds": args.rounds, "errors": errors,
+        "gateway_cpu_ms_per_1k_tokens": {"median": statistics.median(gw_ms_per_k),
+                                         "per_round": [round(x, 2) for x in gw_ms_per_k]},
+        "simulator_cpu_ms_per_1k_tokens": {"median": statistics.median(sim_ms_per_k),
+                                           "per_round": [round(x, 2) for x in sim_ms_per_k]},
+        "cpu_ratio_gateway_over_simulator": {"median": statistics.median(cpu_ratios), "goal": 0.25,
+                                             "per_round": [round(x, 3) for x in cpu_ratios]},
+        "cpu_ratio_gateway_over_bare_relay": {"median": statistics.median(bare_ratios),
+                                              "per_round": [round(x, 3) for x in bare_ratios]},
+        "cpu_ratio_byte_relay_over_simulator": {"median": statistics.median(byte_ratios),
+                                                "per_round": [round(x, 3) for x in byte_ratios]},
+        # The baselines' own added inter-token latency: what any relay on this machine adds.
+        "p95_inter_token_ratio_relays_over_direct": {name: {"median": statistics.median(r),
+                                                            "per_round": [round(x, 3) for x in r]}
+                                                     for name, r in relay_itl.items()},
+        "p95_ttft_ratio_gateway_over_direct": {"median": statistics.median(ttft_ratios), "goal": 1.1,
+                                               "per_round": [round(x, 3) for x in ttft_ratios],
+                                               "pooled": _verdict(pooled["gateway"]["ttft"],
+                                                                  pooled["direct"]["ttft"], 1.1)},
+        "p95_inter_token_ratio_gateway_over_direct": {"median": statistics.median(itl_ratios), "goal": 1.1,
+                                                      "per_round": [round(x, 3) for x in itl_ratios],
+                                                      "pooled": _verdict(pooled["gateway"]["gaps"],
+                                                                         pooled["direct"]["gaps"], 1.1)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="rounds of direct + gateway runs (default 3)")
+    p.add_argument("--streams", type=int, default=256, help="concurrent streams per run (default 256)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream (default 256)")
+    p.add_argument("--out", help="write the JSON summary here as well")
+    p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run the load generator against this URL
+    p.add_argument("--serve-byte-relay", type=int, help=argparse.SUPPRESS)  # internal: the byte relay's port
+    p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_byte_relay:
+        serve_byte_relay(args.serve_byte_relay, args.upstream_port)
+        return 0
+    if args.load:
+        print(json.dumps(asyncio.run(_streams(args.load, args.streams, args.tokens))))
+        return 0
+    children = Children()
+    try:
+        with tempfile.TemporaryDirectory(prefix="gateway-stream-") as tmp:
+            summary = measure(args, children, Path(tmp))
+    finally:
+        children.close()
+    text = json.dumps(summary, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
