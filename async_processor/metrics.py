@@ -1,8 +1,8 @@
-"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port`."""
+"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port` (holdback.probes)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class WorkerMetrics:
@@ -44,6 +44,3 @@ class WorkerMetrics:
         self.attempt_seconds = Histogram(
             "holdback_worker_attempt_seconds", "Gateway request time of one attempt.", ["outcome"], registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)

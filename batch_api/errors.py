@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from holdback.contract import REQUEST_ID_HEADER
+
 log = logging.getLogger("batch_api.errors")
 
 
@@ -167,7 +169,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
             "internal_error",
         ),
         status_code=500,
-        headers={"x-request-id": request_id},
+        headers={REQUEST_ID_HEADER: request_id},
     )
 
 
