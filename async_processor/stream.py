@@ -148,6 +148,8 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
         reply = Reply.transport_error(f"stream cut after {assembly.content_chunks} chunks: {exc}")
     except asyncio.TimeoutError:
         reply = Reply.transport_error(f"no complete answer within {timeout:g}s")
+    except aiohttp.ClientConnectorError as exc:  # refused, unresolvable: the path is down, not the request
+        reply = Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
     except (aiohttp.ClientError, OSError) as exc:
         reply = Reply.transport_error(f"{type(exc).__name__}: {exc}")
     return StreamedReply(reply, assembly, cut=bool(assembly.head), events=bool(assembly.head))
