@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from holdback.probes import component_registry
 
 
 class WorkerMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = component_registry()
         r = self.registry
         self.queue_depth = Gauge(
             "holdback_worker_queue_depth", "Jobs in the request queue and its RQ registries.", ["state"], registry=r)

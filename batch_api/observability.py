@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from holdback.contract import REQUEST_ID_HEADER
+from holdback.probes import component_registry
 from holdback.logs import log_event
 
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
@@ -41,7 +42,7 @@ class ApiMetrics:
 
 
 def create_metrics() -> ApiMetrics:
-    registry = CollectorRegistry()
+    registry = component_registry()
     return ApiMetrics(
         registry=registry,
         requests=Counter(

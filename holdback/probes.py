@@ -14,10 +14,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 # A check returns None when it passes, else what failed (shown to the operator).
 Check = Callable[[], "str | None"]
+
+
+def component_registry(**kwargs: object) -> CollectorRegistry:
+    """A component's own registry, with the process's CPU, memory and file descriptors (`process_*`) and the
+    Python version (`python_info`) on it, so every component's scrape shows what its process costs."""
+    registry = CollectorRegistry(**kwargs)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
 
 
 @dataclass

@@ -58,3 +58,17 @@ def test_a_silent_main_loop_fails_liveness_and_readiness():
         assert httpx.get(url + "/healthz", timeout=10).status_code == 200
     finally:
         server.shutdown()
+
+
+def test_every_components_registry_shows_its_process():
+    from prometheus_client import generate_latest
+
+    from async_processor.metrics import WorkerMetrics
+    from batch_api.observability import create_metrics
+    from batch_processor.metrics import ProcessorMetrics
+    from gateway.metrics import GatewayMetrics
+
+    for registry in (GatewayMetrics().registry, ProcessorMetrics().registry, WorkerMetrics().registry,
+                     create_metrics().registry):
+        text = generate_latest(registry).decode()
+        assert "process_resident_memory_bytes" in text and "python_info" in text
