@@ -38,7 +38,7 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--name", help="worker name in Redis (default <namespace>.<host>.<pid>; .1, .2, ... per process)")
     p.add_argument("--gateway-url", help="where requests go (default HOLDBACK_GATEWAY_URL or http://127.0.0.1:8200)")
     p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics on this port (process i of --processes uses PORT+i)")
+                   help="serve /metrics, /healthz and /readyz on this port (process i of --processes uses PORT+i)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
     p.add_argument("--burst", action="store_true", help="exit once the queue is empty and nothing is in flight")
     p.add_argument("--backoff-base", type=float, default=env.backoff_base,
