@@ -37,7 +37,8 @@ class GatewayMetrics:
             f"{PREFIX}_eviction_confirmation_seconds", "Eviction decision to the victim's upstream connection "
             "closed.", buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
-                              "byte from the replica, by objective.", ["objective"], buckets=_LATENCY_BUCKETS,
+                              "byte from the replica, by objective: the first token for streamed answers, the "
+                              "whole answer (end to end) for non-streamed ones.", ["objective"], buckets=_LATENCY_BUCKETS,
                               registry=r)
         self.kv_release = Histogram(
             f"{PREFIX}_kv_release_seconds", "From a request's end, cancellation, disconnect or eviction decision "
