@@ -20,15 +20,12 @@ from redis.exceptions import RedisError
 
 from async_processor import log
 from async_processor.metrics import WorkerMetrics
-from holdback.dispatch import DROP_REASON_HEADER, is_path_failure
+from holdback.contract import DROP_REASON_HEADER, circuit_key
+from holdback.dispatch import is_path_failure
 
 PROBE_PATH = "/v1/models"  # answered by the gateway (503 with no healthy replica) and by vLLM itself
 PROBE_TIMEOUT = 5.0
 CHECK_INTERVAL = 0.5  # seconds a worker trusts its last read of the key
-
-
-def circuit_key(namespace: str) -> str:
-    return f"{namespace}:circuit:gateway"
 
 
 class GatewayCircuit:

@@ -16,7 +16,8 @@ from async_processor import log
 from async_processor.config import WorkerConfig, WorkerSettings
 from async_processor.metrics import WorkerMetrics
 from async_processor.registration import WorkerNameTaken
-from holdback.broker import requests_queue_name, resolve_redis_url
+from holdback.broker import resolve_redis_url
+from holdback.contract import requests_queue_name, worker_name
 from holdback.dispatch import Jitter, RetryPolicy
 from holdback.env_flags import flags_from_env
 from holdback.settings import Settings
@@ -37,7 +38,7 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--name", help="worker name in Redis (default <namespace>.<host>.<pid>; .1, .2, ... per process)")
     p.add_argument("--gateway-url", help="where requests go (default HOLDBACK_GATEWAY_URL or http://127.0.0.1:8200)")
     p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics on this port (process i of --processes uses PORT+i)")
+                   help="serve /metrics, /healthz and /readyz on this port (process i of --processes uses PORT+i)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
     p.add_argument("--burst", action="store_true", help="exit once the queue is empty and nothing is in flight")
     p.add_argument("--backoff-base", type=float, default=env.backoff_base,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backoff_cap < args.backoff_base:
         parser.error(f"--backoff-cap ({args.backoff_cap}) must not be below --backoff-base ({args.backoff_base})")
     settings = Settings()
-    name = args.name or f"{settings.redis_namespace}.{socket.gethostname()}.{os.getpid()}"
+    name = args.name or worker_name(settings.redis_namespace, socket.gethostname(), os.getpid())
     if args.processes > 1:
         return _supervise(argv if argv is not None else sys.argv[1:], args, name)
     try:
@@ -122,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    metrics = WorkerMetrics()
-    if config.metrics_port:
-        metrics.serve(config.metrics_port, args.metrics_host)
+    from async_processor.health import probes
     from async_processor.worker import AsyncWorker
+    from holdback.probes import serve
 
-    worker = AsyncWorker(config, metrics)
+    worker = AsyncWorker(config, WorkerMetrics())
+    if config.metrics_port:
+        serve(probes(worker), config.metrics_port, args.metrics_host)
     try:
         import uvloop
     except ImportError:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from holdback.contract import cancel_channel
 from holdback.dispatch import Jitter, RetryPolicy
 
 
@@ -76,4 +77,4 @@ class WorkerConfig:
 
     @property
     def cancel_channel(self) -> str:
-        return f"{self.namespace}:cancel"
+        return cancel_channel(self.namespace)

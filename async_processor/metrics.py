@@ -1,13 +1,15 @@
-"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port`."""
+"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port` (holdback.probes)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
+
+from holdback.probes import component_registry
 
 
 class WorkerMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = component_registry()
         r = self.registry
         self.queue_depth = Gauge(
             "holdback_worker_queue_depth", "Jobs in the request queue and its RQ registries.", ["state"], registry=r)
@@ -44,6 +46,3 @@ class WorkerMetrics:
         self.attempt_seconds = Histogram(
             "holdback_worker_attempt_seconds", "Gateway request time of one attempt.", ["outcome"], registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)

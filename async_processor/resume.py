@@ -17,10 +17,10 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from async_processor.stream import StreamAssembly, StreamedReply, TokenSums
+from holdback.contract import RESUMABLE_HEADER
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
 from holdback.models import Attempt
 
-RESUMABLE_HEADER = "x-holdback-resumable"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 _LIMITS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens")}

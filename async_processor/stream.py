@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from holdback.dispatch import DROP_REASON_HEADER, EVICTED, Reply
+from holdback.contract import DROP_REASON_HEADER, is_eviction
+from holdback.dispatch import Reply
 
 _CHUNK_OBJECTS = {"chat.completion.chunk": "chat.completion", "text_completion": "text_completion"}
 
@@ -157,8 +158,8 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
 def _cut_reply(headers, assembly: StreamAssembly) -> Reply:
     """A stream that ended without [DONE]: the gateway's eviction notice is a 429 `evicted` like any other."""
     error = assembly.error or {}
-    if error.get("code") == EVICTED:
+    if is_eviction(error.get("code")):
         replica = {k: v for k, v in headers.items() if k.lower() != "content-type"}
-        return Reply(429, {**replica, DROP_REASON_HEADER: EVICTED}, json.dumps({"error": error}).encode())
+        return Reply(429, {**replica, DROP_REASON_HEADER: error["code"]}, json.dumps({"error": error}).encode())
     what = error.get("message") or "the stream ended without [DONE]"
     return Reply.transport_error(f"stream cut after {assembly.content_chunks} chunks: {what}")

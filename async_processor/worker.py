@@ -24,9 +24,10 @@ from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
 from async_processor.queue import Claim, Finish, RequestQueue
 from async_processor.registration import Registration
-from holdback.broker import pause_key
+from holdback.contract import pause_key
 from holdback.dispatch import Disposition, Skip
 from holdback.models import RequestStatus
+from holdback.probes import Heartbeat
 
 IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.25
@@ -49,6 +50,9 @@ class AsyncWorker:
         self.holds_scheduler = False
         self.paused = False
         self.pause_checked_at = float("-inf")
+        # Probes (async_processor.health): the heartbeat loop beats; Redis's last answer to it decides readiness.
+        self.heartbeat = Heartbeat(stale_after=3 * config.heartbeat_interval + 10)
+        self.redis_failure: str | None = "not registered yet"
 
     def stop(self) -> None:
         if not self.stopping.is_set():
@@ -75,6 +79,7 @@ class AsyncWorker:
                                       self.metrics, cfg.probe_interval)
         try:
             await self.registration.register_birth()
+            self.redis_failure = None
             log.event(logging.INFO, "worker_started", worker=cfg.name, queue=cfg.queue_name,
                       concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
             helpers = [asyncio.create_task(c) for c in (
@@ -300,11 +305,14 @@ class AsyncWorker:
             await self._pause(self.config.heartbeat_interval)
             if self.closing.is_set():
                 return  # a heartbeat after register_death would register this worker again
+            self.heartbeat.beat()
             try:
                 self.registration.state = "busy" if self.inflight else "idle"
                 await self.registration.heartbeat(len(self.inflight))
                 await self.queue.heartbeat(list(self.claims.values()))
+                self.redis_failure = None
             except RedisError as exc:
+                self.redis_failure = f"heartbeat failed: {exc}"
                 log.event(logging.WARNING, "heartbeat_failed", worker=self.config.name, error=str(exc))
 
     async def _scheduler_loop(self) -> None:

@@ -47,7 +47,8 @@ from holdback.logs import log_event
 from batch_api.openapi import ADMIN_ERRORS
 from batch_api.schemas import AdminBatch, AdminBatchList, CreatedKey, KeyCreate, batch_to_api, list_page
 from batch_api.tenant_scope import list_batches
-from holdback.broker import is_paused, requests_queue_name, set_paused
+from holdback.broker import is_paused, set_paused
+from holdback.contract import queue_name_prefix, requests_queue_name
 from holdback.models import (
     REQUEST_TERMINAL_VALUES,
     Attempt,
@@ -395,7 +396,7 @@ def queue_names(connection: redis.Redis, namespace: str) -> list[str]:
     prefix = Queue.redis_queue_namespace_prefix
     for key in connection.smembers(Queue.redis_queues_keys):
         name = _text(key).removeprefix(prefix)
-        if name.startswith(f"{namespace}-"):
+        if name.startswith(queue_name_prefix(namespace)):
             names.add(name)
     return sorted(names)
 

@@ -18,6 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from holdback.contract import REQUEST_ID_HEADER
+
 log = logging.getLogger("batch_api.errors")
 
 REDIS_RETRY_AFTER_S = 5
@@ -202,7 +204,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
             "internal_error",
         ),
         status_code=500,
-        headers={"x-request-id": request_id},
+        headers={REQUEST_ID_HEADER: request_id},
     )
 
 

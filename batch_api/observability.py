@@ -1,13 +1,14 @@
 """What the API server tells its operator: one JSON log event per request (holdback.logs) and Prometheus metrics.
 
-`ObserveRequests` is the ASGI middleware that gives every request an `x-request-id`, counts it by
-route template and status, times it, and logs it. Each app owns its `CollectorRegistry`, so two
-apps in one process (tests) never share counters.
+`ObserveRequests` is the ASGI middleware that gives every request an `x-request-id` (the caller's, if it
+sent a usable one), counts it by route template and status, times it, and logs it. Each app owns its
+`CollectorRegistry`, so two apps in one process (tests) never share counters.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,7 +16,21 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from holdback.contract import REQUEST_ID_HEADER
+from holdback.probes import component_registry
 from holdback.logs import log_event
+
+_REQUEST_ID = REQUEST_ID_HEADER.encode()
+# A caller's id is kept only if it is short, visible ASCII: it goes into logs and response headers verbatim.
+_REQUEST_ID_SHAPE = re.compile(rb"[!-~]{1,128}")
+
+
+def incoming_request_id(scope: Scope) -> str | None:
+    """The caller's `x-request-id`, if it sent a usable one, so its id and ours are the same in the logs."""
+    for name, value in scope.get("headers", ()):
+        if name == _REQUEST_ID:
+            return value.decode("ascii") if _REQUEST_ID_SHAPE.fullmatch(value) else None
+    return None
 
 log = logging.getLogger("batch_api.requests")
 
@@ -27,7 +42,7 @@ class ApiMetrics:
 
 
 def create_metrics() -> ApiMetrics:
-    registry = CollectorRegistry()
+    registry = component_registry()
     return ApiMetrics(
         registry=registry,
         requests=Counter(
@@ -59,7 +74,7 @@ class ObserveRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = "req_" + secrets.token_hex(12)
+        request_id = incoming_request_id(scope) or "req_" + secrets.token_hex(12)
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
@@ -69,7 +84,7 @@ class ObserveRequests:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message["headers"], (_REQUEST_ID, request_id.encode())]
             await send(message)
 
         try:

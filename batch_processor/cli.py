@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="async: RQ jobs for `holdback worker`; sync: this process calls the gateway (default %(default)s)")
     p.add_argument("--sync-concurrency", type=int, default=_DEFAULTS.sync_concurrency,
                    help="upper bound of the adaptive (AIMD) concurrency in sync mode (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics, /healthz (liveness) and /readyz (database and Redis answer) on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
     p.add_argument("--once", action="store_true", help="run a single round and exit")
     p.add_argument("--lease-seconds", type=float, default=_DEFAULTS.lease_seconds,
                    help="how long a claimed batch stays ours without renewal (default %(default)s)")
@@ -75,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     processor = Processor(Settings(), config)
     if args.metrics_port is not None:
-        from prometheus_client import start_http_server
+        from batch_processor.health import probes
+        from holdback.probes import serve
 
-        start_http_server(args.metrics_port, registry=processor.metrics.registry)
-        log_event(log, "metrics_listening", port=args.metrics_port)
+        serve(probes(processor), args.metrics_port, args.metrics_host)
+        log_event(log, "metrics_listening", port=args.metrics_port, host=args.metrics_host,
+                  paths="/metrics /healthz /readyz")
 
     stop = threading.Event()
 

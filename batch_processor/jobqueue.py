@@ -1,10 +1,9 @@
 """The Redis side of dispatch: one RQ job per request row, and the batch cancel channel.
 
-Contract with the worker (async_processor):
-- queue `rq.Queue(holdback.broker.requests_queue_name(namespace))`, job function
-  `"async_processor.job.run_request"`, args `(row_id, batch_id)`, job id = row id, `result_ttl=0`,
-  no RQ retries: the database drives retries;
-- cancel events: `PUBLISH {namespace}:cancel <batch_id>`; a worker aborts every in-flight request
+Contract with the worker (async_processor; the names are in `holdback.contract`):
+- queue `requests_queue_name(namespace)`, job function `JOB_FUNCTION`, args `(row_id, batch_id)`,
+  job id = row id, `result_ttl=0`, no RQ retries: the database drives retries;
+- cancel events: `PUBLISH cancel_channel(namespace) <batch_id>`; a worker aborts every in-flight request
   of that batch (closing its gateway connection so the gateway aborts upstream).
 
 A row is pushed only after a conditional UPDATE moved it to `queued` in a committed transaction,
@@ -22,19 +21,14 @@ from rq.job import Job
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 from rq.utils import utcparse
 
-from holdback.broker import requests_queue_name
+from holdback.contract import JOB_FUNCTION, cancel_channel, requests_queue_name
 
-JOB_FUNCTION = "async_processor.job.run_request"
 # RQ kills a job that runs longer than this; a request's own deadline is enforced by the worker.
 JOB_TIMEOUT_SECONDS = 1800
 PUSH_CHUNK = 1000
 # A started job whose hash shows a heartbeat this recent still has a live worker (RQ's default
 # heartbeat TTL is 90 s: a 30 s monitoring interval plus 60 s).
 HEARTBEAT_FRESH_SECONDS = 90.0
-
-
-def cancel_channel(namespace: str) -> str:
-    return f"{namespace}:cancel"
 
 
 class RequestQueue:

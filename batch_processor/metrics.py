@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from holdback.probes import component_registry
+
 
 @dataclass
 class ProcessorMetrics:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    registry: CollectorRegistry = field(default_factory=component_registry)
 
     def __post_init__(self) -> None:
         r = self.registry

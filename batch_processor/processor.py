@@ -35,6 +35,7 @@ from batch_processor.sync_dispatch import SyncDispatcher
 from batch_processor.validation import LineError
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+from holdback.probes import Heartbeat
 from holdback.results import count_unfinished
 from holdback.retention import FileCollector, RetentionMetrics
 from holdback.settings import Settings
@@ -42,6 +43,7 @@ from holdback.storage import FileStore, open_file_store
 
 log = logging.getLogger("batch_processor.processor")
 
+LIVENESS_SECONDS = 300.0  # /healthz fails when the main loop has not turned for this long
 CAPACITY_REFRESH = 5.0  # seconds between reads of the workers' registrations
 
 
@@ -120,6 +122,8 @@ class Processor:
         self.redis = connection or connect(settings)
         self.store = store or open_file_store(settings)
         self.metrics = metrics or ProcessorMetrics()
+        # Liveness: the loop turns at least every few seconds; a batch's expansion may hold one tick longer.
+        self.heartbeat = Heartbeat(stale_after=LIVENESS_SECONDS)
         self.collector = FileCollector(self.factory, self.store, grace_seconds=settings.file_retention_grace_seconds,
                                        metrics=RetentionMetrics(self.metrics.registry))
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
@@ -372,6 +376,7 @@ class Processor:
                   window=self.config.window, namespace=self.settings.redis_namespace)
         failures = 0
         while not stop.is_set():
+            self.heartbeat.beat()
             try:
                 self.tick()
                 failures = 0

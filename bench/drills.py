@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
 from bench.report import percentile
 from bench.stack import Stack, StackSpec
 from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
@@ -246,8 +247,8 @@ class Traffic:
 
     async def _send(self, spec: RequestSpec) -> None:
         assert self.session is not None
-        headers = {"Authorization": f"Bearer {self.stack.realtime_key}", "x-llm-d-inference-objective": spec.objective,
-                   "x-llm-d-inference-fairness-id": spec.tenant, "x-request-id": request_id(spec)}
+        headers = {"Authorization": f"Bearer {self.stack.realtime_key}", OBJECTIVE_HEADER: spec.objective,
+                   FAIRNESS_HEADER: spec.tenant, REQUEST_ID_HEADER: request_id(spec)}
         sent = self.timeline.now()
         outcome = await stream_chat(self.session, self.stack.gateway_url, headers, spec.body(self.model),
                                     spec.cancel_after)

@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from holdback.contract import DROP_REASON_HEADER, OBJECTIVE_HEADER, QUEUE_MS_HEADER, is_eviction
 from bench.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,8 +254,8 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
             while not stop.is_set():
                 try:
                     r = await client.post("/v1/completions", json=batch_body,
-                                          headers={"x-llm-d-inference-objective": "batch"})
-                    if r.headers.get("x-llm-d-request-dropped-reason") == "evicted":
+                                          headers={OBJECTIVE_HEADER: "batch"})
+                    if is_eviction(r.headers.get(DROP_REASON_HEADER)):
                         evicted += 1
                 except httpx.HTTPError:
                     await asyncio.sleep(0.05)
@@ -273,12 +274,12 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
             await asyncio.sleep(0.05)
             t0 = time.perf_counter()
             r = await client.post("/v1/completions", json=rt_body,
-                                  headers={"x-llm-d-inference-objective": "realtime"})
+                                  headers={OBJECTIVE_HEADER: "realtime"})
             client_ms.append((time.perf_counter() - t0) * 1000)
             if r.status_code != 200:
                 raise RuntimeError(f"realtime request failed: {r.status_code} {r.text[:200]}")
-            if "x-holdback-queue-ms" in r.headers:  # absent: it was not blocked, so it measures nothing here
-                queue_ms.append(float(r.headers["x-holdback-queue-ms"]))
+            if QUEUE_MS_HEADER in r.headers:  # absent: it was not blocked, so it measures nothing here
+                queue_ms.append(float(r.headers[QUEUE_MS_HEADER]))
         stop.set()
         for w in workers:
             w.cancel()

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 
+from holdback.contract import DROP_REASON_HEADER, FAIRNESS_HEADER, OBJECTIVE_HEADER
 from bench.gateway_overhead import Children, holdback
 from bench.readiness import free_port, free_port_block, wait_http
 
@@ -117,7 +118,7 @@ async def _answer(resp: aiohttp.ClientResponse, tally: Tally) -> bool:
     if resp.status == 200:
         tally.completed += 1
         return True
-    reason = resp.headers.get("x-llm-d-request-dropped-reason")
+    reason = resp.headers.get(DROP_REASON_HEADER)
     if reason:
         tally.rejected[reason] = tally.rejected.get(reason, 0) + 1
     else:
@@ -131,7 +132,7 @@ async def batch_loop(session, gw, tenant, rng, stop, tally):
     while not stop.is_set():
         body = {"model": "sim-model", "prompt": prompt(rng, rng.randint(800, 2000)),
                 "max_tokens": rng.randint(300, 800), "ignore_eos": True}
-        headers = {"x-llm-d-inference-objective": "batch", "x-llm-d-inference-fairness-id": tenant}
+        headers = {OBJECTIVE_HEADER: "batch", FAIRNESS_HEADER: tenant}
         try:
             async with session.post(gw + "/v1/completions", json=body, headers=headers) as resp:
                 ok = await _answer(resp, tally)
@@ -148,7 +149,7 @@ async def realtime_loop(session, gw, rng, stop, tally, interval):
     while not stop.is_set():
         body = {"model": "sim-model", "prompt": prompt(rng, rng.randint(100, 300)), "max_tokens": 30,
                 "ignore_eos": True, "stream": True}
-        headers = {"x-llm-d-inference-objective": "realtime", "x-llm-d-inference-fairness-id": "rt"}
+        headers = {OBJECTIVE_HEADER: "realtime", FAIRNESS_HEADER: "rt"}
         t0 = time.monotonic()
         try:
             async with session.post(gw + "/v1/completions", json=body, headers=headers) as resp:
@@ -171,7 +172,7 @@ async def cancel_loop(session, gw, rng, stop, tally):
         tenant = f"cancel-{k}"
         body = {"model": "sim-model", "prompt": prompt(rng, 400), "max_tokens": 2000, "ignore_eos": True,
                 "stream": True}
-        headers = {"x-llm-d-inference-objective": "standard", "x-llm-d-inference-fairness-id": tenant}
+        headers = {OBJECTIVE_HEADER: "standard", FAIRNESS_HEADER: tenant}
         resp = await session.post(gw + "/v1/completions", json=body, headers=headers)
         if resp.status != 200:
             await _answer(resp, tally)

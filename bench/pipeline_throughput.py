@@ -56,6 +56,8 @@ anonymous: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: 1024}
 usageLimit: {policy: static, threshold: 1.0}
 flowControl: {defaultBand: {maxRequests: 100000}}
+# The pipeline, not KV policy, is measured; with admission on, 4096 concurrent sequences fail its config check.
+admission: {enabled: false}
 """
 
 

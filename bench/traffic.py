@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from holdback.contract import DROP_REASON_HEADER, OBJECTIVE_HEADER, QUEUE_MS_HEADER
+
 
 @dataclass
 class RealtimeRecord:
@@ -78,9 +80,9 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, headers: dict[st
 
     async def read() -> StreamOutcome:
         async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-            queue_ms = r.headers.get("x-holdback-queue-ms")
+            queue_ms = r.headers.get(QUEUE_MS_HEADER)
             state["queue_ms"] = float(queue_ms) if queue_ms else None
-            drop = r.headers.get("x-llm-d-request-dropped-reason")
+            drop = r.headers.get(DROP_REASON_HEADER)
             if r.status != 200:
                 text = await r.text()
                 return StreamOutcome(r.status, None, None, 0, 0, state["queue_ms"], drop, text[:200])
@@ -126,7 +128,7 @@ async def _one(session: aiohttp.ClientSession, url: str, key: str, objective: st
                max_tokens: int, index: int, scheduled: float, t0: float) -> RealtimeRecord:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
-    headers = {"Authorization": f"Bearer {key}", "x-llm-d-inference-objective": objective}
+    headers = {"Authorization": f"Bearer {key}", OBJECTIVE_HEADER: objective}
     sent = time.monotonic()
     o = await stream_chat(session, url, headers, body)
     return RealtimeRecord(index, scheduled, sent - t0, o.status, o.ttft_s, o.e2e_s, o.output_tokens, o.prompt_tokens,

@@ -1,6 +1,7 @@
 """The gateway service: wires config, replica pool, flow controller and proxy into one aiohttp application.
 
-Routes: the OpenAI inference paths (through flow control), /v1/models, /health, /metrics, and the admin
+Routes: the OpenAI inference paths (through flow control), /v1/models, /health and /healthz (liveness),
+/readyz (readiness: a healthy replica), /metrics, and the admin
 routes /admin/state and POST /admin/rollback (an admin key once any key is configured).
 `Gateway.reload()` (SIGHUP) re-reads the config file; a bad file is logged and the running config stays.
 `Gateway.rollback()` goes back to the previous config digest with the lower admission watermark kept.
@@ -57,6 +58,8 @@ class Gateway:
             app.router.add_post(path, self.proxy.inference)
         app.router.add_get("/v1/models", self.proxy.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/healthz", self.health)
+        app.router.add_get("/readyz", self.ready)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/admin/state", self.admin_state)
         app.router.add_post("/admin/rollback", self.admin_rollback)
@@ -81,7 +84,7 @@ class Gateway:
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         except (RuntimeError, ValueError):  # not the main thread: reload only through Gateway.reload()
-            logger.warning("event=sighup_unavailable")
+            logger.warning("sighup_unavailable")
 
     async def _on_cleanup(self, app: web.Application) -> None:
         with contextlib.suppress(RuntimeError, ValueError):
@@ -113,7 +116,16 @@ class Gateway:
 
     # -- plain routes ---------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the event loop answers."""
         return web.Response(text="ok")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: at least one replica passes its health checks (and its calibration), so a request can
+        be served; with none the gateway would answer every request 503 `rejected-no-endpoints`."""
+        healthy = sum(1 for r in self.pool.replicas if r.healthy and not r.refused)
+        body = {"status": "ok" if healthy else "failing", "healthy_replicas": healthy,
+                "replicas": len(self.pool.replicas)}
+        return web.json_response(body, status=200 if healthy else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)

@@ -1,10 +1,11 @@
 """Classification: who is calling (gateway API key → tenant and allowed objectives) and what they ask for.
 
-The objective header (`x-llm-d-inference-objective`, alias `x-gateway-inference-objective`) names an
+The objective header (`holdback.contract.OBJECTIVE_HEADER`, or its older alias) names an
 objective from the config, which gives the priority. A missing header means the caller's default objective;
 an unknown name means the config's `defaultObjective` (priority 0). Either way the caller must be allowed
 that objective, so a batch key can never reach realtime or priority 0. The fairness id comes from
-`x-llm-d-inference-fairness-id`, else the caller's tenant.
+the fairness header, else the caller's tenant. The TTL header (or its deprecated llm-d-prefixed alias) and
+the deadline header bound how long the request may wait in a queue.
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ from multidict import CIMultiDictProxy
 
 from gateway.cache_salt import private_salt
 from gateway.config import LoadedConfig
+from holdback.contract import (
+    DEADLINE_HEADER,
+    FAIRNESS_HEADER,
+    FAIRNESS_HEADER_ALIASES,
+    OBJECTIVE_HEADER,
+    OBJECTIVE_HEADER_ALIASES,
+    TTL_HEADER,
+    TTL_HEADER_ALIASES,
+)
 
-OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-TTL_HEADER = "x-llm-d-inference-ttl"
-DEADLINE_HEADER = "x-holdback-deadline"
+OBJECTIVE_HEADERS = (OBJECTIVE_HEADER, *OBJECTIVE_HEADER_ALIASES)
+FAIRNESS_HEADERS = (FAIRNESS_HEADER, *FAIRNESS_HEADER_ALIASES)
+TTL_HEADERS = (TTL_HEADER, *TTL_HEADER_ALIASES)
 
 
 class ClassificationError(Exception):
@@ -133,9 +142,9 @@ class Classifier:
                                       f"{what}; its key allows: {allowed}.", "permission_error")
         fairness = headers.get(FAIRNESS_HEADERS[0]) or headers.get(FAIRNESS_HEADERS[1]) or caller.tenant
         wait_limit = deadline_in = math.inf
-        ttl = headers.get(TTL_HEADER)
-        if ttl is not None:
-            wait_limit = _seconds(ttl, TTL_HEADER, "a number of seconds, e.g. 30")
+        ttl_header = next((h for h in TTL_HEADERS if h in headers), None)
+        if ttl_header is not None:
+            wait_limit = _seconds(headers[ttl_header], ttl_header, "a number of seconds, e.g. 30")
         deadline = headers.get(DEADLINE_HEADER)
         if deadline is not None:
             deadline_in = _seconds(deadline, DEADLINE_HEADER, "unix time in seconds") - time.time()

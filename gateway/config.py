@@ -17,6 +17,8 @@ from typing import Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from holdback.contract import BATCH_OBJECTIVE, REALTIME_OBJECTIVE, STANDARD_OBJECTIVE
+
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 
 
@@ -264,11 +266,11 @@ class Anonymous(_Model):
 class GatewayConfig(_Model):
     replicas: list[str] = []
     objectives: dict[str, Objective] = {
-        "realtime": Objective(priority=100),
-        "standard": Objective(priority=0),
-        "batch": Objective(priority=-10),
+        REALTIME_OBJECTIVE: Objective(priority=100),
+        STANDARD_OBJECTIVE: Objective(priority=0),
+        BATCH_OBJECTIVE: Objective(priority=-10),
     }
-    defaultObjective: str = "standard"
+    defaultObjective: str = STANDARD_OBJECTIVE
     anonymous: Anonymous = Anonymous()
     keys: list[KeyEntry] = []
     # Keys for /admin/* (state, rollback); required there as soon as any key is configured.

@@ -332,7 +332,7 @@ class FlowController:
             try:
                 self.cycle()
             except Exception:  # a bug in one cycle must not stop dispatching for good
-                logger.exception("event=dispatch_cycle_failed")
+                logger.exception("dispatch_cycle_failed")
 
     def cycle(self) -> None:
         """One dispatch cycle: expire, then dispatch as much as the ceilings allow, then maybe evict."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+
+from holdback.probes import component_registry
 
 PREFIX = "holdback_gateway"
 _RELEASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
@@ -19,7 +21,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = component_registry(auto_describe=True)
         r = self.registry
         self.dispatches = Counter(f"{PREFIX}_dispatches", "Requests dispatched to a replica, by band and path "
                                   "(inline when nothing was queued, loop when the dispatch loop sent it).",
@@ -35,7 +37,8 @@ class GatewayMetrics:
             f"{PREFIX}_eviction_confirmation_seconds", "Eviction decision to the victim's upstream connection "
             "closed.", buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
-                              "byte from the replica, by objective.", ["objective"], buckets=_LATENCY_BUCKETS,
+                              "byte from the replica, by objective: the first token for streamed answers, the "
+                              "whole answer (end to end) for non-streamed ones.", ["objective"], buckets=_LATENCY_BUCKETS,
                               registry=r)
         self.kv_release = Histogram(
             f"{PREFIX}_kv_release_seconds", "From a request's end, cancellation, disconnect or eviction decision "

@@ -30,6 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.responses import drop_response, error_response, evicted_sse_event
 from gateway.tokenization import PromptCounter
+from holdback.contract import QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, RESUMABLE_HEADER
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -39,13 +40,12 @@ _HOP_BY_HOP = frozenset({
 })
 # Our own request headers are not forwarded (the gateway key is ours, not the replica's).
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
-RESUMABLE_HEADER = "x-holdback-resumable"
 _EVENT = b"data: {"
 _FINISHED, _FINISHED_SPACED = b'"finish_reason":"', b'"finish_reason": "'
 
 
 def _request_id(headers) -> str:
-    return headers.get("x-request-id") or os.urandom(16).hex()
+    return headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
 
 
 class Proxy:
@@ -146,7 +146,7 @@ class Proxy:
         for k, v in request.headers.items():
             if k.lower() not in _NOT_FORWARDED:
                 out.add(k, v)
-        out["x-request-id"] = request_id
+        out[REQUEST_ID_HEADER] = request_id
         if self.upstream_api_key:
             out["Authorization"] = f"Bearer {self.upstream_api_key}"
         return out
@@ -157,7 +157,7 @@ class Proxy:
         for k, v in resp.headers.items():
             if k.lower() not in _HOP_BY_HOP:
                 out.add(k, v)
-        out["x-request-id"] = request_id
+        out[REQUEST_ID_HEADER] = request_id
         return out
 
     def _upstream_failure(self, replica, exc: BaseException, request_id: str) -> web.Response:
@@ -193,8 +193,9 @@ class Proxy:
                     controller.finish(req)
                     return self._upstream_failure(req.replica, exc, request_id)
             headers = self._response_headers(resp, request_id)
+            headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
             if req.waiter is not None:
-                headers["x-holdback-queue-ms"] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
+                headers[QUEUE_MS_HEADER] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
             content_type = resp.headers.get("Content-Type", "")
             if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
                 data = await resp.read()

@@ -152,7 +152,7 @@ class ReplicaPool:
             try:
                 await self.check_all()
             except Exception:  # a bug here must not stop health checking for good
-                logger.exception("event=health_check_failed")
+                logger.exception("health_check_failed")
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -160,7 +160,7 @@ class ReplicaPool:
             try:
                 await self.scrape_all()
             except Exception:
-                logger.exception("event=metrics_scrape_failed")
+                logger.exception("metrics_scrape_failed")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(r) for r in list(self.replicas)))

@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from holdback.contract import DropReason  # noqa: F401  (the gateway's modules take it from here)
+
 
 class Status(enum.Enum):
     NEW = "new"
@@ -20,19 +22,6 @@ class Status(enum.Enum):
     REJECTED = "rejected"
     WITHDRAWN = "withdrawn"
     EVICTED = "evicted"
-
-
-class DropReason(str, enum.Enum):
-    """Values of the `x-llm-d-request-dropped-reason` header."""
-
-    EVICTED = "evicted"
-    SATURATED = "rejected-saturated"
-    TTL_EXPIRED = "rejected-ttl-expired"
-    NO_ENDPOINTS = "rejected-no-endpoints"
-    CONTEXT_CANCELLED = "rejected-context-cancelled"
-    KV_CAPACITY = "rejected-kv-capacity"
-    QUOTA = "rejected-quota"
-    CONTEXT_LENGTH = "rejected-context-length"
 
 
 @dataclass(eq=False)
@@ -50,7 +39,7 @@ class FlowRequest:
     # Requested deadline (monotonic), used by earliest-deadline ordering; inf when none.
     deadline: float = math.inf
     # KV admission: exact (or estimated) prompt tokens, the output limit, the budget class, whether the
-    # caller can resume it (x-holdback-resumable), and the ledger's reservation once dispatched.
+    # caller can resume it (the resumable header), and the ledger's reservation once dispatched.
     prompt_tokens: int = 0
     max_new_tokens: int = 0
     traffic_class: str = "interactive"

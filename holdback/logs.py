@@ -1,8 +1,12 @@
-"""Structured logs shared by the API server and the processor: one JSON event per line.
+"""The one log format of every holdback process (API server, processor, workers, gateway, simulator):
+one JSON event per line.
 
 `log_event(log, "batch_expanded", batch_id=..., total=...)` writes
 `{"ts":..,"level":"info","logger":"batch_processor.ingest","event":"batch_expanded","batch_id":..,"total":..}`.
-Fields that are None are left out.
+Fields that are None are left out. The same names are used for the same things everywhere: `request_id`,
+`batch_id`, `tenant`, `worker`, `replica`, `error`. It is the standard library's logging with this one
+formatter rather than a structured-logging package: uvicorn, aiohttp and RQ already log through the standard
+library, so their records come out in the same format with no bridge, and there is nothing else to install.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def configure_json_logging(logger_name: str | None, level: str = "info", adopt: 
         logging.getLogger(name).propagate = True
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: object) -> None:
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, *, exc_info: bool = False,
+              **fields: object) -> None:
     if logger.isEnabledFor(level):
-        logger.log(level, event, extra={"fields": {k: v for k, v in fields.items() if v is not None}})
+        logger.log(level, event, exc_info=exc_info,
+                   extra={"fields": {k: v for k, v in fields.items() if v is not None}})

@@ -107,11 +107,18 @@ def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
     gateway = ["gateway", "--host", host, "--port", str(args.gateway_port), "--replicas", replicas]
     if args.gateway_config:
         gateway += ["--config", str(args.gateway_config)]
-    children.append(Child("gateway", gateway, ready_url=f"http://{host}:{args.gateway_port}/health"))
+    # With our simulators the gateway must see a healthy replica before it counts as up; real vLLM may
+    # still be loading its weights, so then only liveness is awaited and the banner says where to look.
+    gateway_probe = "/healthz" if args.replicas else "/readyz"
+    children.append(Child("gateway", gateway, ready_url=f"http://{host}:{args.gateway_port}{gateway_probe}"))
     children.append(Child("api", ["api", "--host", host, "--port", str(args.api_port)],
-                          ready_url=f"http://{host}:{args.api_port}/healthz"))
-    children.append(Child("processor", ["processor"]))
-    children.append(Child("worker", ["worker", "-n", str(args.worker_concurrency)]))
+                          ready_url=f"http://{host}:{args.api_port}/readyz"))
+    children.append(Child("processor", ["processor", "--metrics-host", host,
+                                        "--metrics-port", str(args.processor_metrics_port)],
+                          ready_url=f"http://{host}:{args.processor_metrics_port}/readyz"))
+    children.append(Child("worker", ["worker", "-n", str(args.worker_concurrency), "--metrics-host", host,
+                                     "--metrics-port", str(args.worker_metrics_port)],
+                          ready_url=f"http://{host}:{args.worker_metrics_port}/readyz"))
     return children
 
 
@@ -215,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-port", type=int, default=8000, help="Batch API and dashboard port (default %(default)s)")
     p.add_argument("--gateway-port", type=int, default=8200, help="gateway port (default %(default)s)")
     p.add_argument("--sim-port", type=int, default=8301, help="first simulated replica's port (default %(default)s)")
+    p.add_argument("--processor-metrics-port", type=int, default=9101,
+                   help="processor's /metrics, /healthz, /readyz port (default %(default)s)")
+    p.add_argument("--worker-metrics-port", type=int, default=9102,
+                   help="worker's /metrics, /healthz, /readyz port (default %(default)s)")
     p.add_argument("--sim-replicas", type=int, default=2, help="simulated replicas (default %(default)s)")
     p.add_argument("--sim-arg", dest="sim_args", action="append", default=[],
                    help="extra flag passed to `holdback sim`, e.g. --sim-arg=--zero-latency (repeatable)")
@@ -239,7 +250,8 @@ def _die_with_parent(parent: int):  # noqa: ANN202
 
 def _ports_taken(args: argparse.Namespace) -> list[str]:
     """Ports `holdback up` is about to listen on that something else holds, each with its holders' pids."""
-    ports = {"api": args.api_port, "gateway": args.gateway_port}
+    ports = {"api": args.api_port, "gateway": args.gateway_port, "processor metrics": args.processor_metrics_port,
+             "worker metrics": args.worker_metrics_port}
     if not args.replicas:
         ports.update({f"sim replica {i}": args.sim_port + i for i in range(args.sim_replicas)})
     taken = []
@@ -274,7 +286,7 @@ def main(argv: list[str]) -> int:
     try:
         if taken := _ports_taken(args):
             _log("refused", error="; ".join(taken) + "; stop what holds them or choose other ports with "
-                                  "--api-port/--gateway-port/--sim-port")
+                                  "--api-port/--gateway-port/--sim-port/--processor-metrics-port/--worker-metrics-port")
             return 1
         return _run(args, settings)
     except Stop:
@@ -345,12 +357,20 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, key
 def _banner(args: argparse.Namespace, keys: dict[str, str], log_dir: Path) -> None:
     api = f"http://{args.host}:{args.api_port}"
     gw = f"http://{args.host}:{args.gateway_port}"
+    processor = f"http://{args.host}:{args.processor_metrics_port}"
+    worker = f"http://{args.host}:{args.worker_metrics_port}"
     print(f"""
 holdback is up.
   Batch API      {api}/v1          (tenant key: {keys['tenant']})
   Dashboard      {api}/dashboard   (admin key:  {keys['admin']})
   Gateway        {gw}/v1           (realtime key: {keys['realtime']})
   Logs           {log_dir}
+
+Metrics (Prometheus) and probes (/healthz liveness, /readyz readiness) of every component:
+  API            {api}/metrics
+  Gateway        {gw}/metrics
+  Processor      {processor}/metrics
+  Worker         {worker}/metrics
 
 A request line (examples/requests.jsonl has chat, completions and embeddings lines):
   {_first_line()}

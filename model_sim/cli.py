@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ from model_sim.replica import Replica
 from model_sim.request_queue import SchedulingPolicy
 from model_sim.timing import TimingModel
 from holdback.env_flags import flags_from_env
+from holdback.logs import configure_json_logging, log_event
 
 log = logging.getLogger("model_sim")
 
@@ -140,13 +140,12 @@ async def serve(config: SimConfig, host: str, port: int, replicas: int) -> None:
             replica = Replica(config, index=i)
             await replica.start(host, port + i)
             started.append(replica)
-            log.info(json.dumps({"event": "replica_started", "replica": replica.name, "model": config.model,
-                                 "url": f"http://{host}:{port + i}"}))
+            log_event(log, "replica_started", replica=replica.name, model=config.model, url=f"http://{host}:{port + i}")
         await stop.wait()
     finally:
         for replica in started:
             await replica.stop()
-        log.info(json.dumps({"event": "stopped", "replicas": len(started)}))
+        log_event(log, "stopped", replicas=len(started))
 
 
 def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -161,7 +160,7 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_json_logging(None, args.log_level)
     if args.replicas < 1:
         print("holdback sim: --replicas must be at least 1", file=sys.stderr)
         return 2

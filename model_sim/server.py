@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from holdback.contract import REQUEST_ID_HEADER, SIM_REPLICA_HEADER
+from holdback.logs import log_event
 from model_sim import protocol
 from model_sim.engine import RequestRejected
 from model_sim.errors import ApiError, InvalidRequest, error_response
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from model_sim.replica import Replica
 
 log = logging.getLogger("model_sim")
-REPLICA_HEADER = "x-sim-replica"
 REPLICA_KEY: web.AppKey["Replica"] = web.AppKey("replica")
 
 _FAULT_MESSAGES = {
@@ -62,10 +63,10 @@ def build_app(replica: "Replica") -> web.Application:
 
 
 async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers[REPLICA_HEADER] = request.app[REPLICA_KEY].name
-    request_id = request.headers.get("x-request-id")
+    response.headers[SIM_REPLICA_HEADER] = request.app[REPLICA_KEY].name
+    request_id = request.headers.get(REQUEST_ID_HEADER)
     if request_id is not None:
-        response.headers["x-request-id"] = request_id
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 @web.middleware
@@ -83,7 +84,7 @@ async def _errors_middleware(request: web.Request, handler):
             message = f"No route {request.method} {request.path}; see the simulator's README for its endpoints."
         return error_response(ApiError(exc.status, message))
     except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log_event(log, "unhandled_error", logging.ERROR, exc_info=True, method=request.method, path=request.path)
         return error_response(ApiError(500, "Internal error in the simulator; see its log."))
 
 
@@ -151,7 +152,7 @@ class Routes:
                 min_tokens=params.min_tokens,
                 ignore_eos=params.ignore_eos,
                 priority=params.priority,
-                external_id=request.headers.get("x-request-id"),
+                external_id=request.headers.get(REQUEST_ID_HEADER),
                 output_offset=offset,
                 cache_salt=params.cache_salt,
             )
@@ -210,7 +211,7 @@ class Routes:
             await resp.write_eof()
         except ConnectionResetError:
             # The client left between our checks; the caller's `finally` aborts the request.
-            log.debug("client of %s disconnected mid-stream", req.request_id)
+            log_event(log, "client_disconnected_mid_stream", logging.DEBUG, request_id=req.request_id)
         return resp
 
     # -- embeddings -----------------------------------------------------------------------------

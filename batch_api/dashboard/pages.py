@@ -40,7 +40,7 @@ from batch_api.dashboard.throttle import LOGIN_ATTEMPTS, LoginThrottle
 from batch_api.errors import ApiError
 from holdback.logs import log_event
 from batch_api.tenant_scope import list_batches
-from holdback.broker import requests_queue_name
+from holdback.contract import requests_queue_name
 from holdback.models import BATCH_TERMINAL, Batch, BatchStatus, RequestRow, RequestStatus
 
 log = logging.getLogger("batch_api.dashboard")

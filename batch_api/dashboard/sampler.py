@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from batch_api.context import ApiContext
 from batch_api.dashboard.gateway_view import TIMEOUT, Buckets, quantile, ttft_buckets
 from holdback.logs import log_event
+from holdback.contract import dashboard_samples_key, dashboard_slot_key
 from holdback.models import Batch
 
 log = logging.getLogger("batch_api.dashboard.sampler")
@@ -31,12 +32,8 @@ WINDOW = 600.0  # what the charts show
 KEEP = 240  # samples kept: 20 minutes at the interval
 
 
-def samples_key(namespace: str) -> str:
-    return f"{namespace}:dash:samples"
-
-
-def slot_key(namespace: str, slot: int) -> str:
-    return f"{namespace}:dash:slot:{slot}"
+samples_key = dashboard_samples_key
+slot_key = dashboard_slot_key
 
 
 @dataclass

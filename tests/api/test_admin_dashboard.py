@@ -22,8 +22,10 @@ from batch_api.dashboard.charts import Series, line_chart, value_ticks
 from batch_api.dashboard.gateway_view import quantile, ttft_buckets
 from batch_api.dashboard.sampler import Sample, Sampler, next_sample, recent_samples, samples_key
 from batch_api.dashboard.session import SESSION_SECONDS, issue_session, session_valid
-from holdback.broker import is_paused, requests_queue_name
-from tests.api.test_admin_operator_routes import JOB_FUNCTION, Rows
+from holdback.broker import is_paused
+from holdback.contract import requests_queue_name
+from holdback.contract import JOB_FUNCTION
+from tests.api.test_admin_operator_routes import Rows
 
 
 def signed_in(api) -> tuple[httpx.Client, str]:  # noqa: ANN001

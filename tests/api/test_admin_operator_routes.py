@@ -17,11 +17,10 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.worker import Worker
 
-from holdback.broker import is_paused, pause_key, requests_queue_name
+from holdback.broker import is_paused
+from holdback.contract import JOB_FUNCTION, pause_key, requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
-
-JOB_FUNCTION = "async_processor.job.run_request"
 
 
 class Rows:

@@ -29,6 +29,17 @@ def test_healthz_and_readyz(api):
     assert r.headers["x-request-id"].startswith("req_")
 
 
+def test_a_callers_request_id_is_kept_and_an_unusable_one_replaced(api):
+    assert httpx.get(f"{api.url}/healthz", headers={"x-request-id": "trace-abc_123"}).headers["x-request-id"] \
+        == "trace-abc_123"
+    for unusable in ("x" * 129, "has space"):
+        kept = httpx.get(f"{api.url}/healthz", headers={"x-request-id": unusable}).headers["x-request-id"]
+        assert kept.startswith("req_") and kept != unusable
+    # The error envelope names the same id the response header carries.
+    r = httpx.get(f"{api.url}/v1/files", headers={"x-request-id": "caller-42"})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "caller-42"
+
+
 def test_readyz_names_an_unreachable_redis(start_api):
     api = start_api(redis_url=f"redis://127.0.0.1:{free_port()}/0")
     r = httpx.get(f"{api.url}/readyz")

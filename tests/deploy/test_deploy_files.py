@@ -112,8 +112,10 @@ def test_probe_paths_are_served_by_the_command_they_probe(manifests) -> None:  #
             elif command in ("gateway", "sim"):
                 package = "gateway" if command == "gateway" else "model_sim"
                 assert f'add_get("{path}"' in aiohttp_source[package], (command, path)
-            else:  # processor and worker answer on their Prometheus port, which must be switched on
-                assert "--metrics-port" in args and path == "/metrics", (command, args)
+            else:  # processor and worker answer on their metrics port, which must be switched on and reachable
+                assert "--metrics-port" in args and path in ("/healthz", "/readyz"), (command, args)
+                assert args[args.index("--metrics-host") + 1] == "0.0.0.0", (command, args)
+                assert path in (REPO / "holdback" / "probes.py").read_text()
             checked += 1
     assert checked >= 8
 

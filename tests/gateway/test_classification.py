@@ -76,12 +76,20 @@ def test_without_keys_any_bearer_is_anonymous():
 
 
 def test_ttl_and_deadline_headers_smaller_wins():
-    c = classify(x_llm_d_inference_ttl="30")
+    c = classify(x_holdback_ttl="30")
     assert c.wait_limit == 30 and c.deadline_in == math.inf
-    c = classify(x_llm_d_inference_ttl="30", x_holdback_deadline=str(time.time() + 5))
+    c = classify(x_holdback_ttl="30", x_holdback_deadline=str(time.time() + 5))
     assert 3 < c.wait_limit <= 5 and c.deadline_in == pytest.approx(c.wait_limit)
     with pytest.raises(ClassificationError) as exc:
-        classify(x_llm_d_inference_ttl="soon")
+        classify(x_holdback_ttl="soon")
+    assert exc.value.status == 400 and "x-holdback-ttl" in exc.value.message
+
+
+def test_the_old_llm_d_prefixed_ttl_header_is_still_accepted_and_named_in_its_errors():
+    assert classify(x_llm_d_inference_ttl="12").wait_limit == 12
+    assert classify(x_holdback_ttl="7", x_llm_d_inference_ttl="12").wait_limit == 7  # the new name wins
+    with pytest.raises(ClassificationError) as exc:
+        classify(x_llm_d_inference_ttl="-1")
     assert exc.value.status == 400 and "x-llm-d-inference-ttl" in exc.value.message
 
 

@@ -10,7 +10,7 @@ def test_bad_config_at_start_exits_2_and_names_the_key(tmp_path, capsys):
     bad.write_text("eviction: {maxPerDecision: 0}\n")
     assert main(["--config", str(bad), "--port", "1"]) == 2
     err = capsys.readouterr().err
-    assert "event=config_rejected" in err and "eviction.maxPerDecision" in err
+    assert '"event":"config_rejected"' in err and "eviction.maxPerDecision" in err
 
 
 def test_bad_replicas_flag_exits_2(capsys):

@@ -261,6 +261,7 @@ def test_keys_objectives_models_and_sse_passthrough(stack):
         direct = httpx.post(sims[0] + "/v1/chat/completions", json=chat, timeout=30)
         via = c.post("/v1/chat/completions", json=chat, headers={**batch_auth, "x-request-id": "sse-1"})
         assert via.status_code == 200 and via.headers["x-request-id"] == "sse-1"
+        assert via.headers["x-holdback-replica"] == sims[0]  # the worker records it as the attempt's replica
         assert via.headers["content-type"].startswith("text/event-stream")
 
     def normalise(raw: bytes) -> bytes:
@@ -283,6 +284,8 @@ def test_dead_replica_is_taken_out_and_back_in(stack):
         assert codes == [200] * 10
         healthy = {r["url"]: r["healthy"] for r in gw.state()["replicas"]}
         assert healthy == {a: True, b: False}
+        ready = c.get("/readyz")  # one healthy replica is enough to serve
+        assert ready.status_code == 200 and ready.json()["healthy_replicas"] == 1
         # Bring B back on the same port: it rejoins on a health check and receives traffic again.
         proc = stack.procs.start("sim", "--port", str(port_b), "--replicas", "1", "--log-level", "WARNING",
                                  name="sim")
@@ -307,6 +310,11 @@ def test_dead_replica_is_taken_out_and_back_in(stack):
         time.sleep(0.1)
     assert r is not None and r.status_code == 503
     assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
+    # Alive, but not ready: no replica could serve a request.
+    assert httpx.get(gw.url + "/healthz", timeout=10).status_code == 200
+    not_ready = httpx.get(gw.url + "/readyz", timeout=10)
+    assert not_ready.status_code == 503 and not_ready.json() == {"status": "failing", "healthy_replicas": 0,
+                                                                 "replicas": 2}
 
 
 def test_sighup_rejects_a_bad_config_and_applies_a_good_one(stack):

@@ -350,7 +350,7 @@ def test_calibration_profile_mismatch_refuses_the_replica(stack, tmp_path):
     assert refused.status_code == 503
     replica = next(r for r in gw.state()["replicas"] if r["url"] == sim)
     assert "runtime 'model_sim' differs from the profile's 'vllm-0.4.0'" in replica["refused"]
-    assert "event=calibration_refused" in gw.log()
+    assert '"event":"calibration_refused"' in gw.log()
     # A profile measured on this replica is accepted (reload it in place).
     gw.config_path.write_text(BASE + f"  calibrationProfile: {good}\n")
     gw.reload()
@@ -386,7 +386,7 @@ def test_rollback_returns_to_the_previous_digest_keeping_the_lower_watermark(sta
     s = state()
     assert s["admission"]["queueDeadlineMs"] == 30000 and s["admission"]["admissionWatermark"] == 0.8
     assert s["kv"]["enabled"] and [h["digest"] for h in s["config"]["history"]][:2] == [first_digest, second_digest]
-    assert "event=config_rolled_back" in gw.log() and first_digest in gw.log()
+    assert '"event":"config_rolled_back"' in gw.log() and first_digest in gw.log()
     bad = httpx.post(gw.url + "/admin/rollback", headers=admin, json={"admissionWatermark": 2}, timeout=5)
     assert bad.status_code == 400 and "admissionWatermark" in bad.json()["error"]["message"]
 
@@ -432,5 +432,5 @@ def test_a_replica_whose_real_pool_leaves_no_growth_room_is_reported(stack):
     # 8 % of 200 = 16 blocks above the hard watermark, less than 48 sequences x 1 block.
     [sim] = stack.sim(1, "--num-blocks", "200")
     gw = stack.gateway([sim], "saturation: {maxConcurrency: 48}\n")
-    asyncio.run(wait_until(lambda: "event=kv_growth_room_short" in gw.log()))
-    assert "pool_blocks=200" in gw.log() and "room_blocks=16" in gw.log()
+    asyncio.run(wait_until(lambda: '"event":"kv_growth_room_short"' in gw.log()))
+    assert '"pool_blocks":200' in gw.log() and '"room_blocks":16' in gw.log()

@@ -11,7 +11,7 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from async_processor.circuit import circuit_key
+from holdback.contract import circuit_key
 from holdback.models import Attempt, RequestRow
 from tests.pipeline.test_e2e_pipeline import Platform
 

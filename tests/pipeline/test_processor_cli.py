@@ -56,6 +56,10 @@ def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_pa
               "every batch in_progress", procs)
         _wait(lambda: len(harness.queued_job_ids()) == 6 * 20, 10, "every first window queued", procs)
         scrapes = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for port in ports]
+        for port in ports:  # the metrics port also answers the probes: its loop turns, its database and Redis answer
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            assert ready.status_code == 200, ready.text
+            assert ready.json()["checks"] == {"main_loop": "ok", "database": "ok", "redis": "ok"}
         for child in children:
             procs.stop(child, signal.SIGTERM)
             assert child.returncode == 0

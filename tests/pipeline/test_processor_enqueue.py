@@ -8,7 +8,7 @@ from rq import Queue
 from sqlalchemy import select
 
 from batch_processor.fairness import BatchWindow, RoundRobin, tenant_window
-from batch_processor.jobqueue import JOB_FUNCTION
+from holdback.contract import JOB_FUNCTION
 from holdback.db import transaction
 from holdback.models import Attempt, RequestRow
 from holdback.results import begin_attempt, schedule_retry

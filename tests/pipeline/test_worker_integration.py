@@ -26,9 +26,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 from rq.worker import Worker
 
-from holdback.broker import requests_queue_name
+from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
-from async_processor.circuit import circuit_key
+from holdback.contract import circuit_key
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
@@ -243,6 +243,9 @@ def test_success_is_recorded_with_usage_and_the_job_leaves_redis(stack):
          and metric(proc.metrics_url, "holdback_worker_results_recorded_total", status="succeeded") == 30,
          20, "the jobs to leave Redis and be counted", lambda: stack.procs.log("worker"))
     assert metric(proc.metrics_url, "holdback_worker_attempts_total", outcome="success") == 30
+    probes = proc.metrics_url.removesuffix("/metrics")
+    ready = httpx.get(probes + "/readyz", timeout=10)
+    assert ready.status_code == 200 and ready.json()["checks"] == {"event_loop": "ok", "redis": "ok"}
     # SIGTERM: the worker unregisters from RQ.
     stack.procs.stop(proc)
     assert proc.returncode == 0
@@ -396,7 +399,7 @@ def test_a_retry_never_runs_past_the_batch_deadline(stack, scripted):
     _, _, row_ids = stack.batch(1, expires_in=8.0)
     (row,) = stack.wait_rows(row_ids, lambda r: r.attempts == 1 and r.status == "retry_wait", timeout=20)
     # Past the deadline the job keeps coming back (each time logged batch_closing) but never sends again.
-    poll(lambda: stack.procs.log("worker").count("event=batch_closing") >= 2, 40,
+    poll(lambda: stack.procs.log("worker").count('"event":"batch_closing"') >= 2, 40,
          "the job to come back twice after the deadline", lambda: stack.procs.log("worker"))
     (row,) = stack.rows(row_ids)
     assert len(gw.calls[row.id]) == 1

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from rq import Queue
 
 from async_processor.queue import RequestQueue
-from holdback.broker import requests_queue_name
+from holdback.contract import requests_queue_name
 
 
 def test_due_retries_jump_ahead_of_waiting_jobs_in_due_order(backend):

@@ -286,7 +286,7 @@ def test_pause_holds_dispatch_and_the_gateway_page_shows_evictions(stack, browse
     expect(queue.locator(".badge", has_text="paused")).to_be_visible()
     # The worker logs when it sees the flag and claims nothing after; then its in-flight requests (some still
     # waiting at the gateway) finish. Waiting for both, not for a fixed time, holds on a loaded machine.
-    poll(lambda: "event=dispatch_paused" in stack.procs.log("worker"), 30, "the worker to see the pause",
+    poll(lambda: '"event":"dispatch_paused"' in stack.procs.log("worker"), 30, "the worker to see the pause",
          lambda: stack.procs.log("worker"))
     expect(queue.locator(".stat", has_text="started").locator(".stat-value")).to_have_text("0", timeout=45_000)
     held = stack.completed(batch_id)  # a worker records the row before its job leaves the started registry

@@ -15,7 +15,7 @@ import pytest
 from rq import Queue
 from sqlalchemy import func, select
 
-from holdback.broker import requests_queue_name
+from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from tests.api.conftest import serve
@@ -84,7 +84,7 @@ def test_a_paused_queue_dispatches_nothing_until_resumed(backend, tmp_path):
             assert operator.post(f"/admin/queues/{name}/pause").json()["paused"] is True
             procs.start("worker", "-n", "2", "--gateway-url", f"http://127.0.0.1:{port}", *WORKER_FAST, name="worker")
             # The worker logs when it sees the flag; from then on it claims nothing, so no quiet period is needed.
-            _wait(lambda: "event=dispatch_paused" in procs.log("worker"), 30, "the worker to see the pause",
+            _wait(lambda: '"event":"dispatch_paused"' in procs.log("worker"), 30, "the worker to see the pause",
                   lambda: procs.log("worker"))
             assert queue.count == n and _counts(db, batch_id).get("attempts") == 0, "nothing dispatched while paused"
 
@@ -94,7 +94,7 @@ def test_a_paused_queue_dispatches_nothing_until_resumed(backend, tmp_path):
 
             assert operator.post(f"/admin/queues/{name}/pause").json()["changed"] is True
             # In-flight requests finish once the worker has seen the flag a second time; it claims nothing after.
-            _wait(lambda: procs.log("worker").count("event=dispatch_paused") >= 2, 30, "the worker to see the pause",
+            _wait(lambda: procs.log("worker").count('"event":"dispatch_paused"') >= 2, 30, "the worker to see the pause",
                   lambda: procs.log("worker"))
             _wait(lambda: _counts(db, batch_id).get("running", 0) == 0, 30, "in-flight requests to finish",
                   lambda: procs.log("worker"))

@@ -82,12 +82,24 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         {"admin": "hb-admin-stored-before", "tenant": made.stdout.strip(), "realtime": "hb-rt-x",
          "standard": "hb-std-x", "batch_gateway": "hb-bw-x"}))
     env["HOLDBACK_ADMIN_KEY"] = ENV_ADMIN_KEY
-    ports = ["--api-port", str(api), "--gateway-port", str(gateway), "--sim-port", str(sim)]
+    processor_metrics, worker_metrics = free_port(), free_port()
+    ports = ["--api-port", str(api), "--gateway-port", str(gateway), "--sim-port", str(sim),
+             "--processor-metrics-port", str(processor_metrics), "--worker-metrics-port", str(worker_metrics)]
     proc = _start_up(env, data_dir / "up.log", *ports, "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16",
                      ignore_sigint=True)
     try:
         wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
         wait_http(f"http://127.0.0.1:{gateway}/health", timeout=60, proc=proc)
+        # Every component's metrics and probes are on by default, and the banner says where.
+        log = data_dir / "up.log"
+        banner = poll(lambda: "Metrics (Prometheus)" in log.read_text(errors="replace") and log.read_text(
+            errors="replace"), timeout=120, what="the banner", detail=lambda: log.read_text(errors="replace"))
+        for port, metric in ((processor_metrics, "holdback_processor_"), (worker_metrics, "holdback_worker_"),
+                             (gateway, "holdback_gateway_"), (api, "holdback_api_")):
+            assert f"http://127.0.0.1:{port}/metrics" in banner
+            assert metric in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            for probe in ("/healthz", "/readyz"):
+                assert httpx.get(f"http://127.0.0.1:{port}{probe}", timeout=10).status_code == 200, (port, probe)
         keys = json.loads((data_dir / "local-keys.json").read_text())
         assert (data_dir / "local-keys.json").stat().st_mode & 0o077 == 0, "keys file must be owner-only"
         assert keys["admin"] == ENV_ADMIN_KEY, "HOLDBACK_ADMIN_KEY is stored over the earlier key"
@@ -128,9 +140,10 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         _demo_counts_agree(env, api, gateway)
 
         # A second `holdback up` on the same data dir refuses at once, naming the live one.
-        other = [str(p) for p in (free_port(), free_port(), free_ports(2))]
+        other = [str(p) for p in (free_port(), free_port(), free_ports(2), free_port(), free_port())]
         second = subprocess.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", other[0],
-                                 "--gateway-port", other[1], "--sim-port", other[2]],
+                                 "--gateway-port", other[1], "--sim-port", other[2],
+                                 "--processor-metrics-port", other[3], "--worker-metrics-port", other[4]],
                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1 and f"pid {proc.pid}" in second.stdout, second.stdout + second.stderr
         assert "already running" in second.stdout
@@ -169,7 +182,8 @@ def test_a_killed_up_takes_its_children_with_it_and_frees_its_lock(backend):
     data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
     api, gateway, sim = free_port(), free_port(), free_ports(1)
     proc = _start_up(_up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
-                     str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "4")
+                     str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "4",
+                     "--processor-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()))
     children: list[psutil.Process] = []
     try:
         wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)

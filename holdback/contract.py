@@ -1,0 +1,116 @@
+"""Every name two holdback processes must agree on, spelled once: HTTP headers, objective names, drop
+reasons, Redis queue/channel/key names (all under `HOLDBACK_REDIS_NAMESPACE`) and the RQ job function path.
+
+Pure constants and tiny pure functions with no imports of ours, so the gateway and the simulator can use it
+without pulling in the database or Redis clients.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# --- HTTP headers: worker → gateway → replica --------------------------------------------------------------
+
+REQUEST_ID_HEADER = "x-request-id"  # the request row id, stable across attempts
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+# Older Gateway API Inference Extension spellings, still accepted by the gateway.
+OBJECTIVE_HEADER_ALIASES = ("x-gateway-inference-objective",)
+FAIRNESS_HEADER_ALIASES = ("x-gateway-inference-fairness-id",)
+TTL_HEADER = "x-holdback-ttl"  # seconds a request may wait in the gateway queue
+# llm-d defines no TTL header; this was our earlier name for it. Accepted for one release, then removed.
+TTL_HEADER_ALIASES = ("x-llm-d-inference-ttl",)
+DEADLINE_HEADER = "x-holdback-deadline"  # the batch's expires_at, unix seconds
+RESUMABLE_HEADER = "x-holdback-resumable"  # "1": the caller resumes from partial output if evicted
+
+# --- HTTP headers: gateway → worker ------------------------------------------------------------------------
+
+DROP_REASON_HEADER = "x-llm-d-request-dropped-reason"
+REPLICA_HEADER = "x-holdback-replica"  # which replica served the answer (the gateway sets it)
+SIM_REPLICA_HEADER = "x-sim-replica"  # the simulator's own name for itself, when called directly
+QUEUE_MS_HEADER = "x-holdback-queue-ms"  # arrival → dispatch inside the gateway, when the request waited
+# Where an answer names its replica, in order of trust: ours, the simulator's, then llm-d's.
+REPLICA_HEADERS = (REPLICA_HEADER, SIM_REPLICA_HEADER, "x-gateway-destination-endpoint")
+
+# --- objectives (the gateway maps each to a priority) ------------------------------------------------------
+
+REALTIME_OBJECTIVE = "realtime"
+STANDARD_OBJECTIVE = "standard"
+BATCH_OBJECTIVE = "batch"
+
+
+# --- drop reasons ------------------------------------------------------------------------------------------
+
+
+class DropReason(str, enum.Enum):
+    """Values of the drop-reason header. llm-d's own reasons plus ours for KV admission and quota."""
+
+    EVICTED = "evicted"
+    SATURATED = "rejected-saturated"
+    TTL_EXPIRED = "rejected-ttl-expired"
+    NO_ENDPOINTS = "rejected-no-endpoints"
+    CONTEXT_CANCELLED = "rejected-context-cancelled"
+    KV_CAPACITY = "rejected-kv-capacity"
+    QUOTA = "rejected-quota"
+    CONTEXT_LENGTH = "rejected-context-length"
+
+
+def _in_family(reason: str | None, family: DropReason) -> bool:
+    # A family is the reason itself or any refinement of it: llm-d may send `evicted-<why>`.
+    if not reason:
+        return False
+    reason = reason.strip().lower()
+    return reason == family.value or reason.startswith(family.value + "-")
+
+
+def is_eviction(reason: str | None) -> bool:
+    """True for `evicted` and every `evicted-*` reason."""
+    return _in_family(reason, DropReason.EVICTED)
+
+
+def is_no_endpoints(reason: str | None) -> bool:
+    """True for `rejected-no-endpoints` (and refinements): no healthy replica, the path is down."""
+    return _in_family(reason, DropReason.NO_ENDPOINTS)
+
+
+# --- Redis names: every key lives under the namespace ------------------------------------------------------
+
+JOB_FUNCTION = "async_processor.job.run_request"  # args (row_id, batch_id); job id = row id
+
+
+def requests_queue_name(namespace: str) -> str:
+    """The RQ queue holding one job per request row."""
+    return f"{namespace}-requests"
+
+
+def queue_name_prefix(namespace: str) -> str:
+    """Every RQ queue of this namespace starts with this."""
+    return f"{namespace}-"
+
+
+def cancel_channel(namespace: str) -> str:
+    """Pub/sub channel: the processor publishes a batch id, workers abort its in-flight requests."""
+    return f"{namespace}:cancel"
+
+
+def circuit_key(namespace: str) -> str:
+    """Why the workers' gateway circuit is open; absent while it is closed."""
+    return f"{namespace}:circuit:gateway"
+
+
+def pause_key(namespace: str, queue_name: str) -> str:
+    """Present while dispatch from `queue_name` is paused."""
+    return f"{namespace}:paused:{queue_name}"
+
+
+def dashboard_samples_key(namespace: str) -> str:
+    return f"{namespace}:dash:samples"
+
+
+def dashboard_slot_key(namespace: str, slot: int) -> str:
+    return f"{namespace}:dash:slot:{slot}"
+
+
+def worker_name(namespace: str, host: str, pid: int) -> str:
+    """Default name of a worker process in RQ's registry."""
+    return f"{namespace}.{host}.{pid}"
