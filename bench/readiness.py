@@ -62,10 +62,11 @@ class Started(ABC):
 
     @abstractmethod
     def start(self):  # noqa: ANN201 - returns self, typed by the subclass
-        ...
+        """Start every process and wait until each is ready."""
 
     @abstractmethod
-    def stop(self) -> None: ...
+    def stop(self) -> None:
+        """Stop every process that was started."""
 
     def __enter__(self):  # noqa: ANN204
         try:

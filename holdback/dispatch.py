@@ -5,7 +5,7 @@ an answer, the retry backoff, and the two transactions of an attempt — `begin`
 `record_outcome` closes it as exactly one of: a final result (through `holdback.results`' compare-and-set),
 a retry, or a row left for the batch's expiry. Callers do the HTTP themselves and own the transactions.
 
-Outcome classes (DESIGN.md "Contracts"): 2xx → success; 429 with any drop reason → retry with backoff
+Outcome classes: 2xx → success; 429 with any drop reason → retry with backoff
 until the batch deadline, never counted against a budget; a failing path (gateway unreachable, 502/503,
 no replica) → the same, never budgeted: an outage costs time, not results; other 5xx and transport errors →
 retry within a budget of transient failures, then fail; other 4xx → final failure whose response goes to
@@ -195,7 +195,7 @@ def backoff(
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How retries are paced and bounded; the defaults are DESIGN.md's (2 s doubling to 60 s, 5 transient)."""
+    """How retries are paced and bounded; defaults: 2 s doubling to 60 s with jitter, 5 transient failures."""
 
     base: float = 2.0
     cap: float = 60.0
