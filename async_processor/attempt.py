@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from async_processor import resume
-from async_processor.stream import send_streamed
+from async_processor.stream import send_streamed, transport_reply
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip
 from holdback.results import deferred_batch_counts
@@ -198,12 +198,8 @@ async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gatewa
             return Reply(resp.status, resp.headers, body)
     except aiohttp.ClientPayloadError as exc:
         return Reply.transport_error(f"truncated answer: {exc}")
-    except asyncio.TimeoutError:
-        return Reply.transport_error(f"no complete answer within {timeout:g}s")
-    except aiohttp.ClientConnectorError as exc:  # refused, unresolvable: the request never left
-        return Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
-    except (aiohttp.ClientError, OSError) as exc:
-        return Reply.transport_error(f"{type(exc).__name__}: {exc}")
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+        return transport_reply(exc, timeout)
 
 
 async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,

@@ -121,6 +121,18 @@ def summed_usage(last: dict, earlier: TokenSums | None) -> dict:
     return usage
 
 
+def transport_reply(exc: BaseException, timeout: float) -> Reply:
+    """The Reply for a send that got no complete answer; one mapping for the streamed and the plain send.
+
+    A refused or unresolvable connection is a failing path (the request never left), not a failing request.
+    """
+    if isinstance(exc, asyncio.TimeoutError):
+        return Reply.transport_error(f"no complete answer within {timeout:g}s")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
+    return Reply.transport_error(f"{type(exc).__name__}: {exc}")
+
+
 @dataclass(frozen=True)
 class StreamedReply:
     reply: Reply  # 2xx only when the stream completed; the caller assembles the body from `assembly`
@@ -146,12 +158,8 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
             return StreamedReply(_cut_reply(resp.headers, assembly), assembly, cut=True)
     except (aiohttp.ClientPayloadError, ValueError) as exc:
         reply = Reply.transport_error(f"stream cut after {assembly.content_chunks} chunks: {exc}")
-    except asyncio.TimeoutError:
-        reply = Reply.transport_error(f"no complete answer within {timeout:g}s")
-    except aiohttp.ClientConnectorError as exc:  # refused, unresolvable: a failing path, not a failing request
-        reply = Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
-    except (aiohttp.ClientError, OSError) as exc:
-        reply = Reply.transport_error(f"{type(exc).__name__}: {exc}")
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+        reply = transport_reply(exc, timeout)
     return StreamedReply(reply, assembly, cut=bool(assembly.head), events=bool(assembly.head))
 
 
