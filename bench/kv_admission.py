@@ -1,24 +1,27 @@
 """KV admission off against on, the same load in one run, on simulated replicas whose KV cache runs out.
 
 Load phase (once per mode, fresh replicas and gateway each time, identical gateway configs except
-`admission.enabled`): `--replicas` simulated replicas with `--num-blocks` KV blocks each; batch tenants run
-closed loops of long requests (long prompts and outputs, more than the pool holds at the gateway's request
-limit), a realtime caller streams short requests, and (admission on) a cancellation loop opens long streams
-and closes them after the first chunk. Reported per mode: completed, failed (a non-2xx answer that is not a
-gateway drop), rejected (429 with a drop reason; the caller retries), the simulator's preemptions, realtime
-TTFT p95 with a bootstrap 95 % interval, the largest tenant reserved share in 100 ms samples of
-/admin/state, and release after cancellation (client close → the reservation gone from /admin/state, polled;
-plus the gateway's own histogram).
+`admission.enabled`, every other admission key at its default): `--replicas` simulated replicas with
+`--num-blocks` KV blocks each; batch tenants run closed loops of long requests (long prompts and outputs, more
+than the pool holds at the gateway's request limit), a realtime caller streams short requests, and (admission
+on) a cancellation loop opens long streams and closes them after the first chunk. Reported per mode: completed,
+failed (a non-2xx answer that is not a gateway drop), rejected (429 with a drop reason; the caller retries), the
+simulator's preemptions, realtime TTFT p95 with a bootstrap 95 % interval, the largest tenant reserved share in
+100 ms samples of /admin/state, and release after cancellation: from the client's close to the release time
+the gateway records (`kv.recent_releases`, wall clock on the same host), and to the first /admin/state poll
+(every `--release-poll-ms`) that shows the reservation gone (an upper bound), plus the gateway's histogram.
 
-Overhead phase: one zero-latency replica, two gateways (admission off / on) side by side; rounds of
+Overhead phase: one zero-latency replica, gateways with admission off and on side by side; rounds of
 sequential requests in the order off, on, on, off; the added p50 is on − off within a round, and the figure is
-the median over rounds. Three variants: distinct prompts tokenized by the replica's /tokenize (one extra
-round trip each), one repeated prompt (the token-count cache), and distinct prompts with
-`tokenizer: simulator` (the simulator's tokenizer in the gateway process).
+the median over rounds. Three variants: distinct prompts with the default config (`tokenizer: auto`: the
+simulator's tokenizer in the gateway once it has agreed with the replica's /tokenize), distinct prompts with
+`tokenizer: replica` (one /tokenize round trip each), and one repeated prompt with `tokenizer: replica` (the
+token-count cache).
 
 Path phase (in one process, so client and network noise stay out): the gateway's own admission work per
 request — parse the body, count the prompt, `FlowController.submit` + `finish` — against `submit` + `finish`
-with admission off, per round in the order off, on, on, off; the added p50 per round and its median.
+with admission off, per round in the order off, on, on, off; the added p50 per round and its median; for the
+default `auto`, `replica` and a `local` tokenizer.json.
 
     python -m bench.kv_admission --num-blocks 600 --replicas 2 --duration 40 --rounds 7 --requests 60
 """
@@ -45,13 +48,28 @@ from bench.readiness import free_port, free_port_block, wait_http
 WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx", "yz")
 
 
-def gateway_config(admission: bool, max_concurrency: int, tokenizer: str = "replica") -> str:
-    # Identical but for admission.enabled. Anonymous callers may use any objective here (loopback bench).
+def gateway_config(admission: bool, max_concurrency: int, tokenizer: str | None = None) -> str:
+    # Identical but for admission.enabled (and the tokenizer where a variant names one; None: the default).
+    # Anonymous callers may use any objective here (loopback bench).
     return (f"saturation: {{maxConcurrency: {max_concurrency}}}\n"
             "anonymous: {objectives: ['*']}\n"
             "metrics: {scrapeIntervalSeconds: 0.1}\n"
-            f"admission: {{enabled: {'true' if admission else 'false'}, queueDeadlineMs: 8000, "
-            f"tokenizer: {tokenizer}}}\n")
+            f"admission: {{enabled: {'true' if admission else 'false'}, queueDeadlineMs: 8000"
+            + (f", tokenizer: {tokenizer}" if tokenizer else "") + "}\n")
+
+
+def wait_in_process_tokenizer(gw: str, timeout: float = 60.0) -> dict:
+    """Send one prompt so `tokenizer: auto` checks its candidates, then wait for the check's verdict."""
+    import httpx
+    httpx.post(gw + "/v1/completions", json={"model": "sim-model", "prompt": "warm up", "max_tokens": 1},
+               timeout=30)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(gw + "/admin/state", timeout=10).json()["kv"]["tokenizer"]
+        if state.get("replicas"):
+            return state
+        time.sleep(0.1)
+    raise RuntimeError(f"{gw}: the tokenizer check did not finish within {timeout:.0f} s")
 
 
 def prompt(rng: random.Random, tokens: int) -> str:
@@ -108,7 +126,8 @@ class Tally:
     rejected: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
-    release_ms: list[float] = field(default_factory=list)
+    release_ms: list[float] = field(default_factory=list)  # client close -> the gateway's release timestamp
+    release_seen_ms: list[float] = field(default_factory=list)  # client close -> a poll shows it gone
     max_share: float = 0.0
     share_samples: int = 0
 
@@ -164,8 +183,13 @@ async def realtime_loop(session, gw, rng, stop, tally, interval):
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
 
 
-async def cancel_loop(session, gw, rng, stop, tally):
-    """Open a long stream, close it after the first chunk, time until its reservation is gone."""
+async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
+    """Open a long stream, close it after the first chunk, time until its reservation is gone.
+
+    Two figures per cancel, both from the client's clock at the moment it closes the connection: until the
+    release time the gateway records in /admin/state (`kv.recent_releases[].at`, wall clock, same host), and
+    until a poll of /admin/state (every `poll_interval` s) first shows the tenant gone — an upper bound that
+    adds the poll's interval and its own round trip."""
     k = 0
     while not stop.is_set():
         k += 1
@@ -180,16 +204,19 @@ async def cancel_loop(session, gw, rng, stop, tally):
             await asyncio.sleep(0.25)
             continue
         await resp.content.readany()
-        closed = time.monotonic()
+        closed = time.time()
         resp.close()  # drop the connection: the gateway sees the caller leave
-        deadline = closed + 5.0
+        deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             async with session.get(gw + "/admin/state") as st:
-                tenants = (await st.json())["kv"]["tenants"]
-            if tenant not in tenants:
-                tally.release_ms.append((time.monotonic() - closed) * 1000)
+                kv = (await st.json())["kv"]
+            if tenant not in kv["tenants"]:
+                tally.release_seen_ms.append((time.time() - closed) * 1000)
+                at = next((r["at"] for r in kv["recent_releases"] if r["fairness_id"] == tenant), None)
+                if at is not None:
+                    tally.release_ms.append((at - closed) * 1000)
                 break
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(poll_interval)
         await asyncio.sleep(0.3)
 
 
@@ -238,7 +265,8 @@ async def load(gw: str, args: argparse.Namespace, admission: bool, seed: int) ->
         tasks.append(asyncio.create_task(realtime_loop(session, gw, random.Random(rng.random()), stop, tally,
                                                        1.0 / args.realtime_rate)))
         if admission:  # the ledger and /admin/state kv views exist only with admission on
-            tasks.append(asyncio.create_task(cancel_loop(session, gw, random.Random(rng.random()), stop, tally)))
+            tasks.append(asyncio.create_task(cancel_loop(session, gw, random.Random(rng.random()), stop, tally,
+                                                         args.release_poll_ms / 1000.0)))
             tasks.append(asyncio.create_task(share_sampler(session, gw, stop, tally)))
         await asyncio.sleep(args.duration)
         stop.set()
@@ -271,8 +299,9 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                                     "p95_ci95": [round(low * 1000, 1), round(high * 1000, 1)],
                                     "goal_900ms": verdict(low, high, 0.9)}}
         if on:
-            rel = tally.release_ms
+            rel, seen = tally.release_ms, tally.release_seen_ms
             rl, rh = bootstrap(rel, 0.99, args.seed) if len(rel) >= 10 else (float("nan"),) * 2
+            sl, sh = bootstrap(seen, 0.99, args.seed) if len(seen) >= 10 else (float("nan"),) * 2
             p99_gw, n_gw = histogram_p99(metrics, "holdback_gateway_kv_release_seconds", 'cause="cancel"')
             res["max_tenant_share"] = {"value": round(tally.max_share, 4), "samples": tally.share_samples,
                                        "goal_0.15": "met" if tally.max_share <= 0.15 + 1e-9 else "missed"}
@@ -280,7 +309,13 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                 "n": len(rel), "p50": round(percentile(rel, 0.5), 2) if rel else None,
                 "p99": round(percentile(rel, 0.99), 2) if rel else None,
                 "p99_ci95": [round(rl, 2), round(rh, 2)], "goal_50ms": verdict(rl, rh, 50.0),
+                "polled_upper_bound": {
+                    "poll_interval_ms": args.release_poll_ms, "n": len(seen),
+                    "p50": round(percentile(seen, 0.5), 2) if seen else None,
+                    "p99": round(percentile(seen, 0.99), 2) if seen else None,
+                    "p99_ci95": [round(sl, 2), round(sh, 2)], "goal_50ms": verdict(sl, sh, 50.0)},
                 "gateway_histogram_p99_le_s": p99_gw, "gateway_histogram_n": n_gw}
+            res["tokenizer"] = httpx.get(gw + "/admin/state", timeout=5).json()["kv"]["tokenizer"]
         out[mode] = res
         children.close()
     off, on = out["off"]["preemptions"], out["on"]["preemptions"]
@@ -304,11 +339,15 @@ async def _sequential(session, url: str, bodies: list[dict]) -> list[float]:
 def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     sims = start_sims(children, tmp, "sim-overhead", 1, "--zero-latency", "--max-num-seqs", "1024")
     targets = {"off": start_gateway(children, tmp, "gateway-overhead-off", sims, gateway_config(False, 1024)),
-               "replica": start_gateway(children, tmp, "gateway-overhead-on", sims, gateway_config(True, 1024)),
-               "local": start_gateway(children, tmp, "gateway-overhead-local", sims,
-                                      gateway_config(True, 1024, "simulator"))}
-    variants = {"replica_tokenizer_distinct": ("replica", True), "replica_tokenizer_cached": ("replica", False),
-                "local_tokenizer_distinct": ("local", True)}
+               "default": start_gateway(children, tmp, "gateway-overhead-on", sims, gateway_config(True, 1024)),
+               "replica": start_gateway(children, tmp, "gateway-overhead-replica", sims,
+                                        gateway_config(True, 1024, "replica"))}
+    # The default (tokenizer: auto) counts in process once its check has agreed with the replica.
+    state = wait_in_process_tokenizer(targets["default"])
+    if not any(r["in_process"] for r in state["replicas"].values()):
+        raise RuntimeError(f"tokenizer: auto found no in-process tokenizer for the simulator: {state}")
+    variants = {"default_tokenizer_distinct": ("default", True), "replica_tokenizer_distinct": ("replica", True),
+                "replica_tokenizer_cached": ("replica", False)}
     rng = random.Random(args.seed)
     fixed = prompt(rng, 200)
 
@@ -355,7 +394,8 @@ def _word_level_tokenizer(tmp: Path) -> str | None:
 
 
 def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
-    """The admission path's own cost, in process: off vs on (local tokenizer, replica /tokenize)."""
+    """The admission path's own cost, in process: off vs on (the default `auto`, replica /tokenize, a
+    tokenizer.json)."""
     from gateway.config import parse_config
     from gateway.flow_control import FlowController
     from gateway.metrics import GatewayMetrics
@@ -368,13 +408,15 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
 
     def controller(admission: bool, tokenizer: str) -> tuple[FlowController, PromptCounter]:
         pool = ReplicaPool([sim])
-        pool.replicas[0].healthy = True
-        pool.replicas[0].kv_blocks_total = args.num_blocks
+        replica = pool.replicas[0]
+        replica.healthy = True
+        replica.kv_blocks_total = args.num_blocks
+        replica.model, replica.runtime_version = "sim-model", "model_sim"  # as the pool identifies `holdback sim`
         loaded = parse_config(f"replicas: [{sim}]\nsaturation: {{maxConcurrency: 1024}}\n"
                               f"admission: {{enabled: {str(admission).lower()}, tokenizer: {tokenizer}}}\n", "bench")
         return FlowController(loaded, pool, GatewayMetrics()), PromptCounter(loaded.config.admission)
 
-    variants = {"off": controller(False, "replica"), "local": controller(True, "simulator"),
+    variants = {"off": controller(False, "replica"), "auto": controller(True, "auto"),
                 "replica": controller(True, "replica")}
     hf = _word_level_tokenizer(tmp)
     if hf is not None:
@@ -385,18 +427,25 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         t0 = time.perf_counter()
         req = FlowRequest(str(i), "standard", 0, "t", "t", time.monotonic())
         if fc.admission is not None:
-            count = await counter.count(json.loads(body), "/v1/completions", session, sim)
+            count = await counter.count(json.loads(body), "/v1/completions", session, fc.pool.replicas[0])
             req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
         fc.submit(req)
         fc.finish(req)
         return (time.perf_counter() - t0) * 1000
 
     async def run() -> dict:
-        kinds = [("local_tokenizer", "local"), ("replica_tokenizer", "replica")]
+        kinds = [("default_tokenizer", "auto"), ("replica_tokenizer", "replica")]
         if "hf" in variants:
             kinds.append(("hf_tokenizer_json", "hf"))
         added: dict[str, list[float]] = {kind: [] for kind, _ in kinds}
         async with aiohttp.ClientSession() as session:
+            auto = variants["auto"][1]  # its first count starts the check against the replica; wait for it
+            await auto.count({"prompt": "warm up"}, "/v1/completions", session, variants["auto"][0].pool.replicas[0])
+            deadline = time.monotonic() + 60
+            while not auto.state()["replicas"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not any(r["in_process"] for r in auto.state()["replicas"].values()):
+                raise RuntimeError(f"tokenizer: auto found no in-process tokenizer: {auto.state()}")
             i = 0
             for _ in range(args.rounds):
                 for kind, target in kinds:
@@ -430,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="overhead rounds")
     p.add_argument("--requests", type=int, default=40, help="sequential requests per overhead run")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--release-poll-ms", type=float, default=10.0,
+                   help="interval of the /admin/state poll that watches a cancelled reservation go (default 10)")
     p.add_argument("--phases", default="load,overhead,path",
                    help="comma-separated phases to run: load, overhead (end to end), path (in process)")
     p.add_argument("--out", help="write the JSON result here too")

@@ -94,6 +94,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await self.pool.stop()
+        self.proxy.counter.close()
         if self._session is not None:
             await self._session.close()
 

@@ -147,12 +147,16 @@ class Quota(_Model):
 
 class Admission(_Model):
     enabled: bool = True
-    # How prompt tokens are counted: `replica` (its POST /tokenize, cached by prompt hash), `simulator` (the
-    # simulator's tokenizer and chat template run locally: exact for `holdback sim` replicas, no round trip),
-    # `local` (a Hugging Face tokenizer.json named by tokenizerFile, in process, for completion prompts; chat
-    # still goes to the replica, which owns the chat template), or `estimate` (characters / charsPerToken only).
-    tokenizer: Literal["replica", "simulator", "local", "estimate"] = "replica"
+    # How prompt tokens are counted (gateway/tokenization.py): `auto` (in the gateway with a tokenizer whose counts
+    # agree with the replica's POST /tokenize on probe texts: tokenizerFile, the model's tokenizer.json found on
+    # this host, or the simulator's for `holdback sim` replicas; else /tokenize), `replica` (its POST /tokenize,
+    # cached by prompt hash), `simulator` (the simulator's tokenizer and chat template, in process, unchecked),
+    # `local` (tokenizerFile in process for completion prompts, unchecked; chat still goes to the replica, which
+    # owns the chat template), or `estimate` (characters / charsPerToken only).
+    tokenizer: Literal["auto", "replica", "simulator", "local", "estimate"] = "auto"
     tokenizerFile: str | None = None
+    # auto: every Nth in-process count is checked against /tokenize in the background (0: never).
+    tokenizerCheckEvery: int = Field(default=1000, ge=0)
     tokenizeTimeoutMs: int = Field(default=500, gt=0)
     tokenCacheSize: int = Field(default=8192, ge=0)
     charsPerToken: float = Field(default=4.0, gt=0)

@@ -22,7 +22,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable
 
 from gateway.admission import LEVELS, Decision, Demand, KvAdmission
@@ -45,6 +45,8 @@ from gateway.victims import VictimCandidate, victim_policy
 logger = logging.getLogger("gateway.flow")
 
 HISTORY = 10
+# Recent KV releases kept for /admin/state (an outside observer times a cancel against `at`).
+RECENT_RELEASES = 32
 
 
 class Outcome(enum.Enum):
@@ -70,6 +72,9 @@ class FlowController:
         self.in_flight = 0
         self.rejected_tokens: Counter[str] = Counter()
         self.tokenizer_fallbacks = 0
+        self.recent_releases: deque[dict] = deque(maxlen=RECENT_RELEASES)
+        # How prompts are counted (the proxy's PromptCounter.state), for /admin/state.
+        self.tokenizer_state: Callable[[], dict] = lambda: {}
         # Dispatches per second (exponentially weighted), for the estimated wait by priority.
         self._rate = 0.0
         self._rate_at = clock()
@@ -92,8 +97,8 @@ class FlowController:
         adm = cfg.admission
         # Read first: a profile that cannot be read rejects the whole config before anything changes.
         profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
-        if adm.enabled and adm.tokenizer == "local":
-            load_local_tokenizer(adm.tokenizerFile or "")
+        if adm.enabled and adm.tokenizer in ("local", "auto") and adm.tokenizerFile:
+            load_local_tokenizer(adm.tokenizerFile)
         self.loaded = loaded
         self.history.append((loaded, time.time()))
         del self.history[:-HISTORY]
@@ -261,6 +266,9 @@ class FlowController:
                 cause = "evict" if evicted else cause
                 start = req.evicted_at if evicted else (event_at if event_at is not None else now)
                 self.metrics.child(self.metrics.kv_release, cause).observe(max(0.0, now - start))
+                self.recent_releases.append({
+                    "request_id": req.request_id, "fairness_id": req.fairness_id, "cause": cause,
+                    "at": time.time(), "seconds_after_cause": round(max(0.0, now - start), 6)})
         band = self.bands[req.priority]
         band.in_flight -= 1
         self.in_flight -= 1
@@ -606,7 +614,9 @@ class FlowController:
             wait_s[str(band.priority)] = round(ahead / rate, 3) if ahead and rate > 1e-6 else 0.0
         return {"enabled": admission is not None, "replicas": replicas, "tenants": tenants, "classes": classes,
                 "rejected_tokens": dict(self.rejected_tokens), "waiting_by_priority": waiting,
-                "estimated_wait_s_by_priority": wait_s, "tokenizer_fallbacks": self.tokenizer_fallbacks}
+                "estimated_wait_s_by_priority": wait_s, "tokenizer_fallbacks": self.tokenizer_fallbacks,
+                "recent_releases": list(self.recent_releases),
+                "tokenizer": self.tokenizer_state()}
 
     def snapshot(self) -> dict:
         now = self.clock()

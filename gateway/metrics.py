@@ -47,6 +47,9 @@ class GatewayMetrics:
                                           "refused by KV admission, by drop reason.", ["reason"], registry=r)
         self.tokenizer_fallbacks = Counter(f"{PREFIX}_tokenizer_fallbacks", "Prompts counted by the character "
                                            "estimate because no replica tokenizer answered.", registry=r)
+        self.prompt_counts = Counter(f"{PREFIX}_prompt_counts", "Prompts counted for KV admission, by how: "
+                                     "simulator or tokenizer.json (in the gateway), replica (its /tokenize), "
+                                     "cache, token_ids, estimate.", ["source"], registry=r)
         self.upstream_errors = Counter(f"{PREFIX}_upstream_errors", "Transport failures talking to a replica.",
                                        ["replica"], registry=r)
         self._children: dict[tuple, object] = {}

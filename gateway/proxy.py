@@ -55,12 +55,21 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.classifier = Classifier(controller.loaded)
         self.upstream_api_key = controller.loaded.upstream_api_key
-        self.counter = PromptCounter(controller.loaded.config.admission, self._count_fallback)
+        self.counter = self._counter()
+
+    def _counter(self) -> PromptCounter:
+        counter = PromptCounter(self.controller.loaded.config.admission, self._count_fallback, self._counted)
+        self.controller.tokenizer_state = counter.state
+        return counter
 
     def reconfigure(self) -> None:
         self.classifier = Classifier(self.controller.loaded)
         self.upstream_api_key = self.controller.loaded.upstream_api_key
-        self.counter = PromptCounter(self.controller.loaded.config.admission, self._count_fallback)
+        self.counter.close()  # its background tokenizer checks stop; the new counter checks again
+        self.counter = self._counter()
+
+    def _counted(self, source: str) -> None:
+        self.metrics.child(self.metrics.prompt_counts, source).inc()
 
     def _count_fallback(self) -> None:
         self.controller.tokenizer_fallbacks += 1
@@ -72,8 +81,8 @@ class Proxy:
             return error_response(400, "The request body must be a JSON object.", "invalid_request_error",
                                   "invalid_json", req.request_id)
         healthy = self.controller.pool.healthy()
-        url = min(healthy, key=lambda r: r.in_flight).url if healthy else None
-        count = await self.counter.count(doc, path, self.session, url)
+        replica = min(healthy, key=lambda r: r.in_flight) if healthy else None
+        count = await self.counter.count(doc, path, self.session, replica)
         req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
         return None
 

@@ -1,31 +1,50 @@
-"""Prompt token counts for KV admission: the model's own tokenizer through a replica's POST /tokenize.
+"""Prompt token counts for KV admission: the model's own tokenizer, in the gateway when it can be, else through
+a replica's POST /tokenize.
 
 Counts are cached by a hash of (model, prompt), so a repeated prompt costs one dictionary lookup. Token-id
-prompts are counted locally, and `tokenizer: simulator` runs the simulator's tokenizer in process (no round
-trip), and `tokenizer: local` a Hugging Face `tokenizer.json` (the `tokenizers` package) for completion
-prompts, while chat still goes to the replica, which owns the chat template. When no replica answers
-/tokenize in time (or the config says `estimate`) the count falls back to characters ÷ `charsPerToken`, and
-each fallback is counted in a metric.
+prompts are counted locally. `tokenizer: auto` (the default) counts in process with a tokenizer that has
+agreed with the replica: for each replica identity (URL, model, runtime) the candidates are the configured
+`tokenizerFile`, the model's `tokenizer.json` found on this host (the model path or the Hugging Face hub cache),
+and, for a `holdback sim` replica, the simulator's own tokenizer and chat template. A candidate is used once its
+counts equal the replica's /tokenize on every probe text (chat too for the chat path); until then, and when none
+agrees, prompts go to /tokenize. Every `tokenizerCheckEvery`-th in-process count is re-checked against /tokenize
+in the background, and a disagreement sends that replica's prompts back to /tokenize. `tokenizer: replica`
+always asks the replica, `simulator` and `local` count in process without the check, `estimate` uses
+characters ÷ `charsPerToken`, which is also the fallback (counted in a metric) when nothing else answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
-import functools
 import math
-from collections import OrderedDict
+import os
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import aiohttp
 
 from gateway.config import Admission, ConfigError
 from gateway.log import log_event
+from gateway.replicas import Replica
 
 logger = logging.getLogger("gateway.tokens")
+
+# Texts a candidate tokenizer must count exactly as the replica does: words, numbers, punctuation, runs of
+# spaces and newlines, accents, CJK, an emoji and a word longer than any piece.
+PROBE_PROMPTS = (
+    "Hello, world! The quick brown fox jumps over 13 lazy dogs.",
+    "  leading spaces,\ttabs\n\nand blank lines   \n",
+    "naïve café — 東京タワー 🙂 ¿qué? 3.14159e-10",
+    "supercalifragilisticexpialidocious antidisestablishmentarianism",
+)
+PROBE_CHAT = ({"role": "system", "content": "Answer briefly."},
+              {"role": "user", "content": "How many tokens is this chat? Count them, please."})
 
 
 @dataclass(frozen=True)
@@ -62,68 +81,24 @@ def max_new_tokens(body: Mapping[str, Any], default: int, path: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-class PromptCounter:
-    def __init__(self, cfg: Admission, on_fallback=lambda: None):
-        self.cfg = cfg
-        self.on_fallback = on_fallback
-        self.fallbacks = 0
-        self._cache: OrderedDict[str, int] = OrderedDict()
+# -- in-process tokenizers ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InProcess:
+    """A tokenizer the gateway runs itself: `source` names it in metrics and /admin/state."""
 
-    async def count(self, body: Mapping[str, Any], path: str, session: aiohttp.ClientSession | None,
-                    replica_url: str | None) -> TokenCount:
-        new = max_new_tokens(body, self.cfg.maxNewTokensDefault, path)
-        prompt = body.get("messages") if "messages" in body else body.get("prompt", body.get("input"))
-        ids = _token_ids(prompt)
-        if ids is not None:
-            return TokenCount(ids, new, True)
-        key_doc = {"model": body.get("model"), "messages" if "messages" in body else "prompt": prompt}
-        key = hashlib.sha256(json.dumps(key_doc, sort_keys=True, default=str).encode()).hexdigest()
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return TokenCount(cached, new, True)
-        counted = None
-        if self.cfg.tokenizer == "simulator":
-            counted = _simulator_count(prompt, "messages" in body)
-        elif self.cfg.tokenizer == "local" and "messages" not in body:
-            counted = _local_count(self.cfg.tokenizerFile or "", prompt)
-        if counted is None and self.cfg.tokenizer in ("replica", "local") and session is not None \
-                and replica_url is not None:
-            counted = await self._tokenize(session, replica_url, body.get("model"), prompt, "messages" in body)
-        if counted is None:
-            self.fallbacks += 1
-            self.on_fallback()
-            return TokenCount(math.ceil(_chars(prompt) / self.cfg.charsPerToken), new, False)
-        if self.cfg.tokenCacheSize:
-            self._cache[key] = counted
-            if len(self._cache) > self.cfg.tokenCacheSize:
-                self._cache.popitem(last=False)
-        return TokenCount(counted, new, True)
+    source: str
+    count: Callable[[Any, bool], int | None]
+    chat: bool
+    path: str | None = None
 
-    async def _tokenize(self, session: aiohttp.ClientSession, url: str, model: Any, prompt: Any,
-                        chat: bool) -> int | None:
-        if chat:
-            docs = [{"model": model, "messages": prompt}]
-        elif isinstance(prompt, str):
-            docs = [{"model": model, "prompt": prompt}]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            docs = [{"model": model, "prompt": p} for p in prompt]
-        else:
-            return None
-        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenizeTimeoutMs / 1000.0)
-        total = 0
-        try:
-            for doc in docs:
-                async with session.post(url + "/tokenize", json=doc, timeout=timeout) as resp:
-                    if resp.status >= 300:
-                        log_event(logger, logging.WARNING, "tokenize_refused", replica=url, status=resp.status)
-                        return None
-                    answer = await resp.json()
-                total += int(answer["count"])
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
-            log_event(logger, logging.WARNING, "tokenize_failed", replica=url, error=type(exc).__name__)
-            return None
-        return total
+
+def simulator_tokenizer() -> InProcess:
+    return InProcess("simulator", _simulator_count, chat=True)
+
+
+def file_tokenizer(path: str) -> InProcess:
+    load_local_tokenizer(path)  # a bad file is a ConfigError now, not at the first request
+    return InProcess("tokenizer.json", functools.partial(_file_count, path), chat=False, path=path)
 
 
 def _simulator_count(prompt: Any, chat: bool) -> int | None:
@@ -151,7 +126,7 @@ def load_local_tokenizer(path: str):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError("admission.tokenizer `local` needs the `tokenizers` package: pip install "
+        raise ConfigError("admission.tokenizerFile needs the `tokenizers` package: pip install "
                           "'holdback[local-tokenizer]'") from None
     try:
         return Tokenizer.from_file(path)
@@ -159,10 +134,235 @@ def load_local_tokenizer(path: str):
         raise ConfigError(f"admission.tokenizerFile {path!r} is not a readable tokenizer.json: {exc}") from None
 
 
-def _local_count(path: str, prompt: Any) -> int | None:
+def _file_count(path: str, prompt: Any, chat: bool) -> int | None:
+    if chat:
+        return None  # the chat template is the replica's
     tokenizer = load_local_tokenizer(path)
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt).ids)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return sum(len(e.ids) for e in tokenizer.encode_batch(prompt))
     return None
+
+
+def find_tokenizer_json(model: str | None) -> str | None:
+    """The model's tokenizer.json on this host: in the model's own directory when the model is a path, else in
+    the Hugging Face hub cache ($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub) at the snapshot
+    refs/main names, else the newest snapshot that has one."""
+    if not model:
+        return None
+    direct = Path(model) / "tokenizer.json"
+    if direct.is_file():
+        return str(direct)
+    if "/" not in model or model.startswith("/"):
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    repo = Path(hub) / ("models--" + model.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        pinned = repo / "snapshots" / ref.read_text().strip() / "tokenizer.json"
+        if pinned.is_file():
+            return str(pinned)
+    found = sorted((p for p in (repo / "snapshots").glob("*/tokenizer.json") if p.is_file()),
+                   key=lambda p: p.stat().st_mtime, reverse=True)
+    return str(found[0]) if found else None
+
+
+def candidates(cfg: Admission, replica: Replica) -> list[InProcess]:
+    """In-process tokenizers that may count this replica's prompts, to be checked against its /tokenize."""
+    out: list[InProcess] = []
+    paths = [cfg.tokenizerFile, find_tokenizer_json(replica.model)]
+    for path in dict.fromkeys(p for p in paths if p):
+        try:
+            out.append(file_tokenizer(path))
+        except ConfigError as exc:
+            log_event(logger, logging.WARNING, "tokenizer_file_unusable", replica=replica.url, error=str(exc))
+    if replica.runtime_version == "model_sim":
+        out.append(simulator_tokenizer())
+    return out
+
+
+# -- the counter ----------------------------------------------------------------------------------------------
+class PromptCounter:
+    def __init__(self, cfg: Admission, on_fallback=lambda: None,
+                 on_count: Callable[[str], None] = lambda source: None):
+        self.cfg = cfg
+        self.on_fallback = on_fallback
+        self.on_count = on_count
+        self.fallbacks = 0
+        self.sources: Counter[str] = Counter()
+        self.disagreements = 0
+        self._cache: OrderedDict[str, int] = OrderedDict()
+        # tokenizer: auto — per replica identity, the in-process tokenizer that agreed with it (None: none did).
+        self._verified: dict[tuple, InProcess | None] = {}
+        self._verifying: dict[tuple, asyncio.Task] = {}
+        self._checks: set[asyncio.Task] = set()
+        self._since_check = 0
+        self._fixed: InProcess | None = None
+        if cfg.tokenizer == "simulator":
+            self._fixed = simulator_tokenizer()
+        elif cfg.tokenizer == "local":
+            self._fixed = file_tokenizer(cfg.tokenizerFile or "")
+
+    async def count(self, body: Mapping[str, Any], path: str, session: aiohttp.ClientSession | None,
+                    replica: Replica | None) -> TokenCount:
+        new = max_new_tokens(body, self.cfg.maxNewTokensDefault, path)
+        chat = "messages" in body
+        prompt = body.get("messages") if chat else body.get("prompt", body.get("input"))
+        ids = _token_ids(prompt)
+        if ids is not None:
+            self._counted("token_ids")
+            return TokenCount(ids, new, True)
+        key_doc = {"model": body.get("model"), "messages" if chat else "prompt": prompt}
+        key = hashlib.sha256(json.dumps(key_doc, sort_keys=True, default=str).encode()).hexdigest()
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self._counted("cache")
+            return TokenCount(cached, new, True)
+        counted, source = None, "replica"
+        local = self._fixed if self._fixed is not None else self._in_process(session, replica)
+        if local is not None and (local.chat or not chat):
+            counted, source = local.count(prompt, chat), local.source
+            if counted is not None and self._fixed is None:
+                self._maybe_check(session, replica, body.get("model"), prompt, chat, counted)
+        if counted is None and self.cfg.tokenizer in ("auto", "replica", "local") and session is not None \
+                and replica is not None:
+            counted, source = await self._tokenize(session, replica.url, body.get("model"), prompt, chat), \
+                "replica"
+        if counted is None:
+            self.fallbacks += 1
+            self.on_fallback()
+            self._counted("estimate")
+            return TokenCount(math.ceil(_chars(prompt) / self.cfg.charsPerToken), new, False)
+        self._counted(source)
+        if self.cfg.tokenCacheSize:
+            self._cache[key] = counted
+            if len(self._cache) > self.cfg.tokenCacheSize:
+                self._cache.popitem(last=False)
+        return TokenCount(counted, new, True)
+
+    def _counted(self, source: str) -> None:
+        self.sources[source] += 1
+        self.on_count(source)
+
+    # -- tokenizer: auto --------------------------------------------------------------------------------------
+    @staticmethod
+    def _identity(replica: Replica) -> tuple:
+        return replica.url, replica.model, replica.runtime_version
+
+    def _in_process(self, session: aiohttp.ClientSession | None, replica: Replica | None) -> InProcess | None:
+        """The verified in-process tokenizer for this replica; starts the check the first time it is asked."""
+        if self.cfg.tokenizer != "auto" or replica is None or session is None or replica.model is None:
+            return None  # not identified yet: its model and runtime decide the candidates
+        ident = self._identity(replica)
+        if ident in self._verified:
+            return self._verified[ident]
+        if ident not in self._verifying:
+            task = asyncio.create_task(self._verify(session, replica, ident), name="gateway-tokenizer-check")
+            self._verifying[ident] = task
+        return None
+
+    async def _verify(self, session: aiohttp.ClientSession, replica: Replica, ident: tuple) -> None:
+        try:
+            chosen = None
+            for candidate in candidates(self.cfg, replica):
+                agrees, chat = await self._agrees(session, replica.url, candidate)
+                if agrees:
+                    chosen = candidate if chat == candidate.chat else InProcess(
+                        candidate.source, candidate.count, chat=False, path=candidate.path)
+                    break
+            if chosen is None:
+                log_event(logger, logging.INFO, "tokenizer_in_process_unavailable", replica=replica.url,
+                          model=replica.model, counting="replica /tokenize")
+            else:
+                log_event(logger, logging.INFO, "tokenizer_in_process", replica=replica.url, model=replica.model,
+                          source=chosen.source, path=chosen.path, chat=chosen.chat)
+            self._verified[ident] = chosen
+        finally:
+            self._verifying.pop(ident, None)
+
+    async def _agrees(self, session: aiohttp.ClientSession, url: str, candidate: InProcess) -> tuple[bool, bool]:
+        """(completion prompts agree, chat agrees) between the candidate and the replica's /tokenize."""
+        for text in PROBE_PROMPTS:
+            mine = candidate.count(text, False)
+            theirs = await self._tokenize(session, url, None, text, False)
+            if mine is None or theirs is None or mine != theirs:
+                if theirs is not None:
+                    log_event(logger, logging.INFO, "tokenizer_candidate_disagrees", replica=url,
+                              source=candidate.source, path=candidate.path, probe=text[:24], local=mine,
+                              replica_count=theirs)
+                return False, False
+        if not candidate.chat:
+            return True, False
+        theirs = await self._tokenize(session, url, None, list(PROBE_CHAT), True)
+        return True, theirs is not None and candidate.count(list(PROBE_CHAT), True) == theirs
+
+    def _maybe_check(self, session, replica: Replica | None, model: Any, prompt: Any, chat: bool,
+                     counted: int) -> None:
+        every = self.cfg.tokenizerCheckEvery
+        if not every or session is None or replica is None:
+            return
+        self._since_check += 1
+        if self._since_check < every:
+            return
+        self._since_check = 0
+        task = asyncio.create_task(self._check(session, replica, model, prompt, chat, counted),
+                                   name="gateway-tokenizer-spot-check")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check(self, session, replica: Replica, model: Any, prompt: Any, chat: bool, counted: int) -> None:
+        theirs = await self._tokenize(session, replica.url, model, prompt, chat)
+        if theirs is None or theirs == counted:
+            return
+        self.disagreements += 1
+        ident = self._identity(replica)
+        used = self._verified.get(ident)
+        self._verified[ident] = None
+        log_event(logger, logging.WARNING, "tokenizer_disagrees", replica=replica.url,
+                  source=used.source if used else None, local=counted, replica_count=theirs,
+                  counting="replica /tokenize from now on")
+
+    def state(self) -> dict:
+        """What counts prompts now, per replica (auto), and how the counts so far were made."""
+        verified = {}
+        for (url, model, _runtime), chosen in self._verified.items():
+            verified[url] = {"model": model, "in_process": chosen.source if chosen else None,
+                             "chat_in_process": bool(chosen and chosen.chat)}
+        return {"mode": self.cfg.tokenizer, "replicas": verified, "counted_by": dict(self.sources),
+                "disagreements": self.disagreements}
+
+    def close(self) -> None:
+        for task in [*self._verifying.values(), *self._checks]:
+            task.cancel()
+
+    # -- the replica's /tokenize ------------------------------------------------------------------------------
+    async def _tokenize(self, session: aiohttp.ClientSession, url: str, model: Any, prompt: Any,
+                        chat: bool) -> int | None:
+        if chat:
+            docs = [{"messages": prompt}]
+        elif isinstance(prompt, str):
+            docs = [{"prompt": prompt}]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            docs = [{"prompt": p} for p in prompt]
+        else:
+            return None
+        if model is not None:
+            for doc in docs:
+                doc["model"] = model
+        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenizeTimeoutMs / 1000.0)
+        total = 0
+        try:
+            for doc in docs:
+                async with session.post(url + "/tokenize", json=doc, timeout=timeout) as resp:
+                    if resp.status >= 300:
+                        log_event(logger, logging.WARNING, "tokenize_refused", replica=url, status=resp.status)
+                        return None
+                    answer = await resp.json()
+                total += int(answer["count"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
+            log_event(logger, logging.WARNING, "tokenize_failed", replica=url, error=type(exc).__name__)
+            return None
+        return total

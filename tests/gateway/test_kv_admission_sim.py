@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -184,9 +185,14 @@ def test_release_on_finish_cancel_and_disconnect(stack):
             await wait_until(lambda: held.chunks)
             assert kv(gw, sim)["reserved_blocks"] == 300
             assert kv(gw, sim)["used_blocks"] >= (300 * 16 - 3000) // 16  # the prompt, at least
+            closed = time.time()
             await held.close()
             await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == 0)
             await wait_until(lambda: release_count(gw, "cancel") == 1)
+            # /admin/state records when each release happened: an outside observer times the cancel with it.
+            [cancel] = [r for r in gw.state()["kv"]["recent_releases"] if r["cause"] == "cancel"]
+            assert closed <= cancel["at"] <= time.time()
+            assert 0 <= cancel["seconds_after_cause"] <= cancel["at"] - closed
             await wait_until(lambda: sim_state(sim)["running"] == 0)  # the replica aborted it too
             # disconnect: the caller leaves before any byte of a non-streamed answer
             task = asyncio.create_task(client.post("/v1/completions", json=blocks_body(300, 3000, stream=False),
@@ -197,6 +203,36 @@ def test_release_on_finish_cancel_and_disconnect(stack):
             await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == 0)
             await wait_until(lambda: release_count(gw, "disconnect") == 1)
             await wait_until(lambda: sim_state(sim)["running"] == 0)
+
+    asyncio.run(main())
+
+
+def test_by_default_prompts_are_counted_in_the_gateway_once_its_tokenizer_agrees_with_the_replica(stack):
+    [sim] = stack.sim(1, *SIM_ARGS)
+    gw = stack.gateway([sim], BASE)  # no admission.tokenizer: the default, auto
+
+    def counted(source: str) -> float:
+        for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(f'holdback_gateway_prompt_counts_total{{source="{source}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
+            r = await client.post("/v1/completions", json=blocks_body(2, 8, stream=False), headers=hdr("standard"))
+            assert r.status_code == 200
+            await wait_until(lambda: gw.state()["kv"]["tokenizer"]["replicas"].get(sim))
+            assert gw.state()["kv"]["tokenizer"]["replicas"][sim] == {
+                "model": "sim-model", "in_process": "simulator", "chat_in_process": True}
+            before = counted("simulator")
+            held = Held(client, blocks_body(300, 3000), hdr("standard"))
+            await wait_until(lambda: held.chunks)
+            assert kv(gw, sim)["reserved_blocks"] == 300  # the in-process count is the replica's, exactly
+            assert counted("simulator") == before + 1
+            await held.close()
+            await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == 0)
+            assert gw.state()["kv"]["tokenizer_fallbacks"] == 0
 
     asyncio.run(main())
 

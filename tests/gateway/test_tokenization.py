@@ -1,4 +1,5 @@
-"""Prompt counting: a local Hugging Face tokenizer, the simulator's, the cache, and the counted fallback."""
+"""Prompt counting: a local Hugging Face tokenizer, the simulator's, the cache, the counted fallback, and
+`tokenizer: auto` (in process once a tokenizer agrees with the replica's /tokenize) against real simulators."""
 
 import asyncio
 
@@ -6,7 +7,9 @@ import aiohttp
 import pytest
 
 from gateway.config import Admission, ConfigError, parse_config
-from gateway.tokenization import PromptCounter, load_local_tokenizer
+from gateway.replicas import Replica
+from gateway.tokenization import InProcess, PromptCounter, find_tokenizer_json, load_local_tokenizer
+from tests.support import poll
 
 tokenizers = pytest.importorskip("tokenizers", reason="admission.tokenizer `local` needs the tokenizers package "
                                  "(pip install '.[local-tokenizer]')")
@@ -52,7 +55,7 @@ def test_without_a_tokenizer_the_estimate_is_used_and_counted():
     fallbacks = []
     counter = PromptCounter(Admission(tokenizer="replica", tokenizeTimeoutMs=200), lambda: fallbacks.append(1))
     got = count(counter, {"messages": [{"role": "user", "content": "x" * 40}]}, "/v1/chat/completions",
-                "http://127.0.0.1:9")  # nothing listens there
+                Replica("http://127.0.0.1:9"))  # nothing listens there
     assert (got.prompt_tokens, got.max_new_tokens, got.exact) == (10, 1024, False)
     assert counter.fallbacks == 1 and fallbacks == [1]
     assert count(counter, {"input": "abcd"}, "/v1/embeddings").max_new_tokens == 0
@@ -65,3 +68,87 @@ def test_simulator_tokenizer_matches_the_simulator_and_counts_are_cached():
     assert len(counter._cache) == 1
     count(counter, {"prompt": "b b"})
     assert len(counter._cache) == 1  # bounded by tokenCacheSize
+
+
+def test_auto_is_the_default_and_the_check_interval_must_not_be_negative():
+    assert Admission().tokenizer == "auto" and Admission().tokenizerCheckEvery == 1000
+    with pytest.raises(ConfigError, match="tokenizerCheckEvery"):
+        parse_config("admission: {tokenizerCheckEvery: -1}\n", "t")
+
+
+def test_the_models_tokenizer_json_is_found_in_its_directory_or_the_hub_cache(tmp_path, monkeypatch):
+    model_dir = tmp_path / "llama"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text("{}")
+    assert find_tokenizer_json(str(model_dir)) == str(model_dir / "tokenizer.json")
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert find_tokenizer_json("org/model") is None
+    repo = hub / "models--org--model"
+    for rev in ("old", "pinned"):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+        (repo / "snapshots" / rev / "tokenizer.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("pinned\n")
+    assert find_tokenizer_json("org/model") == str(repo / "snapshots" / "pinned" / "tokenizer.json")
+    (repo / "refs" / "main").write_text("gone\n")  # refs/main names a snapshot without one: the newest that has one
+    assert find_tokenizer_json("org/model") in {str(repo / "snapshots" / r / "tokenizer.json") for r in ("old", "pinned")}
+    assert find_tokenizer_json(None) is None and find_tokenizer_json("no-slash-model") is None
+
+
+def identified(url: str) -> Replica:
+    """A replica as the pool knows it once /v1/models and /version have answered (holdback sim)."""
+    replica = Replica(url, healthy=True)
+    replica.model, replica.runtime_version = "sim-model", "model_sim"
+    return replica
+
+
+def test_auto_counts_in_process_once_the_simulator_tokenizer_agrees_with_the_replica(stack, tmp_path):
+    [sim] = stack.sim(1)
+    replica = identified(sim)
+    # A tokenizer.json that disagrees with the replica (word level: punctuation is [UNK], one token per word)
+    # is tried first and refused; the simulator's own tokenizer agrees and is used, chat included.
+    counter = PromptCounter(Admission(tokenizer="auto", tokenizerFile=tokenizer_file(tmp_path)))
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            first = await counter.count({"prompt": "Hello, world!"}, "/v1/completions", session, replica)
+            state = await asyncio.to_thread(poll, lambda: counter.state()["replicas"].get(sim), 30,
+                                            "the tokenizer check to finish")
+            assert state == {"model": "sim-model", "in_process": "simulator", "chat_in_process": True}
+            texts = ["  two  spaces, then\ttab", "naïve — 東京 🙂", "x" * 40]
+            mine = [await counter.count({"prompt": t}, "/v1/completions", session, replica) for t in texts]
+            chat = [{"role": "user", "content": "How many?"}]
+            mine.append(await counter.count({"messages": chat}, "/v1/chat/completions", session, replica))
+            theirs = []
+            for doc in [{"prompt": t} for t in texts] + [{"messages": chat}]:
+                async with session.post(sim + "/tokenize", json=doc) as resp:
+                    theirs.append((await resp.json())["count"])
+            return first, mine, theirs
+
+    first, mine, theirs = asyncio.run(main())
+    assert first.exact and first.prompt_tokens == 4  # asked the replica while the check ran
+    assert [c.prompt_tokens for c in mine] == theirs and all(c.exact for c in mine)
+    assert counter.sources["simulator"] == 4 and counter.sources["replica"] == 1
+    assert counter.fallbacks == 0
+
+
+def test_a_spot_check_that_disagrees_sends_prompts_back_to_the_replica(stack):
+    [sim] = stack.sim(1)
+    replica = identified(sim)
+    counter = PromptCounter(Admission(tokenizer="auto", tokenizerCheckEvery=2))
+    # Pretend a wrong tokenizer had passed the probes: one token per prompt.
+    counter._verified[counter._identity(replica)] = InProcess("tokenizer.json", lambda prompt, chat: 1, chat=False)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            counts = [await counter.count({"prompt": f"prompt number {i}, three words"}, "/v1/completions",
+                                          session, replica) for i in range(2)]
+            await asyncio.to_thread(poll, lambda: counter.disagreements, 30, "the spot check to disagree")
+            counts.append(await counter.count({"prompt": "and now it is exact"}, "/v1/completions",
+                                              session, replica))
+            return counts
+
+    counts = asyncio.run(main())
+    assert [c.prompt_tokens for c in counts] == [1, 1, 5]
+    assert counter.state()["replicas"][sim]["in_process"] is None and counter.sources["replica"] == 1
