@@ -12,8 +12,8 @@ the gateway records (`kv.recent_releases`, wall clock on the same host), and to 
 (every `--release-poll-ms`) that shows the reservation gone (an upper bound), plus the gateway's histogram.
 
 Overhead phase: one zero-latency replica, gateways with admission off and on side by side; rounds of
-sequential requests in the order off, on, on, off; the added p50 is on − off within a round, and the figure is
-the median over rounds. Three variants: distinct prompts with the default config (`tokenizer: auto`: the
+sequential requests, sent in turns of off, on, on, off; the added p50 is on − off within a round, and the
+figure is the median over rounds. Three variants: distinct prompts with the default config (`tokenizer: auto`: the
 simulator's tokenizer in the gateway once it has agreed with the replica's /tokenize), distinct prompts with
 `tokenizer: replica` (one /tokenize round trip each), and one repeated prompt with `tokenizer: replica` (the
 token-count cache).
@@ -128,6 +128,7 @@ class Tally:
     ttft: list[float] = field(default_factory=list)
     release_ms: list[float] = field(default_factory=list)  # client close -> the gateway's release timestamp
     release_seen_ms: list[float] = field(default_factory=list)  # client close -> a poll shows it gone
+    poll_rtt_ms: list[float] = field(default_factory=list)  # each /admin/state poll's round trip
     max_share: float = 0.0
     share_samples: int = 0
 
@@ -208,8 +209,10 @@ async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
         resp.close()  # drop the connection: the gateway sees the caller leave
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
+            sent = time.monotonic()
             async with session.get(gw + "/admin/state") as st:
                 kv = (await st.json())["kv"]
+            tally.poll_rtt_ms.append((time.monotonic() - sent) * 1000)
             if tenant not in kv["tenants"]:
                 tally.release_seen_ms.append((time.time() - closed) * 1000)
                 at = next((r["at"] for r in kv["recent_releases"] if r["fairness_id"] == tenant), None)
@@ -311,6 +314,8 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                 "p99_ci95": [round(rl, 2), round(rh, 2)], "goal_50ms": verdict(rl, rh, 50.0),
                 "polled_upper_bound": {
                     "poll_interval_ms": args.release_poll_ms, "n": len(seen),
+                    "poll_round_trip_ms_p50": round(percentile(tally.poll_rtt_ms, 0.5), 2) if seen else None,
+                    "poll_round_trip_ms_p99": round(percentile(tally.poll_rtt_ms, 0.99), 2) if seen else None,
                     "p50": round(percentile(seen, 0.5), 2) if seen else None,
                     "p99": round(percentile(seen, 0.99), 2) if seen else None,
                     "p99_ci95": [round(sl, 2), round(sh, 2)], "goal_50ms": verdict(sl, sh, 50.0)},
@@ -357,12 +362,12 @@ def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> d
             for rnd in range(args.rounds):
                 for kind, (target, distinct) in variants.items():
                     samples: dict[str, list[float]] = {"off": [], "on": []}
-                    for name in ("off", "on", "on", "off"):
-                        bodies = [{"model": "sim-model", "max_tokens": 1,
-                                   "prompt": prompt(rng, 200) if distinct else fixed}
-                                  for _ in range(args.requests)]
-                        url = targets[target if name == "on" else "off"]
-                        samples[name] += await _sequential(session, url, bodies)
+                    for _ in range(args.requests):  # off, on, on, off per request: drift hits both alike
+                        for name in ("off", "on", "on", "off"):
+                            body = {"model": "sim-model", "max_tokens": 1,
+                                    "prompt": prompt(rng, 200) if distinct else fixed}
+                            url = targets[target if name == "on" else "off"]
+                            samples[name] += await _sequential(session, url, [body])
                     added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
                 print(f"overhead round {rnd + 1}/{args.rounds}: added p50 " + ", ".join(
                     f"{k} {v[-1]:.3f} ms" for k, v in added.items()), file=sys.stderr, flush=True)

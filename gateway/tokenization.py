@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,9 @@ PROBE_PROMPTS = (
     "naïve café — 東京タワー 🙂 ¿qué? 3.14159e-10",
     "supercalifragilisticexpialidocious antidisestablishmentarianism",
 )
+# A check the replica did not answer (busy, restarting) is tried again after this long.
+CHECK_RETRY_SECONDS = 5.0
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")
 PROBE_CHAT = ({"role": "system", "content": "Answer briefly."},
               {"role": "user", "content": "How many tokens is this chat? Count them, please."})
 
@@ -87,7 +91,8 @@ class InProcess:
     """A tokenizer the gateway runs itself: `source` names it in metrics and /admin/state."""
 
     source: str
-    count: Callable[[Any, bool], int | None]
+    # (prompt, chat, chat options: add_generation_prompt / continue_final_message) -> tokens, None: cannot count
+    count: Callable[[Any, bool, Mapping[str, Any]], int | None]
     chat: bool
     path: str | None = None
 
@@ -101,16 +106,16 @@ def file_tokenizer(path: str) -> InProcess:
     return InProcess("tokenizer.json", functools.partial(_file_count, path), chat=False, path=path)
 
 
-def _simulator_count(prompt: Any, chat: bool) -> int | None:
+def _simulator_count(prompt: Any, chat: bool, options: Mapping[str, Any]) -> int | None:
     """The simulator's own count (its chat template, its tokenizer); None for a prompt it would refuse."""
     from model_sim.errors import ApiError
-    from model_sim.protocol import render_chat
+    from model_sim.protocol import chat_prompt
     from model_sim.tokenizer import Tokenizer
 
     tokenizer = Tokenizer()
     try:
         if chat:
-            return len(tokenizer.encode(render_chat(prompt)))
+            return len(tokenizer.encode(chat_prompt({**options, "messages": prompt}).text))
     except ApiError:
         return None
     if isinstance(prompt, str):
@@ -134,7 +139,7 @@ def load_local_tokenizer(path: str):
         raise ConfigError(f"admission.tokenizerFile {path!r} is not a readable tokenizer.json: {exc}") from None
 
 
-def _file_count(path: str, prompt: Any, chat: bool) -> int | None:
+def _file_count(path: str, prompt: Any, chat: bool, options: Mapping[str, Any]) -> int | None:
     if chat:
         return None  # the chat template is the replica's
     tokenizer = load_local_tokenizer(path)
@@ -197,6 +202,7 @@ class PromptCounter:
         # tokenizer: auto — per replica identity, the in-process tokenizer that agreed with it (None: none did).
         self._verified: dict[tuple, InProcess | None] = {}
         self._verifying: dict[tuple, asyncio.Task] = {}
+        self._retry_at: dict[tuple, float] = {}
         self._checks: set[asyncio.Task] = set()
         self._since_check = 0
         self._fixed: InProcess | None = None
@@ -210,11 +216,13 @@ class PromptCounter:
         new = max_new_tokens(body, self.cfg.maxNewTokensDefault, path)
         chat = "messages" in body
         prompt = body.get("messages") if chat else body.get("prompt", body.get("input"))
+        # The chat template's switches change the rendered prompt (a resumed answer continues its message).
+        options = {k: body[k] for k in CHAT_OPTIONS if k in body} if chat else {}
         ids = _token_ids(prompt)
         if ids is not None:
             self._counted("token_ids")
             return TokenCount(ids, new, True)
-        key_doc = {"model": body.get("model"), "messages" if chat else "prompt": prompt}
+        key_doc = {"model": body.get("model"), "messages" if chat else "prompt": prompt, **options}
         key = hashlib.sha256(json.dumps(key_doc, sort_keys=True, default=str).encode()).hexdigest()
         cached = self._cache.get(key)
         if cached is not None:
@@ -224,13 +232,13 @@ class PromptCounter:
         counted, source = None, "replica"
         local = self._fixed if self._fixed is not None else self._in_process(session, replica)
         if local is not None and (local.chat or not chat):
-            counted, source = local.count(prompt, chat), local.source
+            counted, source = local.count(prompt, chat, options), local.source
             if counted is not None and self._fixed is None:
-                self._maybe_check(session, replica, body.get("model"), prompt, chat, counted)
+                self._maybe_check(session, replica, body.get("model"), prompt, chat, options, counted)
         if counted is None and self.cfg.tokenizer in ("auto", "replica", "local") and session is not None \
                 and replica is not None:
-            counted, source = await self._tokenize(session, replica.url, body.get("model"), prompt, chat), \
-                "replica"
+            counted, source = await self._tokenize(session, replica.url, body.get("model"), prompt, chat,
+                                                   options), "replica"
         if counted is None:
             self.fallbacks += 1
             self.on_fallback()
@@ -259,7 +267,7 @@ class PromptCounter:
         ident = self._identity(replica)
         if ident in self._verified:
             return self._verified[ident]
-        if ident not in self._verifying:
+        if ident not in self._verifying and time.monotonic() >= self._retry_at.get(ident, 0.0):
             task = asyncio.create_task(self._verify(session, replica, ident), name="gateway-tokenizer-check")
             self._verifying[ident] = task
         return None
@@ -269,6 +277,11 @@ class PromptCounter:
             chosen = None
             for candidate in candidates(self.cfg, replica):
                 agrees, chat = await self._agrees(session, replica.url, candidate)
+                if agrees is None:  # the replica did not answer: no verdict, ask again later
+                    self._retry_at[ident] = time.monotonic() + CHECK_RETRY_SECONDS
+                    log_event(logger, logging.INFO, "tokenizer_check_postponed", replica=replica.url,
+                              retry_in_s=CHECK_RETRY_SECONDS)
+                    return
                 if agrees:
                     chosen = candidate if chat == candidate.chat else InProcess(
                         candidate.source, candidate.count, chat=False, path=candidate.path)
@@ -283,24 +296,29 @@ class PromptCounter:
         finally:
             self._verifying.pop(ident, None)
 
-    async def _agrees(self, session: aiohttp.ClientSession, url: str, candidate: InProcess) -> tuple[bool, bool]:
-        """(completion prompts agree, chat agrees) between the candidate and the replica's /tokenize."""
+    async def _agrees(self, session: aiohttp.ClientSession, url: str,
+                      candidate: InProcess) -> tuple[bool | None, bool]:
+        """(completion prompts agree, chat agrees) between the candidate and the replica's /tokenize; None
+        first when the replica did not answer a probe."""
         for text in PROBE_PROMPTS:
-            mine = candidate.count(text, False)
             theirs = await self._tokenize(session, url, None, text, False)
-            if mine is None or theirs is None or mine != theirs:
-                if theirs is not None:
-                    log_event(logger, logging.INFO, "tokenizer_candidate_disagrees", replica=url,
-                              source=candidate.source, path=candidate.path, probe=text[:24], local=mine,
-                              replica_count=theirs)
+            if theirs is None:
+                return None, False
+            mine = candidate.count(text, False, {})
+            if mine != theirs:
+                log_event(logger, logging.INFO, "tokenizer_candidate_disagrees", replica=url,
+                          source=candidate.source, path=candidate.path, probe=text[:24], local=mine,
+                          replica_count=theirs)
                 return False, False
         if not candidate.chat:
             return True, False
         theirs = await self._tokenize(session, url, None, list(PROBE_CHAT), True)
-        return True, theirs is not None and candidate.count(list(PROBE_CHAT), True) == theirs
+        if theirs is None:
+            return None, False
+        return True, candidate.count(list(PROBE_CHAT), True, {}) == theirs
 
     def _maybe_check(self, session, replica: Replica | None, model: Any, prompt: Any, chat: bool,
-                     counted: int) -> None:
+                     options: Mapping[str, Any], counted: int) -> None:
         every = self.cfg.tokenizerCheckEvery
         if not every or session is None or replica is None:
             return
@@ -308,13 +326,14 @@ class PromptCounter:
         if self._since_check < every:
             return
         self._since_check = 0
-        task = asyncio.create_task(self._check(session, replica, model, prompt, chat, counted),
+        task = asyncio.create_task(self._check(session, replica, model, prompt, chat, options, counted),
                                    name="gateway-tokenizer-spot-check")
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
-    async def _check(self, session, replica: Replica, model: Any, prompt: Any, chat: bool, counted: int) -> None:
-        theirs = await self._tokenize(session, replica.url, model, prompt, chat)
+    async def _check(self, session, replica: Replica, model: Any, prompt: Any, chat: bool,
+                     options: Mapping[str, Any], counted: int) -> None:
+        theirs = await self._tokenize(session, replica.url, model, prompt, chat, options)
         if theirs is None or theirs == counted:
             return
         self.disagreements += 1
@@ -340,9 +359,9 @@ class PromptCounter:
 
     # -- the replica's /tokenize ------------------------------------------------------------------------------
     async def _tokenize(self, session: aiohttp.ClientSession, url: str, model: Any, prompt: Any,
-                        chat: bool) -> int | None:
+                        chat: bool, options: Mapping[str, Any] | None = None) -> int | None:
         if chat:
-            docs = [{"messages": prompt}]
+            docs = [{"messages": prompt, **(options or {})}]
         elif isinstance(prompt, str):
             docs = [{"prompt": prompt}]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):

@@ -118,10 +118,12 @@ def test_auto_counts_in_process_once_the_simulator_tokenizer_agrees_with_the_rep
             assert state == {"model": "sim-model", "in_process": "simulator", "chat_in_process": True}
             texts = ["  two  spaces, then\ttab", "naïve — 東京 🙂", "x" * 40]
             mine = [await counter.count({"prompt": t}, "/v1/completions", session, replica) for t in texts]
-            chat = [{"role": "user", "content": "How many?"}]
-            mine.append(await counter.count({"messages": chat}, "/v1/chat/completions", session, replica))
+            chat = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "Three, so"}]
+            resumed = {"messages": chat, "continue_final_message": True, "add_generation_prompt": False}
+            for doc in ({"messages": chat}, resumed):  # a resumed answer continues its message: fewer tokens
+                mine.append(await counter.count(doc, "/v1/chat/completions", session, replica))
             theirs = []
-            for doc in [{"prompt": t} for t in texts] + [{"messages": chat}]:
+            for doc in [{"prompt": t} for t in texts] + [{"messages": chat}, resumed]:
                 async with session.post(sim + "/tokenize", json=doc) as resp:
                     theirs.append((await resp.json())["count"])
             return first, mine, theirs
@@ -129,7 +131,8 @@ def test_auto_counts_in_process_once_the_simulator_tokenizer_agrees_with_the_rep
     first, mine, theirs = asyncio.run(main())
     assert first.exact and first.prompt_tokens == 4  # asked the replica while the check ran
     assert [c.prompt_tokens for c in mine] == theirs and all(c.exact for c in mine)
-    assert counter.sources["simulator"] == 4 and counter.sources["replica"] == 1
+    assert theirs[-1] < theirs[-2]
+    assert counter.sources["simulator"] == 5 and counter.sources["replica"] == 1
     assert counter.fallbacks == 0
 
 
@@ -138,7 +141,8 @@ def test_a_spot_check_that_disagrees_sends_prompts_back_to_the_replica(stack):
     replica = identified(sim)
     counter = PromptCounter(Admission(tokenizer="auto", tokenizerCheckEvery=2))
     # Pretend a wrong tokenizer had passed the probes: one token per prompt.
-    counter._verified[counter._identity(replica)] = InProcess("tokenizer.json", lambda prompt, chat: 1, chat=False)
+    counter._verified[counter._identity(replica)] = InProcess("tokenizer.json", lambda prompt, chat, options: 1,
+                                                                 chat=False)
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -152,3 +156,20 @@ def test_a_spot_check_that_disagrees_sends_prompts_back_to_the_replica(stack):
     counts = asyncio.run(main())
     assert [c.prompt_tokens for c in counts] == [1, 1, 5]
     assert counter.state()["replicas"][sim]["in_process"] is None and counter.sources["replica"] == 1
+
+
+def test_a_check_the_replica_does_not_answer_is_postponed_not_decided():
+    counter = PromptCounter(Admission(tokenizer="auto", tokenizeTimeoutMs=200))
+    replica = identified("http://127.0.0.1:9")  # nothing listens there
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            got = await counter.count({"prompt": "x" * 8}, "/v1/completions", session, replica)
+            await asyncio.gather(*counter._verifying.values())
+            again = await counter.count({"prompt": "y" * 8}, "/v1/completions", session, replica)
+            return got, again, dict(counter._verifying)
+
+    got, again, verifying = asyncio.run(main())
+    assert (got.prompt_tokens, got.exact, again.exact) == (2, False, False)  # the counted estimate
+    assert counter.state()["replicas"] == {}  # no verdict: the simulator's tokenizer is neither used nor refused
+    assert counter._identity(replica) in counter._retry_at and verifying == {}  # not re-checked before the retry
