@@ -7,16 +7,20 @@ than the pool holds at the gateway's request limit), a realtime caller streams s
 on) a cancellation loop opens long streams and closes them after the first chunk. Reported per mode: completed,
 failed (a non-2xx answer that is not a gateway drop), rejected (429 with a drop reason; the caller retries), the
 simulator's preemptions, realtime TTFT p95 with a bootstrap 95 % interval, the largest tenant reserved share in
-100 ms samples of /admin/state, and release after cancellation: from the client's close to the release time
-the gateway records (`kv.recent_releases`, wall clock on the same host), and to the first /admin/state poll
-(every `--release-poll-ms`) that shows the reservation gone (an upper bound), plus the gateway's histogram.
+100 ms samples of /admin/state, and release after cancellation, timed from the client's socket shutdown: to
+the release time the gateway records (`kv.recent_releases`, wall clock on the same host; read 100 ms later),
+and, on alternate cancels, to the first /admin/state poll (every `--release-poll-ms`) that shows the
+reservation gone (an upper bound: it adds the poll's interval and round trip), plus the gateway's histogram.
 
-Overhead phase: one zero-latency replica, gateways with admission off and on side by side; rounds of
-sequential requests, sent in turns of off, on, on, off; the added p50 is on − off within a round, and the
-figure is the median over rounds. Three variants: distinct prompts with the default config (`tokenizer: auto`: the
-simulator's tokenizer in the gateway once it has agreed with the replica's /tokenize), distinct prompts with
-`tokenizer: replica` (one /tokenize round trip each), and one repeated prompt with `tokenizer: replica` (the
-token-count cache).
+Overhead phase: one zero-latency replica, a pair of gateways (admission off, admission on) per variant, side
+by side; rounds of sequential requests, the variants taking turns request by request, each turn in the order
+off, on, on, off; the added p50 is on − off within a round, and the figure is the median over rounds (the
+range over 7 rounds is a 98 % interval for that median). Variants: distinct prompts with the default config
+(`tokenizer: auto`: the simulator's tokenizer in the gateway once it has agreed with the replica's
+/tokenize), distinct prompts with `tokenizer: replica` (one /tokenize round trip each), one repeated prompt
+with `tokenizer: replica` (the token-count cache), and a control: a second admission-off gateway in the place
+of "on", which shows what the end-to-end difference of two identical gateway processes reads on this host.
+Also per variant: the median over every turn of mean(on) − mean(off), with a bootstrap 95 % interval.
 
 Path phase (in one process, so client and network noise stay out): the gateway's own admission work per
 request — parse the body, count the prompt, `FlowController.submit` + `finish` — against `submit` + `finish`
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -187,10 +192,11 @@ async def realtime_loop(session, gw, rng, stop, tally, interval):
 async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
     """Open a long stream, close it after the first chunk, time until its reservation is gone.
 
-    Two figures per cancel, both from the client's clock at the moment it closes the connection: until the
-    release time the gateway records in /admin/state (`kv.recent_releases[].at`, wall clock, same host), and
-    until a poll of /admin/state (every `poll_interval` s) first shows the tenant gone — an upper bound that
-    adds the poll's interval and its own round trip."""
+    The clock starts when the client's socket is shut down (the FIN leaves then, not at the client loop's next
+    turn). Cancels alternate between two ways of seeing the release, so that neither disturbs the other:
+    even ones wait 100 ms, then read the release time the gateway recorded (`kv.recent_releases[].at`, wall
+    clock, same host); odd ones poll /admin/state every `poll_interval` s until the tenant is gone — an upper
+    bound that adds the poll's interval and its round trip (a full /admin/state document each time)."""
     k = 0
     while not stop.is_set():
         k += 1
@@ -205,22 +211,29 @@ async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
             await asyncio.sleep(0.25)
             continue
         await resp.content.readany()
+        sock = resp.connection.transport.get_extra_info("socket") if resp.connection else None
         closed = time.time()
-        resp.close()  # drop the connection: the gateway sees the caller leave
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)  # the caller leaves now
+        resp.close()
+        lazy = k % 2 == 0
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
+            await asyncio.sleep(0.1 if lazy else poll_interval)
             sent = time.monotonic()
             async with session.get(gw + "/admin/state") as st:
                 kv = (await st.json())["kv"]
-            tally.poll_rtt_ms.append((time.monotonic() - sent) * 1000)
+            if not lazy:
+                tally.poll_rtt_ms.append((time.monotonic() - sent) * 1000)
             if tenant not in kv["tenants"]:
-                tally.release_seen_ms.append((time.time() - closed) * 1000)
+                if not lazy:
+                    tally.release_seen_ms.append((time.time() - closed) * 1000)
+                    break
                 at = next((r["at"] for r in kv["recent_releases"] if r["fairness_id"] == tenant), None)
                 if at is not None:
                     tally.release_ms.append((at - closed) * 1000)
                 break
-            await asyncio.sleep(poll_interval)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.15)
 
 
 async def share_sampler(session, gw, stop, tally):
@@ -343,38 +356,57 @@ async def _sequential(session, url: str, bodies: list[dict]) -> list[float]:
 
 def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     sims = start_sims(children, tmp, "sim-overhead", 1, "--zero-latency", "--max-num-seqs", "1024")
-    targets = {"off": start_gateway(children, tmp, "gateway-overhead-off", sims, gateway_config(False, 1024)),
-               "default": start_gateway(children, tmp, "gateway-overhead-on", sims, gateway_config(True, 1024)),
-               "replica": start_gateway(children, tmp, "gateway-overhead-replica", sims,
-                                        gateway_config(True, 1024, "replica"))}
+    # kind -> (the "on" gateway's config, distinct prompts). Every kind has its own admission-off gateway, and
+    # the kinds take turns request by request, so every gateway process is used at the same cadence. The
+    # control puts a second admission-off gateway in the place of "on": what "added" reads when nothing is.
+    variants = {"default_tokenizer_distinct": (gateway_config(True, 1024), True),
+                "replica_tokenizer_distinct": (gateway_config(True, 1024, "replica"), True),
+                "replica_tokenizer_cached": (gateway_config(True, 1024, "replica"), False),
+                "control_off_vs_off": (gateway_config(False, 1024), True)}
+    pairs = {kind: {"off": start_gateway(children, tmp, f"gateway-{i}-off", sims, gateway_config(False, 1024)),
+                    "on": start_gateway(children, tmp, f"gateway-{i}-on", sims, config)}
+             for i, (kind, (config, _)) in enumerate(variants.items())}
     # The default (tokenizer: auto) counts in process once its check has agreed with the replica.
-    state = wait_in_process_tokenizer(targets["default"])
+    state = wait_in_process_tokenizer(pairs["default_tokenizer_distinct"]["on"])
     if not any(r["in_process"] for r in state["replicas"].values()):
         raise RuntimeError(f"tokenizer: auto found no in-process tokenizer for the simulator: {state}")
-    variants = {"default_tokenizer_distinct": ("default", True), "replica_tokenizer_distinct": ("replica", True),
-                "replica_tokenizer_cached": ("replica", False)}
     rng = random.Random(args.seed)
     fixed = prompt(rng, 200)
 
     async def run() -> dict:
         added: dict[str, list[float]] = {kind: [] for kind in variants}
+        # Per turn (off, on, on, off): mean(on) - mean(off), over every round.
+        paired: dict[str, list[float]] = {kind: [] for kind in variants}
         async with aiohttp.ClientSession() as session:
             for rnd in range(args.rounds):
-                for kind, (target, distinct) in variants.items():
-                    samples: dict[str, list[float]] = {"off": [], "on": []}
-                    for _ in range(args.requests):  # off, on, on, off per request: drift hits both alike
-                        for name in ("off", "on", "on", "off"):
+                samples = {kind: {"off": [], "on": []} for kind in variants}
+                for _ in range(args.requests):
+                    for kind, (_, distinct) in variants.items():
+                        turn = []
+                        for name in ("off", "on", "on", "off"):  # drift hits both alike
                             body = {"model": "sim-model", "max_tokens": 1,
                                     "prompt": prompt(rng, 200) if distinct else fixed}
-                            url = targets[target if name == "on" else "off"]
-                            samples[name] += await _sequential(session, url, [body])
-                    added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
+                            turn += await _sequential(session, pairs[kind][name], [body])
+                        samples[kind]["off"] += [turn[0], turn[3]]
+                        samples[kind]["on"] += [turn[1], turn[2]]
+                        paired[kind].append((turn[1] + turn[2] - turn[0] - turn[3]) / 2)
+                for kind, got in samples.items():
+                    added[kind].append(statistics.median(got["on"]) - statistics.median(got["off"]))
                 print(f"overhead round {rnd + 1}/{args.rounds}: added p50 " + ", ".join(
                     f"{k} {v[-1]:.3f} ms" for k, v in added.items()), file=sys.stderr, flush=True)
-        return {kind: {"median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
-                       "max_ms": round(max(v), 3), "per_round": [round(x, 3) for x in v],
-                       "goal_1ms": verdict(min(v), max(v), 1.0)}
-                for kind, v in added.items()}
+        out = {}
+        for kind, v in added.items():
+            low, high = bootstrap(paired[kind], 0.5, args.seed)
+            out[kind] = {"median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
+                         "max_ms": round(max(v), 3), "per_round": [round(x, 3) for x in v],
+                         "goal_1ms": verdict(min(v), max(v), 1.0),
+                         "paired_turns": {"n": len(paired[kind]),
+                                          "median_ms": round(statistics.median(paired[kind]), 3),
+                                          "ci95": [round(low, 3), round(high, 3)],
+                                          "goal_1ms": verdict(low, high, 1.0)}}
+            if kind.startswith("control"):  # nothing is added there: no goal, only the noise it shows
+                del out[kind]["goal_1ms"], out[kind]["paired_turns"]["goal_1ms"]
+        return out
 
     try:
         return asyncio.run(run())
