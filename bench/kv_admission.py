@@ -4,12 +4,12 @@ Load phase (once per mode, fresh replicas and gateway each time, identical gatew
 `admission.enabled`, every other admission key at its default): `--replicas` simulated replicas with
 `--num-blocks` KV blocks each; batch tenants run closed loops of long requests (long prompts and outputs, more
 than the pool holds at the gateway's request limit), a realtime caller streams short requests, and (admission
-on) a cancellation loop opens long streams and closes them after the first chunk. Reported per mode: completed,
+on) `--cancel-loops` cancellation loops open streams and close them after the first chunk. Reported per mode: completed,
 failed (a non-2xx answer that is not a gateway drop), rejected (429 with a drop reason; the caller retries), the
 simulator's preemptions, realtime TTFT p95 with a bootstrap 95 % interval, the largest tenant reserved share in
 100 ms samples of /admin/state, and release after cancellation, timed from the client's socket shutdown: to
 the release time the gateway records (`kv.recent_releases`, wall clock on the same host; read 100 ms later),
-and, on alternate cancels, to the first /admin/state poll (every `--release-poll-ms`) that shows the
+and, on every fourth cancel instead, to the first /admin/state poll (every `--release-poll-ms`) that shows the
 reservation gone (an upper bound: it adds the poll's interval and round trip), plus the gateway's histogram.
 
 Overhead phase: one zero-latency replica, a pair of gateways (admission off, admission on) per variant, side
@@ -115,6 +115,21 @@ def bootstrap(values: list[float], q: float, seed: int, n: int = 1000) -> tuple[
     return est[int(0.025 * n)], est[int(0.975 * n) - 1]
 
 
+def quantile_upper_bound(values: list[float], q: float, confidence: float = 0.95) -> float | None:
+    """A distribution-free one-sided upper confidence bound for the q-quantile: the smallest order statistic
+    X(k) with P(Binomial(n, q) <= k - 1) >= confidence; None when n is too small for one (q = 0.99 at 95 %
+    needs n >= 299)."""
+    s = sorted(values)
+    n = len(s)
+    tail, term = 0.0, q ** n  # P(Binomial(n, q) = n); summed downwards, P(Bin >= j) stays accurate
+    for j in range(n, 0, -1):
+        if tail + term > 1 - confidence:
+            return s[j] if j < n else None  # X(j + 1): P(Bin >= j + 1) <= 1 - confidence
+        tail += term
+        term *= j / (n - j + 1) * (1 - q) / q
+    return s[0]
+
+
 def verdict(low: float, high: float, goal: float) -> str:
     if high <= goal:
         return "met"
@@ -189,19 +204,19 @@ async def realtime_loop(session, gw, rng, stop, tally, interval):
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
 
 
-async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
-    """Open a long stream, close it after the first chunk, time until its reservation is gone.
+async def cancel_loop(session, gw, rng, stop, tally, poll_interval, loop_id):
+    """Open a stream, close it after the first chunk, time until its reservation is gone.
 
     The clock starts when the client's socket is shut down (the FIN leaves then, not at the client loop's next
-    turn). Cancels alternate between two ways of seeing the release, so that neither disturbs the other:
-    even ones wait 100 ms, then read the release time the gateway recorded (`kv.recent_releases[].at`, wall
-    clock, same host); odd ones poll /admin/state every `poll_interval` s until the tenant is gone — an upper
-    bound that adds the poll's interval and its round trip (a full /admin/state document each time)."""
+    turn). Cancels take turns between two ways of seeing the release, so that neither disturbs the other:
+    three in four wait 100 ms, then read the release time the gateway recorded (`kv.recent_releases[].at`,
+    wall clock, same host); every fourth polls /admin/state every `poll_interval` s until the tenant is gone —
+    an upper bound that adds the poll's interval and its round trip (a full /admin/state document each time)."""
     k = 0
     while not stop.is_set():
         k += 1
-        tenant = f"cancel-{k}"
-        body = {"model": "sim-model", "prompt": prompt(rng, 400), "max_tokens": 2000, "ignore_eos": True,
+        tenant = f"cancel-{loop_id}-{k}"
+        body = {"model": "sim-model", "prompt": prompt(rng, 400), "max_tokens": 600, "ignore_eos": True,
                 "stream": True}
         headers = {OBJECTIVE_HEADER: "standard", FAIRNESS_HEADER: tenant}
         resp = await session.post(gw + "/v1/completions", json=body, headers=headers)
@@ -216,7 +231,7 @@ async def cancel_loop(session, gw, rng, stop, tally, poll_interval):
         if sock is not None:
             sock.shutdown(socket.SHUT_RDWR)  # the caller leaves now
         resp.close()
-        lazy = k % 2 == 0
+        lazy = k % 4 != 1
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             await asyncio.sleep(0.1 if lazy else poll_interval)
@@ -245,6 +260,10 @@ async def share_sampler(session, gw, stop, tally):
         tally.max_share = max([tally.max_share, *shares])
         tally.share_samples += 1
         await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def preemptions(urls: list[str]) -> float:
@@ -281,8 +300,9 @@ async def load(gw: str, args: argparse.Namespace, admission: bool, seed: int) ->
         tasks.append(asyncio.create_task(realtime_loop(session, gw, random.Random(rng.random()), stop, tally,
                                                        1.0 / args.realtime_rate)))
         if admission:  # the ledger and /admin/state kv views exist only with admission on
-            tasks.append(asyncio.create_task(cancel_loop(session, gw, random.Random(rng.random()), stop, tally,
-                                                         args.release_poll_ms / 1000.0)))
+            tasks += [asyncio.create_task(cancel_loop(session, gw, random.Random(rng.random()), stop, tally,
+                                                      args.release_poll_ms / 1000.0, i))
+                      for i in range(args.cancel_loops)]
             tasks.append(asyncio.create_task(share_sampler(session, gw, stop, tally)))
         await asyncio.sleep(args.duration)
         stop.set()
@@ -325,6 +345,8 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                 "n": len(rel), "p50": round(percentile(rel, 0.5), 2) if rel else None,
                 "p99": round(percentile(rel, 0.99), 2) if rel else None,
                 "p99_ci95": [round(rl, 2), round(rh, 2)], "goal_50ms": verdict(rl, rh, 50.0),
+                "max": round(max(rel), 2) if rel else None, "over_50ms": sum(1 for r in rel if r > 50.0),
+                "p99_upper_bound_95": _rounded(quantile_upper_bound(rel, 0.99)),
                 "polled_upper_bound": {
                     "poll_interval_ms": args.release_poll_ms, "n": len(seen),
                     "poll_round_trip_ms_p50": round(percentile(tally.poll_rtt_ms, 0.5), 2) if seen else None,
@@ -516,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="overhead rounds")
     p.add_argument("--requests", type=int, default=40, help="sequential requests per overhead run")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--cancel-loops", type=int, default=6,
+                   help="concurrent cancellation loops with admission on (more release samples; default 6)")
     p.add_argument("--release-poll-ms", type=float, default=10.0,
                    help="interval of the /admin/state poll that watches a cancelled reservation go (default 10)")
     p.add_argument("--phases", default="load,overhead,path",

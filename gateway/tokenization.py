@@ -115,13 +115,13 @@ def _simulator_count(prompt: Any, chat: bool, options: Mapping[str, Any]) -> int
     tokenizer = Tokenizer()
     try:
         if chat:
-            return len(tokenizer.encode(chat_prompt({**options, "messages": prompt}).text))
+            return tokenizer.count(chat_prompt({**options, "messages": prompt}).text)
     except ApiError:
         return None
     if isinstance(prompt, str):
-        return len(tokenizer.encode(prompt))
+        return tokenizer.count(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return sum(len(tokenizer.encode(p)) for p in prompt)
+        return sum(tokenizer.count(p) for p in prompt)
     return None
 
 

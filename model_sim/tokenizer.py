@@ -53,6 +53,20 @@ class Tokenizer:
                 ids.append(piece_to_id(piece))
         return ids
 
+    def count(self, text: str) -> int:
+        """len(encode(text)) without building the ids: a piece of at most 6 characters that are all ASCII is
+        one token; only longer or non-ASCII pieces are cut as encode cuts them."""
+        pieces = _PIECES.findall(text)
+        n = len(pieces)
+        if text.isascii():  # one byte per character: a piece of L > 6 is cut into ceil(L / 6)
+            return n + sum((len(p) - 1) // MAX_PIECE_BYTES for p in pieces if len(p) > MAX_PIECE_BYTES)
+        for piece in pieces:
+            if len(piece) > MAX_PIECE_BYTES or not piece.isascii():
+                data = piece.encode("utf-8")
+                if len(data) > MAX_PIECE_BYTES:
+                    n += len(_split_bytes(data)) - 1
+        return n
+
     def decode(self, token_ids: list[int]) -> str:
         return b"".join(id_to_piece(t) for t in token_ids).decode("utf-8", errors="replace")
 

@@ -42,6 +42,17 @@ def test_tokenizer_round_trips_and_counts_words():
     assert tok.encode("The cat sat.") == tok.encode("The cat sat.")
 
 
+def test_tokenizer_count_equals_the_length_of_encode():
+    tok = Tokenizer()
+    rng = random.Random(3)
+    alphabet = "ab Z9_.,!?\t\n  éü東京🙂—"
+    texts = ["", " " * 20, "a" * 13 + " " + "b" * 12, "x" * 6 + " " + "y" * 7, "naïve café — 東京タワー 🙂 ¿qué?",
+             "supercalifragilistic  x\n\n y"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80))) for _ in range(300)]
+    for text in texts:
+        assert tok.count(text) == len(tok.encode(text)), text
+
+
 def test_output_lengths():
     fixed = OutputLengthSampler(OutputLengthMode.FIXED)
     assert fixed.sample(40) == 40
