@@ -88,7 +88,8 @@ class Proxy:
                           attributes={"request_id": request.headers.get(REQUEST_ID_HEADER)}) as span:
             response = await self._inference(request)
             span.set_attribute("http.response.status_code", response.status)
-            for attribute, header in (("holdback.replica", REPLICA_HEADER), ("holdback.drop_reason", DROP_REASON_HEADER)):
+            for attribute, header in (("holdback.replica", REPLICA_HEADER),
+                                      ("holdback.drop_reason", DROP_REASON_HEADER)):
                 if header in response.headers:
                     span.set_attribute(attribute, response.headers[header])
             return response
@@ -215,7 +216,7 @@ class Proxy:
             content_type = resp.headers.get("Content-Type", "")
             if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
                 data = await resp.read()
-                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
                 resp.release()
                 controller.finish(req, "end", time.monotonic())
                 return web.Response(status=resp.status, body=data, headers=headers)
@@ -230,7 +231,9 @@ class Proxy:
             tokens = 0
             chunk = await content.readany()
             if chunk:
-                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
+                streamed = "true" if content_type.startswith("text/event-stream") else "false"
+                self.metrics.child(self.metrics.ttft, req.objective, streamed).observe(time.monotonic() - req.arrived)
                 await stream.prepare(request)
                 req.streaming_started = True
             while chunk:
