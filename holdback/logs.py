@@ -5,8 +5,9 @@ one JSON event per line.
 `{"ts":..,"level":"info","logger":"batch_processor.ingest","event":"batch_expanded","batch_id":..,"total":..}`.
 Fields that are None are left out. The same names are used for the same things everywhere: `request_id`,
 `batch_id`, `tenant`, `worker`, `replica`, `error`, and `trace_id` while a span is open (holdback.tracing).
-It is the standard library's logging with this one formatter rather than a structured-logging package: uvicorn, aiohttp and RQ already log through the standard
-library, so their records come out in the same format with no bridge, and there is nothing else to install.
+It is the standard library's logging with this one formatter rather than a structured-logging package:
+uvicorn, aiohttp and RQ already log through the standard library, so their records come out in the same
+format with no bridge, and there is nothing else to install.
 """
 
 from __future__ import annotations
