@@ -26,10 +26,13 @@ def _child(spans: list[dict], parent: dict, service: str, name_prefix: str) -> d
                  and s["name"].startswith(name_prefix)), None)
 
 
-def test_one_batch_is_one_trace_from_api_to_replica(backend, tmp_path):  # noqa: ANN001
+@pytest.mark.parametrize("dispatch", ["async", "sync"])
+def test_one_batch_is_one_trace_from_api_to_replica(backend, tmp_path, dispatch):  # noqa: ANN001
+    """async: the worker sends each attempt; sync: the processor sends them itself (its `attempt` spans)."""
     trace_file = tmp_path / "spans.jsonl"
     backend.extra_env[TRACE_FILE_ENV] = str(trace_file)
-    platform = Platform(backend, tmp_path, replicas=1)
+    sender = "holdback-worker" if dispatch == "async" else "holdback-processor"
+    platform = Platform(backend, tmp_path, replicas=1, processor_args=("--dispatch", dispatch))
     try:
         batch_id = submit_batch(platform.client, chat_lines(2, max_tokens=4))
         batch = platform.wait(batch_id, timeout=90)
@@ -44,7 +47,7 @@ def test_one_batch_is_one_trace_from_api_to_replica(backend, tmp_path):  # noqa:
             if ingest is None:
                 return None
             attempts = [s for s in spans if s["parent_span_id"] == ingest["span_id"]
-                        and s["service"] == "holdback-worker" and s["name"] == "attempt"]
+                        and s["service"] == sender and s["name"] == "attempt"]
             for attempt in attempts:
                 gateway = _child(spans, attempt, "holdback-gateway", "gateway POST /v1/chat/completions")
                 replica = gateway and _child(spans, gateway, "holdback-sim", "sim /v1/chat/completions")
@@ -53,7 +56,7 @@ def test_one_batch_is_one_trace_from_api_to_replica(backend, tmp_path):  # noqa:
             return None
 
         # Spans are written when they end; the finalize span may land after the batch reads completed.
-        found = poll(chain, timeout=30, what="API → processor → worker → gateway → replica spans",
+        found = poll(chain, timeout=30, what=f"API → processor → {sender} attempt → gateway → replica spans",
                      detail=lambda: "\n".join(json.dumps(s) for s in _spans(trace_file)))
         trace_ids = {s["trace_id"] for s in found}
         assert len(trace_ids) == 1, found
