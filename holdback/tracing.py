@@ -11,8 +11,9 @@ replica's (the simulator's, or vLLM's when it traces).
   over OTLP/HTTP, in batches (`pip install 'holdback[otlp]'` brings the exporter);
 - `HOLDBACK_TRACE_FILE` set: every finished span is appended to that file as one JSON line (several
   processes may share the file; each line is one append);
-- neither, or `OTEL_SDK_DISABLED=true`: nothing is installed. `span()` then hands back one shared no-op
-  context, `inject()` adds no header and `current_trace_id()` is None, so the cost is a global read.
+- neither, or `OTEL_SDK_DISABLED=true`: nothing is installed, and OpenTelemetry is not even imported. `span()`
+  then hands back one shared no-op context, `inject()` adds no header and `current_trace_id()` is None, so the
+  cost is a global read.
 """
 
 from __future__ import annotations
@@ -25,21 +26,33 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Iterator, Sequence, TypeVar
 
-from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
 T = TypeVar("T")
 
 TRACEPARENT = "traceparent"
 TRACE_FILE_ENV = "HOLDBACK_TRACE_FILE"
 _OTLP_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
-_propagator = TraceContextTextMapPropagator()
-_tracer: trace.Tracer | None = None
+# Set by configure(); all None while tracing is off (OpenTelemetry is imported only when it is turned on).
+_tracer: Any = None
 _provider: Any = None
-_NOOP = contextlib.nullcontext(trace.INVALID_SPAN)
-_KINDS = {"server": trace.SpanKind.SERVER, "client": trace.SpanKind.CLIENT, "internal": trace.SpanKind.INTERNAL,
-          "consumer": trace.SpanKind.CONSUMER, "producer": trace.SpanKind.PRODUCER}
+_propagator: Any = None
+_trace: Any = None  # the opentelemetry.trace module
+
+
+class _NoopSpan:
+    """What `span()` yields while tracing is off: every call a span takes, doing nothing."""
+
+    def set_attribute(self, key: str, value: object) -> None:
+        return None
+
+    def update_name(self, name: str) -> None:
+        return None
+
+    def is_recording(self) -> bool:
+        return False
+
+
+_NOOP = contextlib.nullcontext(_NoopSpan())
 
 
 class TracingConfigError(RuntimeError):
@@ -49,7 +62,7 @@ class TracingConfigError(RuntimeError):
 def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     """Set this process's exporter from the environment; returns whether tracing is on. Idempotent: a second
     call (a test building two apps) keeps the first provider."""
-    global _tracer, _provider
+    global _tracer, _provider, _propagator, _trace
     env = os.environ if environ is None else environ
     if _tracer is not None:
         return True
@@ -59,6 +72,7 @@ def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     path = env.get(TRACE_FILE_ENV, "").strip() or None
     if otlp is None and path is None:
         return False
+    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -75,7 +89,9 @@ def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     if path is not None:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
-    _provider = provider
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    _provider, _propagator, _trace = provider, TraceContextTextMapPropagator(), trace
     _tracer = provider.get_tracer("holdback")
     return True
 
@@ -105,7 +121,7 @@ def span(name: str, *, parent: str | Mapping[str, str] | None = None, kind: str 
     if parent is not None:
         carrier = {TRACEPARENT: parent} if isinstance(parent, str) else parent
         ctx = _propagator.extract(carrier)
-    return tracer.start_as_current_span(name, context=ctx, kind=_KINDS[kind],
+    return tracer.start_as_current_span(name, context=ctx, kind=_trace.SpanKind[kind.upper()],
                                         attributes={k: v for k, v in (attributes or {}).items() if v is not None})
 
 
@@ -129,8 +145,8 @@ def current_trace_id() -> str | None:
     """The current trace's id (32 hex digits) for log lines; None when tracing is off or no span is open."""
     if _tracer is None:
         return None
-    ctx = trace.get_current_span().get_span_context()
-    return trace.format_trace_id(ctx.trace_id) if ctx.is_valid else None
+    ctx = _trace.get_current_span().get_span_context()
+    return _trace.format_trace_id(ctx.trace_id) if ctx.is_valid else None
 
 
 async def in_span(awaitable: Awaitable[T], name: str, *, parent: str | None, kind: str = "internal",
@@ -217,6 +233,8 @@ class JsonLinesSpanExporter:
 
 
 def _span_record(s: Any) -> dict:
+    from opentelemetry import trace
+
     ctx = s.get_span_context()
     return {
         "trace_id": trace.format_trace_id(ctx.trace_id),
