@@ -26,11 +26,14 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from async_processor import resume
 from async_processor.stream import send_streamed, transport_reply
+from holdback import tracing
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip
 from holdback.results import deferred_batch_counts
 
 T = TypeVar("T")
+# Each batch's trace context, read once per batch by this process (only while tracing is on).
+BATCH_CONTEXTS = tracing.BatchContexts()
 
 
 def make_worker_engine(url: str, pool_size: int) -> Engine:
@@ -192,7 +195,7 @@ async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gatewa
                timeout: float) -> Reply:
     """POST the row's body to the gateway; every failure to get a complete answer is a transport error."""
     try:
-        async with http.post(url, data=dispatch.body.encode(), headers=dispatch.headers(gateway_key),
+        async with http.post(url, data=dispatch.body.encode(), headers=tracing.inject(dispatch.headers(gateway_key)),
                              timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
             return Reply(resp.status, resp.headers, body)
@@ -218,10 +221,14 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
         reply = Reply.cancelled("batch cancelled or expired before the request was sent")
     else:
         url = rt.gateway_url + dispatch.url
-        job.send_task = asyncio.ensure_future(
+        sending = (
             send_streamed(http, url, plan.body, resume.headers(dispatch, plan, rt.gateway_key, rt.resume),
                           rt.request_timeout) if plan.streamed
             else send(http, url, dispatch, rt.gateway_key, rt.request_timeout))
+        if tracing.enabled():
+            sending = tracing.traced_attempt(sending, dispatch, BATCH_CONTEXTS,
+                                             lambda batch_id: rt.db(BATCH_CONTEXTS.load, batch_id))
+        job.send_task = asyncio.ensure_future(sending)
         try:
             sent = await job.send_task
         except asyncio.CancelledError:

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from async_processor.worker import AsyncWorker
     from holdback.probes import serve
 
-    worker = AsyncWorker(config, WorkerMetrics())
+    worker = AsyncWorker(config, WorkerMetrics(config.name))
     if config.metrics_port:
         serve(probes(worker), config.metrics_port, args.metrics_host)
     try:

@@ -1,4 +1,9 @@
-"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port` (holdback.probes)."""
+"""Prometheus metrics of one worker process, in its own registry, served on `--metrics-port` (holdback.probes).
+
+Several worker processes export the same names, so every gauge sums right across them: the per-process gauges
+carry a `worker` label (the worker's name, which holds its pid), and the queue depth, which every worker
+would see alike, is exported only by the worker that holds the scheduler role (one at a time).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ from holdback.probes import component_registry
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, worker: str) -> None:
         self.registry = component_registry()
         r = self.registry
         self.queue_depth = Gauge(
-            "holdback_worker_queue_depth", "Jobs in the request queue and its RQ registries.", ["state"], registry=r)
-        self.in_flight = Gauge("holdback_worker_in_flight", "Requests this process has in flight.", registry=r)
+            "holdback_worker_queue_depth", "Jobs in the request queue and its RQ registries, exported by the one "
+            "worker holding the scheduler role (so a sum over workers counts each job once).", ["state"], registry=r)
+        self.in_flight = Gauge("holdback_worker_in_flight", "Requests this process has in flight.", ["worker"],
+                               registry=r).labels(worker)
         self.attempts = Counter(
             "holdback_worker_attempts_total", "Finished attempts by outcome class.", ["outcome"], registry=r)
         self.retries = Counter(
@@ -38,8 +45,8 @@ class WorkerMetrics:
         self.requeued_abandoned = Counter(
             "holdback_worker_requeued_abandoned_total", "Jobs of dead workers put back on the queue.", registry=r)
         self.circuit_open = Gauge(
-            "holdback_worker_circuit_open", "1 while the shared gateway circuit is open (no new jobs claimed).",
-            registry=r)
+            "holdback_worker_circuit_open", "1 while this worker sees the shared gateway circuit open and claims no "
+            "new jobs (a sum counts the workers held).", ["worker"], registry=r).labels(worker)
         self.circuit_probes = Counter(
             "holdback_worker_circuit_probes_total", "Probes of the gateway by result (up, down).", ["result"],
             registry=r)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from holdback import tracing
 from holdback.contract import DROP_REASON_HEADER, is_eviction
 from holdback.dispatch import Reply
 
@@ -146,7 +147,8 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
     """POST a `stream: true` body and fold its events; a non-2xx answer comes back as it is."""
     assembly = StreamAssembly()
     try:
-        async with http.post(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with http.post(url, data=body, headers=tracing.inject(headers),
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status >= 300 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return StreamedReply(Reply(resp.status, resp.headers, await resp.read()), assembly, cut=False,
                                      events=False)

@@ -39,7 +39,7 @@ PAUSE_CHECK = 0.5  # seconds between reads of the operator's pause flag (holdbac
 class AsyncWorker:
     def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None):
         self.config = config
-        self.metrics = metrics or WorkerMetrics()
+        self.metrics = metrics or WorkerMetrics(config.name)
         self.inflight: dict[str, InFlight] = {}
         self.claims: dict[str, Claim] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -345,8 +345,11 @@ class AsyncWorker:
     async def _depth_loop(self) -> None:
         while not self.closing.is_set():
             try:
-                for state, n in (await self.queue.depth()).items():
-                    self.metrics.queue_depth.labels(state).set(n)
+                if self.holds_scheduler:  # one worker exports the shared depth, so a sum over workers is right
+                    for state, n in (await self.queue.depth()).items():
+                        self.metrics.queue_depth.labels(state).set(n)
+                else:
+                    self.metrics.queue_depth.clear()
             except RedisError:
                 pass  # the gauges keep their last values; claim/heartbeat log the outage
             await self._pause(1.0)

@@ -14,6 +14,7 @@ from sqlalchemy import update
 
 from batch_api.auth import SessionDep, TenantDep, TenantRoute
 from batch_api.errors import BadRequest
+from holdback import tracing
 from holdback.logs import log_event
 from batch_api.openapi import TENANT_ERRORS
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
@@ -49,6 +50,8 @@ def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep) -> d
         output_expires_after=body.output_expires_after.seconds if body.output_expires_after else None,
         created_at=created,
         expires_at=created + window,
+        # The processor and the workers continue this request's trace (holdback.tracing).
+        trace_context=tracing.current_traceparent(),
     )
     session.add(batch)
     session.commit()

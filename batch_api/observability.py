@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from holdback import tracing
 from holdback.contract import REQUEST_ID_HEADER
 from holdback.probes import component_registry
 from holdback.logs import log_event
@@ -87,23 +88,31 @@ class ObserveRequests:
                 message["headers"] = [*message["headers"], (_REQUEST_ID, request_id.encode())]
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            elapsed = time.perf_counter() - started
-            # The router writes the matched route into this same scope dict.
-            route = getattr(scope.get("route"), "path", None) or UNMATCHED
-            method = scope["method"]
-            self.metrics.requests.labels(method, route, str(status)).inc()
-            self.metrics.latency.labels(method, route).observe(elapsed)
-            log_event(
-                log,
-                "http.request",
-                request_id=request_id,
-                method=method,
-                route=route,
-                path=scope["path"],
-                status=status,
-                duration_ms=round(elapsed * 1000, 2),
-                tenant_id=scope["state"].get("tenant_id"),
-            )
+        method = scope["method"]
+        # One server span per request, continuing the caller's `traceparent` if it sent one (holdback.tracing);
+        # the request's log line is written inside it, so it carries the trace id.
+        parent = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]} if tracing.enabled() else None
+        with tracing.span(f"{method} {scope['path']}", parent=parent, kind="server",
+                          attributes={"http.request.method": method, "request_id": request_id}) as span:
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                elapsed = time.perf_counter() - started
+                # The router writes the matched route into this same scope dict.
+                route = getattr(scope.get("route"), "path", None) or UNMATCHED
+                span.update_name(f"{method} {route}")
+                span.set_attribute("http.route", route)
+                span.set_attribute("http.response.status_code", status)
+                self.metrics.requests.labels(method, route, str(status)).inc()
+                self.metrics.latency.labels(method, route).observe(elapsed)
+                log_event(
+                    log,
+                    "http.request",
+                    request_id=request_id,
+                    method=method,
+                    route=route,
+                    path=scope["path"],
+                    status=status,
+                    duration_ms=round(elapsed * 1000, 2),
+                    tenant_id=scope["state"].get("tenant_id"),
+                )

@@ -27,6 +27,7 @@ from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_
 from batch_processor.ingest import expand_batch, fail_batch
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
+from holdback import tracing
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
@@ -223,8 +224,15 @@ class Processor:
 
     def _expand(self, batch: _Owned, done: Round) -> bool:
         """Validate and expand; True if the batch is now in_progress."""
-        result = expand_batch(self.factory, self.store, batch.id, max_requests=self.settings.max_batch_requests,
-                              owner=self.config.name)
+        with tracing.span("batch.ingest", parent=self._trace_context(batch.id),
+                          attributes={"batch_id": batch.id, "tenant_id": batch.tenant_id}) as span:
+            result = expand_batch(self.factory, self.store, batch.id,
+                                  max_requests=self.settings.max_batch_requests, owner=self.config.name)
+            span.set_attribute("batch.status", result.status)
+            span.set_attribute("batch.total", result.total)
+            if result.status == BatchStatus.in_progress.value and tracing.enabled():
+                # The workers' attempts continue from this span: the trace reads API → processor → worker.
+                self._store_trace_context(batch.id, tracing.current_traceparent())
         if result.status == BatchStatus.in_progress.value:
             done.expanded.append(batch.id)
             self.metrics.ingest_seconds.observe(result.seconds)
@@ -258,9 +266,21 @@ class Processor:
                                                keepalive=self._keepalive(batch.id)))
 
     def _finalize_completed(self, batch_id: str) -> FinalizeResult | None:
-        return finalize_batch(self.factory, self.store, batch_id, to_status=BatchStatus.completed,
-                              from_statuses=(BatchStatus.finalizing,), owner=self.config.name,
-                              keepalive=self._keepalive(batch_id))
+        with tracing.span("batch.finalize", parent=self._trace_context(batch_id), attributes={"batch_id": batch_id}):
+            return finalize_batch(self.factory, self.store, batch_id, to_status=BatchStatus.completed,
+                                  from_statuses=(BatchStatus.finalizing,), owner=self.config.name,
+                                  keepalive=self._keepalive(batch_id))
+
+    def _trace_context(self, batch_id: str) -> str | None:
+        """The batch's stored trace context (holdback.tracing); not read while tracing is off."""
+        if not tracing.enabled():
+            return None
+        with self.factory() as session:
+            return session.scalar(select(Batch.trace_context).where(Batch.id == batch_id))
+
+    def _store_trace_context(self, batch_id: str, traceparent: str | None) -> None:
+        with transaction(self.factory) as session:
+            session.execute(update(Batch).where(Batch.id == batch_id).values(trace_context=traceparent))
 
     def _has_unfinished(self, batch_id: str) -> bool:
         with self.factory() as session:

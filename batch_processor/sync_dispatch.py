@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
-from holdback import dispatch
+from holdback import dispatch, tracing
 from holdback.db import transaction
 from holdback.models import AttemptOutcome
 
@@ -74,6 +74,7 @@ class SyncDispatcher:
         self.request_timeout = request_timeout
         self.metrics = metrics
         self.aimd = Aimd(max_concurrency)
+        self.trace_contexts = tracing.BatchContexts()
         self._db = ThreadPoolExecutor(max_workers=db_threads, thread_name_prefix="sync-db")
         self._lock = threading.Lock()
         self._held: set[str] = set()  # row ids waiting here or running: what reconciliation must leave alone
@@ -210,9 +211,21 @@ class SyncDispatcher:
             self.metrics.sync_concurrency_limit.set(self.aimd.limit)
 
     async def _send(self, begun: dispatch.Dispatch) -> dispatch.Reply:
+        if tracing.enabled():  # an `attempt` span under the batch's trace, as the worker's
+            return await tracing.traced_attempt(self._post(begun), begun, self.trace_contexts, self._trace_context)
+        return await self._post(begun)
+
+    async def _trace_context(self, batch_id: str) -> str | None:
+        def load() -> str | None:
+            with self.factory() as session:
+                return self.trace_contexts.load(session, batch_id)
+
+        return await asyncio.get_running_loop().run_in_executor(self._db, load)
+
+    async def _post(self, begun: dispatch.Dispatch) -> dispatch.Reply:
         try:
             response = await self._client.post(self.gateway_url + begun.url, content=begun.body.encode(),
-                                               headers=begun.headers(self.gateway_key))
+                                               headers=tracing.inject(begun.headers(self.gateway_key)))
         except httpx.HTTPError as exc:
             # A connect failure never reached the gateway: a failing path, not budgeted.
             return dispatch.Reply.transport_error(f"{type(exc).__name__}: {exc}",

@@ -43,7 +43,7 @@ async def measure(url: str, ttl: int, in_flight: int, seconds: float) -> dict[st
     name = f"bench-{uuid.uuid4().hex[:8]}"
     config = WorkerConfig(name=name, queue_name=f"{name}-q", namespace=name, redis_url=url, database_url="unused",
                           gateway_url="http://127.0.0.1:9", gateway_key=None, heartbeat_ttl=ttl)
-    worker = AsyncWorker(config, WorkerMetrics())
+    worker = AsyncWorker(config, WorkerMetrics(config.name))
     worker.redis = r
     worker.queue = RequestQueue(r, config.queue_name, name, ttl, config.failure_ttl)
     worker.registration = Registration(r, worker.queue, config.concurrency, ttl)

@@ -246,7 +246,7 @@ class FlowController:
         band = self.bands[req.priority]
         band.forget(req)
         self.total_queued -= 1
-        self._count_rejection(DropReason.CONTEXT_CANCELLED, band)
+        self._count_rejection(req, DropReason.CONTEXT_CANCELLED, band)
         log_event(logger, logging.INFO, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
@@ -501,6 +501,7 @@ class FlowController:
             self.evictor.track(req)
         m = self.metrics
         m.child(m.dispatches, str(band.priority), path).inc()
+        m.child(m.flow_queue_duration, req.fairness_id, str(band.priority), "dispatched").observe(now - req.arrived)
         if req.waiter is not None:
             m.child(m.queue_wait, str(band.priority)).observe(now - req.arrived)
             if not req.waiter.done():
@@ -514,16 +515,19 @@ class FlowController:
         req.status = Status.REJECTED
         req.drop_reason = reason
         req.drop_message = message
-        self._count_rejection(reason, band)
+        self._count_rejection(req, reason, band)
         log_event(logger, logging.INFO, "rejected", request_id=req.request_id, reason=reason.value,
                   band=band.priority, fairness_id=req.fairness_id, detail=message)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.REJECTED)
         return Outcome.REJECTED
 
-    def _count_rejection(self, reason: DropReason, band: PriorityBand) -> None:
+    def _count_rejection(self, req: FlowRequest, reason: DropReason, band: PriorityBand) -> None:
         self.rejections[reason.value] += 1
-        self.metrics.child(self.metrics.rejections, reason.value, str(band.priority)).inc()
+        m = self.metrics
+        m.child(m.rejections, reason.value, str(band.priority)).inc()
+        m.child(m.flow_queue_duration, req.fairness_id, str(band.priority), reason.value).observe(
+            max(0.0, self.clock() - req.arrived))
 
     def _expire(self, now: float) -> None:
         heap = self._expiry

@@ -33,13 +33,20 @@ class GatewayMetrics:
                                  ["outcome"], registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "Arrival to dispatch, for requests that "
                                     "waited in a queue.", ["band"], buckets=_LATENCY_BUCKETS, registry=r)
+        # llm-d's flow_control_request_queue_duration_seconds, under our prefix: every request that reached flow
+        # control, inline dispatches (about zero) included, so the count per outcome is the request count.
+        self.flow_queue_duration = Histogram(
+            f"{PREFIX}_flow_control_request_queue_duration_seconds", "Arrival to the request's outcome in flow "
+            "control, by fairness id, priority band and outcome (dispatched, or the drop reason: "
+            "rejected-saturated, rejected-ttl-expired, rejected-context-cancelled, ...).",
+            ["fairness_id", "priority", "outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.eviction_confirmation = Histogram(
             f"{PREFIX}_eviction_confirmation_seconds", "Eviction decision to the victim's upstream connection "
             "closed.", buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
-                              "byte from the replica, by objective: the first token for streamed answers, the "
-                              "whole answer (end to end) for non-streamed ones.", ["objective"], buckets=_LATENCY_BUCKETS,
-                              registry=r)
+                              "byte from the replica, by objective and stream: for stream=\"true\" (an event "
+                              "stream) the first token; for stream=\"false\" the whole answer arrives at once, "
+                              "so it is end to end.", ["objective", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_release = Histogram(
             f"{PREFIX}_kv_release_seconds", "From a request's end, cancellation, disconnect or eviction decision "
             "to its KV blocks released in the ledger, by cause.", ["cause"], buckets=_RELEASE_BUCKETS, registry=r)
@@ -82,8 +89,13 @@ class _StateCollector:
         inflight = GaugeMetricFamily(f"{PREFIX}_in_flight", "Dispatched requests not yet finished, by band.",
                                      labels=["band"])
         ceiling = GaugeMetricFamily(f"{PREFIX}_band_ceiling", "Holdback ceiling by band.", labels=["band"])
+        flows = GaugeMetricFamily(f"{PREFIX}_flow_control_queue_size", "Queued requests by fairness id and "
+                                  "priority band (llm-d's flow_control_queue_size).",
+                                  labels=["fairness_id", "priority"])
         for band in s["bands"]:
             label = [str(band["priority"])]
+            for fairness_id, n in band["queues"].items():
+                flows.add_metric([fairness_id, label[0]], n)
             queue.add_metric(label, band["queued"])
             inflight.add_metric(label, band["in_flight"])
             ceiling.add_metric(label, band["ceiling"])
@@ -131,4 +143,4 @@ class _StateCollector:
             yield demand
         info = GaugeMetricFamily(f"{PREFIX}_config_info", "The running config's digest.", labels=["digest"])
         info.add_metric([s["config"]["digest"]], 1.0)
-        yield from (sat, queue, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)
+        yield from (sat, queue, flows, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)

@@ -30,7 +30,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.responses import drop_response, error_response, evicted_sse_event
 from gateway.tokenization import PromptCounter
-from holdback.contract import QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, RESUMABLE_HEADER
+from holdback import tracing
+from holdback.contract import (DROP_REASON_HEADER, QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER,
+                               RESUMABLE_HEADER)
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -88,6 +90,20 @@ class Proxy:
 
     # -- routes ---------------------------------------------------------------------------------------------
     async def inference(self, request: web.Request) -> web.StreamResponse:
+        if not tracing.enabled():
+            return await self._inference(request)
+        # A server span continuing the caller's `traceparent`; the replica gets this span's (holdback.tracing).
+        with tracing.span(f"gateway {request.method} {request.path}", parent=request.headers, kind="server",
+                          attributes={"request_id": request.headers.get(REQUEST_ID_HEADER)}) as span:
+            response = await self._inference(request)
+            span.set_attribute("http.response.status_code", response.status)
+            for attribute, header in (("holdback.replica", REPLICA_HEADER),
+                                      ("holdback.drop_reason", DROP_REASON_HEADER)):
+                if header in response.headers:
+                    span.set_attribute(attribute, response.headers[header])
+            return response
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         headers = request.headers
         request_id = _request_id(headers)
@@ -156,6 +172,7 @@ class Proxy:
             if k.lower() not in _NOT_FORWARDED:
                 out.add(k, v)
         out[REQUEST_ID_HEADER] = request_id
+        tracing.inject(out)
         if self.upstream_api_key:
             out["Authorization"] = f"Bearer {self.upstream_api_key}"
         return out
@@ -208,7 +225,7 @@ class Proxy:
             content_type = resp.headers.get("Content-Type", "")
             if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
                 data = await resp.read()
-                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
                 resp.release()
                 controller.finish(req, "end", time.monotonic())
                 return web.Response(status=resp.status, body=data, headers=headers)
@@ -223,7 +240,9 @@ class Proxy:
             tokens = 0
             chunk = await content.readany()
             if chunk:
-                self.metrics.child(self.metrics.ttft, req.objective).observe(time.monotonic() - req.arrived)
+                # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
+                streamed = "true" if content_type.startswith("text/event-stream") else "false"
+                self.metrics.child(self.metrics.ttft, req.objective, streamed).observe(time.monotonic() - req.arrived)
                 await stream.prepare(request)
                 req.streaming_started = True
             while chunk:

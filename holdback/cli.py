@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("holdback.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
     "bench": ("bench.cli", "benchmarks: `holdback bench study` reproduces the seed study"),
 }
+# Commands that are a platform process: each reports its spans as service `holdback-<command>` (holdback.tracing).
+TRACED = ("api", "processor", "worker", "gateway", "sim")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         parser.error(f"unknown command {name!r}; choose one of: {', '.join(COMMANDS)}")
+    if name in TRACED:
+        from holdback import tracing
+
+        try:
+            tracing.configure(f"holdback-{name}")
+        except tracing.TracingConfigError as exc:
+            print(f"holdback {name}: {exc}", file=sys.stderr)
+            return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -117,14 +117,16 @@ class RealtimeTraffic:
 
 
 def ttft_buckets(metrics_text: str, objective: str = REALTIME_OBJECTIVE) -> dict[float, float]:
-    """Cumulative counts of the gateway's TTFT histogram for one objective, by upper bound."""
+    """Cumulative counts of the gateway's TTFT histogram for one objective, by upper bound (streamed and
+    non-streamed answers together)."""
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         if family.name != TTFT_METRIC:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket") and sample.labels.get("objective") == objective:
-                buckets[float(sample.labels["le"])] = sample.value
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
     return buckets
 
 

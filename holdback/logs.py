@@ -4,9 +4,10 @@ one JSON event per line.
 `log_event(log, "batch_expanded", batch_id=..., total=...)` writes
 `{"ts":..,"level":"info","logger":"batch_processor.ingest","event":"batch_expanded","batch_id":..,"total":..}`.
 Fields that are None are left out. The same names are used for the same things everywhere: `request_id`,
-`batch_id`, `tenant`, `worker`, `replica`, `error`. It is the standard library's logging with this one
-formatter rather than a structured-logging package: uvicorn, aiohttp and RQ already log through the standard
-library, so their records come out in the same format with no bridge, and there is nothing else to install.
+`batch_id`, `tenant`, `worker`, `replica`, `error`, and `trace_id` while a span is open (holdback.tracing).
+It is the standard library's logging with this one formatter rather than a structured-logging package:
+uvicorn, aiohttp and RQ already log through the standard library, so their records come out in the same
+format with no bridge, and there is nothing else to install.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+
+from holdback import tracing
 
 # Standard LogRecord attributes; anything else passed via `extra` is an event field.
 _RECORD_KEYS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "color_message"}
@@ -29,6 +32,9 @@ class JsonLines(logging.Formatter):
             "logger": record.name,
             "event": record.getMessage(),
         }
+        trace_id = tracing.current_trace_id()
+        if trace_id is not None:
+            event["trace_id"] = trace_id
         event.update(getattr(record, "fields", None) or {})
         event.update({k: v for k, v in vars(record).items() if k not in _RECORD_KEYS})
         if record.exc_info:

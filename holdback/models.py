@@ -156,6 +156,8 @@ class Batch(Base):
     claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
     seq: Mapped[int] = mapped_column(BigInteger, default=lambda: time.time_ns())
+    # W3C traceparent that later work on the batch continues (holdback.tracing); None when tracing is off.
+    trace_context: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class RequestRow(Base):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from holdback import tracing
 from holdback.contract import REQUEST_ID_HEADER, SIM_REPLICA_HEADER
 from holdback.logs import log_event
 from model_sim import protocol
@@ -43,7 +44,9 @@ _FAULT_MESSAGES = {
 
 
 def build_app(replica: "Replica") -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 * 1024 * 1024)
+    # The span middleware is outermost, so a span's status is the answer the caller got; absent when tracing is off.
+    middlewares = ([_trace_middleware] if tracing.enabled() else []) + [_errors_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[REPLICA_KEY] = replica
     routes = Routes(replica)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
@@ -67,6 +70,19 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     request_id = request.headers.get(REQUEST_ID_HEADER)
     if request_id is not None:
         response.headers[REQUEST_ID_HEADER] = request_id
+
+
+@web.middleware
+async def _trace_middleware(request: web.Request, handler):
+    """A server span per inference request, continuing the caller's `traceparent` (holdback.tracing)."""
+    if request.method != "POST" or not request.path.startswith("/v1/"):
+        return await handler(request)
+    with tracing.span(f"sim {request.path}", parent=request.headers, kind="server",
+                      attributes={"request_id": request.headers.get(REQUEST_ID_HEADER),
+                                  "holdback.replica": request.app[REPLICA_KEY].name}) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        return response
 
 
 @web.middleware

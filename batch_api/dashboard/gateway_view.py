@@ -76,7 +76,8 @@ def read_metrics(view: GatewayView, text: str) -> None:
                 view.evictions[s.labels.get("outcome", "?")] = int(s.value)
             elif s.name == f"{TTFT}_bucket":
                 le = float(s.labels["le"])
-                ttft.setdefault(s.labels.get("objective", ""), {})[le] = s.value
+                by_le = ttft.setdefault(s.labels.get("objective", ""), {})
+                by_le[le] = by_le.get(le, 0.0) + s.value  # streamed and non-streamed answers together
     view.ttft = {objective: sorted(buckets.items()) for objective, buckets in ttft.items()}
     view.rejections_by_band.sort()
 

@@ -137,15 +137,3 @@ def cli_env_names() -> set[str]:
                     names.add(node.args[0].value)
     return names
 
-
-def metric_source() -> str:
-    """The packages' source with `{PREFIX}` f-string parts expanded, to look metric names up in."""
-    chunks = []
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            text = path.read_text()
-            prefix = re.search(r'^PREFIX = "([a-z_]+)"', text, re.M)
-            if prefix:
-                text = text.replace("{PREFIX}", prefix.group(1))
-            chunks.append(text)
-    return "\n".join(chunks)

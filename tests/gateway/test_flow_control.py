@@ -257,3 +257,45 @@ def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
         assert view.tenant_over_soft_quota == pytest.approx(1.0)  # 0.2 of the pool against a soft 0.1
         assert view.replica == fc.pool.replicas[0].url and not view.streaming_started
     run(main())
+
+
+def test_flow_control_metrics_carry_fairness_priority_and_outcome():
+    """As llm-d's flow-control metrics: the queue duration by fairness id, priority and outcome, and the
+    queue size by fairness id and priority."""
+    async def main():
+        fc, clock = controller("flowControl: {bands: [{priority: -10, maxRequests: 2}]}")
+        fc.metrics.watch(fc.snapshot)
+        registry = fc.metrics.registry
+        inline = [req(fc, clock, "batch", fid="a") for _ in range(2)]
+        assert [fc.submit(r) for r in inline] == [Outcome.DISPATCHED] * 2
+        waits = req(fc, clock, "batch", fid="a")
+        gone = req(fc, clock, "batch", fid="b")
+        assert fc.submit(waits) is Outcome.QUEUED and fc.submit(gone) is Outcome.QUEUED
+        refused = req(fc, clock, "batch", fid="b")
+        assert fc.submit(refused) is Outcome.REJECTED
+
+        def size(fid: str) -> float | None:
+            return registry.get_sample_value("holdback_gateway_flow_control_queue_size",
+                                             {"fairness_id": fid, "priority": "-10"})
+
+        assert (size("a"), size("b")) == (1, 1)
+        clock.t += 2.0
+        fc.withdraw(gone)
+        fc.ceilings[-10] = 1.0
+        fc.cycle()
+        assert waits.status is Status.DISPATCHED
+        assert (size("a"), size("b")) == (None, None)  # empty flows are gone from the band
+
+        def duration(fid: str, outcome: str, stat: str) -> float | None:
+            return registry.get_sample_value(
+                f"holdback_gateway_flow_control_request_queue_duration_seconds_{stat}",
+                {"fairness_id": fid, "priority": "-10", "outcome": outcome})
+
+        assert duration("a", "dispatched", "count") == 3  # two inline, one after waiting
+        assert duration("a", "dispatched", "sum") == pytest.approx(2.0)
+        assert duration("b", "rejected-saturated", "count") == 1
+        assert duration("b", "rejected-context-cancelled", "count") == 1
+        assert duration("b", "rejected-context-cancelled", "sum") == pytest.approx(2.0)
+        assert duration("b", "dispatched", "count") is None
+    run(main())
+

@@ -13,6 +13,7 @@ import signal
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.conftest import sim_metric, sim_state
 
@@ -270,6 +271,15 @@ def test_keys_objectives_models_and_sse_passthrough(stack):
 
     assert direct.content.count(b"data: ") == 15  # role + 12 tokens + usage + [DONE]
     assert normalise(via.content) == normalise(direct.content)
+
+    # The TTFT histogram tells the event stream (its first token) from the answers read whole (end to end).
+    ttft: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(gw.url + "/metrics", timeout=5).text):
+        if family.name == "holdback_gateway_ttft_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    ttft[sample.labels["stream"]] = ttft.get(sample.labels["stream"], 0.0) + sample.value
+    assert ttft["true"] == 1 and ttft["false"] >= 2, ttft
 
 
 def test_dead_replica_is_taken_out_and_back_in(stack):

@@ -33,7 +33,8 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 class Platform:
     """One test's platform: simulator replicas, gateway, API, processor and workers as child processes."""
 
-    def __init__(self, backend, tmp_path: Path, *, replicas: int = 2, sim_args=(), gateway_config: str | None = None):
+    def __init__(self, backend, tmp_path: Path, *, replicas: int = 2, sim_args=(), gateway_config: str | None = None,
+                 processor_args=()):
         self.backend = backend
         self.tmp_path = tmp_path
         self.sim_port = free_ports(replicas)
@@ -51,7 +52,7 @@ class Platform:
         # Started together, waited for in dependency order: each start-up costs seconds on a loaded machine.
         sim = self.procs.start("sim", "--port", str(self.sim_port), "--replicas", str(replicas), *sim_args, name="sim")
         api = self.procs.start("api", "--port", self.api_url.rsplit(":", 1)[1], name="api")
-        self.processor = self.procs.start("processor", *PROCESSOR_FAST, name="processor")
+        self.processor = self.procs.start("processor", *PROCESSOR_FAST, *processor_args, name="processor")
         self.workers = [self.start_worker()]
         for url in self.sim_urls:
             wait_http(f"{url}/health", timeout=30, proc=sim)

@@ -486,6 +486,18 @@ def test_processes_share_the_queue_each_registered_with_rq(stack):
     recorded = [metric(f"http://127.0.0.1:{port + i}/metrics", "holdback_worker_results_recorded_total")
                 for i in range(2)]
     assert sum(recorded) == 40
+    # Gauges sum right over the processes: each names its worker, and the shared queue depth comes from the
+    # one process holding the scheduler role only.
+    urls = [f"http://127.0.0.1:{port + i}/metrics" for i in range(2)]
+    for i, url in enumerate(urls):
+        assert metric(url, "holdback_worker_in_flight", worker=f"pool.{i}") == 0
+        assert f'holdback_worker_in_flight{{worker="pool.{1 - i}"}}' not in httpx.get(url, timeout=5).text
+
+    def depth_exporters() -> list[str]:
+        return [url for url in urls if 'holdback_worker_queue_depth{state="queued"}' in httpx.get(url, timeout=5).text]
+
+    poll(lambda: len(depth_exporters()) == 1, 30, "exactly one worker process exporting the queue depth",
+         lambda: "\n".join(httpx.get(url, timeout=5).text for url in urls))
     # Killing only the supervisor takes its children down too (they get SIGTERM and unregister).
     children = psutil.Process(proc.pid).children()
     assert len(children) == 2

@@ -68,7 +68,7 @@ def test_every_components_registry_shows_its_process():
     from batch_processor.metrics import ProcessorMetrics
     from gateway.metrics import GatewayMetrics
 
-    for registry in (GatewayMetrics().registry, ProcessorMetrics().registry, WorkerMetrics().registry,
+    for registry in (GatewayMetrics().registry, ProcessorMetrics().registry, WorkerMetrics("w").registry,
                      create_metrics().registry):
         text = generate_latest(registry).decode()
         assert "process_resident_memory_bytes" in text and "python_info" in text

@@ -25,6 +25,7 @@ from openai import OpenAI
 
 from holdback.instance_lock import InstanceLock
 from holdback.supervisor import Child, Supervisor
+from tests.deploy.dashboard_names import dashboard_expressions, exported_names, rule_expressions, unknown_names
 from tests.support import REPO, free_port, free_ports, poll, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -138,6 +139,7 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         assert len(children) >= 5, f"expected sim, gateway, api, processor and worker, got {children}"
 
         _demo_counts_agree(env, api, gateway)
+        _dashboard_reads_only_exported_metrics([api, gateway, processor_metrics, worker_metrics, sim, sim + 1])
 
         # A second `holdback up` on the same data dir refuses at once, naming the live one.
         other = [str(p) for p in (free_port(), free_port(), free_ports(2), free_port(), free_port())]
@@ -159,6 +161,15 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
     poll(lambda: not _alive(children), 30, "every child to exit", lambda: _alive(children))
     if backend.kind == "embedded":
         assert "stopped child=embedded-redis" in output
+
+
+def _dashboard_reads_only_exported_metrics(ports: list[int]) -> None:
+    """Every metric name in the Grafana dashboard and the alert rules is served by a running component (its
+    `/metrics` page, after a batch and the demo's realtime traffic went through)."""
+    exported: set[str] = set()
+    for port in ports:
+        exported |= exported_names(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    assert unknown_names(dashboard_expressions() + rule_expressions(), exported) == {}
 
 
 def _demo_counts_agree(env: dict[str, str], api: int, gateway: int) -> None:
