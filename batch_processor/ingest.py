@@ -22,7 +22,7 @@ from batch_processor.lease import held_by
 from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
 from holdback.db import transaction
-from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_id
+from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_ids
 from holdback.storage import FileStore
 
 log = logging.getLogger("batch_processor.ingest")
@@ -129,6 +129,7 @@ ROW_COLUMNS = (
 def _insert_rows(session: Session, store: FileStore, storage_key: str, validator: InputValidator,
                  batch_id: str, tenant_id: str, chunk_rows: int) -> None:
     pending = RequestStatus.pending.value
+    ids = new_ids("batch_req_")
     with _row_writer(session, chunk_rows) as write, store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):
             request = validator.check(line_no, raw)
@@ -137,7 +138,7 @@ def _insert_rows(session: Session, store: FileStore, storage_key: str, validator
             if request is None or not validator.ok:
                 continue  # once any line is bad the batch fails: keep validating, stop inserting
             now = time.time()
-            write((new_id("batch_req_"), batch_id, tenant_id, request.line, request.custom_id, request.url,
+            write((next(ids), batch_id, tenant_id, request.line, request.custom_id, request.url,
                    request.body, pending, 0, 0, 0, 0, 0, 0, 0, 0, now, now))
 
 

@@ -95,7 +95,7 @@ class InputValidator:
             self.stopped = True
 
     def check(self, line_no: int, raw: bytes) -> ValidRequest | None:
-        if not raw.strip():
+        if not raw or raw.isspace():
             return None  # blank lines (a trailing newline, a blank separator) are not requests
         self.count += 1
         if self.count > self.max_requests:
