@@ -44,11 +44,12 @@ MAX_NESTING = 64
 # unless it has 19 digits or more (the longest exact one has 20, the shortest inexact one 19).
 _LINE_SHAPE = bytes(0x39 if 0x30 <= b <= 0x39 else 0x5B if b in b"[{" else 0x20 for b in range(256))
 _LONG_DIGIT_RUN = b"9" * 19
-# A body text's number shapes: digits → "9", "+" and "-" → "+", "." and "e" kept. orjson's float text is
-# `json`'s except below 1e-4, where orjson writes 0.0000123 for 1.23e-05 and 1e-8 for 1e-08: "9e+" (any
-# exponent) and ".9999" find all of those, and text that looks like them, which only costs speed.
-_NUMBER_SHAPE = bytes(0x39 if 0x30 <= b <= 0x39 else 0x2B if b in b"+-" else b if b in b".e" else 0x20
-                      for b in range(256))
+# A body text's number shapes: everything but digits, "+", "-", "." and "e" dropped, digits → "9", "-" → "+".
+# orjson's float text is `json`'s except below 1e-4, where orjson writes 0.0000123 for 1.23e-05 and 1e-8 for
+# 1e-08: "9e+" (any exponent) and ".9999" find all of those, and text that looks like them (or does once
+# the rest is dropped), which only costs speed. Dropping the rest keeps the searched text short.
+_NUMBER_SHAPE = bytes(0x39 if 0x30 <= b <= 0x39 else 0x2B if b == 0x2D else b for b in range(256))
+_NOT_NUMBER = bytes(b for b in range(256) if b not in b"0123456789+-.e")
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,11 @@ class InputValidator:
                        f"This line is valid JSON but a {type(item).__name__}, not an object; each line must be "
                        'an object like {"custom_id": ..., "method": "POST", "url": ..., "body": {...}}.', line_no)
             return None
-        # NUL and unpaired surrogates can only come from \u escapes (raw bytes are UTF-8 without controls).
-        return self._check_request(line_no, item, escapes=b"\\u" in raw, fast=fast)
+        # NUL and unpaired surrogates can only come from \u escapes, or from a surrogate's own UTF-8 bytes
+        # (ED A0-BF ..), which json reads too. orjson refuses unpaired surrogates: its values are checked for
+        # NUL alone, which is quicker than searching the line for escapes.
+        escapes = fast or b"\\u" in raw or b"\xed" in raw
+        return self._check_request(line_no, item, escapes=escapes, fast=fast)
 
     def _check_request(self, line_no: int, item: dict, escapes: bool = True,
                        fast: bool = False) -> ValidRequest | None:
@@ -223,9 +227,10 @@ class InputValidator:
             self._fail("streaming_unsupported", "body.stream is true; batch requests cannot stream. Remove "
                        "stream or set it to false.", line_no, "body.stream")
             return None
-        text = _compact_fast(body) if fast else None
-        if text is None:
-            text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        if fast:
+            # orjson refused unpaired surrogates and both writers escape NUL: the text is storable.
+            return ValidRequest(line_no, custom_id, url, _compact_fast(body), model)
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
         if escapes and _unstorable(text):
             # An unpaired surrogate inside the body: keep it as the \u escape it came in as (JSON escapes
             # NUL by itself), so the stored text is valid UTF-8 and the request is forwarded unchanged.
@@ -240,12 +245,13 @@ class InputValidator:
         return self.errors
 
 
-def _compact_fast(body: dict) -> str | None:
-    """orjson's compact text of `body` when it is `json.dumps`'s (see the module docstring), else None."""
+def _compact_fast(body: dict) -> str:
+    """`json.dumps(body, separators=(",", ":"), ensure_ascii=False)` of a body orjson parsed, by orjson where
+    that gives the same text (see the module docstring)."""
     text = orjson.dumps(body)
-    shape = text.translate(_NUMBER_SHAPE)
+    shape = text.translate(_NUMBER_SHAPE, _NOT_NUMBER)
     if b"9e+" in shape or b".9999" in shape:
-        return None
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     return text.decode()
 
 
