@@ -120,8 +120,27 @@ class InputValidator:
             except orjson.JSONDecodeError:
                 pass  # json decides: the error it gives, or the value it reads where orjson refused
             else:
-                return self._check_parsed(line_no, raw, item, shape.count(b"["), fast=True)
+                brackets = shape.count(b"[")
+                return (self._accept_plain(line_no, item, brackets)
+                        or self._check_parsed(line_no, raw, item, brackets, fast=True))
         return self._check_line_json(line_no, raw)
+
+    def _accept_plain(self, line_no: int, item: object, brackets: int) -> ValidRequest | None:
+        """The request of an orjson-parsed line that passes every check at first sight, else None (and
+        nothing recorded: `_check_parsed` then checks the line again and reports what is wrong). The same
+        checks as `_check_request` for the common case, with less work a line."""
+        if brackets > MAX_NESTING or type(item) is not dict:
+            return None
+        custom_id, body = item.get("custom_id"), item.get("body")
+        if (type(custom_id) is not str or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS
+                or "\x00" in custom_id or custom_id in self._seen or item.get("method") != "POST"
+                or item.get("url") != self.endpoint or type(body) is not dict):
+            return None
+        model = body.get("model")
+        if model != self.model or self.model is None or body.get("stream") is True:
+            return None  # self.model is a checked name: equal to it, model is one too
+        self._seen[custom_id] = line_no
+        return ValidRequest(line_no, custom_id, self.endpoint, _compact_fast(body), model)
 
     def _check_line_json(self, line_no: int, raw: bytes) -> ValidRequest | None:
         """The line parsed by `json`, the reference for what every line gets."""
