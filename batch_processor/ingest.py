@@ -1,9 +1,9 @@
 """Ingestion: validate a `validating` batch's input file and expand it into request rows.
 
-The file is streamed line by line and rows are inserted in chunks inside ONE transaction that
-also moves the batch to `in_progress`; a crash anywhere leaves either no rows (the batch is still
-`validating` and is redone from scratch by whoever holds the lease next) or all rows with their
-final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
+The file is streamed line by line and rows are inserted (one COPY on PostgreSQL, chunks on SQLite)
+inside ONE transaction that also moves the batch to `in_progress`; a crash anywhere leaves either no
+rows (the batch is still `validating` and is redone from scratch by whoever holds the lease next) or
+all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
 the transaction back and fails the batch with `errors`; the input file is only read, never changed.
 """
 
