@@ -28,6 +28,9 @@ POISON = {
     "nul_custom_id": (_line(custom_id="req\\u0000x"), "missing_custom_id", "custom_id"),
     "nul_model": (_line(model="m1\\u0000"), "missing_model", "body.model"),
     "surrogate_custom_id": (_line(custom_id="req\\ud800"), "missing_custom_id", "custom_id"),
+    # A surrogate written as its own UTF-8 bytes, not as an escape: Python's json reads it too.
+    "raw_surrogate_custom_id": (_line(custom_id="req\udc80").encode("utf-8", "surrogatepass"), "missing_custom_id",
+                                "custom_id"),
     # Python's json reads these; no replica or output-file reader would.
     "nan_in_body": (_line(temperature="NaN"), "invalid_json_line", None),
     "infinity_in_body": (_line(temperature="-Infinity"), "invalid_json_line", None),
@@ -56,6 +59,15 @@ def test_nul_and_lone_surrogates_inside_a_body_are_stored_escaped_and_kept(harne
     assert harness.batch(batch_id).status == "in_progress"
     (row,) = harness.rows(batch_id)
     assert "\x00" not in row.body and json.loads(row.body)["user"] == "a\x00b\udc80c"
+
+
+def test_a_surrogate_written_as_raw_bytes_inside_a_body_is_stored_escaped(harness: Harness):
+    text = _line(custom_id="req-1", user='"a\udc80b"').encode("utf-8", "surrogatepass")
+    batch_id = harness.submit(jsonl([text]))
+    harness.processor().tick()
+    assert harness.batch(batch_id).status == "in_progress"
+    (row,) = harness.rows(batch_id)
+    assert "\\udc80" in row.body and json.loads(row.body)["user"] == "a\udc80b"
 
 
 def test_a_batch_whose_validation_keeps_raising_fails_with_one_traceback(harness: Harness, caplog, monkeypatch):

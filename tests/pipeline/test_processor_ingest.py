@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -106,6 +107,19 @@ def test_valid_file_becomes_pending_rows_with_stable_ids(harness: Harness):
     # A second expansion of the same batch (a processor re-running a step) changes nothing.
     assert expand_batch(harness.factory, harness.store, batch_id, max_requests=50_000).status == "skipped"
     assert [r.id for r in harness.rows(batch_id)] == ids
+
+
+def test_rows_of_a_large_file_get_distinct_random_ids_and_bodies_as_sent(harness: Harness):
+    # More lines than one draw of random id digits (1,024), and than one insert chunk.
+    lines = [chat(i, temperature=0.7, top_p=1.5e-05, user="e-mail ünï") for i in range(1, 2501)]
+    batch_id = harness.submit(jsonl(lines))
+    assert expand_batch(harness.factory, harness.store, batch_id, max_requests=50_000, chunk_rows=1000).total == 2500
+    rows = harness.rows(batch_id)
+    assert len({r.id for r in rows}) == 2500
+    assert all(re.fullmatch(r"batch_req_[0-9a-f]{24}", r.id) for r in rows)
+    # The stored body is json.dumps's compact text of the line's body, what the workers send.
+    assert [r.body for r in rows] == [json.dumps(line["body"], separators=(",", ":"), ensure_ascii=False)
+                                      for line in lines]
 
 
 def test_two_processors_never_expand_the_same_batch(harness: Harness):
