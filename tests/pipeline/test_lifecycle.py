@@ -3,7 +3,9 @@ illegal moves, and the database's own refusal of an unknown status (migration 00
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import pytest
 from alembic import command
@@ -210,3 +212,49 @@ def test_migration_0006_keeps_rows_and_attempts_and_refuses_unknown_statuses(bac
                 s.execute(update(RequestRow).where(RequestRow.id == ids[0]).values(status="done"))
     finally:
         engine.dispose()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("holdback", "batch_api", "batch_processor", "async_processor", "bench")
+STATUS_TABLES = {"RequestRow", "Batch", "_rows", "_batches"}
+
+
+def _status_writes(tree: ast.AST) -> list[int]:
+    """Lines that set a request row's or a batch's status: `update(<those tables>)...values(status=...)`, or
+    an assignment of a RequestStatus to some `.status`."""
+    lines = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values"
+                and any(k.arg == "status" for k in node.keywords)):
+            root = node.func.value
+            while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
+                root = root.func.value
+            if isinstance(root, ast.Call) and getattr(root.func, "id", None) == "update" and root.args:
+                table = root.args[0]
+                name = table.id if isinstance(table, ast.Name) else getattr(table.value, "id", None)
+                if name in STATUS_TABLES:
+                    lines.append(node.lineno)
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "status"
+                                                for t in node.targets):
+            if "RequestStatus" in ast.unparse(node.value):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_but_the_lifecycle_writes_a_status():
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path == ROOT / "holdback" / "lifecycle.py":
+                continue
+            lines = _status_writes(ast.parse(path.read_text(encoding="utf-8")))
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert found == {}, f"status changes outside holdback/lifecycle.py; call its moves instead: {found}"
+
+
+def test_the_status_write_finder_sees_one():
+    assert _status_writes(ast.parse("update(RequestRow).where(x).values(status='queued', a=1)")) == [1]
+    assert _status_writes(ast.parse("row.status = RequestStatus.failed.value")) == [1]
+    assert _status_writes(ast.parse("update(File).values(status='deleted')")) == []
+    assert _status_writes(ast.parse((ROOT / "holdback" / "lifecycle.py").read_text()))  # where they belong
