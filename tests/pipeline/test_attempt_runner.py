@@ -20,7 +20,7 @@ from holdback.contract import DROP_REASON_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import RetryPolicy
 from holdback.models import Attempt, Batch, RequestRow, Tenant
-from tests.pipeline.test_processor_sync import _wait
+from tests.support import poll
 
 TIMEOUT = 1.0
 # case -> (row status, attempt outcome, evictions, transient failures) after one attempt
@@ -144,7 +144,7 @@ def _through_sync(factory, url, batch_rows):
                           policy=POLICY, request_timeout=TIMEOUT)
     try:
         sync.push([(row_id, batch_id) for batch_id, row_id in batch_rows])
-        _wait(lambda: sync.in_flight == 0, 30, "sync dispatch to finish every row")
+        poll(lambda: sync.in_flight == 0, 30, "sync dispatch to finish every row")
     finally:
         assert sync.close() == []
 
