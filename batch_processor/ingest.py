@@ -21,7 +21,7 @@ from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
 from holdback import lifecycle
 from holdback.db import transaction
-from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_id
+from holdback.models import Batch, BatchStatus, File, RequestRow, new_id
 from holdback.storage import FileStore
 
 log = logging.getLogger("batch_processor.ingest")
@@ -128,7 +128,7 @@ ROW_COLUMNS = (
 def _insert_rows(session: Session, store: FileStore, storage_key: str, validator: InputValidator,
                  batch_id: str, tenant_id: str, chunk_rows: int) -> None:
     write = _row_writer(session)
-    pending = RequestStatus.pending.value
+    pending = lifecycle.INITIAL.value
     chunk: list[tuple] = []
     with store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from holdback.models import REQUEST_TERMINAL, Batch, BatchStatus, RequestRow, RequestStatus
 
 P, Q, RUN, WAIT = RequestStatus.pending, RequestStatus.queued, RequestStatus.running, RequestStatus.retry_wait
+INITIAL = P  # every row is created pending (batch_processor.ingest inserts them so)
 UNFINISHED = frozenset({P, Q, RUN, WAIT})
 FINAL = frozenset(REQUEST_TERMINAL)
 
