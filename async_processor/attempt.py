@@ -1,7 +1,9 @@
 """One attempt of one request row: open it in the database, send it through the gateway, record the answer.
 
-The asyncio worker runs many of these at once; `async_processor.job.run_request` runs one for a plain RQ
-worker — the same code path. Database work is two transactions (`holdback.dispatch.begin`, then
+The one attempt runner of holdback: the asyncio worker runs many of these at once, `async_processor.job.run_request`
+runs one for a plain RQ worker, and the processor's sync mode (`batch_processor.sync_dispatch`) runs its
+requests with it too — the same sends, the same mapping of a failed send (`transport_reply`), the same
+recording of what an answer means for the row (`holdback.dispatch.record_outcome`). Database work is two transactions (`holdback.dispatch.begin`, then
 `record_outcome`, each wrapped by `async_processor.resume` to read and write what a resumed request needs),
 each run on a database lane thread because SQLAlchemy's engine is synchronous. Resumable requests are sent
 streamed (`async_processor.stream`), the rest as they are.
@@ -137,23 +139,31 @@ class Runtime:
     worker_name: str
     request_timeout: float
     resume: bool = True  # evicted streams continue from their partial output (False: they restart)
+    owns_engine: bool = True  # close() disposes the engine (False: it belongs to the caller)
     _next_lane: int = 0
 
     @classmethod
-    def build(cls, database_url: str, *, gateway_url: str, gateway_key: str | None, policy: RetryPolicy,
-              worker_name: str, request_timeout: float, db_lanes: int = 2, resume: bool = True) -> "Runtime":
+    def build(cls, database_url: str, *, db_lanes: int = 2, **options: Any) -> "Runtime":
+        """A runtime with its own engine (the worker's: BEGIN IMMEDIATE on SQLite)."""
         engine = make_worker_engine(database_url, db_lanes)
-        sessions = make_sessionmaker(engine)
+        return cls.over(make_sessionmaker(engine), db_lanes=db_lanes, **options)
+
+    @classmethod
+    def over(cls, sessions: sessionmaker[Session], *, gateway_url: str, gateway_key: str | None,
+             policy: RetryPolicy, worker_name: str, request_timeout: float, db_lanes: int = 2, resume: bool = True,
+             owns_engine: bool = True, lane_name: str = "db") -> "Runtime":
+        """A runtime whose database lanes use these sessions."""
         # SQLite has one writer at a time: more lanes would only queue on its lock.
-        n = 1 if engine.dialect.name == "sqlite" else max(1, db_lanes)
-        lanes = [DatabaseLane(sessions, f"db-{i}") for i in range(n)]
+        n = 1 if sessions.kw["bind"].dialect.name == "sqlite" else max(1, db_lanes)
+        lanes = [DatabaseLane(sessions, f"{lane_name}-{i}") for i in range(n)]
         return cls(sessions, lanes, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout,
-                   resume)
+                   resume, owns_engine)
 
     def close(self) -> None:
         for lane in self.lanes:
             lane.close()
-        self.sessions.kw["bind"].dispose()
+        if self.owns_engine:
+            self.sessions.kw["bind"].dispose()
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(session, *args) in a transaction on a database lane (possibly shared with other calls)."""

@@ -10,7 +10,6 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from sqlalchemy import update
 
 from batch_api.auth import SessionDep, TenantDep, TenantRoute
 from batch_api.errors import BadRequest
@@ -19,12 +18,13 @@ from holdback.logs import log_event
 from batch_api.openapi import TENANT_ERRORS
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
 from batch_api.tenant_scope import get_batch, get_file, list_batches
+from holdback import lifecycle
 from holdback.models import Batch, BatchStatus, now
 
 router = APIRouter(tags=["batches"], route_class=TenantRoute, responses=TENANT_ERRORS)
 log = logging.getLogger("batch_api.batches")
 
-CANCELLABLE = (BatchStatus.validating.value, BatchStatus.in_progress.value)
+CANCELLABLE = (BatchStatus.validating, BatchStatus.in_progress)
 ALREADY_CANCELLING = (BatchStatus.cancelling.value, BatchStatus.cancelled.value)
 
 
@@ -83,9 +83,9 @@ def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     batch = get_batch(session, tenant.id, batch_id)
     # Compare-and-set on the status: the processor may move the batch at the same moment.
     moved = session.execute(
-        update(Batch)
-        .where(Batch.id == batch.id, Batch.status.in_(CANCELLABLE))
-        .values(status=BatchStatus.cancelling.value, cancelling_at=now())
+        lifecycle.batch_update(CANCELLABLE, BatchStatus.cancelling)
+        .where(Batch.id == batch.id)
+        .values(cancelling_at=now())
     ).rowcount
     session.commit()
     session.refresh(batch)

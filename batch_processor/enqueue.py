@@ -11,10 +11,11 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
+from holdback import lifecycle
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
 
@@ -85,13 +86,7 @@ def take_pending(factory: sessionmaker[Session], steps: list[tuple[str, int]],
             ).all()
             if not ids:
                 continue
-            moved = set(session.scalars(
-                update(RequestRow)
-                .where(RequestRow.id.in_(ids), RequestRow.status == RequestStatus.pending.value)
-                .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now)
-                .returning(RequestRow.id)
-                .execution_options(synchronize_session=False)
-            ))
+            moved = lifecycle.enqueue(session, ids, now)
             taken[batch_id] = deque(row_id for row_id in ids if row_id in moved)  # keep line order
     ordered: list[tuple[str, str]] = []
     for batch_id, n in steps:
@@ -124,10 +119,4 @@ def take_due_retries(factory: sessionmaker[Session], batch_ids: list[str], owner
         ).all()
         if not ids:
             return []
-        return [tuple(row) for row in session.execute(
-            update(RequestRow)
-            .where(RequestRow.id.in_(ids), RequestRow.status == RequestStatus.retry_wait.value)
-            .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now, next_attempt_at=None)
-            .returning(RequestRow.id, RequestRow.batch_id)
-            .execution_options(synchronize_session=False)
-        )]
+        return lifecycle.requeue_due(session, ids, now)

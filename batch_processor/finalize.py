@@ -17,11 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
 from holdback.logs import log_event
+from holdback import lifecycle
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus
 from holdback.results import count_unfinished, output_line
@@ -75,9 +76,9 @@ def begin_finalizing(factory: sessionmaker[Session], batch_id: str, owner: str |
         if count_unfinished(session, batch_id):
             return False
         return session.execute(
-            update(Batch)
-            .where(Batch.id == batch_id, Batch.status == BatchStatus.in_progress.value, held_by(owner))
-            .values(status=BatchStatus.finalizing.value, finalizing_at=int(time.time()))
+            lifecycle.batch_update((BatchStatus.in_progress,), BatchStatus.finalizing)
+            .where(Batch.id == batch_id, held_by(owner))
+            .values(finalizing_at=int(time.time()))
             .execution_options(synchronize_session=False)
         ).rowcount == 1
 
@@ -99,7 +100,7 @@ def finalize_batch(
     Raises NotFinished if a row is still unfinished: the caller closes rows first.
     """
     started = time.perf_counter()
-    allowed = [s.value for s in from_statuses]
+    allowed = lifecycle.batch_sources(from_statuses, to_status)  # an undeclared move fails here, before any work
     with factory() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in allowed:
@@ -124,9 +125,9 @@ def finalize_batch(
                     ))
             session.flush()
             moved = session.execute(
-                update(Batch)
-                .where(Batch.id == batch_id, Batch.status.in_(allowed), held_by(owner))
-                .values(status=to_status.value, **{_TIMESTAMP[to_status]: now},
+                lifecycle.batch_update(from_statuses, to_status)
+                .where(Batch.id == batch_id, held_by(owner))
+                .values(**{_TIMESTAMP[to_status]: now},
                         output_file_id=output_id if output[0] else None,
                         error_file_id=error_id if errors[0] else None,
                         claimed_by=None, lease_until=None)

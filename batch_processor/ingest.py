@@ -21,8 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_processor.lease import held_by
 from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
+from holdback import lifecycle
 from holdback.db import transaction
-from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_ids
+from holdback.models import Batch, BatchStatus, File, RequestRow, new_ids
 from holdback.storage import FileStore
 
 log = logging.getLogger("batch_processor.ingest")
@@ -96,9 +97,9 @@ def expand_batch(
                 raise _InvalidInput()
             now = time.time()
             moved = session.execute(
-                update(Batch)
-                .where(Batch.id == batch_id, Batch.status == BatchStatus.validating.value, held_by(owner))
-                .values(status=BatchStatus.in_progress.value, in_progress_at=int(now), total=validator.count,
+                lifecycle.batch_update((BatchStatus.validating,), BatchStatus.in_progress)
+                .where(Batch.id == batch_id, held_by(owner))
+                .values(in_progress_at=int(now), total=validator.count,
                         model=validator.model, expires_at=expires_at)
                 .execution_options(synchronize_session=False)
             ).rowcount
@@ -128,7 +129,7 @@ ROW_COLUMNS = (
 
 def _insert_rows(session: Session, store: FileStore, storage_key: str, validator: InputValidator,
                  batch_id: str, tenant_id: str, chunk_rows: int) -> None:
-    pending = RequestStatus.pending.value
+    pending = lifecycle.INITIAL.value
     ids = new_ids("batch_req_")
     with _row_writer(session, chunk_rows) as write, store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):
@@ -182,9 +183,9 @@ def fail_batch(factory: sessionmaker[Session], batch_id: str, owner: str | None,
     entries = [e.as_dict() for e in errors]
     with transaction(factory) as session:
         moved = session.execute(
-            update(Batch)
-            .where(Batch.id == batch_id, Batch.status == BatchStatus.validating.value, held_by(owner))
-            .values(status=BatchStatus.failed.value, failed_at=int(time.time()), errors=entries,
+            lifecycle.batch_update((BatchStatus.validating,), BatchStatus.failed)
+            .where(Batch.id == batch_id, held_by(owner))
+            .values(failed_at=int(time.time()), errors=entries,
                     claimed_by=None, lease_until=None)
             .execution_options(synchronize_session=False)
         ).rowcount

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
@@ -34,8 +34,9 @@ from batch_processor.reconcile import reconcile
 from batch_processor.step_errors import StepErrors, describe
 from batch_processor.sync_dispatch import SyncDispatcher
 from batch_processor.validation import LineError
+from holdback import lifecycle
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
+from holdback.models import Batch, BatchStatus
 from holdback.probes import Heartbeat
 from holdback.results import count_unfinished
 from holdback.retention import FileCollector, RetentionMetrics
@@ -415,12 +416,7 @@ class Processor:
             unstarted = self.sync.close()
             if unstarted:
                 with transaction(self.factory) as session:
-                    session.execute(
-                        update(RequestRow)
-                        .where(RequestRow.id.in_(unstarted), RequestRow.status == RequestStatus.queued.value)
-                        .values(status=RequestStatus.pending.value, enqueued_at=None)
-                        .execution_options(synchronize_session=False)
-                    )
+                    lifecycle.hand_back(session, unstarted)
         try:
             self.lease.release(self.owned)
         finally:

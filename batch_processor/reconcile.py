@@ -27,6 +27,7 @@ from sqlalchemy import and_, bindparam, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from holdback.logs import log_event
+from holdback import lifecycle
 from holdback.db import transaction
 from holdback.models import Attempt, AttemptOutcome, RequestRow, RequestStatus
 
@@ -96,8 +97,10 @@ def reconcile(
         missing[RequestStatus.running.value] = [r for r in running if r not in beating]
 
     with transaction(factory) as session:
-        result.lost_queued = _requeue(session, missing[RequestStatus.queued.value], queued_stale, now)
-        result.lost_retry = _requeue(session, missing[RequestStatus.retry_wait.value], retry_stale, now)
+        result.lost_queued = _requeue(session, missing[RequestStatus.queued.value], RequestStatus.queued,
+                                      queued_stale, now)
+        result.lost_retry = _requeue(session, missing[RequestStatus.retry_wait.value], RequestStatus.retry_wait,
+                                     retry_stale, now)
         result.abandoned = _requeue_abandoned(session, missing[RequestStatus.running.value], running_stale, now)
     if result.rows:
         log_event(log, "rows_reconciled", logging.WARNING, **result.counts(),
@@ -105,17 +108,13 @@ def reconcile(
     return result
 
 
-def _requeue(session: Session, row_ids: list[str], still_stale, now: float) -> list[tuple[str, str]]:
+def _requeue(session: Session, row_ids: list[str], source: RequestStatus, still_stale,
+             now: float) -> list[tuple[str, str]]:
     moved: list[tuple[str, str]] = []
     for start in range(0, len(row_ids), ID_CHUNK):
         chunk = row_ids[start:start + ID_CHUNK]
-        moved += [tuple(r) for r in session.execute(
-            update(RequestRow)
-            .where(RequestRow.id.in_(chunk), still_stale)
-            .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now, next_attempt_at=None)
-            .returning(RequestRow.id, RequestRow.batch_id)
-            .execution_options(synchronize_session=False)
-        )]
+        moved += [(row_id, batch_id) for row_id, batch_id, _ in
+                  lifecycle.requeue_lost(session, chunk, source, still_stale, now)]
     return moved
 
 
@@ -124,13 +123,8 @@ def _requeue_abandoned(session: Session, row_ids: list[str], still_stale, now: f
     closing: list[dict] = []
     for start in range(0, len(row_ids), ID_CHUNK):
         chunk = row_ids[start:start + ID_CHUNK]
-        for row_id, batch_id, attempts in session.execute(
-            update(RequestRow)
-            .where(RequestRow.id.in_(chunk), still_stale)
-            .values(status=RequestStatus.queued.value, enqueued_at=now, updated_at=now)
-            .returning(RequestRow.id, RequestRow.batch_id, RequestRow.attempts)
-            .execution_options(synchronize_session=False)
-        ):
+        for row_id, batch_id, attempts in lifecycle.requeue_lost(session, chunk, RequestStatus.running,
+                                                                 still_stale, now):
             moved.append((row_id, batch_id))
             closing.append({"rid": row_id, "num": attempts})
     if closing:

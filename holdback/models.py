@@ -2,7 +2,8 @@
 
 Timestamps that the OpenAI API shows (`created_at`, `in_progress_at`, ...) are integer unix
 seconds; attempt timings are float seconds because latency is measured from them.
-A request row's terminal transition is a compare-and-set (see `holdback.results`).
+A request row's status changes only through `holdback.lifecycle`; its terminal transition is a
+compare-and-set (see `holdback.results`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    CheckConstraint,
     Float,
     ForeignKey,
     Index,
@@ -76,6 +78,8 @@ class RequestStatus(str, enum.Enum):
 
 REQUEST_TERMINAL = {RequestStatus.succeeded, RequestStatus.failed, RequestStatus.cancelled, RequestStatus.expired}
 REQUEST_TERMINAL_VALUES = tuple(s.value for s in REQUEST_TERMINAL)
+# The database refuses any other status (migration 0007); the moves between them are holdback.lifecycle's.
+REQUEST_STATUS_CHECK = "status IN ({})".format(", ".join(f"'{s.value}'" for s in RequestStatus))
 
 
 class Tenant(Base):
@@ -178,6 +182,7 @@ class RequestRow(Base):
         Index("ix_request_rows_status_next", "status", "next_attempt_at"),
         # The processor takes a batch's next pending rows, and finalizes by status, in line order.
         Index("ix_request_rows_batch_status_line", "batch_id", "status", "line"),
+        CheckConstraint(REQUEST_STATUS_CHECK, name="ck_request_rows_status"),
     )
 
     # Stable across every attempt and every re-run: it is the RQ job id and the gateway x-request-id.

@@ -3,7 +3,8 @@
 Both dispatch paths (async workers and the processor's sync mode) record through these functions,
 so a duplicate delivery, a worker killed after recording, or a retry racing a late answer can
 never produce a second final result: the terminal UPDATE matches only a non-terminal row, and the
-batch counters move in the same transaction as the row that won.
+batch counters move in the same transaction as the row that won. The row's status moves themselves are
+`holdback.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -14,17 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, func, insert, or_, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from holdback.models import (
-    REQUEST_TERMINAL_VALUES,
-    Attempt,
-    Batch,
-    BatchStatus,
-    RequestRow,
-    RequestStatus,
-)
+from holdback import lifecycle
+from holdback.models import REQUEST_TERMINAL_VALUES, Attempt, Batch, RequestRow, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class FinalResult:
-    status: RequestStatus  # succeeded | failed | cancelled | expired
+    status: RequestStatus  # succeeded | failed (a batch's cancel and expiry close rows with close_unfinished)
     response_status: int | None = None
     response_body: dict | str | None = None
     error_code: str | None = None
@@ -77,29 +72,7 @@ class OpenedAttempt:
     deadline: float | None  # the batch's expires_at
 
 
-_rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
-_CLOSED_BATCH_VALUES = tuple(s.value for s in (BatchStatus.cancelling, BatchStatus.cancelled, BatchStatus.expired,
-                                               BatchStatus.failed, BatchStatus.completed))
-
-# The row moves to running and its attempt number is taken in one statement (the row lock orders racing
-# deliveries: each gets the next number), returning what the request needs, its batch's deadline included
-# (a subquery in RETURNING: PostgreSQL and SQLite both allow it) — no SELECT before or after.
-_OPEN_ROW = (
-    update(_rows)
-    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
-    .values(status=RequestStatus.running.value, attempts=_rows.c.attempts + 1, updated_at=bindparam("now"),
-            next_attempt_at=None)
-    .returning(_rows.c.attempts, _rows.c.batch_id, _rows.c.tenant_id, _rows.c.custom_id, _rows.c.url,
-               _rows.c.body, _rows.c.transient_failures,
-               select(_batches.c.expires_at).where(_batches.c.id == _rows.c.batch_id).scalar_subquery())
-)
-# The same, only while the row's batch is open and before its deadline (the worker's `begin`).
-_OPEN_ROW_OF_OPEN_BATCH = _OPEN_ROW.where(
-    select(_batches.c.id)
-    .where(_batches.c.id == _rows.c.batch_id, _batches.c.status.not_in(_CLOSED_BATCH_VALUES),
-           or_(_batches.c.expires_at.is_(None), _batches.c.expires_at > bindparam("now")))
-    .exists()
-)
+_attempts = Attempt.__table__
 _INSERT_ATTEMPT = (
     insert(_attempts)
     .values(request_id=bindparam("row_id"), batch_id=bindparam("batch_id"), number=bindparam("number"),
@@ -115,8 +88,7 @@ def begin_attempt(session: Session, row_id: str, worker: str, *, open_batch_only
     or gone — or, with `open_batch_only`, if its batch is closing or past its deadline."""
     now = time.time() if now is None else now
     conn = session.connection()
-    statement = _OPEN_ROW_OF_OPEN_BATCH if open_batch_only else _OPEN_ROW
-    row = conn.execute(statement, {"row_id": row_id, "now": now}).one_or_none()
+    row = lifecycle.claim(conn, row_id, now, open_batch_only=open_batch_only)
     if row is None:
         return None
     number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
@@ -154,19 +126,8 @@ _END_ATTEMPT = (
 
 def schedule_retry(session: Session, row_id: str, next_attempt_at: float, *, evicted: bool, transient: bool) -> bool:
     """Park a non-final row until next_attempt_at. Returns False if it became final meanwhile."""
-    return session.connection().execute(_PARK_ROW, {
-        "row_id": row_id, "next_attempt_at": next_attempt_at, "now": time.time(),
-        "evicted": 1 if evicted else 0, "transient": 1 if transient else 0,
-    }).rowcount == 1
-
-
-_PARK_ROW = (
-    update(_rows)
-    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
-    .values(status=RequestStatus.retry_wait.value, next_attempt_at=bindparam("next_attempt_at"),
-            updated_at=bindparam("now"), evictions=_rows.c.evictions + bindparam("evicted"),
-            transient_failures=_rows.c.transient_failures + bindparam("transient"))
-)
+    return lifecycle.park(session.connection(), row_id, next_attempt_at, time.time(), evicted=evicted,
+                          transient=transient)
 
 
 def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
@@ -176,13 +137,11 @@ def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
         body = json.dumps(body, separators=(",", ":"))
     now = time.time()
     conn = session.connection()
-    batch_id = conn.execute(_FINISH_ROW, {
-        "row_id": row_id, "status": result.status.value, "response_status": result.response_status,
-        "response_body": body, "error_code": result.error_code, "error_message": result.error_message,
-        "input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens,
-        "cached_tokens": result.usage.cached_tokens, "reasoning_tokens": result.usage.reasoning_tokens,
-        "now": now,
-    }).scalar_one_or_none()
+    batch_id = lifecycle.finish(
+        conn, row_id, result.status, now, response_status=result.response_status, response_body=body,
+        error_code=result.error_code, error_message=result.error_message,
+        input_tokens=result.usage.input_tokens, output_tokens=result.usage.output_tokens,
+        cached_tokens=result.usage.cached_tokens, reasoning_tokens=result.usage.reasoning_tokens)
     if batch_id is None:
         conn.execute(_COUNT_DUPLICATE, {"row_id": row_id})
         return False
@@ -194,17 +153,7 @@ def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
     return True
 
 
-_FINISH_ROW = (
-    update(_rows)
-    .where(_rows.c.id == bindparam("row_id"), _rows.c.status.not_in(REQUEST_TERMINAL_VALUES))
-    .values(status=bindparam("status"), response_status=bindparam("response_status"),
-            response_body=bindparam("response_body"), error_code=bindparam("error_code"),
-            error_message=bindparam("error_message"), input_tokens=bindparam("input_tokens"),
-            output_tokens=bindparam("output_tokens"), cached_tokens=bindparam("cached_tokens"),
-            reasoning_tokens=bindparam("reasoning_tokens"), finished_at=bindparam("now"),
-            updated_at=bindparam("now"), next_attempt_at=None)
-    .returning(_rows.c.batch_id)
-)
+_rows, _batches = RequestRow.__table__, Batch.__table__
 _COUNT_DUPLICATE = update(_rows).where(_rows.c.id == bindparam("row_id")).values(duplicates=_rows.c.duplicates + 1)
 
 
@@ -279,14 +228,7 @@ def close_unfinished(session: Session, batch_id: str, status: RequestStatus, cod
     One UPDATE, so a worker's late success either landed before it (and is kept as partial output)
     or loses the compare-and-set after it.
     """
-    now = time.time()
-    closed = session.execute(
-        update(RequestRow)
-        .where(RequestRow.batch_id == batch_id, RequestRow.status.not_in(REQUEST_TERMINAL_VALUES))
-        .values(status=status.value, error_code=code, error_message=message, finished_at=now, updated_at=now,
-                next_attempt_at=None)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    closed = lifecycle.close_unfinished(session, batch_id, status, code, message, time.time())
     if closed:
         count_final(session, batch_id, BatchCounts(failed=closed))
     return closed

@@ -1,6 +1,6 @@
 """batches.trace_context: the W3C traceparent that later work on a batch continues its trace from
 
-Revision ID: 0006_trace_context
+Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01 01:40:00
 """
@@ -8,7 +8,7 @@ Create Date: 2026-12-01 01:40:00
 from alembic import op
 import sqlalchemy as sa
 
-revision = '0006_trace_context'
+revision = '0006'
 down_revision = '0005'
 branch_labels = None
 depends_on = None
