@@ -62,6 +62,8 @@ class FlowController:
         self.bands: dict[int, PriorityBand] = {}
         self.bands_desc: list[PriorityBand] = []
         self.ceilings: dict[int, float] = {}
+        # The ceiling each band keeps at any demand; what it holds above it is on loan (see gateway/eviction.py).
+        self.floors: dict[int, float] = {}
         self.evictor = Evictor(view=self._victim_view)
         self.admission: KvAdmission | None = None
         self.ledger: KvLedger | None = None
@@ -158,8 +160,10 @@ class FlowController:
 
     def _refresh_ceilings(self) -> None:
         self.bands_desc = sorted(self.bands.values(), key=lambda b: -b.priority)
-        self.ceilings = band_ceilings(self._policy, [b.priority for b in self.bands_desc],
-                                      {b.priority: b.ceiling_override for b in self.bands_desc})
+        priorities = [b.priority for b in self.bands_desc]
+        overrides = {b.priority: b.ceiling_override for b in self.bands_desc}
+        self.ceilings = band_ceilings(self._policy, priorities, overrides)
+        self.floors = band_ceilings(self._policy, priorities, overrides, floors=True)
 
     def _follow_demand(self, healthy: list[Replica], now: float) -> None:
         """Feed a demand-following policy the bands' queued + in-flight counts; recompute ceilings if they moved."""
@@ -540,7 +544,8 @@ class FlowController:
             self._reject(req, reason, band)
 
     def _maybe_evict(self, saturation: float, blocked: PriorityBand, now: float) -> None:
-        bands = [BandDemand(b.priority, self.ceilings[b.priority], b.queued) for b in self.bands_desc]
+        bands = [BandDemand(b.priority, self.ceilings[b.priority], b.queued, b.in_flight, self.floors[b.priority])
+                 for b in self.bands_desc]
         decision = self.evictor.decide(saturation, bands, blocked.priority, self.in_flight, now)
         if decision is None:
             return

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from gateway.request import DropReason
 from gateway.reserve import AdaptiveReservePolicy, DemandForecast, ReserveSettings
 from tests.gateway.test_flow_control import controller, req
 
@@ -112,6 +113,51 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
         fc.cycle()
         assert fc.ceilings[-10] == pytest.approx(0.9)
         assert fc.bands[-10].in_flight == 6 and fc.bands[-10].queued == 0
+    asyncio.run(main())
+
+
+def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_in_one_decision():
+    # Eviction on: batch fills 9 of 10 slots while realtime is idle (floor 0.25: 2 slots are its own,
+    # 7 are on loan). Six realtime requests arrive: one takes the free slot, five wait; one decision
+    # evicts five batch requests (maxPerDecision is 2), and once they are gone all six realtime run.
+    async def main():
+        fc, clock = controller(ADAPTIVE.replace("eviction: {enabled: false}",
+                                                "eviction: {policy: newest-first, maxPerDecision: 2}"),
+                               max_concurrency=10)
+        batch = [req(fc, clock, "batch") for _ in range(9)]
+        for r in batch:
+            fc.submit(r)
+        fc.cycle()
+        assert fc.bands[-10].in_flight == 9 and fc.floors[-10] == pytest.approx(0.25)
+        rts = [req(fc, clock, "realtime") for _ in range(6)]
+        for r in rts:
+            fc.submit(r)
+        fc.cycle()
+        evicted = [r for r in batch if r.drop_reason is DropReason.EVICTED]
+        assert len(evicted) == 5 and fc.evictions["issued"] == 5
+        assert evicted == batch[-5:]  # newest first
+        for r in evicted:
+            fc.finish(r)
+        fc.cycle()
+        assert fc.bands[100].in_flight == 6 and fc.bands[100].queued == 0
+        assert fc.bands[-10].in_flight == 4
+    asyncio.run(main())
+
+
+def test_fixed_ceilings_lend_nothing_so_eviction_keeps_its_per_decision_cap():
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\n"
+                               "flowControl: {bands: [{priority: -10, ceiling: 0.9}]}\n"
+                               "eviction: {policy: newest-first, maxPerDecision: 2}", max_concurrency=10)
+        batch = [req(fc, clock, "batch") for _ in range(9)]
+        for r in batch:
+            fc.submit(r)
+        fc.cycle()
+        assert fc.bands[-10].in_flight == 9 and fc.floors[-10] == pytest.approx(0.9)
+        for _ in range(6):
+            fc.submit(req(fc, clock, "realtime"))
+        fc.cycle()
+        assert fc.evictions["issued"] == 2
     asyncio.run(main())
 
 
