@@ -259,15 +259,14 @@ class FlowController:
         evicted = req.drop_reason is DropReason.EVICTED
         req.status = Status.EVICTED if evicted else Status.FINISHED
         replica: Replica = req.replica  # type: ignore[assignment]
-        replica.in_flight -= 1
+        if not req.slot_released:
+            self._release_slot(req)
         if isinstance(req.reservation, Reservation) and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
                 cause = "evict" if evicted else cause
                 start = req.evicted_at if evicted else (event_at if event_at is not None else now)
                 self.metrics.child(self.metrics.kv_release, cause).observe(max(0.0, now - start))
         band = self.bands[req.priority]
-        band.in_flight -= 1
-        self.in_flight -= 1
         self.evictor.untrack(req)
         if evicted:
             latency = self.evictor.confirm(req, now)
@@ -285,9 +284,15 @@ class FlowController:
             self._drop_idle_bands(keep=self._configured)
             self._refresh_ceilings()
 
+    def _release_slot(self, req: FlowRequest) -> None:
+        req.slot_released = True
+        req.replica.in_flight -= 1  # type: ignore[union-attr]
+        self.bands[req.priority].in_flight -= 1
+        self.in_flight -= 1
+
     def reassign(self, req: FlowRequest) -> Replica | None:
         """Move a dispatched request whose replica refused the connection to another replica, if any."""
-        if req.status is not Status.DISPATCHED:
+        if req.status is not Status.DISPATCHED or req.slot_released:
             return None
         old: Replica = req.replica  # type: ignore[assignment]
         others = [r for r in self.pool.healthy() if r is not old]
@@ -388,8 +393,8 @@ class FlowController:
                 progressed = True
                 break
             if not progressed:
-                if blocked is not None and self.eviction_enabled:
-                    self._maybe_evict(saturation, blocked, now)
+                if blocked is not None and self.eviction_enabled and self._maybe_evict(saturation, blocked, now):
+                    continue  # the victims' slots were handed on at once: dispatch into them now
                 return
 
     # -- internals ------------------------------------------------------------------------------------------
@@ -543,16 +548,18 @@ class FlowController:
                 reason = DropReason.TTL_EXPIRED
             self._reject(req, reason, band)
 
-    def _maybe_evict(self, saturation: float, blocked: PriorityBand, now: float) -> None:
+    def _maybe_evict(self, saturation: float, blocked: PriorityBand, now: float) -> bool:
+        """Evict for the blocked band; True when the victims' slots are free already (dispatch may go on)."""
         bands = [BandDemand(b.priority, self.ceilings[b.priority], b.queued, b.in_flight, self.floors[b.priority])
                  for b in self.bands_desc]
         decision = self.evictor.decide(saturation, bands, blocked.priority, self.in_flight, now)
         if decision is None:
-            return
+            return False
         for victim in decision.victims:
             self._evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
                         demand_band=decision.demand_priority, saturation=round(saturation, 4),
                         deficit=round(decision.deficit, 4), victims=len(decision.victims))
+        return self.detector.release_on_decision
 
     def _evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
         victim.drop_reason = DropReason.EVICTED
@@ -560,6 +567,11 @@ class FlowController:
         self.evictions["issued"] += 1
         self.metrics.child(self.metrics.evictions, "issued").inc()
         log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        if self.detector.release_on_decision and victim.status is Status.DISPATCHED:
+            # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
+            # round later, when the cancelled task closes the upstream. The replica runs the victim a few
+            # milliseconds longer; its KV reservation is held until then (released in finish()).
+            self._release_slot(victim)
         if victim.task is not None:
             victim.task.cancel()
 

@@ -119,7 +119,8 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
 def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_in_one_decision():
     # Eviction on: batch fills 9 of 10 slots while realtime is idle (floor 0.25: 2 slots are its own,
     # 7 are on loan). Six realtime requests arrive: one takes the free slot, five wait; one decision
-    # evicts five batch requests (maxPerDecision is 2), and once they are gone all six realtime run.
+    # evicts five batch requests (maxPerDecision is 2) and, the detector being the gateway's own count,
+    # hands their slots to the five in the same cycle; their closing later releases nothing twice.
     async def main():
         fc, clock = controller(ADAPTIVE.replace("eviction: {enabled: false}",
                                                 "eviction: {policy: newest-first, maxPerDecision: 2}"),
@@ -136,11 +137,14 @@ def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_in_one_decision(
         evicted = [r for r in batch if r.drop_reason is DropReason.EVICTED]
         assert len(evicted) == 5 and fc.evictions["issued"] == 5
         assert evicted == batch[-5:]  # newest first
+        assert fc.bands[100].in_flight == 6 and fc.bands[100].queued == 0
+        assert fc.bands[-10].in_flight == 4 and fc.in_flight == fc.pool.replicas[0].in_flight == 10
         for r in evicted:
             fc.finish(r)
         fc.cycle()
-        assert fc.bands[100].in_flight == 6 and fc.bands[100].queued == 0
-        assert fc.bands[-10].in_flight == 4
+        assert fc.bands[100].in_flight == 6 and fc.bands[-10].in_flight == 4
+        assert fc.in_flight == fc.pool.replicas[0].in_flight == 10
+        assert fc.evictions["confirmed"] == 5
     asyncio.run(main())
 
 
