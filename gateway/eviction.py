@@ -13,7 +13,9 @@ a band's floor is the ceiling it keeps at any demand (gateway/holdback.py), and 
 floor ÷ credit were dispatched on the understanding that a higher band takes them back when it needs them, so
 the whole loan comes back in one decision instead of `maxPerDecision` at a time.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
-and a short grace for the detector to see the freed capacity has passed.
+and a short grace for the detector to see the freed capacity has passed — unless the controller hands each
+victim's slot on when it is chosen (`paced = False`, the concurrency detector): then the reading already
+shows the freed capacity and every decision may follow the last at once.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Evictor:
         # victim -> monotonic time of the decision that chose it
         self.pending: dict[FlowRequest, float] = {}
         self.last_settled = -math.inf
+        # False: the controller releases a victim's slot at the decision, so there is nothing to wait for.
+        self.paced = True
 
     def track(self, req: FlowRequest) -> None:
         if req.sheddable:
@@ -68,6 +72,8 @@ class Evictor:
         self.candidates.discard(req)
 
     def gate_open(self, now: float) -> bool:
+        if not self.paced:
+            return True
         return not self.pending and now >= self.last_settled + self.grace
 
     def decide(self, saturation: float, bands: Sequence[BandDemand], blocked_priority: int,
@@ -89,7 +95,8 @@ class Evictor:
             return None
         deficit = saturation - demand.ceiling
         credit = saturation / tracked_in_flight
-        pending_reclaim = len(self.pending) * credit
+        # Unpaced, the pending victims' slots are free already and the saturation reading shows it.
+        pending_reclaim = len(self.pending) * credit if self.paced else 0.0
         wanted = max(1, math.ceil((deficit - pending_reclaim) / credit - 1e-9)) if credit > 0 else 1
         # A band whose ceiling is the whole pool (realtime at 1.0) has no deficit while it waits at a full pool:
         # size by its queue instead, one slot per queued request, so a burst is not served one victim a round.

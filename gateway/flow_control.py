@@ -113,6 +113,7 @@ class FlowController:
         self.evictor.max_per_decision = ev.maxPerDecision
         self.evictor.confirmation_timeout = ev.confirmationTimeoutSeconds
         self.evictor.grace = ev.graceSeconds if ev.graceSeconds is not None else self.detector.confirmation_grace
+        self.evictor.paced = not self.detector.release_on_decision
         # Reservations outlive configs: a reload or rollback changes the rules, never what is held.
         # A calibration profile's measured factor raises the configured one, never lowers it.
         safety = max(adm.safetyFactor, profile.safety_factor if profile else 1.0)
@@ -233,6 +234,10 @@ class FlowController:
         self.total_queued += 1
         if req.expires_at < math.inf:
             heapq.heappush(self._expiry, (req.expires_at, req.seq, req))
+        if self.eviction_enabled and not self.evictor.paced and not req.sheddable and not kv_wait:
+            # Eviction hands slots on at the decision: run the cycle now rather than when the loop task is next
+            # scheduled (tens of milliseconds on a busy loop, which is a whole engine step for a burst).
+            self.cycle()
         self.wake()
         return Outcome.QUEUED
 

@@ -230,27 +230,3 @@ def test_the_configured_policy_picks_the_controllers_victim(name, victim):
         assert [r.request_id for r in (quiet, new) if r.drop_reason is DropReason.EVICTED] == [victim]
     asyncio.run(main())
 
-
-def test_a_scraped_detector_keeps_the_victims_slots_until_their_connections_close():
-    import asyncio
-
-    from tests.gateway.test_flow_control import controller, req
-
-    async def main():
-        fc, clock = controller("saturation: {detector: utilization, maxConcurrency: 2}\n"
-                               "usageLimit: {policy: static, threshold: 1.0}\n"
-                               "eviction: {policy: newest-first, maxPerDecision: 1}", max_concurrency=2)
-        replica = fc.pool.replicas[0]
-        replica.metrics_at = 0.0  # no scrape yet: scored by its concurrency
-        batch = [req(fc, clock, "batch") for _ in range(2)]
-        for r in batch:
-            fc.submit(r)
-        rt = req(fc, clock, "realtime")
-        fc.submit(rt)
-        fc.cycle()
-        assert fc.evictions["issued"] == 1 and not batch[1].slot_released
-        assert fc.bands[100].queued == 1 and fc.in_flight == 2  # waits for the close, as the scrape would
-        fc.finish(batch[1])
-        fc.cycle()
-        assert fc.bands[100].in_flight == 1 and fc.in_flight == replica.in_flight == 2
-    asyncio.run(main())
