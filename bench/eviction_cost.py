@@ -112,6 +112,8 @@ class ArmFigures:
     # Mean batch requests in flight at the gateway over the realtime window (from the run's samples): how much
     # of the pool batch used.
     batch_in_flight_mean: float | None = None
+    # Diagnostic: p95 over the realtime requests sent after the opening burst drained (bench.report's figure).
+    p95_ttft_after_burst_ms: float | None = None
 
 
 def batch_in_flight_mean(record: dict) -> float | None:
@@ -135,7 +137,8 @@ def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
         evictions=evictions, tokens_recomputed=recomputed, tokens_kept=got.get("tokens_kept", 0),
         recomputed_per_eviction=recomputed / evictions if evictions else None,
         aborted_computed_tokens=f.get("recomputed_tokens", 0), p95_ttft_ms=percentile(ttfts, 0.95),
-        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi, batch_in_flight_mean=batch_in_flight_mean(record))
+        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi, batch_in_flight_mean=batch_in_flight_mean(record),
+        p95_ttft_after_burst_ms=f.get("p95_ttft_after_burst_ms"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -165,6 +168,10 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
                                                              completions("holdback_on")),
         "p95_ttft_resume_on_vs_restart_off": _ratio(p95("cost_resume_on"), p95("newest_restart_off")),
         "p95_ttft_resume_on_vs_restart_on": _ratio(p95("cost_resume_on"), p95("newest_restart_on")),
+        "p95_ttft_resume_on_fixed_vs_restart_off": _ratio(p95("cost_resume_on_fixed"), p95("newest_restart_off")),
+        "p95_after_burst_resume_on_vs_restart_off": _ratio(
+            arms["cost_resume_on"].p95_ttft_after_burst_ms if "cost_resume_on" in arms else None,
+            arms["newest_restart_off"].p95_ttft_after_burst_ms if "newest_restart_off" in arms else None),
     }
 
 
@@ -225,15 +232,17 @@ def render(summary: dict) -> str:
     selectable = {True: "yes", False: "no (newest-first in every arm)", None: "n/a (no eviction arm)"}
     lines = [f"policy selectable by config: {selectable[summary['policy_selectable']]}",
              "", "| arm | round | completions | batch in flight | evictions | recomputed/eviction | kept | "
-             "aborted-computed | p95 TTFT ms [95% interval] |", "|---|---|---|---|---|---|---|---|---|"]
+             "aborted-computed | p95 TTFT ms [95% interval] | p95 after the burst |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, res in enumerate(summary["results"]):
         for a in res["arms"].values():
             per = "—" if a["recomputed_per_eviction"] is None else f"{a['recomputed_per_eviction']:.1f}"
             ttft = "—" if a["p95_ttft_ms"] is None else f"{a['p95_ttft_ms']:.0f}"
             interval = "" if a["p95_ttft_lo_ms"] is None else f" [{a['p95_ttft_lo_ms']:.0f}, {a['p95_ttft_hi_ms']:.0f}]"
             held = "—" if a.get("batch_in_flight_mean") is None else f"{a['batch_in_flight_mean']:.1f}"
+            after = "—" if a.get("p95_ttft_after_burst_ms") is None else f"{a['p95_ttft_after_burst_ms']:.0f}"
             lines.append(f"| {a['arm']} | {i + 1} | {a['batch_completions']} | {held} | {a['evictions']} | {per} | "
-                         f"{a['tokens_kept']} | {a['aborted_computed_tokens']} | {ttft}{interval} |")
+                         f"{a['tokens_kept']} | {a['aborted_computed_tokens']} | {ttft}{interval} | {after} |")
     lines.append("")
     for key, value in summary["median_ratios"].items():
         lines.append(f"- {key}: {'—' if value is None else f'{value:.2f}×'}")
