@@ -1,10 +1,18 @@
 """What an eviction costs: newest-first victims that restart (today) against cost-ranked victims that resume,
 with prefix caching off and on, at the study's operating point (50% batch reserve), in one run.
 
-Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` repeats the set):
+Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` repeats the set, every
+other round in reverse order, so no arm always runs first or last):
   holdback_off / holdback_on      holdback alone (eviction off), prefix caching off / on: the baseline
-  newest_restart_off / _on        eviction, `newest-first` victims, workers restart evicted requests
-  cost_resume_off / _on           eviction, `cost-ranked` victims, workers resume from partial output
+  newest_restart_off / _on        today's eviction: the fixed 50% ceiling, `newest-first` victims, workers
+                                  restart evicted requests
+  cost_resume_off / _on           eviction that lends the reserve: batch borrows what realtime leaves idle
+                                  (`adaptive-reserve`, floor 0.5, so the 50% reserve is the same) and gives it
+                                  back by eviction; `cost-ranked` victims, workers resume from partial output
+  cost_resume_on_fixed            (only with --arms) cost-ranked resume with cache at the fixed 50% ceiling:
+                                  what resume alone does, without borrowing
+Without eviction the reserve cannot be lent: nothing would give it back when realtime needs it, so the
+holdback-alone arms keep batch at the fixed ceiling.
 Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
 recomputed per eviction (the workers' per-attempt record: earlier work an attempt computed again), tokens
 kept, the simulator's computed-then-aborted tokens, and realtime p95 TTFT with a 95% order-statistic
@@ -44,11 +52,14 @@ ARMS: dict[str, Scenario] = {s.name: s for s in (
              eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",)),
     Scenario("newest_restart_on", "Newest-first + restart, cache on", batch_ceiling=RESERVE_CEILING,
              eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",), sim_extra=CACHE),
-    Scenario("cost_resume_off", "Cost-ranked + resume, cache off", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked"),
-    Scenario("cost_resume_on", "Cost-ranked + resume, cache on", batch_ceiling=RESERVE_CEILING,
+    Scenario("cost_resume_off", "Cost-ranked + resume, borrowing, cache off", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="cost-ranked", adaptive=True),
+    Scenario("cost_resume_on", "Cost-ranked + resume, borrowing, cache on", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="cost-ranked", adaptive=True, sim_extra=CACHE),
+    Scenario("cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on", batch_ceiling=RESERVE_CEILING,
              eviction=True, eviction_policy="cost-ranked", sim_extra=CACHE),
 )}
+DEFAULT_ARMS = [name for name in ARMS if name != "cost_resume_on_fixed"]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
 GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
 
@@ -98,6 +109,20 @@ class ArmFigures:
     p95_ttft_ms: float | None
     p95_ttft_lo_ms: float | None
     p95_ttft_hi_ms: float | None
+    # Mean batch requests in flight at the gateway over the realtime window (from the run's samples): how much
+    # of the pool batch used.
+    batch_in_flight_mean: float | None = None
+    # Diagnostic: p95 over the realtime requests sent after the opening burst drained (bench.report's figure).
+    p95_ttft_after_burst_ms: float | None = None
+
+
+def batch_in_flight_mean(record: dict) -> float | None:
+    window = record.get("window") or {}
+    start = window.get("realtime_start", 0.0)
+    end = start + window.get("window_s", 0.0)
+    values = [x["bands"]["-10"]["in_flight"] for x in record.get("samples", [])
+              if start <= x["t"] <= end and "-10" in (x.get("bands") or {})]
+    return statistics.fmean(values) if values else None
 
 
 def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
@@ -112,7 +137,8 @@ def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
         evictions=evictions, tokens_recomputed=recomputed, tokens_kept=got.get("tokens_kept", 0),
         recomputed_per_eviction=recomputed / evictions if evictions else None,
         aborted_computed_tokens=f.get("recomputed_tokens", 0), p95_ttft_ms=percentile(ttfts, 0.95),
-        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi)
+        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi, batch_in_flight_mean=batch_in_flight_mean(record),
+        p95_ttft_after_burst_ms=f.get("p95_ttft_after_burst_ms"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -126,6 +152,9 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
     def completions(name: str) -> float | None:
         return arms[name].batch_completions if name in arms else None
 
+    def p95(name: str) -> float | None:
+        return arms[name].p95_ttft_ms if name in arms else None
+
     return {
         "recompute_restart_off_vs_resume_on": _ratio(per_eviction("newest_restart_off"), per_eviction("cost_resume_on")),
         "recompute_restart_on_vs_resume_on": _ratio(per_eviction("newest_restart_on"), per_eviction("cost_resume_on")),
@@ -135,6 +164,14 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
         "completions_resume_off_vs_holdback_off": _ratio(completions("cost_resume_off"), completions("holdback_off")),
         "completions_restart_off_vs_holdback_off": _ratio(completions("newest_restart_off"),
                                                           completions("holdback_off")),
+        "completions_resume_on_fixed_vs_holdback_on": _ratio(completions("cost_resume_on_fixed"),
+                                                             completions("holdback_on")),
+        "p95_ttft_resume_on_vs_restart_off": _ratio(p95("cost_resume_on"), p95("newest_restart_off")),
+        "p95_ttft_resume_on_vs_restart_on": _ratio(p95("cost_resume_on"), p95("newest_restart_on")),
+        "p95_ttft_resume_on_fixed_vs_restart_off": _ratio(p95("cost_resume_on_fixed"), p95("newest_restart_off")),
+        "p95_after_burst_resume_on_vs_restart_off": _ratio(
+            arms["cost_resume_on"].p95_ttft_after_burst_ms if "cost_resume_on" in arms else None,
+            arms["newest_restart_off"].p95_ttft_after_burst_ms if "newest_restart_off" in arms else None),
     }
 
 
@@ -154,7 +191,7 @@ def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     takes_policy = gateway_takes_policy()
     for r in range(rounds):
-        for name in arm_names:
+        for name in (arm_names if r % 2 == 0 else arm_names[::-1]):
             scenario = ARMS[name]
             if not takes_policy:
                 scenario = replace(scenario, eviction_policy=None)
@@ -194,15 +231,18 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
 def render(summary: dict) -> str:
     selectable = {True: "yes", False: "no (newest-first in every arm)", None: "n/a (no eviction arm)"}
     lines = [f"policy selectable by config: {selectable[summary['policy_selectable']]}",
-             "", "| arm | round | completions | evictions | recomputed/eviction | kept | aborted-computed | "
-             "p95 TTFT ms [95% interval] |", "|---|---|---|---|---|---|---|---|"]
+             "", "| arm | round | completions | batch in flight | evictions | recomputed/eviction | kept | "
+             "aborted-computed | p95 TTFT ms [95% interval] | p95 after the burst |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, res in enumerate(summary["results"]):
         for a in res["arms"].values():
             per = "—" if a["recomputed_per_eviction"] is None else f"{a['recomputed_per_eviction']:.1f}"
             ttft = "—" if a["p95_ttft_ms"] is None else f"{a['p95_ttft_ms']:.0f}"
             interval = "" if a["p95_ttft_lo_ms"] is None else f" [{a['p95_ttft_lo_ms']:.0f}, {a['p95_ttft_hi_ms']:.0f}]"
-            lines.append(f"| {a['arm']} | {i + 1} | {a['batch_completions']} | {a['evictions']} | {per} | "
-                         f"{a['tokens_kept']} | {a['aborted_computed_tokens']} | {ttft}{interval} |")
+            held = "—" if a.get("batch_in_flight_mean") is None else f"{a['batch_in_flight_mean']:.1f}"
+            after = "—" if a.get("p95_ttft_after_burst_ms") is None else f"{a['p95_ttft_after_burst_ms']:.0f}"
+            lines.append(f"| {a['arm']} | {i + 1} | {a['batch_completions']} | {held} | {a['evictions']} | {per} | "
+                         f"{a['tokens_kept']} | {a['aborted_computed_tokens']} | {ttft}{interval} | {after} |")
     lines.append("")
     for key, value in summary["median_ratios"].items():
         lines.append(f"- {key}: {'—' if value is None else f'{value:.2f}×'}")
@@ -215,7 +255,8 @@ def render(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.eviction_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all but cost_resume_on_fixed)")
     p.add_argument("--rounds", type=int, default=1, help="repeats of the whole set (default %(default)s)")
     p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")
     p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")

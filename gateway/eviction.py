@@ -8,9 +8,14 @@ Two triggers: a blocked band (saturation sizing below) and a replica whose KV oc
 watermark (`decide_kv`: victims on that replica until their reservations cover the excess).
 Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
 n = max(1, ceil((deficit − pending) / credit), queued requests of the demand band), at most `maxPerDecision`,
-victims strictly below the demand.
+victims strictly below the demand — or, when the bands below hold capacity on loan, at most what they borrowed:
+a band's floor is the ceiling it keeps at any demand (gateway/holdback.py), and requests it runs beyond
+floor ÷ credit were dispatched on the understanding that a higher band takes them back when it needs them, so
+the whole loan comes back in one decision instead of `maxPerDecision` at a time.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
-and a short grace for the detector to see the freed capacity has passed.
+and a short grace for the detector to see the freed capacity has passed — unless the controller hands each
+victim's slot on when it is chosen (`paced = False`, the concurrency detector): then the reading already
+shows the freed capacity and every decision may follow the last at once.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from gateway.victims import NewestFirst, VictimCandidate, VictimPolicy
 
 @dataclass(frozen=True)
 class BandDemand:
-    """What the evictor needs to know about one band: its priority, ceiling and queued count."""
+    """What the evictor needs to know about one band: its priority, ceiling and queued count, and for the
+    bands it may take victims from, their in-flight count and floor (None: the ceiling is the floor)."""
 
     priority: int
     ceiling: float
     queued: int
+    in_flight: int = 0
+    floor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class Evictor:
         # victim -> monotonic time of the decision that chose it
         self.pending: dict[FlowRequest, float] = {}
         self.last_settled = -math.inf
+        # False: the controller releases a victim's slot at the decision, so there is nothing to wait for.
+        self.paced = True
 
     def track(self, req: FlowRequest) -> None:
         if req.sheddable:
@@ -62,6 +72,8 @@ class Evictor:
         self.candidates.discard(req)
 
     def gate_open(self, now: float) -> bool:
+        if not self.paced:
+            return True
         return not self.pending and now >= self.last_settled + self.grace
 
     def decide(self, saturation: float, bands: Sequence[BandDemand], blocked_priority: int,
@@ -83,13 +95,15 @@ class Evictor:
             return None
         deficit = saturation - demand.ceiling
         credit = saturation / tracked_in_flight
-        pending_reclaim = len(self.pending) * credit
+        # Unpaced, the pending victims' slots are free already and the saturation reading shows it.
+        pending_reclaim = len(self.pending) * credit if self.paced else 0.0
         wanted = max(1, math.ceil((deficit - pending_reclaim) / credit - 1e-9)) if credit > 0 else 1
         # A band whose ceiling is the whole pool (realtime at 1.0) has no deficit while it waits at a full pool:
         # size by its queue instead, one slot per queued request, so a burst is not served one victim a round.
         wanted = max(wanted, demand.queued)
+        limit = max(self.max_per_decision, min(wanted, borrowed_requests(bands, demand.priority, credit)))
         eligible = self._ordered([r for r in self.candidates if r.priority < demand.priority], now)
-        victims = eligible[:min(wanted, self.max_per_decision)]
+        victims = eligible[:min(wanted, limit)]
         if not victims:
             return None
         self._mark(victims, now)
@@ -136,6 +150,19 @@ class Evictor:
         if late and not self.pending:
             self.last_settled = now
         return late
+
+
+def borrowed_requests(bands: Sequence[BandDemand], below: int, credit: float) -> int:
+    """In-flight requests of the bands below priority `below` beyond what their floors allow (floor ÷ credit)."""
+    if credit <= 0:
+        return 0
+    total = 0
+    for band in bands:
+        if band.priority >= below:
+            continue
+        floor = band.ceiling if band.floor is None else band.floor
+        total += max(0, band.in_flight - math.floor(floor / credit + 1e-9))
+    return total
 
 
 def plain_view(req: FlowRequest, now: float) -> VictimCandidate:

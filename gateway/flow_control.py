@@ -64,6 +64,8 @@ class FlowController:
         self.bands: dict[int, PriorityBand] = {}
         self.bands_desc: list[PriorityBand] = []
         self.ceilings: dict[int, float] = {}
+        # The ceiling each band keeps at any demand; what it holds above it is on loan (see gateway/eviction.py).
+        self.floors: dict[int, float] = {}
         self.evictor = Evictor(view=self._victim_view)
         self.admission: KvAdmission | None = None
         self.ledger: KvLedger | None = None
@@ -116,6 +118,7 @@ class FlowController:
         self.evictor.max_per_decision = ev.maxPerDecision
         self.evictor.confirmation_timeout = ev.confirmationTimeoutSeconds
         self.evictor.grace = ev.graceSeconds if ev.graceSeconds is not None else self.detector.confirmation_grace
+        self.evictor.paced = not self.detector.release_on_decision
         # Reservations outlive configs: a reload or rollback changes the rules, never what is held.
         # A calibration profile's measured factor raises the configured one, never lowers it.
         safety = max(adm.safetyFactor, profile.safety_factor if profile else 1.0)
@@ -163,8 +166,10 @@ class FlowController:
 
     def _refresh_ceilings(self) -> None:
         self.bands_desc = sorted(self.bands.values(), key=lambda b: -b.priority)
-        self.ceilings = band_ceilings(self._policy, [b.priority for b in self.bands_desc],
-                                      {b.priority: b.ceiling_override for b in self.bands_desc})
+        priorities = [b.priority for b in self.bands_desc]
+        overrides = {b.priority: b.ceiling_override for b in self.bands_desc}
+        self.ceilings = band_ceilings(self._policy, priorities, overrides)
+        self.floors = band_ceilings(self._policy, priorities, overrides, floors=True)
 
     def _follow_demand(self, healthy: list[Replica], now: float) -> None:
         """Feed a demand-following policy the bands' queued + in-flight counts; recompute ceilings if they moved."""
@@ -234,6 +239,10 @@ class FlowController:
         self.total_queued += 1
         if req.expires_at < math.inf:
             heapq.heappush(self._expiry, (req.expires_at, req.seq, req))
+        if self.eviction_enabled and not self.evictor.paced and not req.sheddable and not kv_wait:
+            # Eviction hands slots on at the decision: run the cycle now rather than when the loop task is next
+            # scheduled (tens of milliseconds on a busy loop, which is a whole engine step for a burst).
+            self.cycle()
         self.wake()
         return Outcome.QUEUED
 
@@ -260,7 +269,8 @@ class FlowController:
         evicted = req.drop_reason is DropReason.EVICTED
         req.status = Status.EVICTED if evicted else Status.FINISHED
         replica: Replica = req.replica  # type: ignore[assignment]
-        replica.in_flight -= 1
+        if not req.slot_released:
+            self._release_slot(req)
         if isinstance(req.reservation, Reservation) and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
                 cause = "evict" if evicted else cause
@@ -270,8 +280,6 @@ class FlowController:
                     "request_id": req.request_id, "fairness_id": req.fairness_id, "cause": cause,
                     "at": time.time(), "seconds_after_cause": round(max(0.0, now - start), 6)})
         band = self.bands[req.priority]
-        band.in_flight -= 1
-        self.in_flight -= 1
         self.evictor.untrack(req)
         if evicted:
             latency = self.evictor.confirm(req, now)
@@ -289,9 +297,15 @@ class FlowController:
             self._drop_idle_bands(keep=self._configured)
             self._refresh_ceilings()
 
+    def _release_slot(self, req: FlowRequest) -> None:
+        req.slot_released = True
+        req.replica.in_flight -= 1  # type: ignore[union-attr]
+        self.bands[req.priority].in_flight -= 1
+        self.in_flight -= 1
+
     def reassign(self, req: FlowRequest) -> Replica | None:
         """Move a dispatched request whose replica refused the connection to another replica, if any."""
-        if req.status is not Status.DISPATCHED:
+        if req.status is not Status.DISPATCHED or req.slot_released:
             return None
         old: Replica = req.replica  # type: ignore[assignment]
         others = [r for r in self.pool.healthy() if r is not old]
@@ -392,8 +406,8 @@ class FlowController:
                 progressed = True
                 break
             if not progressed:
-                if blocked is not None and self.eviction_enabled:
-                    self._maybe_evict(saturation, blocked, now)
+                if blocked is not None and self.eviction_enabled and self._maybe_evict(saturation, blocked, now):
+                    continue  # the victims' slots were handed on at once: dispatch into them now
                 return
 
     # -- internals ------------------------------------------------------------------------------------------
@@ -551,15 +565,18 @@ class FlowController:
                 reason = DropReason.TTL_EXPIRED
             self._reject(req, reason, band)
 
-    def _maybe_evict(self, saturation: float, blocked: PriorityBand, now: float) -> None:
-        bands = [BandDemand(b.priority, self.ceilings[b.priority], b.queued) for b in self.bands_desc]
+    def _maybe_evict(self, saturation: float, blocked: PriorityBand, now: float) -> bool:
+        """Evict for the blocked band; True when the victims' slots are free already (dispatch may go on)."""
+        bands = [BandDemand(b.priority, self.ceilings[b.priority], b.queued, b.in_flight, self.floors[b.priority])
+                 for b in self.bands_desc]
         decision = self.evictor.decide(saturation, bands, blocked.priority, self.in_flight, now)
         if decision is None:
-            return
+            return False
         for victim in decision.victims:
             self._evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
                         demand_band=decision.demand_priority, saturation=round(saturation, 4),
                         deficit=round(decision.deficit, 4), victims=len(decision.victims))
+        return self.detector.release_on_decision
 
     def _evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
         victim.drop_reason = DropReason.EVICTED
@@ -567,6 +584,11 @@ class FlowController:
         self.evictions["issued"] += 1
         self.metrics.child(self.metrics.evictions, "issued").inc()
         log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        if self.detector.release_on_decision and victim.status is Status.DISPATCHED:
+            # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
+            # round later, when the cancelled task closes the upstream. The replica runs the victim a few
+            # milliseconds longer; its KV reservation is held until then (released in finish()).
+            self._release_slot(victim)
         if victim.task is not None:
             victim.task.cancel()
 

@@ -4,6 +4,9 @@ A band dispatches only while pool saturation is below its ceiling, so lower band
 fills and the rest stays reserved for higher ones. `static` and `priority-holdback` ceilings depend only on
 the band list, so they are computed once per config; `adaptive-reserve` (gateway/reserve.py) follows demand
 and the flow controller recomputes them as it observes. Explicit per-band `ceiling` overrides win.
+A band's floor is the ceiling it keeps at any demand: the same as its ceiling for the fixed policies,
+`minCeiling` for bands below the adaptive reserve's line. What a band holds above its floor is borrowed,
+and the evictor takes it back in one decision (gateway/eviction.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class HoldbackPolicy(Protocol):
 
     def ceilings(self, priorities: Sequence[int]) -> dict[int, float]: ...
 
+    def floors(self, priorities: Sequence[int]) -> dict[int, float]: ...
+
     def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool: ...
 
     def state(self) -> dict | None: ...
@@ -30,6 +35,10 @@ class _FixedCeilings:
     """Policies whose ceilings ignore demand: nothing to observe, no forecast to show."""
 
     follows_demand = False
+
+    def floors(self, priorities: Sequence[int]) -> dict[int, float]:
+        """Fixed ceilings do not move, so a band never holds more than its ceiling allows: nothing is borrowed."""
+        return self.ceilings(priorities)  # type: ignore[attr-defined]  # each fixed policy defines ceilings
 
     def observe(self, bands: Iterable[tuple[int, int]], capacity: int, now: float) -> bool:
         return False
@@ -83,8 +92,9 @@ class PriorityHoldbackPolicy(_FixedCeilings):
 
 
 def band_ceilings(policy: HoldbackPolicy, priorities: Sequence[int],
-                  overrides: Mapping[int, float | None]) -> dict[int, float]:
-    ceilings = policy.ceilings(priorities)
+                  overrides: Mapping[int, float | None], *, floors: bool = False) -> dict[int, float]:
+    """Each band's ceiling (or, with `floors`, the ceiling it keeps at any demand); overrides win for both."""
+    ceilings = policy.floors(priorities) if floors else policy.ceilings(priorities)
     for p, value in overrides.items():
         if value is not None and p in ceilings:
             ceilings[p] = value

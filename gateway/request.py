@@ -56,6 +56,8 @@ class FlowRequest:
     # KV admission: set the first time the request waits for KV room.
     kv_wait_deadline: float = math.inf
     evicted_at: float = 0.0
+    # Its request slot was handed on when it was chosen as a victim (before its connection closed).
+    slot_released: bool = False
     # The task proxying this request; eviction cancels it so the upstream connection closes.
     task: asyncio.Task | None = None
     waiter: asyncio.Future | None = field(default=None, repr=False)

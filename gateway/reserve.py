@@ -95,6 +95,11 @@ class AdaptiveReservePolicy:
         s = self.settings
         return {p: 1.0 if p >= s.protected_priority else self.sheddable_ceiling for p in priorities}
 
+    def floors(self, priorities: Sequence[int]) -> dict[int, float]:
+        """What a band keeps at any demand: bands below the line hold more than minCeiling only on loan."""
+        s = self.settings
+        return {p: 1.0 if p >= s.protected_priority else s.min_ceiling for p in priorities}
+
     def state(self) -> dict:
         f = self.forecast
         return {"protected_priority": self.settings.protected_priority,

@@ -19,6 +19,9 @@ class SaturationDetector(Protocol):
     name: str
     # How long after an eviction is confirmed before the next decision may use this detector's reading.
     confirmation_grace: float
+    # True: the reading is the gateway's own count, so an evicted request's slot may be handed on the moment
+    # it is chosen (its connection closes within milliseconds); False: wait for the replica to show it.
+    release_on_decision: bool
 
     def saturation(self, replicas: Iterable[Replica], now: float) -> float: ...
 
@@ -34,6 +37,7 @@ class ConcurrencyDetector:
 
     name = "concurrency"
     confirmation_grace = 0.01
+    release_on_decision = True
 
     def __init__(self, max_concurrency: int = 48, headroom: float = 0.0):
         self.max_concurrency = max_concurrency
@@ -64,6 +68,7 @@ class UtilizationDetector:
     """Pool saturation from scraped queue depth and KV usage; stale replicas fall back to their concurrency."""
 
     name = "utilization"
+    release_on_decision = False
 
     def __init__(self, *, max_concurrency: int = 48, headroom: float = 0.0, queue_depth_threshold: float = 5.0,
                  kv_util_threshold: float = 0.8, staleness: float = 2.0, scrape_interval: float = 0.25):

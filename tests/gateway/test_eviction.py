@@ -60,6 +60,37 @@ def test_deficit_sizing_capped_per_decision():
     assert d.credit == pytest.approx(0.125)
 
 
+def test_capacity_on_loan_comes_back_in_one_decision():
+    # A 48-slot pool: batch holds 40 against a floor of 0.5 (24 slots), so 16 are on loan.
+    def evictor():
+        e = Evictor(max_per_decision=2)
+        for i in range(40):
+            e.track(inflight(f"b{i:02d}", -10, float(i)))
+        return e
+
+    def bands(rt_queued, floor):
+        return [BandDemand(100, 1.0, rt_queued, 8), BandDemand(0, 1.0, 0), BandDemand(-10, 0.9, 0, 40, floor)]
+
+    d = evictor().decide(1.0, bands(20, 0.5), 100, tracked_in_flight=48, now=50.0)
+    assert len(d.victims) == 16  # the whole loan, not maxPerDecision
+    assert [v.request_id for v in d.victims[:2]] == ["b39", "b38"]  # still in the policy's order
+    d = evictor().decide(1.0, bands(5, 0.5), 100, tracked_in_flight=48, now=50.0)
+    assert len(d.victims) == 5  # no more than the queue asks for
+    d = evictor().decide(1.0, bands(20, None), 100, tracked_in_flight=48, now=50.0)
+    assert len(d.victims) == 2  # floor = ceiling 0.9 (43 slots): nothing on loan, the cap holds
+
+
+def test_borrowed_requests_count_only_bands_below_the_demand():
+    from gateway.eviction import borrowed_requests
+
+    bands = [BandDemand(100, 1.0, 0, 30, 0.0), BandDemand(0, 0.75, 0, 10, 0.1), BandDemand(-10, 0.5, 0, 30, 0.25)]
+    # credit 1/48: band 0's floor allows 4 (holds 10: 6 borrowed), band -10's allows 12 (holds 30: 18).
+    assert borrowed_requests(bands, 100, 1 / 48) == 24
+    assert borrowed_requests(bands, 0, 1 / 48) == 18
+    assert borrowed_requests(bands, -10, 1 / 48) == 0
+    assert borrowed_requests(bands, 100, 0.0) == 0
+
+
 def test_never_evicts_at_or_above_the_demand_priority():
     e = Evictor()
     e.track(inflight("b", -10, 1.0))
@@ -149,3 +180,53 @@ def test_kv_excess_takes_victims_on_that_replica_until_their_reservations_cover_
     victims = e.decide_kv(here, excess_blocks=45, grace=0.1, now=5.0)
     assert [v.request_id for v in victims] == ["b", "a"]  # newest first, 60 blocks >= 45; never "c" elsewhere
     assert e.decide_kv(here, excess_blocks=10, grace=0.1, now=5.0) == []  # stop-and-wait: victims pending
+
+
+def test_each_named_policy_orders_the_same_pool_its_own_way():
+    from gateway.victims import POLICIES, VictimCandidate, victim_policy
+
+    def cand(name, priority, started_at, *, streaming, resumable, output):
+        return VictimCandidate(
+            request_id=name, fairness_id="t", priority=priority, objective="x", replica="r", started_at=started_at,
+            enqueued_at=started_at, deadline=None, prompt_tokens=100, max_new_tokens=256, output_tokens=output,
+            streaming_started=streaming, resumable=resumable, cached_prefix_tokens=0, tenant_over_soft_quota=0.0,
+            reserved_blocks=20, seq=int(started_at))
+
+    pool = [cand("low", -20, 10.0, streaming=True, resumable=False, output=50),
+            cand("old_quiet", -10, 20.0, streaming=False, resumable=True, output=0),
+            cand("new_streaming", -10, 90.0, streaming=True, resumable=False, output=200),
+            cand("interactive", 0, 95.0, streaming=False, resumable=False, output=0)]
+    expected = {
+        "none": [],
+        # Lowest priority, then the most recently dispatched; any priority (the evictor filters by demand).
+        "newest-first": ["low", "new_streaming", "old_quiet", "interactive"],
+        # Lowest priority, then the cheapest loss: quiet resumable work before a stream that decoded 200
+        # tokens it cannot resume; interactive work only above the hard watermark.
+        "cost-ranked": ["low", "old_quiet", "new_streaming"],
+    }
+    assert set(expected) == set(POLICIES), "a new named policy needs its order here"
+    for name, order in expected.items():
+        assert [c.request_id for c in victim_policy(name).order(pool, 100.0)] == order, name
+
+
+@pytest.mark.parametrize("name, victim", [("newest-first", "batch-new"), ("cost-ranked", "batch-quiet")])
+def test_the_configured_policy_picks_the_controllers_victim(name, victim):
+    import asyncio
+
+    from gateway.request import DropReason
+    from tests.gateway.test_flow_control import controller, req
+
+    async def main():
+        fc, clock = controller(f"usageLimit: {{policy: static, threshold: 1.0}}\n"
+                               f"eviction: {{policy: {name}, maxPerDecision: 1}}", max_concurrency=2)
+        quiet, new = req(fc, clock, "batch"), req(fc, clock, "batch")
+        quiet.request_id, new.request_id = "batch-quiet", "batch-new"
+        fc.submit(quiet)
+        clock.t += 1.0
+        fc.submit(new)
+        new.streaming_started = True  # the newer one has begun to stream; the older one has not
+        fc.submit(req(fc, clock, "realtime"))
+        fc.cycle()
+        assert [r.request_id for r in (quiet, new) if r.drop_reason is DropReason.EVICTED] == [victim]
+    asyncio.run(main())
+

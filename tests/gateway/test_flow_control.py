@@ -155,17 +155,28 @@ def test_no_healthy_replica_is_no_endpoints():
     run(main())
 
 
+def dispatched_batch(fc, clock, n):
+    """`n` batch requests dispatched 10 ms apart, each with a task for eviction to cancel."""
+    loop = asyncio.get_running_loop()
+    batch = []
+    for _ in range(n):
+        r = req(fc, clock, "batch")
+        r.task = loop.create_task(asyncio.sleep(60))
+        clock.t += 0.01
+        assert fc.submit(r) is Outcome.DISPATCHED
+        batch.append(r)
+    return batch
+
+
 def test_blocked_realtime_evicts_newest_batch_and_waits_for_confirmation():
+    # A scraped detector sees freed capacity only after the victim's connection closed: stop-and-wait pacing.
     async def main():
-        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", replicas=2, max_concurrency=2)
-        loop = asyncio.get_running_loop()
-        batch = []
-        for i in range(4):
-            r = req(fc, clock, "batch")
-            r.task = loop.create_task(asyncio.sleep(60))
-            clock.t += 0.01
-            assert fc.submit(r) is Outcome.DISPATCHED
-            batch.append(r)
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\n"
+                               "saturation: {detector: utilization, maxConcurrency: 2}\neviction: {graceSeconds: 0.01}",
+                               replicas=2, max_concurrency=2)
+        for replica in fc.pool.replicas:
+            replica.metrics_at = 0.0  # never scraped: each is scored by its own concurrency
+        batch = dispatched_batch(fc, clock, 4)
         rt1, rt2 = req(fc, clock, "realtime"), req(fc, clock, "realtime")
         assert fc.submit(rt1) is Outcome.QUEUED
         fc.cycle()  # saturation 1.0 >= 1.0, deficit 0 -> exactly one victim: the newest batch request
@@ -183,6 +194,29 @@ def test_blocked_realtime_evicts_newest_batch_and_waits_for_confirmation():
         clock.t += 0.05  # past the grace
         fc.cycle()
         assert batch[-2].drop_reason is DropReason.EVICTED  # next decision for rt2
+        for r in batch:
+            r.task.cancel()
+    run(main())
+
+
+def test_with_the_concurrency_detector_a_blocked_arrival_takes_its_victims_slot_at_once():
+    # The gateway's own count is the reading: the victim's slot is handed on at the decision, in submit(),
+    # and the next arrival does not wait for the first victim's connection to close.
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", replicas=2, max_concurrency=2)
+        batch = dispatched_batch(fc, clock, 4)
+        rt1, rt2 = req(fc, clock, "realtime"), req(fc, clock, "realtime")
+        assert fc.submit(rt1) is Outcome.QUEUED and rt1.status is Status.DISPATCHED
+        assert [r for r in batch if r.drop_reason is DropReason.EVICTED] == [batch[-1]]
+        assert fc.submit(rt2) is Outcome.QUEUED and rt2.status is Status.DISPATCHED
+        assert [r for r in batch if r.drop_reason is DropReason.EVICTED] == [batch[-2], batch[-1]]
+        assert fc.in_flight == 4 and sum(r.in_flight for r in fc.pool.replicas) == 4
+        await asyncio.sleep(0)
+        assert batch[-1].task.cancelled() and batch[-2].task.cancelled()
+        fc.finish(batch[-1])  # the proxies closed the victims' upstreams: nothing is released twice
+        fc.finish(batch[-2])
+        assert fc.evictions == {"issued": 2, "confirmed": 2}
+        assert fc.in_flight == 4 and sum(r.in_flight for r in fc.pool.replicas) == 4
         for r in batch:
             r.task.cancel()
     run(main())

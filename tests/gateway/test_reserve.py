@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from gateway.request import DropReason
 from gateway.reserve import AdaptiveReservePolicy, DemandForecast, ReserveSettings
 from tests.gateway.test_flow_control import controller, req
 
@@ -112,6 +113,39 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
         fc.cycle()
         assert fc.ceilings[-10] == pytest.approx(0.9)
         assert fc.bands[-10].in_flight == 6 and fc.bands[-10].queued == 0
+    asyncio.run(main())
+
+
+def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_at_once():
+    # Eviction on: batch fills 9 of 10 slots while realtime is idle (floor 0.25: 2 slots are its own,
+    # 7 are on loan). Six realtime requests arrive: one takes the free slot, each of the other five evicts
+    # a borrowed batch request as it arrives and, the detector being the gateway's own count, takes its
+    # slot at once; the victims' closing later releases nothing twice. (One decision for a queue of
+    # borrowers: test_eviction.py's test_capacity_on_loan_comes_back_in_one_decision.)
+    async def main():
+        fc, clock = controller(ADAPTIVE.replace("eviction: {enabled: false}",
+                                                "eviction: {policy: newest-first, maxPerDecision: 2}"),
+                               max_concurrency=10)
+        batch = [req(fc, clock, "batch") for _ in range(9)]
+        for r in batch:
+            fc.submit(r)
+        fc.cycle()
+        assert fc.bands[-10].in_flight == 9 and fc.floors[-10] == pytest.approx(0.25)
+        rts = [req(fc, clock, "realtime") for _ in range(6)]
+        for r in rts:
+            fc.submit(r)
+        fc.cycle()
+        evicted = [r for r in batch if r.drop_reason is DropReason.EVICTED]
+        assert len(evicted) == 5 and fc.evictions["issued"] == 5
+        assert evicted == batch[-5:]  # newest first
+        assert fc.bands[100].in_flight == 6 and fc.bands[100].queued == 0
+        assert fc.bands[-10].in_flight == 4 and fc.in_flight == fc.pool.replicas[0].in_flight == 10
+        for r in evicted:
+            fc.finish(r)
+        fc.cycle()
+        assert fc.bands[100].in_flight == 6 and fc.bands[-10].in_flight == 4
+        assert fc.in_flight == fc.pool.replicas[0].in_flight == 10
+        assert fc.evictions["confirmed"] == 5
     asyncio.run(main())
 
 
