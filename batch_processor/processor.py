@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
