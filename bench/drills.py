@@ -40,7 +40,10 @@ class DrillPlan:
 
     offpeak_rate: float = 1.5
     offpeak_s: float = 30.0
-    ramp_rates: tuple[float, ...] = (2.0, 3.0, 4.5, 6.75, 10.0, 15.0, 22.0)
+    # Off-peak after the peak: long enough for the peak's longest requests (1,024 tokens) to finish and batch to
+    # come back.
+    offpeak_after_s: float = 45.0
+    ramp_rates: tuple[float, ...] = (2.0, 3.0, 4.5, 6.75, 10.0, 15.0, 22.0, 30.0, 40.0)
     ramp_step_s: float = 15.0
     hold_s: float = 40.0
     burst_requests: int = 96
@@ -72,7 +75,7 @@ class DrillPlan:
 
 
 QUICK = DrillPlan(
-    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=25.0, burst_requests=64,
+    offpeak_s=12.0, offpeak_after_s=30.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0, 22.0, 30.0, 40.0), ramp_step_s=7.0, hold_s=25.0, burst_requests=64,
     burst_s=10.0, storm_requests=40, storm_cancel_after_s=3.0, storm_s=10.0, bad_config_s=18.0, verify_s=18.0,
     kill_s=20.0, kill_long_requests=12, kill_idle_wait_s=90.0, batch_lines=450, drain_s=150.0,
     shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)),
@@ -80,7 +83,7 @@ QUICK = DrillPlan(
 FULL = DrillPlan(shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)))
 # One drill at minimal sizes, for the test suite.
 SMOKE = replace(
-    QUICK, offpeak_s=4.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
+    QUICK, offpeak_s=4.0, offpeak_after_s=8.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
     storm_requests=16, storm_s=6.0, worker_concurrency=16, drain_s=90.0,
     shapes=Shapes(tenants=4, long_output_max_tokens=(64, 128), mix=(0.6, 0.1, 0.15, 0.15)),
 )
@@ -177,7 +180,8 @@ class Sampler(threading.Thread):
             st = client.get(f"{self.stack.gateway_url}/admin/state", headers=self.stack.admin_headers).json()
             sample["kv"] = st.get("kv")
             sample["config_digest"] = (st.get("config") or {}).get("digest")
-            sample["bands"] = {str(b.get("priority")): {"queued": b.get("queued"), "in_flight": b.get("in_flight")}
+            sample["bands"] = {str(b.get("priority")): {"queued": b.get("queued"), "in_flight": b.get("in_flight"),
+                                                        "dispatched": b.get("dispatched")}
                                for b in st.get("bands", [])}
             sample["evictions"] = int(((st.get("totals") or {}).get("evictions") or {}).get("issued") or 0)
         except (httpx.HTTPError, ValueError) as exc:
@@ -344,9 +348,9 @@ class DrillRun:
         return phase
 
     # -- drills -----------------------------------------------------------------------------------------
-    async def _offpeak(self, traffic: Traffic, name: str) -> None:
+    async def _offpeak(self, traffic: Traffic, name: str, seconds: float) -> None:
         p = self.plan
-        await self._run_phase(traffic, name, self.workload.realtime(name, p.offpeak_rate, p.offpeak_s), p.offpeak_s)
+        await self._run_phase(traffic, name, self.workload.realtime(name, p.offpeak_rate, seconds), seconds)
 
     async def _ramp(self, traffic: Traffic) -> None:
         """Raise the rate step by step until the gateway rejects, then hold that rate (the peak)."""
@@ -469,10 +473,10 @@ class DrillRun:
         traffic = Traffic(stack, self.timeline, model)
         await traffic.open()
         try:
-            await self._offpeak(traffic, "offpeak_before")
+            await self._offpeak(traffic, "offpeak_before", self.plan.offpeak_s)
             if "ramp" in self.drills:
                 await self._ramp(traffic)
-                await self._offpeak(traffic, "offpeak_after")
+                await self._offpeak(traffic, "offpeak_after", self.plan.offpeak_after_s)
             if "burst" in self.drills:
                 await self._burst(traffic)
             if "storm" in self.drills:

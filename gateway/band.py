@@ -57,6 +57,7 @@ class PriorityBand:
         self.flows: dict[str, FlowQueue] = {}
         self.queued = 0
         self.in_flight = 0
+        self.dispatched = 0  # requests this band has sent to a replica since the gateway started
 
     def configure(self, *, max_requests: int, ttl: float, fairness: str, ordering: str,
                   ceiling_override: float | None) -> None:

@@ -487,6 +487,7 @@ class FlowController:
         self._rate = self._rate * math.exp(-elapsed / 5.0) + 1.0 / 5.0
         self._rate_at = now
         band.in_flight += 1
+        band.dispatched += 1
         self.in_flight += 1
         self.dispatched_total += 1
         if req.sheddable:
@@ -623,7 +624,7 @@ class FlowController:
             "in_flight": self.in_flight,
             "bands": [
                 {"priority": b.priority, "objectives": self.objective_names.get(b.priority, []),
-                 "queued": b.queued, "in_flight": b.in_flight, "ceiling": round(self.ceilings[b.priority], 6),
+                 "queued": b.queued, "in_flight": b.in_flight, "dispatched": b.dispatched, "ceiling": round(self.ceilings[b.priority], 6),
                  "blocked": bool(b.queued) and saturation >= self.ceilings[b.priority],
                  "max_requests": b.max_requests, "ttl": b.ttl, "fairness": b.fairness.name,
                  "ordering": b.ordering.name, "queues": b.queue_sizes()}

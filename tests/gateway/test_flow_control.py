@@ -54,7 +54,8 @@ def test_inline_dispatch_until_the_batch_ceiling_then_queue():
         outcomes = [fc.submit(r) for r in batch]
         assert outcomes == [Outcome.DISPATCHED] * 2 + [Outcome.QUEUED] * 2
         assert fc.bands[-10].in_flight == 2 and fc.bands[-10].queued == 2
-        assert fc.dispatched_total == 2
+        assert fc.dispatched_total == 2 and fc.bands[-10].dispatched == 2
+        assert {b["priority"]: b["dispatched"] for b in fc.snapshot()["bands"]}[-10] == 2
     run(main())
 
 
