@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
+from bench.gates import NOT_CAPACITY, capacity_refused
 from bench.report import percentile
 from bench.stack import Stack, StackSpec
 from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
@@ -96,7 +97,12 @@ def gateway_settings(plan: DrillPlan, admission: bool) -> dict:
     settings = {
         "saturation": {"detector": "concurrency", "maxConcurrency": plan.max_concurrency, "headroom": 0.0},
         "usageLimit": {"policy": "static", "threshold": 1.0},
-        "flowControl": {"bands": [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
+        # Critical requests keep 15% of the slots that interactive ones may not take, and a request that cannot
+        # start within its class's patience is turned away (429, the client may retry) rather than left to wait past
+        # any use: 1 s for critical (its TTFT goal is 0.9 s), 4 s for interactive. At overload the gateway rejects;
+        # the ramp stops there.
+        "flowControl": {"bands": [{"priority": 100, "ceiling": 1.0, "ttl": 1.0},
+                                  {"priority": 0, "ceiling": 0.85, "ttl": 4.0},
                                   {"priority": -10, "ceiling": 0.5, "fairness": "round-robin"}]},
         "eviction": {"enabled": True, "maxPerDecision": 2},
         "admission": {"enabled": admission, "hardWatermark": 0.92, "admissionWatermark": 0.82,
@@ -295,15 +301,6 @@ def tenant_of(external_id: str | None) -> str | None:
     return external_id[len(REQUEST_ID_PREFIX):].rsplit(".", 1)[0]
 
 
-def capacity_rejected(record: dict) -> bool:
-    """A request the gateway turned away for lack of capacity (429 not about the caller's own quota).
-
-    Quota and context-length rejections say the request itself was too big for its tenant or model;
-    they happen at any load, so the ramp does not stop on them.
-    """
-    return record["status"] == 429 and "quota" not in (record.get("drop_reason") or "")
-
-
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
     values = [r["ttft_s"] for r in records if r["klass"] == klass and r["status"] == 200 and r["ttft_s"] is not None]
     return percentile(values, 0.95)
@@ -352,18 +349,20 @@ class DrillRun:
         p = self.plan
         await self._run_phase(traffic, name, self.workload.realtime(name, p.offpeak_rate, seconds), seconds)
 
-    async def _ramp(self, traffic: Traffic) -> None:
+    async def _ramp(self, traffic: Traffic, stack: Stack) -> None:
         """Raise the rate step by step until the gateway rejects, then hold that rate (the peak)."""
         p = self.plan
         steps = []
         peak = self.timeline.phase("peak", self.timeline.now())
         hold_rate = p.ramp_rates[-1]
+        before = realtime_capacity_rejections(await asyncio.to_thread(stack.gateway_metrics))
         for k, rate in enumerate(p.ramp_rates):
             start = self.timeline.now()
             await traffic.play(self.workload.realtime(f"ramp-{k}", rate, p.ramp_step_s))
             await asyncio.sleep(max(0.0, start + p.ramp_step_s - self.timeline.now()))
             seen = traffic.since(peak["start"])
-            n_rejected = sum(1 for r in seen if capacity_rejected(r))
+            at_gateway = realtime_capacity_rejections(await asyncio.to_thread(stack.gateway_metrics)) - before
+            n_rejected = max(sum(1 for r in seen if capacity_refused(r) and r["status"] == 429), at_gateway)
             steps.append({"rate": rate, "start": start, "end": self.timeline.now(), "rejected_so_far": n_rejected})
             if n_rejected:
                 hold_rate = rate
@@ -475,7 +474,7 @@ class DrillRun:
         try:
             await self._offpeak(traffic, "offpeak_before", self.plan.offpeak_s)
             if "ramp" in self.drills:
-                await self._ramp(traffic)
+                await self._ramp(traffic, stack)
                 await self._offpeak(traffic, "offpeak_after", self.plan.offpeak_after_s)
             if "burst" in self.drills:
                 await self._burst(traffic)

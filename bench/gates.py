@@ -17,7 +17,8 @@ EVICTED_COMPLETE_GATE = 0.99
 RELEASE_METRIC = "holdback_gateway_kv_release_seconds"
 PAUSED_LEVELS = ("pause-batch", "evict")
 BATCH_PRIORITY = "-10"  # the batch band of the drills' gateway config
-PAUSE_MIN_S = 3.0  # the shortest stretch of no batch dispatch, with batch waiting, that counts as a pause
+PAUSE_MIN_S = 3.0
+NOT_CAPACITY = ("quota", "context", "cancel")  # the caller's own limits, or the caller gone: not a full gateway  # the shortest stretch of no batch dispatch, with batch waiting, that counts as a pause
 
 
 @dataclass
@@ -67,6 +68,21 @@ def _phase(record: dict, name: str) -> dict | None:
 
 def _in(t: float, phase: dict | None) -> bool:
     return phase is not None and phase["start"] <= t < (phase["end"] if phase["end"] is not None else math.inf)
+
+
+def capacity_refused(record: dict) -> bool:
+    """A request the stack did not serve for lack of capacity or by failing: a 429 that is not about the caller's
+    own quota or context, or an error. Quota rejections are the policy holding a tenant to its share."""
+    if record["status"] == 429:
+        return not any(w in (record.get("drop_reason") or "") for w in NOT_CAPACITY)
+    return record["status"] != 200 and record["status"] != 499
+
+
+def critical_ttfts(records: list[dict]) -> list[float]:
+    """TTFTs of the critical requests served, and an infinite one for each refused for capacity or failed: a
+    request that never got its first token missed the goal."""
+    critical = [r for r in records if r["klass"] == "critical"]
+    return _ttfts(critical) + [math.inf] * sum(1 for r in critical if capacity_refused(r))
 
 
 def _ttfts(records: list[dict], klass: str = "critical") -> list[float]:
@@ -137,11 +153,13 @@ def ttft_gate(record: dict) -> Gate:
     limit = record.get("ttft_gate_s", 0.9)
     recs = good_config(record)
     critical = [r for r in recs if r["klass"] == "critical"]
-    values = _ttfts(recs)
-    est, status, text = tail_verdict(values, 0.95, limit)
-    refused = sum(1 for r in critical if r["status"] != 200)
+    refused = [r for r in critical if capacity_refused(r)]
+    est, status, text = tail_verdict(critical_ttfts(recs), 0.95, limit)
+    other = sum(1 for r in critical if r["status"] != 200) - len(refused)
     return Gate("critical p95 TTFT", f"p95 time to first token of critical realtime <= {limit * 1000:.0f} ms",
-                text, status, f"{refused}/{len(critical)} critical requests not served; bad config excluded"
+                text, status, f"{len(refused)}/{len(critical)} critical requests refused for capacity or failed, "
+                f"counted as misses; {other} rejected for their tenant's quota or cancelled, not counted; "
+                "bad config excluded"
                 + ("" if (record.get("rollback") or {}).get("digest_after") or not record.get("rollback")
                    else " (and everything after it: the rollback failed)"))
 
@@ -306,7 +324,7 @@ def rollback_gate(record: dict) -> Gate:
         return Gate("rollback", goal, "-", "n/a", "rollback drill not run")
     window = rb["verify_window"]
     after = [r for r in record.get("requests", []) if window[0] <= r["sent_t"] < window[1]]
-    est, status, text = tail_verdict(_ttfts(after), 0.95, limit)
+    est, status, text = tail_verdict(critical_ttfts(after), 0.95, limit)
     bad = rb.get("bad_p95_ttft_s")
     resp = rb.get("response") or {}
     body = resp.get("body") if isinstance(resp.get("body"), dict) else {}

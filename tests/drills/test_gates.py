@@ -57,6 +57,21 @@ def test_ttft_gate_uses_critical_requests_outside_the_bad_config_window():
     assert ttft_gate(record(requests=fast + interactive_slow)).status == "pass"
 
 
+def test_critical_requests_refused_for_capacity_count_as_misses_and_quota_rejections_do_not():
+    fast = [req(float(i), ttft=0.2) for i in range(90)]
+
+    def refused(t: float, reason: str | None, status: int = 429) -> dict:
+        return req(t, ttft=None, status=status) | {"drop_reason": reason}
+
+    quota = [refused(100.0 + i, "rejected-quota") for i in range(10)]
+    assert ttft_gate(record(requests=fast + quota)).status == "pass"
+    expired = [refused(100.0 + i, "rejected-ttl-expired") for i in range(10)]
+    gate = ttft_gate(record(requests=fast + expired))
+    assert gate.status == "fail" and gate.note.startswith("10/100 critical requests refused")
+    failed = [refused(100.0 + i, None, status=502) for i in range(10)]
+    assert ttft_gate(record(requests=fast + failed)).status == "fail"
+
+
 def test_tail_verdict_is_undecided_when_the_interval_straddles_the_goal():
     values = [i / 100 for i in range(100)]  # p95 = 0.94
     assert tail_verdict(values, 0.95, 0.94)[2].endswith("undecided")
