@@ -301,6 +301,21 @@ def tenant_of(external_id: str | None) -> str | None:
     return external_id[len(REQUEST_ID_PREFIX):].rsplit(".", 1)[0]
 
 
+def realtime_capacity_rejections(metrics: dict[str, float]) -> int:
+    """Realtime requests the gateway has turned away for lack of capacity so far (its own counter, so a request
+    still waiting for its 429 when a ramp step ends is counted as soon as the gateway gives up on it)."""
+    total = 0.0
+    for key, value in metrics.items():
+        if not key.startswith("holdback_gateway_rejections_total{"):
+            continue
+        labels = dict(part.split("=", 1) for part in key[key.index("{") + 1:-1].split(","))
+        reason = labels.get("reason", "").strip('"')
+        band = labels.get("band", labels.get("priority", "")).strip('"')
+        if band.lstrip("-").isdigit() and int(band) >= 0 and not any(w in reason for w in NOT_CAPACITY):
+            total += value
+    return int(total)
+
+
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
     values = [r["ttft_s"] for r in records if r["klass"] == klass and r["status"] == 200 and r["ttft_s"] is not None]
     return percentile(values, 0.95)
