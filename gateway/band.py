@@ -69,11 +69,15 @@ class PriorityBand:
             self.fairness = fairness_policy(fairness)
         if ordering != self.ordering.name:
             self.ordering = ordering_policy(ordering)
-            waiting = [req for flow in self.flows.values() for _k, req in flow._heap if req.status is Status.QUEUED]
+            waiting = self.waiting()
             self.flows.clear()
             self.queued = 0
             for req in waiting:
                 self.push(req)
+
+    def waiting(self) -> list[FlowRequest]:
+        """Every request still queued in this band, in no particular order."""
+        return [req for flow in self.flows.values() for _k, req in flow._heap if req.status is Status.QUEUED]
 
     def push(self, req: FlowRequest) -> None:
         flow = self.flows.get(req.fairness_id)

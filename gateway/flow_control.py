@@ -142,6 +142,7 @@ class FlowController:
                           ceiling_override=s.ceiling)
             if p in self.bands:
                 self.bands[p].configure(**kwargs)
+                self._apply_ttl(self.bands[p])
             else:
                 self.bands[p] = PriorityBand(p, **kwargs)
         self._drop_idle_bands(keep=set(configured))
@@ -155,6 +156,18 @@ class FlowController:
         if [r.url for r in self.pool.replicas] != cfg.replicas:
             self.pool.set_urls(cfg.replicas)
         self.wake()
+
+    def _apply_ttl(self, band: PriorityBand) -> None:
+        """A reloaded (or rolled-back) band TTL holds for requests already queued too, counted from their arrival:
+        after a bad config is rolled back, what queued under it past the restored deadlines is answered 429 at
+        once instead of flooding the replicas ahead of new traffic. A TTL never lengthens a request's wait."""
+        if band.ttl <= 0:
+            return
+        for req in band.waiting():
+            expires = req.arrived + band.ttl
+            if expires < req.expires_at:
+                req.expires_at = expires
+                heapq.heappush(self._expiry, (expires, req.seq, req))
 
     def _refresh_ceilings(self) -> None:
         self.bands_desc = sorted(self.bands.values(), key=lambda b: -b.priority)

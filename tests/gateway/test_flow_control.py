@@ -218,6 +218,28 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
     run(main())
 
 
+def test_a_reloaded_band_ttl_expires_requests_already_queued_counted_from_their_arrival():
+    async def main():
+        fc, clock = controller()  # batch ceiling 0.5 of 4 slots, no band TTL: queued requests wait indefinitely
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        old = req(fc, clock, "batch")
+        assert fc.submit(old) is Outcome.QUEUED
+        clock.t += 5.0
+        young = req(fc, clock, "batch")
+        assert fc.submit(young) is Outcome.QUEUED
+        clock.t += 0.5
+        fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
+                                     "flowControl: {bands: [{priority: -10, ttl: 2}]}", "reloaded"))
+        fc.cycle()
+        assert old.status is Status.REJECTED and old.drop_reason is DropReason.TTL_EXPIRED
+        assert young.status is Status.QUEUED and fc.bands[-10].queued == 1
+        clock.t += 1.6
+        fc.cycle()
+        assert young.drop_reason is DropReason.TTL_EXPIRED and fc.bands[-10].queued == 0
+    run(main())
+
+
 def test_kv_admission_queues_then_rejects_after_its_deadline():
     async def main():
         fc, clock = controller("admission: {enabled: true, kvPoolBlocks: 100, queueDeadlineMs: 500, "
