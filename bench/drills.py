@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
+from bench.gates import NOT_CAPACITY, capacity_refused
 from bench.report import percentile
 from bench.stack import Stack, StackSpec
 from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
@@ -40,7 +41,10 @@ class DrillPlan:
 
     offpeak_rate: float = 1.5
     offpeak_s: float = 30.0
-    ramp_rates: tuple[float, ...] = (2.0, 3.0, 4.5, 6.75, 10.0, 15.0, 22.0)
+    # Off-peak after the peak: long enough for the peak's longest requests (1,024 tokens) to finish and batch to
+    # come back.
+    offpeak_after_s: float = 45.0
+    ramp_rates: tuple[float, ...] = (2.0, 3.0, 4.5, 6.75, 10.0, 15.0, 22.0, 30.0, 40.0)
     ramp_step_s: float = 15.0
     hold_s: float = 40.0
     burst_requests: int = 96
@@ -67,12 +71,15 @@ class DrillPlan:
         "--num-blocks", "8192", "--block-size", "16", "--max-model-len", "40960", "--enable-prefix-caching",
         "--preemption", "none", "--jitter", "0.05",
     )
-    # Gateway concurrency per replica, below the replica's 128 sequences: KV, not the request count, binds first.
-    max_concurrency: int = 112
+    # Gateway concurrency per replica, half the replica's 128 sequences: every running sequence slows a simulated
+    # step, and the peak must be one this two-core machine can generate and serve without running out of CPU
+    # itself (the drills judge the policy, not the machine); 32K-token inputs still run out of KV first.
+    max_concurrency: int = 64
 
 
 QUICK = DrillPlan(
-    offpeak_s=12.0, ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0), ramp_step_s=7.0, hold_s=25.0, burst_requests=64,
+    offpeak_s=12.0, offpeak_after_s=30.0,
+    ramp_rates=(2.0, 4.0, 7.0, 11.0, 16.0, 22.0, 28.0, 34.0, 40.0), ramp_step_s=7.0, hold_s=25.0, burst_requests=64,
     burst_s=10.0, storm_requests=40, storm_cancel_after_s=3.0, storm_s=10.0, bad_config_s=18.0, verify_s=18.0,
     kill_s=20.0, kill_long_requests=12, kill_idle_wait_s=90.0, batch_lines=450, drain_s=150.0,
     shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)),
@@ -80,7 +87,7 @@ QUICK = DrillPlan(
 FULL = DrillPlan(shapes=Shapes(mix=(0.5, 0.15, 0.2, 0.15)))
 # One drill at minimal sizes, for the test suite.
 SMOKE = replace(
-    QUICK, offpeak_s=4.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
+    QUICK, offpeak_s=4.0, offpeak_after_s=8.0, ramp_rates=(2.0, 6.0), ramp_step_s=4.0, hold_s=4.0, batch_jobs=1, batch_lines=60,
     storm_requests=16, storm_s=6.0, worker_concurrency=16, drain_s=90.0,
     shapes=Shapes(tenants=4, long_output_max_tokens=(64, 128), mix=(0.6, 0.1, 0.15, 0.15)),
 )
@@ -93,7 +100,13 @@ def gateway_settings(plan: DrillPlan, admission: bool) -> dict:
     settings = {
         "saturation": {"detector": "concurrency", "maxConcurrency": plan.max_concurrency, "headroom": 0.0},
         "usageLimit": {"policy": "static", "threshold": 1.0},
-        "flowControl": {"bands": [{"priority": 100, "ceiling": 1.0}, {"priority": 0, "ceiling": 1.0},
+        # Critical requests keep 40% of the slots that interactive ones may not take (at the peak the replicas'
+        # steps slow down with every running sequence; fewer interactive ones keep critical TTFT short), and a
+        # request that cannot start within its class's patience is turned away (429, the client may retry) rather
+        # than left to wait past any use: 1 s for critical (its TTFT goal is 0.9 s), 4 s for interactive. At
+        # overload the gateway rejects; the ramp stops there.
+        "flowControl": {"bands": [{"priority": 100, "ceiling": 1.0, "ttl": 1.0},
+                                  {"priority": 0, "ceiling": 0.6, "ttl": 4.0},
                                   {"priority": -10, "ceiling": 0.5, "fairness": "round-robin"}]},
         "eviction": {"enabled": True, "maxPerDecision": 2},
         "admission": {"enabled": admission, "hardWatermark": 0.92, "admissionWatermark": 0.82,
@@ -177,7 +190,8 @@ class Sampler(threading.Thread):
             st = client.get(f"{self.stack.gateway_url}/admin/state", headers=self.stack.admin_headers).json()
             sample["kv"] = st.get("kv")
             sample["config_digest"] = (st.get("config") or {}).get("digest")
-            sample["bands"] = {str(b.get("priority")): {"queued": b.get("queued"), "in_flight": b.get("in_flight")}
+            sample["bands"] = {str(b.get("priority")): {"queued": b.get("queued"), "in_flight": b.get("in_flight"),
+                                                        "dispatched": b.get("dispatched")}
                                for b in st.get("bands", [])}
             sample["evictions"] = int(((st.get("totals") or {}).get("evictions") or {}).get("issued") or 0)
         except (httpx.HTTPError, ValueError) as exc:
@@ -291,13 +305,19 @@ def tenant_of(external_id: str | None) -> str | None:
     return external_id[len(REQUEST_ID_PREFIX):].rsplit(".", 1)[0]
 
 
-def capacity_rejected(record: dict) -> bool:
-    """A request the gateway turned away for lack of capacity (429 not about the caller's own quota).
-
-    Quota and context-length rejections say the request itself was too big for its tenant or model;
-    they happen at any load, so the ramp does not stop on them.
-    """
-    return record["status"] == 429 and "quota" not in (record.get("drop_reason") or "")
+def realtime_capacity_rejections(metrics: dict[str, float]) -> int:
+    """Realtime requests the gateway has turned away for lack of capacity so far (its own counter, so a request
+    still waiting for its 429 when a ramp step ends is counted as soon as the gateway gives up on it)."""
+    total = 0.0
+    for key, value in metrics.items():
+        if not key.startswith("holdback_gateway_rejections_total{"):
+            continue
+        labels = dict(part.split("=", 1) for part in key[key.index("{") + 1:-1].split(","))
+        reason = labels.get("reason", "").strip('"')
+        band = labels.get("band", labels.get("priority", "")).strip('"')
+        if band.lstrip("-").isdigit() and int(band) >= 0 and not any(w in reason for w in NOT_CAPACITY):
+            total += value
+    return int(total)
 
 
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
@@ -344,22 +364,24 @@ class DrillRun:
         return phase
 
     # -- drills -----------------------------------------------------------------------------------------
-    async def _offpeak(self, traffic: Traffic, name: str) -> None:
+    async def _offpeak(self, traffic: Traffic, name: str, seconds: float) -> None:
         p = self.plan
-        await self._run_phase(traffic, name, self.workload.realtime(name, p.offpeak_rate, p.offpeak_s), p.offpeak_s)
+        await self._run_phase(traffic, name, self.workload.realtime(name, p.offpeak_rate, seconds), seconds)
 
-    async def _ramp(self, traffic: Traffic) -> None:
+    async def _ramp(self, traffic: Traffic, stack: Stack) -> None:
         """Raise the rate step by step until the gateway rejects, then hold that rate (the peak)."""
         p = self.plan
         steps = []
         peak = self.timeline.phase("peak", self.timeline.now())
         hold_rate = p.ramp_rates[-1]
+        before = realtime_capacity_rejections(await asyncio.to_thread(stack.gateway_metrics))
         for k, rate in enumerate(p.ramp_rates):
             start = self.timeline.now()
             await traffic.play(self.workload.realtime(f"ramp-{k}", rate, p.ramp_step_s))
             await asyncio.sleep(max(0.0, start + p.ramp_step_s - self.timeline.now()))
             seen = traffic.since(peak["start"])
-            n_rejected = sum(1 for r in seen if capacity_rejected(r))
+            at_gateway = realtime_capacity_rejections(await asyncio.to_thread(stack.gateway_metrics)) - before
+            n_rejected = max(sum(1 for r in seen if capacity_refused(r) and r["status"] == 429), at_gateway)
             steps.append({"rate": rate, "start": start, "end": self.timeline.now(), "rejected_so_far": n_rejected})
             if n_rejected:
                 hold_rate = rate
@@ -469,10 +491,10 @@ class DrillRun:
         traffic = Traffic(stack, self.timeline, model)
         await traffic.open()
         try:
-            await self._offpeak(traffic, "offpeak_before")
+            await self._offpeak(traffic, "offpeak_before", self.plan.offpeak_s)
             if "ramp" in self.drills:
-                await self._ramp(traffic)
-                await self._offpeak(traffic, "offpeak_after")
+                await self._ramp(traffic, stack)
+                await self._offpeak(traffic, "offpeak_after", self.plan.offpeak_after_s)
             if "burst" in self.drills:
                 await self._burst(traffic)
             if "storm" in self.drills:

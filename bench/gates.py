@@ -16,6 +16,9 @@ RELEASE_GATE_S = 2.0
 EVICTED_COMPLETE_GATE = 0.99
 RELEASE_METRIC = "holdback_gateway_kv_release_seconds"
 PAUSED_LEVELS = ("pause-batch", "evict")
+BATCH_PRIORITY = "-10"  # the batch band of the drills' gateway config
+PAUSE_MIN_S = 3.0
+NOT_CAPACITY = ("quota", "context", "cancel")  # the caller's own limits, or the caller gone: not a full gateway  # the shortest stretch of no batch dispatch, with batch waiting, that counts as a pause
 
 
 @dataclass
@@ -65,6 +68,21 @@ def _phase(record: dict, name: str) -> dict | None:
 
 def _in(t: float, phase: dict | None) -> bool:
     return phase is not None and phase["start"] <= t < (phase["end"] if phase["end"] is not None else math.inf)
+
+
+def capacity_refused(record: dict) -> bool:
+    """A request the stack did not serve for lack of capacity or by failing: a 429 that is not about the caller's
+    own quota or context, or an error. Quota rejections are the policy holding a tenant to its share."""
+    if record["status"] == 429:
+        return not any(w in (record.get("drop_reason") or "") for w in NOT_CAPACITY)
+    return record["status"] != 200 and record["status"] != 499
+
+
+def critical_ttfts(records: list[dict]) -> list[float]:
+    """TTFTs of the critical requests served, and an infinite one for each refused for capacity or failed: a
+    request that never got its first token missed the goal."""
+    critical = [r for r in records if r["klass"] == "critical"]
+    return _ttfts(critical) + [math.inf] * sum(1 for r in critical if capacity_refused(r))
 
 
 def _ttfts(records: list[dict], klass: str = "critical") -> list[float]:
@@ -135,11 +153,13 @@ def ttft_gate(record: dict) -> Gate:
     limit = record.get("ttft_gate_s", 0.9)
     recs = good_config(record)
     critical = [r for r in recs if r["klass"] == "critical"]
-    values = _ttfts(recs)
-    est, status, text = tail_verdict(values, 0.95, limit)
-    refused = sum(1 for r in critical if r["status"] != 200)
+    refused = [r for r in critical if capacity_refused(r)]
+    est, status, text = tail_verdict(critical_ttfts(recs), 0.95, limit)
+    other = sum(1 for r in critical if r["status"] != 200) - len(refused)
     return Gate("critical p95 TTFT", f"p95 time to first token of critical realtime <= {limit * 1000:.0f} ms",
-                text, status, f"{refused}/{len(critical)} critical requests not served; bad config excluded"
+                text, status, f"{len(refused)}/{len(critical)} critical requests refused for capacity or failed, "
+                f"counted as misses; {other} rejected for their tenant's quota or cancelled, not counted; "
+                "bad config excluded"
                 + ("" if (record.get("rollback") or {}).get("digest_after") or not record.get("rollback")
                    else " (and everything after it: the rollback failed)"))
 
@@ -197,22 +217,73 @@ def levels(sample: dict) -> list[str]:
     return [str(v.get("level")) for v in ((sample.get("kv") or {}).get("replicas") or {}).values()]
 
 
+def _batch_band(sample: dict) -> dict | None:
+    band = (sample.get("bands") or {}).get(BATCH_PRIORITY)
+    return band if band and band.get("dispatched") is not None else None
+
+
+def paused_stretches(samples: list[dict], start: float, end: float) -> list[tuple[float, float]]:
+    """Stretches of [start, end) in which batch waited at the gateway and none of it was dispatched.
+
+    Between two consecutive samples the batch band counts as paused when it had requests queued at both and its
+    dispatch count did not move: the offline queue was there and the gateway sent nothing of it.
+    """
+    inside = [s for s in samples if start <= s["t"] < end and _batch_band(s)]
+    stretches: list[tuple[float, float]] = []
+    opened: float | None = None
+    for a, b in zip(inside, inside[1:]):
+        ba, bb = _batch_band(a), _batch_band(b)
+        held = (ba["queued"] or 0) > 0 and (bb["queued"] or 0) > 0 and bb["dispatched"] == ba["dispatched"]
+        if held and opened is None:
+            opened = a["t"]
+        elif not held and opened is not None:
+            stretches.append((opened, a["t"]))
+            opened = None
+    if opened is not None and inside:
+        stretches.append((opened, inside[-1]["t"]))
+    return stretches
+
+
+def first_dispatch_after(samples: list[dict], start: float, end: float) -> float | None:
+    """When the batch band's dispatch count first moved in [start, end), or None."""
+    inside = [s for s in samples if start <= s["t"] < end and _batch_band(s)]
+    for a, b in zip(inside, inside[1:]):
+        if _batch_band(b)["dispatched"] > _batch_band(a)["dispatched"]:
+            return b["t"]
+    return None
+
+
 def batch_pause_gate(record: dict) -> Gate:
+    """The offline queue pauses during the peak and resumes after it, without starving.
+
+    Judged by what the gateway did with the batch band (its `dispatched` count and queue in /admin/state, sampled
+    twice a second), whichever rule held it (the holdback ceiling, the KV pause watermark or admission): paused =
+    a stretch of at least `PAUSE_MIN_S` in the peak with batch waiting and nothing of it dispatched; resumed =
+    batch dispatched again in the off-peak window after the peak and batch rows completed in that window.
+    """
     goal = "offline queue paused during the peak and resumed after it"
     peak, before, after = _phase(record, "peak"), _phase(record, "offpeak_before"), _phase(record, "offpeak_after")
     if peak is None or after is None:
         return Gate("batch pause/resume", goal, "-", "n/a", "ramp drill not run")
     samples = record.get("samples", [])
     rates = [batch_rate(samples, p["start"], p["end"]) for p in (before, peak, after)]
-    figure = "batch rows/s before / peak / after: " + " / ".join("-" if r is None else f"{r:.1f}" for r in rates)
-    if not _has_ledger(record):
-        return Gate("batch pause/resume", goal, figure, "fail", NO_LEDGER)
-    paused = [s for s in samples if _in(s["t"], peak) and any(l in PAUSED_LEVELS for l in levels(s))
-              and int(((s.get("kv") or {}).get("waiting_by_priority") or {}).get("-10") or 0) > 0]
-    resumed = [s for s in samples if _in(s["t"], after) and levels(s) and not any(l in PAUSED_LEVELS for l in levels(s))]
-    ok = bool(paused) and bool(resumed) and (rates[2] or 0) > 0
-    note = (f"{len(paused)} peak samples with a replica at pause-batch or above and batch waiting; "
-            f"{len(resumed)} off-peak samples with every replica back below it")
+    rows = "batch rows/s before / peak / after: " + " / ".join("-" if r is None else f"{r:.1f}" for r in rates)
+    if not any(_batch_band(s) for s in samples):
+        return Gate("batch pause/resume", goal, rows, "fail",
+                    "the gateway's /admin/state bands have no `dispatched` count (older build)")
+    stretches = paused_stretches(samples, peak["start"], peak["end"])
+    longest = max((b - a for a, b in stretches), default=0.0)
+    paused_s = sum(b - a for a, b in stretches)
+    resumed_at = first_dispatch_after(samples, peak["end"], after["end"])
+    by_kv = any(any(l in PAUSED_LEVELS for l in levels(s)) for s in samples
+                if any(a <= s["t"] <= b for a, b in stretches))
+    figure = (f"paused {paused_s:.1f} s of the {peak['end'] - peak['start']:.0f} s peak (longest {longest:.1f} s); "
+              + ("resumed " + f"{resumed_at - peak['end']:.1f} s after it" if resumed_at is not None else "not resumed")
+              + f"; {rows}")
+    ok = longest >= PAUSE_MIN_S and resumed_at is not None and (rates[2] or 0) > 0
+    note = ("paused = batch queued at the gateway and none dispatched between two samples (0.5 s apart); "
+            f"what held it: {'the KV pause watermark (a replica at pause-batch or above)' if by_kv else 'the holdback ceiling or KV admission (no replica at the pause watermark)'}"
+            if stretches else "batch was never held with work waiting during the peak")
     return Gate("batch pause/resume", goal, figure, "pass" if ok else "fail", note)
 
 
@@ -253,7 +324,7 @@ def rollback_gate(record: dict) -> Gate:
         return Gate("rollback", goal, "-", "n/a", "rollback drill not run")
     window = rb["verify_window"]
     after = [r for r in record.get("requests", []) if window[0] <= r["sent_t"] < window[1]]
-    est, status, text = tail_verdict(_ttfts(after), 0.95, limit)
+    est, status, text = tail_verdict(critical_ttfts(after), 0.95, limit)
     bad = rb.get("bad_p95_ttft_s")
     resp = rb.get("response") or {}
     body = resp.get("body") if isinstance(resp.get("body"), dict) else {}

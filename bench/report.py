@@ -40,6 +40,8 @@ def percentile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     k = (len(ordered) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
+    if k == lo or ordered[hi] == ordered[lo]:
+        return ordered[lo]  # also keeps an infinite value (a request that never got its token) infinite
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 

@@ -57,6 +57,7 @@ class PriorityBand:
         self.flows: dict[str, FlowQueue] = {}
         self.queued = 0
         self.in_flight = 0
+        self.dispatched = 0  # requests this band has sent to a replica since the gateway started
 
     def configure(self, *, max_requests: int, ttl: float, fairness: str, ordering: str,
                   ceiling_override: float | None) -> None:
@@ -68,11 +69,15 @@ class PriorityBand:
             self.fairness = fairness_policy(fairness)
         if ordering != self.ordering.name:
             self.ordering = ordering_policy(ordering)
-            waiting = [req for flow in self.flows.values() for _k, req in flow._heap if req.status is Status.QUEUED]
+            waiting = self.waiting()
             self.flows.clear()
             self.queued = 0
             for req in waiting:
                 self.push(req)
+
+    def waiting(self) -> list[FlowRequest]:
+        """Every request still queued in this band, in no particular order."""
+        return [req for flow in self.flows.values() for _k, req in flow._heap if req.status is Status.QUEUED]
 
     def push(self, req: FlowRequest) -> None:
         flow = self.flows.get(req.fairness_id)

@@ -150,6 +150,7 @@ class FlowController:
                           ceiling_override=s.ceiling)
             if p in self.bands:
                 self.bands[p].configure(**kwargs)
+                self._apply_ttl(self.bands[p])
             else:
                 self.bands[p] = PriorityBand(p, **kwargs)
         self._drop_idle_bands(keep=set(configured))
@@ -163,6 +164,18 @@ class FlowController:
         if [r.url for r in self.pool.replicas] != cfg.replicas:
             self.pool.set_urls(cfg.replicas)
         self.wake()
+
+    def _apply_ttl(self, band: PriorityBand) -> None:
+        """A reloaded (or rolled-back) band TTL holds for requests already queued too, counted from their arrival:
+        after a bad config is rolled back, what queued under it past the restored deadlines is answered 429 at
+        once instead of flooding the replicas ahead of new traffic. A TTL never lengthens a request's wait."""
+        if band.ttl <= 0:
+            return
+        for req in band.waiting():
+            expires = req.arrived + band.ttl
+            if expires < req.expires_at:
+                req.expires_at = expires
+                heapq.heappush(self._expiry, (expires, req.seq, req))
 
     def _refresh_ceilings(self) -> None:
         self.bands_desc = sorted(self.bands.values(), key=lambda b: -b.priority)
@@ -509,6 +522,7 @@ class FlowController:
         self._rate = self._rate * math.exp(-elapsed / 5.0) + 1.0 / 5.0
         self._rate_at = now
         band.in_flight += 1
+        band.dispatched += 1
         self.in_flight += 1
         self.dispatched_total += 1
         if req.sheddable:
@@ -659,7 +673,7 @@ class FlowController:
             "in_flight": self.in_flight,
             "bands": [
                 {"priority": b.priority, "objectives": self.objective_names.get(b.priority, []),
-                 "queued": b.queued, "in_flight": b.in_flight, "ceiling": round(self.ceilings[b.priority], 6),
+                 "queued": b.queued, "in_flight": b.in_flight, "dispatched": b.dispatched, "ceiling": round(self.ceilings[b.priority], 6),
                  "blocked": bool(b.queued) and saturation >= self.ceilings[b.priority],
                  "max_requests": b.max_requests, "ttl": b.ttl, "fairness": b.fairness.name,
                  "ordering": b.ordering.name, "queues": b.queue_sizes()}

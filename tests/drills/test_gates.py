@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gates import evaluate, kill_gate, oom_gate, quantile_interval, tenant_share_gate, tail_verdict, ttft_gate
+from bench.gates import batch_pause_gate, evaluate, kill_gate, oom_gate, quantile_interval, tenant_share_gate, tail_verdict, ttft_gate
 
 PLAN = {"sim_args": ["--num-blocks", "100", "--block-size", "16"]}
 
@@ -57,6 +57,21 @@ def test_ttft_gate_uses_critical_requests_outside_the_bad_config_window():
     assert ttft_gate(record(requests=fast + interactive_slow)).status == "pass"
 
 
+def test_critical_requests_refused_for_capacity_count_as_misses_and_quota_rejections_do_not():
+    fast = [req(float(i), ttft=0.2) for i in range(90)]
+
+    def refused(t: float, reason: str | None, status: int = 429) -> dict:
+        return req(t, ttft=None, status=status) | {"drop_reason": reason}
+
+    quota = [refused(100.0 + i, "rejected-quota") for i in range(10)]
+    assert ttft_gate(record(requests=fast + quota)).status == "pass"
+    expired = [refused(100.0 + i, "rejected-ttl-expired") for i in range(10)]
+    gate = ttft_gate(record(requests=fast + expired))
+    assert gate.status == "fail" and gate.note.startswith("10/100 critical requests refused")
+    failed = [refused(100.0 + i, None, status=502) for i in range(10)]
+    assert ttft_gate(record(requests=fast + failed)).status == "fail"
+
+
 def test_tail_verdict_is_undecided_when_the_interval_straddles_the_goal():
     values = [i / 100 for i in range(100)]  # p95 = 0.94
     assert tail_verdict(values, 0.95, 0.94)[2].endswith("undecided")
@@ -87,3 +102,43 @@ def test_drills_that_did_not_run_are_not_applicable_not_passed():
     gates = {g.name: g.status for g in evaluate(record())}
     assert gates["release after cancel"] == gates["reservations after kill"] == gates["rollback"] == "n/a"
     assert gates["batch pause/resume"] == "n/a"
+
+
+def _batch_samples(dispatched_by_t: list[tuple[float, int, int]], completed_by_t: dict[float, int]) -> list[dict]:
+    """Samples of the batch band: (t, queued, dispatched so far), with batch rows completed so far."""
+    return [{"t": t, "bands": {"-10": {"queued": q, "in_flight": 4, "dispatched": d}},
+             "batches": {"b": {"completed": completed_by_t.get(t, 0), "failed": 0}}}
+            for t, q, d in dispatched_by_t]
+
+
+def _pause_record(samples: list[dict]) -> dict:
+    phases = [{"name": "offpeak_before", "start": 0.0, "end": 10.0}, {"name": "peak", "start": 10.0, "end": 20.0},
+              {"name": "offpeak_after", "start": 20.0, "end": 30.0}]
+    return record(samples=samples, phases=phases)
+
+
+def test_batch_pause_gate_needs_a_held_stretch_in_the_peak_and_dispatch_again_after_it():
+    ts = [i * 0.5 for i in range(61)]
+    # Dispatching until t=12, nothing dispatched with batch waiting from 12 to 20, dispatching again from 22.
+    held = [(t, 10, int(min(t, 12) * 2 + max(0.0, t - 22) * 2)) for t in ts]
+    done = {t: int(t) for t in ts}
+    gate = batch_pause_gate(_pause_record(_batch_samples(held, done)))
+    assert gate.status == "pass", gate
+    assert "longest 7.5 s" in gate.figure and "resumed 2.5 s after it" in gate.figure
+
+    never_held = [(t, 10, int(t * 2)) for t in ts]
+    assert batch_pause_gate(_pause_record(_batch_samples(never_held, done))).status == "fail"
+
+    # Held with nothing waiting is not a pause: an empty queue has nothing to hold back.
+    idle = [(t, 0, int(min(t, 12) * 2 + max(0.0, t - 22) * 2)) for t in ts]
+    assert batch_pause_gate(_pause_record(_batch_samples(idle, done))).status == "fail"
+
+    starved = [(t, 10, int(min(t, 12) * 2)) for t in ts]
+    gate = batch_pause_gate(_pause_record(_batch_samples(starved, {t: int(min(t, 12)) for t in ts})))
+    assert gate.status == "fail" and "not resumed" in gate.figure
+
+
+def test_batch_pause_gate_fails_on_a_gateway_that_reports_no_dispatch_count():
+    samples = [{"t": t, "bands": {"-10": {"queued": 3, "in_flight": 1}}, "batches": {}} for t in (0.0, 15.0, 25.0)]
+    gate = batch_pause_gate(_pause_record(samples))
+    assert gate.status == "fail" and "dispatched" in gate.note

@@ -54,7 +54,8 @@ def test_inline_dispatch_until_the_batch_ceiling_then_queue():
         outcomes = [fc.submit(r) for r in batch]
         assert outcomes == [Outcome.DISPATCHED] * 2 + [Outcome.QUEUED] * 2
         assert fc.bands[-10].in_flight == 2 and fc.bands[-10].queued == 2
-        assert fc.dispatched_total == 2
+        assert fc.dispatched_total == 2 and fc.bands[-10].dispatched == 2
+        assert {b["priority"]: b["dispatched"] for b in fc.snapshot()["bands"]}[-10] == 2
     run(main())
 
 
@@ -248,6 +249,28 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
         assert fc.ceilings[-10] == pytest.approx(0.75) and fc.loaded.source == "reloaded"
         fc.cycle()
         assert waiting.status is Status.DISPATCHED
+    run(main())
+
+
+def test_a_reloaded_band_ttl_expires_requests_already_queued_counted_from_their_arrival():
+    async def main():
+        fc, clock = controller()  # batch ceiling 0.5 of 4 slots, no band TTL: queued requests wait indefinitely
+        for _ in range(2):
+            fc.submit(req(fc, clock, "batch"))
+        old = req(fc, clock, "batch")
+        assert fc.submit(old) is Outcome.QUEUED
+        clock.t += 5.0
+        young = req(fc, clock, "batch")
+        assert fc.submit(young) is Outcome.QUEUED
+        clock.t += 0.5
+        fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
+                                     "flowControl: {bands: [{priority: -10, ttl: 2}]}", "reloaded"))
+        fc.cycle()
+        assert old.status is Status.REJECTED and old.drop_reason is DropReason.TTL_EXPIRED
+        assert young.status is Status.QUEUED and fc.bands[-10].queued == 1
+        clock.t += 1.6
+        fc.cycle()
+        assert young.drop_reason is DropReason.TTL_EXPIRED and fc.bands[-10].queued == 0
     run(main())
 
 
