@@ -18,12 +18,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from async_processor import log
-from async_processor.attempt import AttemptResult, InFlight, Runtime, run_attempt
+from async_processor.attempt import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from async_processor.circuit import GatewayCircuit
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
 from async_processor.queue import Claim, Finish, RequestQueue
 from async_processor.registration import Registration
+from holdback import tracing
 from holdback.contract import pause_key
 from holdback.dispatch import Disposition, Skip
 from holdback.models import RequestStatus
@@ -240,6 +241,10 @@ class AsyncWorker:
         fields = dict(batch_id=d.batch_id, request_id=row_id, custom_id=d.custom_id, attempt=d.attempt,
                       outcome=outcome.kind.value, status=outcome.status, drop_reason=outcome.drop_reason,
                       seconds=result.seconds)
+        if tracing.enabled():  # the outcome is logged after the attempt's span: name the batch's trace
+            trace_id = tracing.trace_id_of(BATCH_CONTEXTS.cached(d.batch_id)[1])
+            if trace_id is not None:
+                fields["trace_id"] = trace_id
         if rec.disposition is Disposition.final:
             m.results.labels(rec.final_status.value).inc()
             failed = rec.final_status is not RequestStatus.succeeded

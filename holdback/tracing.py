@@ -149,6 +149,15 @@ def current_trace_id() -> str | None:
     return _trace.format_trace_id(ctx.trace_id) if ctx.is_valid else None
 
 
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id of a W3C `traceparent` (`00-<32 hex trace id>-<16 hex span id>-<flags>`), or None: for log
+    lines written outside a span about work that belongs to a stored trace (a worker's outcome of an attempt)."""
+    parts = (traceparent or "").split("-")
+    if len(parts) != 4 or len(parts[1]) != 32 or parts[1] == "0" * 32:
+        return None
+    return parts[1].lower()
+
+
 async def in_span(awaitable: Awaitable[T], name: str, *, parent: str | None, kind: str = "internal",
                   attributes: Mapping[str, Any] | None = None,
                   describe: Callable[[T], Mapping[str, Any]] | None = None) -> T:

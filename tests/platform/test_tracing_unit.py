@@ -114,3 +114,10 @@ def test_log_lines_inside_a_span_carry_its_trace_id(tmp_path):
     assert "trace_id" not in json.loads(JsonLines().format(record))  # no span open
     with tracing.span("s", parent=CALLER):
         assert json.loads(JsonLines().format(record))["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_trace_id_of_reads_a_traceparent_and_refuses_anything_else():
+    assert tracing.trace_id_of("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01") == \
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+    for bad in (None, "", "00-abc-def-01", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "not a traceparent"):
+        assert tracing.trace_id_of(bad) is None
