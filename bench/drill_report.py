@@ -7,6 +7,7 @@ seen to fail without the policy.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -19,11 +20,16 @@ PHASE_COLORS = {"peak": "#f3d9d9", "bad_config": "#f6e7c8", "storm": "#dde8f3", 
 
 
 def load(out_dir: Path) -> list[dict]:
-    paths = sorted((out_dir / "raw").glob("drills-*.json"))
+    """The raw records of a results folder: `raw/drills-*.json`, or gzipped (`.json.gz`, as committed)."""
+    paths = sorted((out_dir / "raw").glob("drills-*.json")) + sorted((out_dir / "raw").glob("drills-*.json.gz"))
     if not paths:
         raise SystemExit(f"{out_dir}/raw has no drills-*.json: pass a folder written by `holdback bench drills`")
+
+    def read(path: Path) -> dict:
+        return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+
     # Admission on first.
-    return sorted((json.loads(p.read_text()) for p in paths), key=lambda r: not r["admission"])
+    return sorted((read(p) for p in paths), key=lambda r: not r["admission"])
 
 
 def label(record: dict) -> str:
