@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-concurrency", type=int, default=_DEFAULTS.sync_concurrency,
                    help="upper bound of the adaptive (AIMD) concurrency in sync mode (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve /metrics, /healthz (liveness) and /readyz (database and Redis answer) on this port")
+                   help="serve /metrics, /healthz (liveness) and /readyz (database and Redis answer) on this port "
+                        "(0: a free port the system picks, logged in the `metrics_listening` event)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
     p.add_argument("--once", action="store_true", help="run a single round and exit")
     p.add_argument("--lease-seconds", type=float, default=_DEFAULTS.lease_seconds,
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         from batch_processor.health import probes
         from holdback.probes import serve
 
-        serve(probes(processor), args.metrics_port, args.metrics_host)
-        log_event(log, "metrics_listening", port=args.metrics_port, host=args.metrics_host,
+        server = serve(probes(processor), args.metrics_port, args.metrics_host)
+        log_event(log, "metrics_listening", port=server.server_port, host=args.metrics_host,
                   paths="/metrics /healthz /readyz")
 
     stop = threading.Event()

@@ -26,6 +26,21 @@ def _wait(predicate, timeout: float, what: str, procs: Processes | None = None) 
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
+def _listening_port(log_file, child, procs: Processes) -> int:
+    """The metrics port a processor started with `--metrics-port 0` logged (`metrics_listening`)."""
+    found: list[int] = []
+
+    def listening() -> bool:
+        if child.poll() is not None:
+            raise AssertionError(f"the processor exited with {child.returncode}\n{procs.log('processor')}")
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""
+        found[:] = [e["port"] for e in _events(text, "metrics_listening")]
+        return bool(found)
+
+    _wait(listening, 30, f"{log_file.name}'s metrics_listening event", procs)
+    return found[0]
+
+
 def _events(text: str, event: str) -> list[dict]:
     out = []
     for line in text.splitlines():
@@ -47,11 +62,12 @@ def _metric(scrape: str, sample: str) -> float:
 
 def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_path):
     batches = [harness.submit(jsonl([chat(i) for i in range(300)]), tenant=f"t{n}") for n in range(6)]
-    ports = [free_port(), free_port()]
     with Processes(env=harness.backend.env, log_dir=tmp_path) as procs:
         common = ["--poll-interval", "0.05", "--window", "20"]
-        children = [procs.start("processor", "--id", f"proc-{n}", "--metrics-port", str(port), *common,
-                                name="processor") for n, port in enumerate(ports)]
+        # Port 0: each processor binds a port the system picks and logs it, so no other suite can take it first.
+        children = [procs.start("processor", "--id", f"proc-{n}", "--metrics-port", "0", *common,
+                                name="processor") for n in range(2)]
+        ports = [_listening_port(tmp_path / f"processor-{n}.log", child, procs) for n, child in enumerate(children)]
         _wait(lambda: all(harness.batch(b_id).status == "in_progress" for b_id in batches), 30,
               "every batch in_progress", procs)
         _wait(lambda: len(harness.queued_job_ids()) == 6 * 20, 10, "every first window queued", procs)
