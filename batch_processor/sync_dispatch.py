@@ -189,8 +189,8 @@ class SyncDispatcher:
             result = await run_attempt(self.rt, self._http, job, self._aborted.__contains__)
         except Exception:
             # The row stays where the failure left it; reconciliation requeues it once it looks abandoned.
-            log.exception("sync_attempt_failed", extra={"fields": {"batch_id": job.batch_id,
-                                                                   "request_id": job.row_id}})
+            log_event(log, "sync_attempt_failed", logging.ERROR, exc_info=True, batch_id=job.batch_id,
+                      request_id=job.row_id)
             return
         if result.recorded is None:
             return  # final already, or its batch is closing: nothing was sent

@@ -25,9 +25,9 @@ import aiohttp
 import httpx
 
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
-from bench.gates import NOT_CAPACITY, capacity_refused
+from bench.gates import NOT_CAPACITY, capacity_refused, served_ttfts
 from bench.report import percentile
-from bench.stack import Stack, StackSpec
+from bench.stack import Stack, StackSpec, series_labels
 from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
 from bench.traffic import stream_chat
 from bench.workload import RequestSpec, Shapes, Workload
@@ -312,17 +312,15 @@ def realtime_capacity_rejections(metrics: dict[str, float]) -> int:
     for key, value in metrics.items():
         if not key.startswith("holdback_gateway_rejections_total{"):
             continue
-        labels = dict(part.split("=", 1) for part in key[key.index("{") + 1:-1].split(","))
-        reason = labels.get("reason", "").strip('"')
-        band = labels.get("band", labels.get("priority", "")).strip('"')
+        labels = series_labels(key)
+        reason, band = labels.get("reason", ""), labels.get("band", "")
         if band.lstrip("-").isdigit() and int(band) >= 0 and not any(w in reason for w in NOT_CAPACITY):
             total += value
     return int(total)
 
 
 def p95_ttft(records: list[dict], klass: str = "critical") -> float | None:
-    values = [r["ttft_s"] for r in records if r["klass"] == klass and r["status"] == 200 and r["ttft_s"] is not None]
-    return percentile(values, 0.95)
+    return percentile(served_ttfts(records, klass), 0.95)
 
 
 class DrillRun:

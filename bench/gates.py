@@ -82,10 +82,11 @@ def critical_ttfts(records: list[dict]) -> list[float]:
     """TTFTs of the critical requests served, and an infinite one for each refused for capacity or failed: a
     request that never got its first token missed the goal."""
     critical = [r for r in records if r["klass"] == "critical"]
-    return _ttfts(critical) + [math.inf] * sum(1 for r in critical if capacity_refused(r))
+    return served_ttfts(critical) + [math.inf] * sum(1 for r in critical if capacity_refused(r))
 
 
-def _ttfts(records: list[dict], klass: str = "critical") -> list[float]:
+def served_ttfts(records: list[dict], klass: str = "critical") -> list[float]:
+    """TTFTs of the requests of `klass` that were served."""
     return [r["ttft_s"] for r in records if r["klass"] == klass and r["status"] == 200 and r["ttft_s"] is not None]
 
 

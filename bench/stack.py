@@ -207,6 +207,14 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def series_labels(key: str) -> dict[str, str]:
+    """The labels of one `name{a="x",b="y"}` key of `parse_prometheus`."""
+    if "{" not in key:
+        return {}
+    pairs = (part.split("=", 1) for part in key[key.index("{") + 1:-1].split(","))
+    return {k: v.strip('"') for k, v in pairs}
+
+
 def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     """Sum of a metric over every series whose labels include `labels`."""
     total = 0.0

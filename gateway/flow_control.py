@@ -673,7 +673,8 @@ class FlowController:
             "in_flight": self.in_flight,
             "bands": [
                 {"priority": b.priority, "objectives": self.objective_names.get(b.priority, []),
-                 "queued": b.queued, "in_flight": b.in_flight, "dispatched": b.dispatched, "ceiling": round(self.ceilings[b.priority], 6),
+                 "queued": b.queued, "in_flight": b.in_flight, "dispatched": b.dispatched,
+                 "ceiling": round(self.ceilings[b.priority], 6),
                  "blocked": bool(b.queued) and saturation >= self.ceilings[b.priority],
                  "max_requests": b.max_requests, "ttl": b.ttl, "fairness": b.fairness.name,
                  "ordering": b.ordering.name, "queues": b.queue_sizes()}

@@ -118,10 +118,15 @@ def _simulator_count(prompt: Any, chat: bool, options: Mapping[str, Any]) -> int
             return tokenizer.count(chat_prompt({**options, "messages": prompt}).text)
     except ApiError:
         return None
+    return _count_texts(prompt, lambda texts: [tokenizer.count(t) for t in texts])
+
+
+def _count_texts(prompt: Any, count: Callable[[list[str]], list[int]]) -> int | None:
+    """A completion prompt (a string or a list of strings) counted by `count`; None for any other shape."""
     if isinstance(prompt, str):
-        return tokenizer.count(prompt)
+        return count([prompt])[0]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return sum(tokenizer.count(p) for p in prompt)
+        return sum(count(prompt))
     return None
 
 
@@ -143,11 +148,7 @@ def _file_count(path: str, prompt: Any, chat: bool, options: Mapping[str, Any]) 
     if chat:
         return None  # the chat template is the replica's
     tokenizer = load_local_tokenizer(path)
-    if isinstance(prompt, str):
-        return len(tokenizer.encode(prompt).ids)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return sum(len(e.ids) for e in tokenizer.encode_batch(prompt))
-    return None
+    return _count_texts(prompt, lambda texts: [len(e.ids) for e in tokenizer.encode_batch(texts)])
 
 
 def find_tokenizer_json(model: str | None) -> str | None:
