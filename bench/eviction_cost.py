@@ -11,6 +11,8 @@ other round in reverse order, so no arm always runs first or last):
                                   back by eviction; `cost-ranked` victims, workers resume from partial output
   cost_resume_on_fixed            (only with --arms) cost-ranked resume with cache at the fixed 50% ceiling:
                                   what resume alone does, without borrowing
+  newest_restart_lent_on          (only with --arms) today's newest-first restart with the reserve lent as in
+                                  cost_resume_on: what the victim order and resume change at the same occupancy
 Without eviction the reserve cannot be lent: nothing would give it back when realtime needs it, so the
 holdback-alone arms keep batch at the fixed ceiling.
 Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -58,10 +61,20 @@ ARMS: dict[str, Scenario] = {s.name: s for s in (
              eviction=True, eviction_policy="cost-ranked", adaptive=True, sim_extra=CACHE),
     Scenario("cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on", batch_ceiling=RESERVE_CEILING,
              eviction=True, eviction_policy="cost-ranked", sim_extra=CACHE),
+    Scenario("newest_restart_lent_on", "Newest-first + restart, borrowing, cache on", batch_ceiling=RESERVE_CEILING,
+             eviction=True, eviction_policy="newest-first", adaptive=True, worker_args=("--no-resume",),
+             sim_extra=CACHE),
 )}
-DEFAULT_ARMS = [name for name in ARMS if name != "cost_resume_on_fixed"]
+DEFAULT_ARMS = [name for name in ARMS if name not in ("cost_resume_on_fixed", "newest_restart_lent_on")]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
 GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
+# "No worse" realtime p95 TTFT, judged over every round at once: the upper end of the ratio's 95% interval at
+# most this. The margin is the one the study allows holdback against realtime alone (p95 within 1.05×): a
+# batch sequence more in the engine step lengthens it, so "never slower at all" would forbid any batch gain.
+TTFT_MARGIN = 1.05
+# The TTFT comparisons judged across rounds: (candidate, baseline).
+TTFT_PAIRS = (("cost_resume_on", "newest_restart_on"), ("cost_resume_on", "newest_restart_off"),
+              ("cost_resume_on", "newest_restart_lent_on"))
 
 
 def gateway_takes_policy() -> bool:
@@ -187,6 +200,47 @@ def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> 
     return "undecided (intervals overlap)"
 
 
+def _ttfts(record: dict) -> list[float]:
+    return [r["ttft_s"] * 1000 for r in record.get("realtime", []) if r["status"] == 200 and r["ttft_s"] is not None]
+
+
+def pooled_p95_ratio(rounds: list[tuple[list[float], list[float]]], seed: int = 7,
+                     n: int = 2000) -> tuple[float, float, float] | None:
+    """p95 TTFT of the candidate's realtime requests over every round ÷ the baseline's, with a 95% interval
+    from a two-level bootstrap: rounds drawn with replacement, then each drawn round's requests, so the
+    interval covers the run-to-run spread as well as the spread within a run. `rounds` holds each round's
+    (candidate TTFTs, baseline TTFTs), paired because they ran in the same round."""
+    rounds = [(a, b) for a, b in rounds if len(a) >= 20 and len(b) >= 20]
+    if len(rounds) < 2:
+        return None
+
+    def ratio(drawn: list[tuple[list[float], list[float]]]) -> float:
+        a = [x for pair in drawn for x in pair[0]]
+        b = [x for pair in drawn for x in pair[1]]
+        return percentile(a, 0.95) / percentile(b, 0.95)
+
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(n):
+        picked = [rounds[rng.randrange(len(rounds))] for _ in rounds]
+        draws.append(ratio([(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))) for a, b in picked]))
+    draws.sort()
+    return ratio(rounds), draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
+
+
+def non_inferiority(estimate: tuple[float, float, float] | None, margin: float = TTFT_MARGIN) -> str:
+    if estimate is None:
+        return "undecided (fewer than two rounds with both arms)"
+    _, lo, hi = estimate
+    if hi < 1.0:
+        return "met (better: the whole interval is below 1)"
+    if hi <= margin:
+        return f"met (no worse: the interval's upper end is at most {margin})"
+    if lo > margin:
+        return f"not met (worse: the whole interval is above {margin})"
+    return f"undecided (the interval straddles {margin})"
+
+
 def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     takes_policy = gateway_takes_policy()
@@ -203,6 +257,7 @@ def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path
 def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     """Figures of every raw record under `out_dir/raw` (a run's arms, or what an interrupted run left)."""
     by_round: dict[int, dict[str, ArmFigures]] = {}
+    ttfts: dict[int, dict[str, list[float]]] = {}
     for path in sorted((out_dir / "raw").glob("*.json")):
         record = json.loads(path.read_text())
         scenario = record["scenario"]
@@ -210,6 +265,7 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
             continue
         applied = scenario.get("eviction_policy") is not None or not scenario["eviction"]
         by_round.setdefault(record["repeat"], {})[scenario["name"]] = arm_figures(record, applied)
+        ttfts.setdefault(record["repeat"], {})[scenario["name"]] = _ttfts(record)
     results = [{"arms": {k: asdict(v) for k, v in arms.items()}, "ratios": round_ratios(arms),
                 "ttft_cost_resume_on_vs_newest_restart_off": ttft_verdict(arms, "cost_resume_on",
                                                                           "newest_restart_off")}
@@ -221,9 +277,18 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     # Only eviction arms say whether the policy took: holdback-alone arms never name one.
     flags = [a["policy_applied"] for x in results for name, a in x["arms"].items() if ARMS[name].eviction]
     applied = all(flags) if flags else None
+    pooled = {}
+    for candidate, baseline in TTFT_PAIRS:
+        pairs = [(arms[candidate], arms[baseline]) for arms in ttfts.values() if candidate in arms and baseline in arms]
+        if pairs:
+            estimate = pooled_p95_ratio(pairs)
+            pooled[f"{candidate}_vs_{baseline}"] = {
+                "rounds": len(pairs), "ratio": None if estimate is None else list(estimate),
+                "verdict": non_inferiority(estimate)}
     summary = {**(meta or {}), "rounds": len(results), "policy_selectable": applied, "median_ratios": medians,
-               "results": results, "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
-                                             "completions_ratio": GOAL_COMPLETIONS_RATIO}}
+               "pooled_p95_ttft": pooled, "results": results, "goals": {"recompute_per_eviction_ratio": GOAL_RECOMPUTE_RATIO,
+                                             "completions_ratio": GOAL_COMPLETIONS_RATIO,
+                                             "p95_ttft_margin": TTFT_MARGIN}}
     (out_dir / "eviction_cost.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -249,6 +314,10 @@ def render(summary: dict) -> str:
     for i, res in enumerate(summary["results"]):
         lines.append(f"- round {i + 1} realtime p95 TTFT, cost-ranked resume (cache on) vs newest-first restart: "
                      f"{res['ttft_cost_resume_on_vs_newest_restart_off']}")
+    for key, value in summary.get("pooled_p95_ttft", {}).items():
+        est = value["ratio"]
+        shown = "—" if est is None else f"{est[0]:.3f}× [{est[1]:.3f}, {est[2]:.3f}]"
+        lines.append(f"- realtime p95 TTFT over {value['rounds']} rounds, {key}: {shown}: {value['verdict']}")
     return "\n".join(lines)
 
 
@@ -256,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.eviction_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                   help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all but cost_resume_on_fixed)")
+                   help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all but cost_resume_on_fixed and newest_restart_lent_on)")
     p.add_argument("--rounds", type=int, default=1, help="repeats of the whole set (default %(default)s)")
     p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")
     p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")
