@@ -241,15 +241,15 @@ def non_inferiority(estimate: tuple[float, float, float] | None, margin: float =
     return f"undecided (the interval straddles {margin})"
 
 
-def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path) -> dict:
+def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path, first_round: int = 0) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     takes_policy = gateway_takes_policy()
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for name in (arm_names if r % 2 == 0 else arm_names[::-1]):
             scenario = ARMS[name]
             if not takes_policy:
                 scenario = replace(scenario, eviction_policy=None)
-            print(f"round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+            print(f"round {r + 1}/{first_round + rounds}: {name}", file=sys.stderr, flush=True)
             run_one(scenario, w, r, seed + r, out_dir, collect=attempt_tokens)
     return summarize(out_dir, {"workload": asdict(w), "seed": seed, "policy_selectable": takes_policy})
 
@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")
     p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")
     p.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
+    p.add_argument("--first-round", type=int, default=0, metavar="N",
+                   help="number the rounds from N (0-based): add rounds to a folder an earlier run wrote, with "
+                        "--out, without overwriting its records (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/eviction-cost-<time>)")
     p.add_argument("--report", type=Path, metavar="DIR", help="only recompute the figures from DIR/raw/*.json")
     args = p.parse_args(argv)
@@ -344,9 +347,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.first_round < 0:
+        p.error("--first-round must be 0 or more")
     w = with_overrides(QUICK, window_s=args.window, lead_s=args.lead)
     out = args.out or Path("results") / f"eviction-cost-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(render(run(names, w, args.rounds, args.seed, out)))
+    taken = [f"{n}-r{r}.json" for n in names for r in range(args.first_round, args.first_round + args.rounds)
+             if (out / "raw" / f"{n}-r{r}.json").exists()]
+    if taken:
+        p.error(f"{out}/raw already has {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''}: pass a "
+                "--first-round past the rounds it holds, or another --out")
+    print(render(run(names, w, args.rounds, args.seed, out, args.first_round)))
     return 0
 
 
