@@ -104,8 +104,7 @@ def parse_json_body(raw: bytes) -> Any:
         value = strict_json.loads(text)
     except strict_json.NonStandardConstant as exc:
         raise BadRequest(
-            f"The request body is not valid JSON: {exc.constant} is not a JSON value (JSON has no NaN or "
-            "Infinity); send a finite number, or null.",
+            f"The request body is not valid JSON: {exc.detail}; send a finite number, or null.",
             code="invalid_json",
         ) from None
     except json.JSONDecodeError as exc:

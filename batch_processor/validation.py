@@ -150,8 +150,7 @@ class InputValidator:
             item = None  # nested too deep to parse: reported below like any over-deep line
         except strict_json.NonStandardConstant as exc:
             self._fail("invalid_json_line",
-                       f"This line is not valid JSON: {exc.constant} is not a JSON value (JSON has no NaN or "
-                       "Infinity); write a finite number, or null.", line_no)
+                       f"This line is not valid JSON: {exc.detail}; write a finite number, or null.", line_no)
             return None
         except (UnicodeDecodeError, ValueError):
             self._fail("invalid_json_line",

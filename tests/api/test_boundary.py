@@ -138,6 +138,18 @@ def test_nan_and_infinity_are_not_json(tenant, constant):
     assert err["code"] == "invalid_json"
 
 
+def test_a_number_beyond_a_double_is_not_stored_as_infinity(tenant):
+    api, key, file_id, _ = tenant
+    body = ('{"input_file_id": "%s", "endpoint": "/v1/embeddings", "completion_window": "24h", '
+            '"metadata": {"k": 1e400}}') % file_id
+    with api.http(key) as http:
+        before = http.get("/v1/batches").json()["data"]
+        r = http.post("/v1/batches", content=body.encode(), headers={"content-type": "application/json"})
+        err = assert_error(r, 400, "not valid JSON", "1e400", "64-bit float")
+        assert err["code"] == "invalid_json"
+        assert http.get("/v1/batches").json()["data"] == before  # nothing was created
+
+
 def test_a_deeply_nested_body_is_a_400(tenant):
     api, key, _, _ = tenant
     with api.http(key) as http:

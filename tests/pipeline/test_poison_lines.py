@@ -34,6 +34,8 @@ POISON = {
     # Python's json reads these; no replica or output-file reader would.
     "nan_in_body": (_line(temperature="NaN"), "invalid_json_line", None),
     "infinity_in_body": (_line(temperature="-Infinity"), "invalid_json_line", None),
+    # Python's json turns this into infinity and would store it as Infinity.
+    "overflowing_number_in_body": (_line(temperature="1e400"), "invalid_json_line", None),
 }
 
 
@@ -88,3 +90,10 @@ def test_a_batch_whose_validation_keeps_raising_fails_with_one_traceback(harness
     (error,) = batch.errors
     assert error["code"] == "processing_failed" and "ValueError: unexpected \\u0000" in error["message"]
     assert len([r for r in caplog.records if r.exc_info]) == 1
+
+
+def test_an_overflowing_number_says_why(harness: Harness):
+    batch_id = harness.submit(jsonl([chat(1), _line(temperature="-2.5e999")]))
+    harness.processor().tick()
+    (error,) = harness.batch(batch_id).errors
+    assert "-2.5e999" in error["message"] and "64-bit float" in error["message"], error
