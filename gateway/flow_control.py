@@ -316,8 +316,10 @@ class FlowController:
         self.bands[req.priority].in_flight -= 1
         self.in_flight -= 1
 
-    def reassign(self, req: FlowRequest) -> Replica | None:
-        """Move a dispatched request whose replica refused the connection to another replica, if any."""
+    async def reassign(self, req: FlowRequest) -> Replica | None:
+        """Move a dispatched request whose replica refused the connection to another replica, if any.
+        A coroutine (that never awaits, so the move is one step of the single writer) because a relay's
+        controller must ask the flow-control process for the answer (gateway/remote_flow.py)."""
         if req.status is not Status.DISPATCHED or req.slot_released:
             return None
         old: Replica = req.replica  # type: ignore[assignment]
@@ -348,6 +350,10 @@ class FlowController:
         self.ledger.revise(res, output_tokens, self.clock(), done=done)
         if res.blocks < before and self.total_queued:
             self.wake()
+
+    def started_streaming(self, req: FlowRequest) -> None:
+        """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
+        req.streaming_started = True
 
     def count_mid_stream_eviction(self) -> None:
         self.evictions["mid_stream"] += 1
