@@ -240,9 +240,10 @@ def _histogram_quantile(metrics_text: str, name: str, q: float) -> tuple[float |
 
 async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
     """Blocked realtime arrivals, each evicting batch. With KV admission on, also every eviction's decision ->
-    capacity released (the ledger's release in /admin/state `kv.recent_releases`, exact per eviction)."""
+    upstream closed and decision -> capacity released in the ledger (/admin/state `kv.recent_releases`, exact
+    per eviction; in one process both are the same moment)."""
     import httpx
-    releases: dict[tuple[str, float], float] = {}
+    releases: dict[tuple[str, float], tuple[float, float]] = {}
     queue_ms: list[float] = []
     client_ms: list[float] = []
     stop = asyncio.Event()
@@ -267,7 +268,8 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
             s = (await client.get("/admin/state")).json()
             for release in s["kv"]["recent_releases"]:
                 if release["cause"] == "evict":
-                    releases[(release["request_id"], release["at"])] = release["seconds_after_cause"]
+                    releases[(release["request_id"], release["at"])] = (
+                        release["upstream_closed_after_cause"], release["seconds_after_cause"])
             return next(b for b in s["bands"] if b["priority"] == -10)["in_flight"]
 
         workers = [asyncio.create_task(batch_worker()) for _ in range(batch_slots)]
@@ -286,6 +288,7 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
                 raise RuntimeError(f"realtime request failed: {r.status_code} {r.text[:200]}")
             if QUEUE_MS_HEADER in r.headers:  # absent: it was not blocked, so it measures nothing here
                 queue_ms.append(float(r.headers[QUEUE_MS_HEADER]))
+        await batch_in_flight()  # the last trial's release
         stop.set()
         for w in workers:
             w.cancel()
@@ -300,7 +303,9 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
                                        "max": queue_ms[-1]},
             "realtime_client_latency_ms": {"p50": client_ms[n // 2], "p99": client_ms[min(n - 1, int(n * 0.99))]},
             "confirmation_p99_bucket_ms": p99_conf * 1000 if p99_conf is not None else None,
-            "confirmations": confirmations, "release_after_eviction_s": list(releases.values())}
+            "confirmations": confirmations,
+            "upstream_closed_after_eviction_s": [closed for closed, _released in releases.values()],
+            "release_after_eviction_s": [released for _closed, released in releases.values()]}
 
 
 def eviction(args: argparse.Namespace, children: Children, tmp: Path, gateway_args: tuple[str, ...] = (),

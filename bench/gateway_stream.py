@@ -163,6 +163,17 @@ def _cpu(proc: psutil.Process) -> float:
     return total
 
 
+def _split_cpu(proc: psutil.Process) -> dict[str, float]:
+    """CPU seconds of a `--workers` gateway by process: "flow_control" (the parent) and each relay (by pid)."""
+    out = {"flow_control": sum(proc.cpu_times()[:2])}
+    for child in proc.children(recursive=True):
+        try:
+            out[f"relay_{child.pid}"] = sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _verdict(gw: list[float], direct: list[float], goal: float) -> dict:
     g_lo, g_hi = quantile_interval(gw, 0.95)
     d_lo, d_hi = quantile_interval(direct, 0.95)
@@ -208,10 +219,12 @@ def eviction_phase(args: argparse.Namespace, children: Children, tmp: Path) -> d
     for name, gateway_args in modes.items():
         trials = eviction(args, children, tmp, gateway_args, admission=True)
         releases = trials.pop("release_after_eviction_s")
-        out[name] = {**trials, "release_after_eviction": _release_verdict(releases, 10.0)}
-        print(f"eviction {name}: release p99 {out[name]['release_after_eviction'].get('p99_ms')} ms over "
-              f"{len(releases)} evictions; {out[name]['release_after_eviction']['goal']}", file=sys.stderr,
-              flush=True)
+        closed = trials.pop("upstream_closed_after_eviction_s")
+        out[name] = {**trials, "release_after_eviction": _release_verdict(releases, 10.0),
+                     "upstream_closed_after_eviction": _release_verdict(closed, 10.0)}
+        for figure in ("upstream_closed_after_eviction", "release_after_eviction"):
+            print(f"eviction {name}: {figure} p99 {out[name][figure].get('p99_ms')} ms over {len(releases)} "
+                  f"evictions; {out[name][figure]['goal']}", file=sys.stderr, flush=True)
     return out
 
 
@@ -262,6 +275,8 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     workers_over_single: list[float] = []
     workers_ttft: list[float] = []
     workers_itl: list[float] = []
+    flow_shares: list[float] = []  # the flow-control process's part of the --workers gateway's CPU
+    relay_balance: list[float] = []  # the least busy relay's CPU over the busiest's
     cpu_ratios: list[float] = []
     bare_ratios: list[float] = []
     byte_ratios: list[float] = []
@@ -279,9 +294,12 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
             sim0 = _cpu(sim_ps)
             relay = relays.get(name)
             relay0 = _cpu(relay) if relay is not None else 0.0
+            split0 = _split_cpu(relay) if name == "gateway_workers" and relay is not None else {}
             res = run_streams(targets[name] + "/v1/chat/completions", args.streams, args.tokens)
             res["sim_cpu"] = _cpu(sim_ps) - sim0
             res["relay_cpu"] = _cpu(relay) - relay0 if relay is not None else 0.0
+            if split0 and relay is not None:  # flow control's own CPU, and each relay's
+                res["split_cpu"] = {k: v - split0.get(k, 0.0) for k, v in _split_cpu(relay).items()}
             runs[name] = res
             errors[name] += res["errors"]
             pooled[name]["ttft"] += res["ttft"]
@@ -306,10 +324,17 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
             workers_over_single.append(per_k_w / per_k_gw)
             workers_ttft.append(_p95(w["ttft"]) / _p95(d["ttft"]))
             workers_itl.append(_p95(w["gaps"]) / _p95(d["gaps"]))
+            split = w.get("split_cpu", {})
+            if w["relay_cpu"] > 0 and split:
+                flow_shares.append(split["flow_control"] / w["relay_cpu"])
+                relay_cpu = sorted((v for k, v in split.items() if k.startswith("relay_")), reverse=True)
+                relay_balance.append(relay_cpu[-1] / relay_cpu[0] if relay_cpu and relay_cpu[0] > 0 else 0.0)
             print(f"round {rnd + 1}/{args.rounds}: --workers {args.workers}: {per_k_w:.1f} ms CPU / 1k tokens "
                   f"(all its processes), ÷ simulator {workers_ratios[-1]:.3f}, ÷ single process "
                   f"{workers_over_single[-1]:.3f}; p95 TTFT ÷ direct {workers_ttft[-1]:.3f}, p95 inter-token "
-                  f"÷ direct {workers_itl[-1]:.3f}; tokens {w['tokens']}", file=sys.stderr, flush=True)
+                  f"÷ direct {workers_itl[-1]:.3f}; flow control {flow_shares[-1] if flow_shares else 0:.3f} of its CPU, "
+                  f"relay balance {relay_balance[-1] if relay_balance else 0:.2f}; tokens {w['tokens']}",
+                  file=sys.stderr, flush=True)
         print(f"round {rnd + 1}/{args.rounds}: gateway {per_k_gw:.1f} ms CPU / 1k tokens, simulator "
               f"{per_k_sim:.1f} (ratio {cpu_ratios[-1]:.3f}), gateway / bare aiohttp relay {bare_ratios[-1]:.3f}, "
               f"byte relay / simulator {byte_ratios[-1]:.3f}; "
@@ -348,6 +373,8 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         summary[f"workers_{args.workers}"] = {
             "cpu_ratio_gateway_over_simulator": figure(workers_ratios),
             "cpu_ratio_over_single_process": figure(workers_over_single),
+            "flow_control_share_of_cpu": figure(flow_shares) if flow_shares else None,
+            "relay_cpu_balance_min_over_max": figure(relay_balance) if relay_balance else None,
             "p95_ttft_ratio_over_direct": {**figure(workers_ttft), "pooled": _verdict(
                 pooled["gateway_workers"]["ttft"], pooled["direct"]["ttft"], 1.1)},
             "p95_inter_token_ratio_over_direct": {**figure(workers_itl), "pooled": _verdict(

@@ -108,7 +108,7 @@ class RelayLink:
             req = self.requests.pop(message[1], None)
             self._answered.discard(message[1])
             if req is not None:
-                controller.finish(req, message[2], message[3])
+                controller.finish(req, message[2], message[3], message[4])
         elif kind == "withdraw":
             self._withdraw(message[1], message[2])
         elif kind == "started":
@@ -118,7 +118,7 @@ class RelayLink:
         elif kind == "mid_stream":
             controller.count_mid_stream_eviction()
         elif kind == "fallbacks":
-            controller.tokenizer_fallbacks += 1
+            controller.tokenizer_fallbacks += message[1]
         elif kind == "mark_down":
             replica = next((r for r in self.server.gateway.pool.replicas if r.url == message[1]), None)
             if replica is not None:
@@ -273,19 +273,17 @@ class FlowServer:
     # -- the channel ----------------------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = Channel(reader, writer)
-        hello: asyncio.Future = asyncio.get_running_loop().create_future()
         link: RelayLink | None = None
 
         def handle(message: tuple) -> None:
             nonlocal link
             if link is not None:
                 link.handle(message)
-            elif message[0] == "hello" and not hello.done():
+            elif message[0] == "hello":  # ("hello", pid, index): the relay's first message
                 link = RelayLink(self, channel, message[1], message[2])
                 self.links[link.index] = link
                 channel.send(self._config_message())
                 channel.send(("pool", self._views()))
-                hello.set_result(link)
 
         await channel.serve(handle)
         if link is not None:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, default=0, help="this relay's number (for logs and /admin/state)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    # A reload is flow control's (SIGHUP to the parent); a hangup sent to the whole group must not end relays.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(args.log_level)
     try:
         import uvloop

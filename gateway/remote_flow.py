@@ -75,6 +75,8 @@ class RemoteFlowController:
         self.admission = loaded.config.admission if loaded.config.admission.enabled else None
         self.ledger.configure(**ledger)
 
+    # The proxy counts a fallback with `tokenizer_fallbacks += 1`: each increment is sent to flow control,
+    # which keeps the gateway's count (for /admin/state).
     @property
     def tokenizer_fallbacks(self) -> int:
         return 0
@@ -105,9 +107,11 @@ class RemoteFlowController:
             return
         req.status = Status.EVICTED if req.drop_reason is DropReason.EVICTED else Status.FINISHED
         self._requests.pop(req.seq, None)
+        now = time.monotonic()
         if isinstance(req.reservation, Reservation):
-            self.ledger.release(req.reservation, time.monotonic())
-        self.channel.send(("finish", req.seq, cause, event_at))
+            self.ledger.release(req.reservation, now)
+        # The proxy finishes an evicted request right after closing its upstream: that is when it let go.
+        self.channel.send(("finish", req.seq, cause, event_at, now if req.status is Status.EVICTED else None))
 
     async def reassign(self, req: FlowRequest) -> Replica | None:
         if req.status is not Status.DISPATCHED:
