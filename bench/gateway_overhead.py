@@ -239,7 +239,11 @@ def _histogram_quantile(metrics_text: str, name: str, q: float) -> tuple[float |
 
 
 async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
+    """Blocked realtime arrivals, each evicting batch. With KV admission on, also every eviction's decision ->
+    upstream closed and decision -> capacity released in the ledger (/admin/state `kv.recent_releases`, exact
+    per eviction; in one process both are the same moment)."""
     import httpx
+    releases: dict[tuple[str, float], tuple[float, float]] = {}
     queue_ms: list[float] = []
     client_ms: list[float] = []
     stop = asyncio.Event()
@@ -262,6 +266,10 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
 
         async def batch_in_flight() -> int:
             s = (await client.get("/admin/state")).json()
+            for release in s["kv"]["recent_releases"]:
+                if release["cause"] == "evict":
+                    releases[(release["request_id"], release["at"])] = (
+                        release["upstream_closed_after_cause"], release["seconds_after_cause"])
             return next(b for b in s["bands"] if b["priority"] == -10)["in_flight"]
 
         workers = [asyncio.create_task(batch_worker()) for _ in range(batch_slots)]
@@ -280,6 +288,7 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
                 raise RuntimeError(f"realtime request failed: {r.status_code} {r.text[:200]}")
             if QUEUE_MS_HEADER in r.headers:  # absent: it was not blocked, so it measures nothing here
                 queue_ms.append(float(r.headers[QUEUE_MS_HEADER]))
+        await batch_in_flight()  # the last trial's release
         stop.set()
         for w in workers:
             w.cancel()
@@ -294,21 +303,27 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
                                        "max": queue_ms[-1]},
             "realtime_client_latency_ms": {"p50": client_ms[n // 2], "p99": client_ms[min(n - 1, int(n * 0.99))]},
             "confirmation_p99_bucket_ms": p99_conf * 1000 if p99_conf is not None else None,
-            "confirmations": confirmations}
+            "confirmations": confirmations,
+            "upstream_closed_after_eviction_s": [closed for closed, _released in releases.values()],
+            "release_after_eviction_s": [released for _closed, released in releases.values()]}
 
 
-def eviction(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+def eviction(args: argparse.Namespace, children: Children, tmp: Path, gateway_args: tuple[str, ...] = (),
+             admission: bool = False) -> dict:
+    """The eviction phase against its own simulator and gateway (`gateway_args`: e.g. --workers 2; `admission`:
+    KV admission on, so each eviction's release is recorded exactly)."""
     sim_port, gw_port = free_port(), free_port()
     sim = f"http://127.0.0.1:{sim_port}"
     p = children.start(holdback("sim", "--port", str(sim_port), "--replicas", "1", "--log-level", "WARNING"),
-                       tmp / "sim-evict.log")
+                       tmp / f"sim-evict{sim_port}.log")
     wait_http(sim + "/health", p)
     config = tmp / "gateway-evict.yaml"
     config.write_text(f"saturation: {{maxConcurrency: {args.eviction_slots}}}\nusageLimit: {{policy: static}}\n"
-                      "anonymous: {objectives: ['*']}\n")
+                      "anonymous: {objectives: ['*']}\n"
+                      + ("admission: {enabled: true, tokenizer: estimate, kvPoolGiB: 4096}\n" if admission else ""))
     gw = f"http://127.0.0.1:{gw_port}"
     p = children.start(holdback("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", sim,
-                                "--log-level", "WARNING"), tmp / "gateway-evict.log")
+                                "--log-level", "WARNING", *gateway_args), tmp / f"gateway-evict{sim_port}.log")
     wait_http(gw + "/health", p)
     return asyncio.run(_eviction_trials(gw, args.eviction_slots, args.eviction_trials))
 

@@ -13,7 +13,13 @@ the simulator's (what no Python relay can go below), and per round the
 p95 TTFT and p95 inter-token gap through the gateway divided by direct (goal at most 1.1); medians over rounds,
 and for the pooled p95s a distribution-free interval with whether the goal is decided.
 
-    python -m bench.gateway_stream --rounds 3 --streams 256 --tokens 256
+With `--workers N` (N > 1) a second gateway runs as `holdback gateway --workers N` (one flow-control process,
+N relays; its CPU is all its processes') beside the single-process one, both in every round, and an eviction
+phase per gateway (the method of bench/gateway_overhead.py, with KV admission on) reports each eviction's
+decision -> capacity released (the ledger's release after the victim's upstream closed), p99 with an interval
+against the goal of 10 ms.
+
+    python -m bench.gateway_stream --rounds 3 --streams 256 --tokens 256 [--workers 2]
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import aiohttp
 import psutil
 
 from bench.eviction_cost import quantile_interval
-from bench.gateway_overhead import Children, holdback
+from bench.gateway_overhead import Children, eviction, holdback
 from bench.readiness import free_port, wait_http
 
 PY = sys.executable
@@ -157,6 +163,17 @@ def _cpu(proc: psutil.Process) -> float:
     return total
 
 
+def _split_cpu(proc: psutil.Process) -> dict[str, float]:
+    """CPU seconds of a `--workers` gateway by process: "flow_control" (the parent) and each relay (by pid)."""
+    out = {"flow_control": sum(proc.cpu_times()[:2])}
+    for child in proc.children(recursive=True):
+        try:
+            out[f"relay_{child.pid}"] = sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _verdict(gw: list[float], direct: list[float], goal: float) -> dict:
     g_lo, g_hi = quantile_interval(gw, 0.95)
     d_lo, d_hi = quantile_interval(direct, 0.95)
@@ -171,6 +188,43 @@ def _verdict(gw: list[float], direct: list[float], goal: float) -> dict:
         out["goal"] = f"not met (the interval ends are apart by more than {goal}x)"
     else:
         out["goal"] = "undecided (the intervals straddle the goal)"
+    return out
+
+
+def _release_verdict(seconds: list[float], goal_ms: float) -> dict:
+    """p99 of decision -> capacity released, a distribution-free interval, and whether the goal is decided."""
+    if not seconds:
+        return {"evictions": 0, "goal": "undecided (no eviction recorded)"}
+    ms = sorted(x * 1000 for x in seconds)
+    lo, hi = quantile_interval(ms, 0.99)
+    out = {"evictions": len(ms), "p50_ms": ms[len(ms) // 2], "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+           "max_ms": ms[-1], "p99_interval_ms": [lo, hi] if lo is not None else None, "goal_ms": goal_ms}
+    if lo is None:
+        out["goal"] = "undecided (too few evictions)"
+    elif hi <= goal_ms:
+        out["goal"] = "met (the interval ends within the goal)"
+    elif lo > goal_ms:
+        out["goal"] = "not met (the interval starts above the goal)"
+    else:
+        out["goal"] = "undecided (the interval straddles the goal)"
+    return out
+
+
+def eviction_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
+    """Eviction release through the single-process gateway and, with --workers N, through N relays."""
+    modes = {"single_process": ()}
+    if args.workers > 1:
+        modes[f"workers_{args.workers}"] = ("--workers", str(args.workers))
+    out = {}
+    for name, gateway_args in modes.items():
+        trials = eviction(args, children, tmp, gateway_args, admission=True)
+        releases = trials.pop("release_after_eviction_s")
+        closed = trials.pop("upstream_closed_after_eviction_s")
+        out[name] = {**trials, "release_after_eviction": _release_verdict(releases, 10.0),
+                     "upstream_closed_after_eviction": _release_verdict(closed, 10.0)}
+        for figure in ("upstream_closed_after_eviction", "release_after_eviction"):
+            print(f"eviction {name}: {figure} p99 {out[name][figure].get('p99_ms')} ms over {len(releases)} "
+                  f"evictions; {out[name][figure]['goal']}", file=sys.stderr, flush=True)
     return out
 
 
@@ -189,6 +243,14 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                                       sim, "--log-level", "WARNING"), tmp / "gateway.log")
     gw = f"http://127.0.0.1:{gw_port}"
     wait_http(gw + "/health", gw_proc)
+    workers_gw = workers_proc = None
+    if args.workers > 1:  # the same gateway as N relays and one flow-control process
+        workers_port = free_port()
+        workers_proc = children.start(holdback("gateway", "--config", str(config), "--port", str(workers_port),
+                                               "--replicas", sim, "--log-level", "WARNING", "--workers",
+                                               str(args.workers)), tmp / "gateway-workers.log")
+        workers_gw = f"http://127.0.0.1:{workers_port}"
+        wait_http(workers_gw + "/health", workers_proc)
     # The floor of an aiohttp relay: the bare pass-through proxy of bench/gateway_overhead.py, same library.
     bare_port = free_port()
     bare_proc = children.start([PY, "-m", "bench.gateway_overhead", "--serve-bare-proxy", str(bare_port),
@@ -204,8 +266,17 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     relays = {"gateway": psutil.Process(gw_proc.pid), "bare_relay": psutil.Process(bare_proc.pid),
               "byte_relay": psutil.Process(byte_proc.pid)}
     targets = {"direct": sim, "gateway": gw, "bare_relay": bare, "byte_relay": byte}
-    for url in (gw, bare, byte):  # warm the relays' connections and imports
+    if workers_gw is not None and workers_proc is not None:
+        relays["gateway_workers"] = psutil.Process(workers_proc.pid)
+        targets["gateway_workers"] = workers_gw
+    for url in list(targets.values())[1:]:  # warm the relays' connections and imports
         run_streams(url + "/v1/chat/completions", 16, 16)
+    workers_ratios: list[float] = []
+    workers_over_single: list[float] = []
+    workers_ttft: list[float] = []
+    workers_itl: list[float] = []
+    flow_shares: list[float] = []  # the flow-control process's part of the --workers gateway's CPU
+    relay_balance: list[float] = []  # the least busy relay's CPU over the busiest's
     cpu_ratios: list[float] = []
     bare_ratios: list[float] = []
     byte_ratios: list[float] = []
@@ -223,9 +294,12 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
             sim0 = _cpu(sim_ps)
             relay = relays.get(name)
             relay0 = _cpu(relay) if relay is not None else 0.0
+            split0 = _split_cpu(relay) if name == "gateway_workers" and relay is not None else {}
             res = run_streams(targets[name] + "/v1/chat/completions", args.streams, args.tokens)
             res["sim_cpu"] = _cpu(sim_ps) - sim0
             res["relay_cpu"] = _cpu(relay) - relay0 if relay is not None else 0.0
+            if split0 and relay is not None:  # flow control's own CPU, and each relay's
+                res["split_cpu"] = {k: v - split0.get(k, 0.0) for k, v in _split_cpu(relay).items()}
             runs[name] = res
             errors[name] += res["errors"]
             pooled[name]["ttft"] += res["ttft"]
@@ -243,13 +317,31 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         cpu_ratios.append(per_k_gw / per_k_sim)
         ttft_ratios.append(_p95(g["ttft"]) / _p95(d["ttft"]))
         itl_ratios.append(_p95(g["gaps"]) / _p95(d["gaps"]))
+        if "gateway_workers" in runs:
+            w = runs["gateway_workers"]
+            per_k_w = w["relay_cpu"] / w["tokens"] * 1e6
+            workers_ratios.append(per_k_w / (w["sim_cpu"] / w["tokens"] * 1e6))
+            workers_over_single.append(per_k_w / per_k_gw)
+            workers_ttft.append(_p95(w["ttft"]) / _p95(d["ttft"]))
+            workers_itl.append(_p95(w["gaps"]) / _p95(d["gaps"]))
+            split = w.get("split_cpu", {})
+            if w["relay_cpu"] > 0 and split:
+                flow_shares.append(split["flow_control"] / w["relay_cpu"])
+                relay_cpu = sorted((v for k, v in split.items() if k.startswith("relay_")), reverse=True)
+                relay_balance.append(relay_cpu[-1] / relay_cpu[0] if relay_cpu and relay_cpu[0] > 0 else 0.0)
+            print(f"round {rnd + 1}/{args.rounds}: --workers {args.workers}: {per_k_w:.1f} ms CPU / 1k tokens "
+                  f"(all its processes), ÷ simulator {workers_ratios[-1]:.3f}, ÷ single process "
+                  f"{workers_over_single[-1]:.3f}; p95 TTFT ÷ direct {workers_ttft[-1]:.3f}, p95 inter-token "
+                  f"÷ direct {workers_itl[-1]:.3f}; flow control {flow_shares[-1] if flow_shares else 0:.3f} of its CPU, "
+                  f"relay balance {relay_balance[-1] if relay_balance else 0:.2f}; tokens {w['tokens']}",
+                  file=sys.stderr, flush=True)
         print(f"round {rnd + 1}/{args.rounds}: gateway {per_k_gw:.1f} ms CPU / 1k tokens, simulator "
               f"{per_k_sim:.1f} (ratio {cpu_ratios[-1]:.3f}), gateway / bare aiohttp relay {bare_ratios[-1]:.3f}, "
               f"byte relay / simulator {byte_ratios[-1]:.3f}; "
               f"p95 TTFT gw/direct {ttft_ratios[-1]:.3f}, "
               f"p95 inter-token gw/direct {itl_ratios[-1]:.3f}; tokens {g['tokens']}/{d['tokens']}",
               file=sys.stderr, flush=True)
-    return {
+    summary = {
         "streams": args.streams, "tokens_per_stream": args.tokens, "rounds": args.rounds, "errors": errors,
         "gateway_cpu_ms_per_1k_tokens": {"median": statistics.median(gw_ms_per_k),
                                          "per_round": [round(x, 2) for x in gw_ms_per_k]},
@@ -274,6 +366,21 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                                                       "pooled": _verdict(pooled["gateway"]["gaps"],
                                                                          pooled["direct"]["gaps"], 1.1)},
     }
+    if workers_ratios:
+        def figure(values: list[float]) -> dict:
+            return {"median": statistics.median(values), "per_round": [round(x, 3) for x in values]}
+
+        summary[f"workers_{args.workers}"] = {
+            "cpu_ratio_gateway_over_simulator": figure(workers_ratios),
+            "cpu_ratio_over_single_process": figure(workers_over_single),
+            "flow_control_share_of_cpu": figure(flow_shares) if flow_shares else None,
+            "relay_cpu_balance_min_over_max": figure(relay_balance) if relay_balance else None,
+            "p95_ttft_ratio_over_direct": {**figure(workers_ttft), "pooled": _verdict(
+                pooled["gateway_workers"]["ttft"], pooled["direct"]["ttft"], 1.1)},
+            "p95_inter_token_ratio_over_direct": {**figure(workers_itl), "pooled": _verdict(
+                pooled["gateway_workers"]["gaps"], pooled["direct"]["gaps"], 1.1)},
+        }
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,11 +388,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of direct + gateway runs (default 3)")
     p.add_argument("--streams", type=int, default=256, help="concurrent streams per run (default 256)")
     p.add_argument("--tokens", type=int, default=256, help="tokens per stream (default 256)")
+    p.add_argument("--workers", type=int, default=1, help="also run the gateway as `holdback gateway --workers N` "
+                   "(N > 1) beside the single-process one, and the eviction phase for both (default 1: single only)")
+    p.add_argument("--eviction-trials", type=int, default=None,
+                   help="blocked realtime arrivals per eviction phase (default 100 with --workers N > 1, else 0: "
+                        "no eviction phase)")
+    p.add_argument("--eviction-slots", type=int, default=8, help="pool slots kept full of batch (default 8)")
     p.add_argument("--out", help="write the JSON summary here as well")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run the load generator against this URL
     p.add_argument("--serve-byte-relay", type=int, help=argparse.SUPPRESS)  # internal: the byte relay's port
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be at least 1 (got {args.workers})")
+    if args.eviction_trials is None:
+        args.eviction_trials = 100 if args.workers > 1 else 0
     if args.serve_byte_relay:
         serve_byte_relay(args.serve_byte_relay, args.upstream_port)
         return 0
@@ -295,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     children = Children()
     try:
         with tempfile.TemporaryDirectory(prefix="gateway-stream-") as tmp:
-            summary = measure(args, children, Path(tmp))
+            summary = measure(args, children, Path(tmp)) if args.rounds > 0 else {}
+            if args.eviction_trials > 0:
+                children.close()
+                children.procs.clear()
+                summary["eviction_release"] = eviction_phase(args, children, Path(tmp))
     finally:
         children.close()
     text = json.dumps(summary, indent=2)

@@ -15,18 +15,19 @@ import json
 import logging
 import signal
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.classification import ClassificationError
-from gateway.config import ConfigError, LoadedConfig, load_config, with_admission, with_replicas
+from gateway.classification import ClassificationError, Classifier
+from gateway.config import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
 from gateway.flow_control import FlowController
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
-from gateway.replicas import ReplicaPool
+from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
 
 logger = logging.getLogger("gateway")
@@ -49,35 +50,26 @@ class Gateway:
         self.metrics.watch(self.controller.snapshot)
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
+        # Called after a reload or rollback applied a config (the relays of `--workers` take it up).
+        self.on_config: list[Callable[[], None]] = []
         _log_config("config_loaded", loaded)
 
     # -- application ----------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
-        for path in INFERENCE_PATHS:
-            app.router.add_post(path, self.proxy.inference)
-        app.router.add_get("/v1/models", self.proxy.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/healthz", self.health)
-        app.router.add_get("/readyz", self.ready)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/admin/state", self.admin_state)
-        app.router.add_post("/admin/rollback", self.admin_rollback)
+        app = gateway_app(self.proxy, self)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        cfg = self.controller.loaded.config
-        sat = cfg.saturation
-        limit = cfg.upstream.connectionLimit or max(
-            256, int(len(cfg.replicas) * sat.maxConcurrency * (1 + sat.headroom) * 2) + 64)
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=30,
-                                         enable_cleanup_closed=False)
-        timeout = aiohttp.ClientTimeout(total=cfg.upstream.timeoutSeconds or None,
-                                        sock_connect=cfg.upstream.connectTimeoutSeconds)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                              skip_auto_headers=("User-Agent",))
+        await self.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Open the upstream session, start the replica checks, the dispatch loop and SIGHUP reloads."""
+        self._session = upstream_session(self.controller.loaded.config)
         self.proxy.session = self._session
         await self.pool.start(self._session)
         self._loop_task = asyncio.create_task(self.controller.run(), name="gateway-dispatch-loop")
@@ -86,7 +78,7 @@ class Gateway:
         except (RuntimeError, ValueError):  # not the main thread: reload only through Gateway.reload()
             logger.warning("sighup_unavailable")
 
-    async def _on_cleanup(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self._loop_task is not None:
@@ -111,9 +103,14 @@ class Gateway:
         except ConfigError as exc:
             log_event(logger, logging.ERROR, "config_rejected", error=str(exc), running_digest=running)
             return False
-        self.proxy.reconfigure()
+        self._applied()
         _log_config("config_reloaded", loaded, previous_digest=running)
         return True
+
+    def _applied(self) -> None:
+        self.proxy.reconfigure()
+        for listener in self.on_config:
+            listener()
 
     # -- plain routes ---------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -123,43 +120,22 @@ class Gateway:
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness: at least one replica passes its health checks (and its calibration), so a request can
         be served; with none the gateway would answer every request 503 `rejected-no-endpoints`."""
-        healthy = sum(1 for r in self.pool.replicas if r.healthy and not r.refused)
-        body = {"status": "ok" if healthy else "failing", "healthy_replicas": healthy,
-                "replicas": len(self.pool.replicas)}
-        return web.json_response(body, status=200 if healthy else 503)
+        return readiness(self.pool.replicas)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _refuse_admin(self, request: web.Request) -> web.Response | None:
-        try:
-            self.proxy.classifier.admin(request.headers.get("Authorization"))
-        except ClassificationError as exc:
-            return error_response(exc.status, exc.message, exc.err_type, exc.code)
-        return None
-
     async def admin_state(self, request: web.Request) -> web.Response:
-        refused = self._refuse_admin(request)
+        refused = refuse_admin(self.proxy.classifier, request)
         if refused is not None:
             return refused
         return web.Response(text=json.dumps(self.controller.snapshot()), content_type="application/json")
 
     async def admin_rollback(self, request: web.Request) -> web.Response:
-        refused = self._refuse_admin(request)
-        if refused is not None:
-            return refused
-        lower = None
-        if request.can_read_body:
-            try:
-                doc = json.loads(await request.read() or b"{}")
-                lower = doc.get("admissionWatermark") if isinstance(doc, dict) else None
-                if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float))
-                                          or not 0 < lower <= 1):
-                    raise ValueError
-            except (ValueError, UnicodeDecodeError):
-                return error_response(400, "The body must be a JSON object, optionally with `admissionWatermark` "
-                                      "(a number in (0, 1]).", "invalid_request_error", "invalid_body")
+        lower = await rollback_request(self.proxy.classifier, request)
+        if isinstance(lower, web.Response):
+            return lower
         try:
             answer = self.rollback(lower)
         except ConfigError as exc:
@@ -185,11 +161,84 @@ class Gateway:
         except ValueError as exc:
             raise ConfigError(f"the rolled-back config is not valid: {exc}") from exc
         self.controller.apply_config(target)
-        self.proxy.reconfigure()
+        self._applied()
         log_event(logger, logging.WARNING, "config_rolled_back", from_digest=current.digest,
                   to_digest=previous.digest, applied_digest=target.digest, admission_watermark=watermark)
         return {"from_digest": current.digest, "to_digest": previous.digest, "applied_digest": target.digest,
                 "admissionWatermark": watermark}
+
+
+def gateway_app(proxy: Proxy, routes) -> web.Application:  # noqa: ANN001
+    """The gateway's routes: inference and models through `proxy`, the rest from `routes` (a Gateway, or a
+    relay of `--workers`): health, ready, prometheus, admin_state, admin_rollback."""
+    app = web.Application(client_max_size=64 * 2**20)
+    for path in INFERENCE_PATHS:
+        app.router.add_post(path, proxy.inference)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/healthz", routes.health)
+    app.router.add_get("/readyz", routes.ready)
+    app.router.add_get("/metrics", routes.prometheus)
+    app.router.add_get("/admin/state", routes.admin_state)
+    app.router.add_post("/admin/rollback", routes.admin_rollback)
+    return app
+
+
+async def until_stopped() -> None:
+    """Wait for SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def readiness(replicas: list[Replica]) -> web.Response:
+    healthy = sum(1 for r in replicas if r.healthy and not r.refused)
+    body = {"status": "ok" if healthy else "failing", "healthy_replicas": healthy, "replicas": len(replicas)}
+    return web.json_response(body, status=200 if healthy else 503)
+
+
+def refuse_admin(classifier: Classifier, request: web.Request) -> web.Response | None:
+    """The answer to a caller without an admin key (once keys are configured); None lets it through."""
+    try:
+        classifier.admin(request.headers.get("Authorization"))
+    except ClassificationError as exc:
+        return error_response(exc.status, exc.message, exc.err_type, exc.code)
+    return None
+
+
+def upstream_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
+    """The session every request to a replica goes through (responses relayed as they come, not decompressed)."""
+    sat = cfg.saturation
+    limit = cfg.upstream.connectionLimit or max(
+        256, int(len(cfg.replicas) * sat.maxConcurrency * (1 + sat.headroom) * 2) + 64)
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=30,
+                                     enable_cleanup_closed=False)
+    timeout = aiohttp.ClientTimeout(total=cfg.upstream.timeoutSeconds or None,
+                                    sock_connect=cfg.upstream.connectTimeoutSeconds)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 skip_auto_headers=("User-Agent",))
+
+
+async def rollback_request(classifier: Classifier, request: web.Request) -> float | None | web.Response:
+    """The optional lower admission watermark of POST /admin/rollback, or the answer to a caller without an
+    admin key or with a bad body."""
+    refused = refuse_admin(classifier, request)
+    if refused is not None:
+        return refused
+    lower = None
+    if request.can_read_body:
+        try:
+            doc = json.loads(await request.read() or b"{}")
+            lower = doc.get("admissionWatermark") if isinstance(doc, dict) else None
+            if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float))
+                                      or not 0 < lower <= 1):
+                raise ValueError
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "The body must be a JSON object, optionally with `admissionWatermark` "
+                                  "(a number in (0, 1]).", "invalid_request_error", "invalid_body")
+    return lower
 
 
 def _log_config(event: str, loaded: LoadedConfig, **extra: object) -> None:

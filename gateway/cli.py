@@ -11,16 +11,16 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 
 import httpx
 
 from aiohttp import web
 
-from gateway.app import Gateway
+from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
 from gateway.config import ConfigError, load_config
+from gateway.flow_process import FlowServer, listening_socket
 from gateway.log import configure_logging, log_event
 from holdback.env_flags import flags_from_env
 
@@ -37,7 +37,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
     p.add_argument("--replicas", help="comma-separated replica base URLs; overrides `replicas` in the config")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--workers", type=int, default=1, help=(
+        "relay processes (default 1: one process does everything). With N > 1, one flow-control process "
+        "makes every decision (queues, ceilings, KV admission, eviction, replica health) and N relay "
+        "processes share the listening port, relay the bytes and ask it over a local channel; a relay that "
+        "dies is replaced and its requests released"))
     return flags_from_env(p, "gateway")
+
+
+async def serve_workers(gateway: Gateway, host: str, port: int, workers: int, log_level: str) -> None:
+    """One flow-control process (this one) and `workers` relay processes on one listening socket."""
+    server = FlowServer(gateway, workers, listening_socket(host, port), log_level)
+    log_event(logger, logging.INFO, "listening", host=host, port=port, workers=workers,
+              event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+    try:
+        await server.run(until_stopped())
+    finally:
+        log_event(logger, logging.INFO, "stopping")
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> None:
@@ -49,12 +65,8 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
     # asyncio is the fallback where it does not install. The log says which one runs.
     log_event(logger, logging.INFO, "listening", host=host, port=port,
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         log_event(logger, logging.INFO, "stopping")
         await runner.cleanup()
@@ -118,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         return _rollback(argv[1:])
     if argv and argv[0] == "calibrate":
         return _calibrate(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1 (got {args.workers}); 1 runs the gateway as one process")
     configure_logging(args.log_level)
     try:
         loaded = load_config(args.config)
@@ -135,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
     except ImportError:
         uvloop = None
-    if uvloop is not None:
-        uvloop.run(serve(gateway, args.host, args.port))
+    run = uvloop.run if uvloop is not None else asyncio.run
+    if args.workers > 1:
+        run(serve_workers(gateway, args.host, args.port, args.workers, args.log_level))
     else:
-        asyncio.run(serve(gateway, args.host, args.port))
+        run(serve(gateway, args.host, args.port))
     return 0

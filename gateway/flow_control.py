@@ -272,13 +272,16 @@ class FlowController:
         log_event(logger, logging.INFO, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
-    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None) -> None:
+    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None,
+               closed_at: float | None = None) -> None:
         """A dispatched request is over (completed, failed, client gone or evicted): release its slot and its
         KV reservation. `cause` (end, cancel, disconnect, evict, error) and `event_at` (monotonic time the
-        cause was seen) measure release latency."""
+        cause was seen) measure release latency. `closed_at`: when an evicted request's upstream connection
+        closed, if earlier than now (a relay of `--workers` closes it, then tells flow control)."""
         if req.status is not Status.DISPATCHED:
             return
         now = self.clock()
+        closed = min(now, closed_at) if closed_at is not None else now
         evicted = req.drop_reason is DropReason.EVICTED
         req.status = Status.EVICTED if evicted else Status.FINISHED
         replica: Replica = req.replica  # type: ignore[assignment]
@@ -289,13 +292,15 @@ class FlowController:
                 cause = "evict" if evicted else cause
                 start = req.evicted_at if evicted else (event_at if event_at is not None else now)
                 self.metrics.child(self.metrics.kv_release, cause).observe(max(0.0, now - start))
-                self.recent_releases.append({
-                    "request_id": req.request_id, "fairness_id": req.fairness_id, "cause": cause,
-                    "at": time.time(), "seconds_after_cause": round(max(0.0, now - start), 6)})
+                release = {"request_id": req.request_id, "fairness_id": req.fairness_id, "cause": cause,
+                           "at": time.time(), "seconds_after_cause": round(max(0.0, now - start), 6)}
+                if evicted:
+                    release["upstream_closed_after_cause"] = round(max(0.0, closed - start), 6)
+                self.recent_releases.append(release)
         band = self.bands[req.priority]
         self.evictor.untrack(req)
         if evicted:
-            latency = self.evictor.confirm(req, now)
+            latency = self.evictor.confirm(req, closed)
             if latency is not None:
                 self.evictions["confirmed"] += 1
                 self.metrics.child(self.metrics.evictions, "confirmed").inc()
@@ -316,8 +321,10 @@ class FlowController:
         self.bands[req.priority].in_flight -= 1
         self.in_flight -= 1
 
-    def reassign(self, req: FlowRequest) -> Replica | None:
-        """Move a dispatched request whose replica refused the connection to another replica, if any."""
+    async def reassign(self, req: FlowRequest) -> Replica | None:
+        """Move a dispatched request whose replica refused the connection to another replica, if any.
+        A coroutine (that never awaits, so the move is one step of the single writer) because a relay's
+        controller must ask the flow-control process for the answer (gateway/remote_flow.py)."""
         if req.status is not Status.DISPATCHED or req.slot_released:
             return None
         old: Replica = req.replica  # type: ignore[assignment]
@@ -348,6 +355,10 @@ class FlowController:
         self.ledger.revise(res, output_tokens, self.clock(), done=done)
         if res.blocks < before and self.total_queued:
             self.wake()
+
+    def started_streaming(self, req: FlowRequest) -> None:
+        """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
+        req.streaming_started = True
 
     def count_mid_stream_eviction(self) -> None:
         self.evictions["mid_stream"] += 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from holdback.probes import component_registry
 
@@ -144,3 +144,51 @@ class _StateCollector:
         info = GaugeMetricFamily(f"{PREFIX}_config_info", "The running config's digest.", labels=["digest"])
         info.add_metric([s["config"]["digest"]], 1.0)
         yield from (sat, queue, flows, inflight, ceiling, r_inflight, r_healthy, r_kv, stale, pending, info)
+
+
+# -- several processes (`holdback gateway --workers N`) -----------------------------------------------------------
+def metric_families(registry: CollectorRegistry) -> list[tuple]:
+    """A registry's current samples as plain tuples, to send over the flow-control channel."""
+    return [(m.name, m.documentation, m.type, m.unit, [(s.name, s.labels, s.value) for s in m.samples])
+            for m in registry.collect()]
+
+
+def merged_exposition(own: list[tuple], others: list[list[tuple]]) -> bytes:
+    """One exposition of the flow-control process's metrics and its relays': counters and histograms are summed
+    over processes (`process_cpu_seconds_total` is the CPU of the whole gateway), `_created` is the earliest;
+    gauges are the flow-control process's own (its state, its memory)."""
+    families: dict[str, tuple[str, str, str, dict]] = {}
+
+    def add(fams: list[tuple], gauges: bool) -> None:
+        for name, doc, typ, unit, samples in fams:
+            if typ not in ("counter", "histogram", "summary") and not gauges:
+                continue
+            values = families.setdefault(name, (doc, typ, unit, {}))[3]
+            for sample, labels, value in samples:
+                key = (sample, tuple(sorted(labels.items())))
+                if sample.endswith("_created"):
+                    values[key] = min(values.get(key, value), value)
+                else:
+                    values[key] = values.get(key, 0.0) + value
+
+    add(own, True)
+    for fams in others:
+        add(fams, False)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(families))
+    return generate_latest(registry)
+
+
+class _Merged:
+    def __init__(self, families: dict[str, tuple[str, str, str, dict]]):
+        self.families = families
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, (doc, typ, unit, values) in self.families.items():
+            metric = Metric(name, doc, typ, unit)
+            for (sample, labels), value in values.items():
+                metric.add_sample(sample, dict(labels), value)
+            yield metric

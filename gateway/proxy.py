@@ -6,6 +6,8 @@ clean 429. Eviction and client disconnects both arrive as cancellation of the ha
 response is closed (the TCP connection is dropped, never pooled), so the replica aborts the request.
 With KV admission on, the body is parsed and its prompt counted before flow control, and the relay counts
 streamed tokens (one per `data: {` event) so the ledger's reservation follows the response.
+`controller` is the FlowController in one process, or in a relay of `--workers N` the RemoteFlowController
+that asks the flow-control process (gateway/remote_flow.py): the same calls, so this is the one relay path.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ class Proxy:
                 except aiohttp.ClientConnectorError as exc:
                     # Nothing reached the replica, so another one may take the request (once per replica).
                     failed = self._upstream_failure(replica, exc, request_id)
-                    replica = controller.reassign(req)
+                    replica = await controller.reassign(req)
                     if replica is None:
                         controller.finish(req)
                         return failed
@@ -220,7 +222,7 @@ class Proxy:
                     return self._upstream_failure(req.replica, exc, request_id)
             headers = self._response_headers(resp, request_id)
             headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
-            if req.waiter is not None:
+            if req.enqueued_at:  # it waited in a queue
                 headers[QUEUE_MS_HEADER] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
             content_type = resp.headers.get("Content-Type", "")
             if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
@@ -244,7 +246,7 @@ class Proxy:
                 streamed = "true" if content_type.startswith("text/event-stream") else "false"
                 self.metrics.child(self.metrics.ttft, req.objective, streamed).observe(time.monotonic() - req.arrived)
                 await stream.prepare(request)
-                req.streaming_started = True
+                controller.started_streaming(req)
             while chunk:
                 if ledger is not None:
                     tokens += chunk.count(_EVENT)

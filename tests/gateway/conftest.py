@@ -1,4 +1,8 @@
-"""Fixtures for gateway integration tests: real simulator replicas and real gateways as subprocesses."""
+"""Fixtures for gateway integration tests: real simulator replicas and real gateways as subprocesses.
+
+The flow-control, eviction and admission modules in BOTH_MODES run every test twice: against the gateway as one
+process and as `holdback gateway --workers 2` (one flow-control process, two relays); the ids say which.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,30 @@ import pytest
 from tests.support import Processes, free_port, free_ports, wait_http
 
 
+# Modules whose tests run against both gateway modes (the rest use one process).
+BOTH_MODES = ("tests.gateway.test_gateway_sim", "tests.gateway.test_kv_admission_sim",
+              "tests.gateway.test_reserve_sim")
+MODES = {"one-process": 1, "workers-2": 2}
+
+
+def pytest_generate_tests(metafunc):  # noqa: ANN001
+    if "stack" in metafunc.fixturenames and metafunc.module.__name__ in BOTH_MODES:
+        metafunc.parametrize("gateway_workers", list(MODES.values()), ids=list(MODES), indirect=True)
+
+
+@pytest.fixture
+def gateway_workers(request) -> int:  # noqa: ANN001
+    """Relay processes of the gateways a test starts (1: the single-process gateway)."""
+    return getattr(request, "param", 1)
+
+
 class Stack:
     """Starts `holdback sim` and `holdback gateway` children for one test and reads their state."""
 
-    def __init__(self, procs: Processes, tmp: Path):
+    def __init__(self, procs: Processes, tmp: Path, workers: int = 1):
         self.procs = procs
         self.tmp = tmp
+        self.workers = workers
 
     def sim(self, replicas: int = 1, *args: str) -> list[str]:
         port = free_ports(replicas)
@@ -31,8 +53,9 @@ class Stack:
         path = self.tmp / f"gateway-{free_port()}.yaml"
         path.write_text(config)
         port = free_port()
+        workers = ("--workers", str(self.workers)) if self.workers > 1 else ()
         proc = self.procs.start("gateway", "--config", str(path), "--port", str(port),
-                                "--replicas", ",".join(replicas), name="gateway", env=env)
+                                "--replicas", ",".join(replicas), *workers, name="gateway", env=env)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc=proc)
         return Gateway(url, proc, path, self.procs)
@@ -71,6 +94,6 @@ def sim_metric(url: str, name: str) -> float:
 
 
 @pytest.fixture
-def stack(tmp_path):
+def stack(tmp_path, gateway_workers):
     with Processes(log_dir=tmp_path / "logs") as procs:
-        yield Stack(procs, tmp_path)
+        yield Stack(procs, tmp_path, gateway_workers)

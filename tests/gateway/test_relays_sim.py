@@ -1,0 +1,76 @@
+"""`holdback gateway --workers 2` when a relay dies: flow control releases what it held, and a new relay serves.
+
+The gateway, its two relays and the simulator are real processes; a relay is killed with SIGKILL while it
+relays streams, so nothing in it gets to clean up: the flow-control process sees its channel close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import sim_state
+from tests.gateway.test_gateway_sim import wait_until
+from tests.gateway.test_kv_admission_sim import BASE, SIM_ARGS, Held, blocks_body, hdr, kv
+
+STREAMS = 4
+BLOCKS = 150  # each stream's reservation (2,000 tokens of output: a minute at 30 ms a step)
+
+
+def relays(gw) -> dict:
+    return gw.state()["relays"]
+
+
+@pytest.mark.parametrize("gateway_workers", [2], indirect=True)
+def test_a_relay_killed_mid_stream_leaves_no_reservation_and_is_replaced(stack):
+    [sim] = stack.sim(1, *SIM_ARGS)
+    gw = stack.gateway([sim], BASE)
+
+    async def main():
+        # One connection per stream, so the two relays share them (whichever accepts first takes each).
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60, limits=limits) as client:
+            await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
+            await wait_until(lambda: len(relays(gw)["running"]) == 2)
+            held = [Held(client, blocks_body(BLOCKS, 2000), hdr("standard")) for _ in range(STREAMS)]
+            await wait_until(lambda: all(h.chunks for h in held))
+            assert kv(gw, sim)["reserved_blocks"] == STREAMS * BLOCKS
+            before = relays(gw)
+            busy = next(r for r in before["running"] if r["requests"])
+            os.kill(busy["pid"], signal.SIGKILL)
+            # Its streams break at the caller; the others go on.
+            await wait_until(lambda: sum(h.task.done() for h in held) == busy["requests"])
+            cut = [h for h in held if h.task.done()]
+            alive = [h for h in held if not h.task.done()]
+            assert all(isinstance(h.task.exception(), httpx.HTTPError) for h in cut)
+            # Flow control released what the dead relay held: no reservation, no in-flight request left.
+            await wait_until(lambda: gw.state()["in_flight"] == len(alive))
+            await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == len(alive) * BLOCKS)
+            await wait_until(lambda: sum(r["requests"] for r in relays(gw)["running"]) == len(alive))
+            await wait_until(lambda: sim_state(sim)["running"] == len(alive))  # the replica aborted them too
+            # A new relay took its place.
+            await wait_until(lambda: (r := relays(gw))["restarts"] == 1 and len(r["running"]) == 2)
+            assert busy["pid"] not in {r["pid"] for r in relays(gw)["running"]}
+            for h in alive:
+                await h.close()
+            await wait_until(lambda: gw.state()["in_flight"] == 0 and kv(gw, sim)["reserved_blocks"] == 0)
+            # Kill the other original relay too: only relays started after the first kill are left, and they serve.
+            survivor = next(r["pid"] for r in relays(gw)["running"] if r["pid"] in
+                            {p["pid"] for p in before["running"]})
+            os.kill(survivor, signal.SIGKILL)
+            await wait_until(lambda: (r := relays(gw))["restarts"] == 2 and len(r["running"]) == 2)
+            originals = {r["pid"] for r in before["running"]}
+            assert not originals & {r["pid"] for r in relays(gw)["running"]}
+            for _ in range(4):
+                r = await client.post("/v1/completions", json=blocks_body(2, 8, stream=False),
+                                      headers=hdr("standard"))
+                assert r.status_code == 200, r.text
+            state = gw.state()
+            assert state["in_flight"] == 0 and kv(gw, sim)["reserved_blocks"] == 0
+            assert state["totals"]["dispatched"] == STREAMS + 4
+
+    asyncio.run(main())
