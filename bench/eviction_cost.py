@@ -2,7 +2,9 @@
 with prefix caching off and on, at the study's operating point (50% batch reserve), in one run.
 
 Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` repeats the set, every
-other round in reverse order, so no arm always runs first or last):
+other round in reverse order, so no arm always runs first or last). Each is a scenario of bench/study.py under
+this bench's name (holdback_50, evict_newest_restart[_cache], evict_cost_resume[_cache]), so the study and this
+bench configure them in one place:
   holdback_off / holdback_on      holdback alone (eviction off), prefix caching off / on: the baseline
   newest_restart_off / _on        today's eviction: the fixed 50% ceiling, `newest-first` victims, workers
                                   restart evicted requests
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -38,26 +39,26 @@ from pathlib import Path
 
 import httpx
 
+from bench.intervals import quantile_interval
 from bench.report import figures, percentile
 from bench.stack import Stack
-from bench.study import QUICK, Scenario, Workload, run_one, with_overrides
+from bench.study import CACHE, QUICK, SCENARIOS, Scenario, Workload, run_one, with_overrides
 from gateway.config import Eviction
 
-CACHE = ("--enable-prefix-caching",)
-RESERVE_CEILING = 0.5
+def _arm(study_name: str, name: str, title: str, **changes) -> Scenario:  # noqa: ANN003
+    """One arm: a study scenario (the same gateway, simulator and worker settings) under this bench's name."""
+    return replace(SCENARIOS[study_name], name=name, title=title, **changes)
+
+
+# The arms are the study's scenarios (bench/study.py), renamed; the two borrowing arms add the adaptive reserve.
 ARMS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("holdback_off", "Holdback alone, prefix cache off", batch_ceiling=RESERVE_CEILING),
-    Scenario("holdback_on", "Holdback alone, prefix cache on", batch_ceiling=RESERVE_CEILING, sim_extra=CACHE),
-    Scenario("newest_restart_off", "Newest-first + restart, cache off", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",)),
-    Scenario("newest_restart_on", "Newest-first + restart, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",), sim_extra=CACHE),
-    Scenario("cost_resume_off", "Cost-ranked + resume, borrowing, cache off", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", adaptive=True),
-    Scenario("cost_resume_on", "Cost-ranked + resume, borrowing, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", adaptive=True, sim_extra=CACHE),
-    Scenario("cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", sim_extra=CACHE),
+    _arm("holdback_50", "holdback_off", "Holdback alone, prefix cache off"),
+    _arm("holdback_50", "holdback_on", "Holdback alone, prefix cache on", sim_extra=CACHE),
+    _arm("evict_newest_restart", "newest_restart_off", "Newest-first + restart, cache off"),
+    _arm("evict_newest_restart_cache", "newest_restart_on", "Newest-first + restart, cache on"),
+    _arm("evict_cost_resume", "cost_resume_off", "Cost-ranked + resume, borrowing, cache off", adaptive=True),
+    _arm("evict_cost_resume_cache", "cost_resume_on", "Cost-ranked + resume, borrowing, cache on", adaptive=True),
+    _arm("evict_cost_resume_cache", "cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on"),
 )}
 DEFAULT_ARMS = [name for name in ARMS if name != "cost_resume_on_fixed"]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
@@ -83,17 +84,6 @@ def attempt_tokens(stack: Stack, rows: list[dict]) -> dict:
                 out["tokens_kept"] += a.get("tokens_kept", 0)
                 out["resumed_attempts"] += a.get("tokens_kept", 0) > 0
     return out
-
-
-def quantile_interval(values: list[float], q: float, z: float = 1.96) -> tuple[float | None, float | None]:
-    """Distribution-free interval for the q-quantile: order statistics around rank n·q (normal approximation)."""
-    n = len(values)
-    if n < 20:
-        return None, None
-    ordered = sorted(values)
-    half = z * math.sqrt(n * q * (1 - q))
-    lo, hi = max(0, math.floor(n * q - half) - 1), min(n - 1, math.ceil(n * q + half) - 1)
-    return ordered[lo], ordered[hi]
 
 
 @dataclass(frozen=True)
