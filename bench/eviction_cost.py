@@ -42,7 +42,8 @@ import httpx
 from bench.intervals import quantile_interval
 from bench.report import figures, percentile
 from bench.stack import Stack
-from bench.study import CACHE, QUICK, SCENARIOS, Scenario, Workload, run_one, with_overrides
+from bench.study import (CACHE, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
+                         with_overrides)
 from gateway.config import Eviction
 
 def _arm(study_name: str, name: str, title: str, **changes) -> Scenario:  # noqa: ANN003
@@ -193,8 +194,8 @@ def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path
 def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     """Figures of every raw record under `out_dir/raw` (a run's arms, or what an interrupted run left)."""
     by_round: dict[int, dict[str, ArmFigures]] = {}
-    for path in sorted((out_dir / "raw").glob("*.json")):
-        record = json.loads(path.read_text())
+    for path in record_paths(out_dir):
+        record = read_record(path)
         scenario = record["scenario"]
         if scenario["name"] not in ARMS:
             continue

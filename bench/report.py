@@ -32,6 +32,8 @@ SHORT = {
     "reserve_75_evict": "reserve 75%\n+ eviction", "reserve_25_noevict": "reserve 25%\neviction off",
     "two_replicas": "two replicas\n50% + evict", "standard_check": "standard\nreclaims",
     "adaptive_evict": "adaptive\n+ eviction", "batch_alone": "batch\nalone",
+    "evict_newest_restart": "newest\nrestart", "evict_cost_resume": "cost-ranked\nresume",
+    "evict_newest_restart_cache": "newest restart\n+ cache", "evict_cost_resume_cache": "cost resume\n+ cache",
 }
 SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict", 75)]
 EVICTION_COST = ("evict_newest_restart", "evict_cost_resume", "evict_newest_restart_cache", "evict_cost_resume_cache")
@@ -102,6 +104,7 @@ def figures(record: dict) -> dict:
     f: dict = {
         "scenario": record["scenario"]["name"],
         "repeat": record["repeat"],
+        "replicas": record["scenario"].get("replicas", 1),
         "realtime_requests": len(rt),
         "realtime_ok": len(ok),
         "realtime_errors": len(rt) - len(ok),
@@ -177,7 +180,9 @@ def run_harvest(run_figs: list[dict], name: str, repeat: int) -> float | None:
         get("realtime_only", "realtime_output_tps")
     if mixed is None or alone is None or rt is None or alone - rt <= 0:
         return None
-    return mixed / (alone - rt)
+    # batch_alone and realtime_only run one replica; a scenario with more is compared per replica (its realtime
+    # traffic is scaled by the replica count too).
+    return mixed / (get(name, "replicas") or 1) / (alone - rt)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -290,13 +295,20 @@ def goals(summary: dict[str, dict], run_figs: list[dict]) -> list[dict]:
                 "method": "counts over every run",
                 "verdict": ("not measured (no evictions)" if not evicted else
                             "met" if done == evicted and dup == 0 and waited else "missed"),
-                "note": f"{done} of {evicted} evicted requests completed; {dup} duplicate final results"})
+                "note": f"{done} of {evicted} evicted requests completed; {dup} duplicate final results"
+                        + "".join(f"; {n}: {v.get('evicted_completed_sum')} of {v.get('evicted_requests_sum')}"
+                                  + ("" if v.get("evicted_all_done", True) else
+                                     " (the wait for their retries after the window ran out)")
+                                  for n, v in summary.items()
+                                  if (v.get("evicted_completed_sum") or 0) < (v.get("evicted_requests_sum") or 0))})
     return out
 
 
 def load(out_dir: Path) -> tuple[dict, list[dict], list[dict]]:
     meta = json.loads((out_dir / "study.json").read_text()) if (out_dir / "study.json").exists() else {}
-    records = [json.loads(p.read_text()) for p in sorted((out_dir / "raw").glob("*.json"))]
+    from bench.study import read_record, record_paths
+
+    records = [read_record(p) for p in record_paths(out_dir)]
     return meta, records, [figures(r) for r in records]
 
 
@@ -434,8 +446,9 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(f.get('release_p50_ms'), 1)} / {_fmt(f.get('release_p99_ms'), 1)} | "
                      f"{_fmt(f.get('eviction_confirm_p99_ms'), 1)} |")
     lines += ["", "## Where ours differs from the seed, and why", ""] + differences(meta, summary, run_figs)
-    lines += ["", "## Calibration", "", CALIBRATION.format(base=_fmt(s("realtime_only", "p95_ttft_ms")),
-                                                           args=" ".join(w.get("sim_args", [])))]
+    lines += ["", "## Calibration", "", CALIBRATION.format(
+        base=_fmt(s("realtime_only", "p95_ttft_ms")), after=_fmt(s("realtime_only", "p95_ttft_after_burst_ms")),
+        args=" ".join(w.get("sim_args", [])))]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Workload", "", "```json", json.dumps(w, indent=2), "```", ""]
     return "\n".join(lines)
@@ -524,10 +537,10 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
     from bench.study import SCENARIOS
 
     made = []
-    names = [n for n in SCENARIOS if n in summary]
+    names = [n for n in SCENARIOS if n in summary and SCENARIOS[n].realtime]
     labels = [SHORT.get(n, n) for n in names]
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(max(11.0, 1.05 * len(names)), 4.5))
     ours = [summary[n].get("p95_ttft_ms") or 0 for n in names]
     seed = [SEED.get(n, {}).get("p95_ttft_ms") for n in names]
     x = range(len(names))
@@ -542,16 +555,17 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
     plt.close(fig)
     made.append("p95_ttft_by_scenario.png")
 
-    bnames = [n for n in names if SCENARIOS[n].batch]
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    ax.bar(range(len(bnames)), [summary[n].get("batch_completions") or 0 for n in bnames], color="#7a4fb0")
-    ax.set_xticks(range(len(bnames)), [SHORT.get(n, n) for n in bnames], fontsize=8)
-    ax.set_ylabel("batch completions in the window")
-    ax.set_title("Batch completions by scenario (median over repeats)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "batch_completions_by_scenario.png", dpi=110)
-    plt.close(fig)
-    made.append("batch_completions_by_scenario.png")
+    bnames = [n for n in SCENARIOS if n in summary and SCENARIOS[n].batch]
+    if bnames:
+        fig, ax = plt.subplots(figsize=(max(10.0, 1.05 * len(bnames)), 4.2))
+        ax.bar(range(len(bnames)), [summary[n].get("batch_completions") or 0 for n in bnames], color="#7a4fb0")
+        ax.set_xticks(range(len(bnames)), [SHORT.get(n, n) for n in bnames], fontsize=8)
+        ax.set_ylabel("batch completions in the window")
+        ax.set_title("Batch completions by scenario (median over repeats)")
+        fig.tight_layout()
+        fig.savefig(out_dir / "batch_completions_by_scenario.png", dpi=110)
+        plt.close(fig)
+        made.append("batch_completions_by_scenario.png")
 
     sweep = [(r, summary[n]) for n, r in SWEEP if n in summary]
     if sweep:
@@ -606,15 +620,16 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
 
 
 CALIBRATION = """The simulator stands in for one vLLM replica; docs/study/README.md gives the reasoning. KV blocks come
-from the model and the GPU: a 32B dense model in bf16 (64 layers, 8 KV heads of 128: 256 KiB per token) on one
-80 GB GPU keeps about 2,200 blocks of 16 tokens after its 65.5 GB of weights. The workload fills them at the
-operating point: 48 batch requests (450-710 prompt tokens, 32-96 output) hold about 84%, the 32-request realtime
-burst (about 890 prompt tokens each) about 81%, and batch plus a large share of realtime more than all of them, so
-the replica preempts (vLLM's recompute) when realtime takes batch's places without a reserve. Step timing is
-fitted to the seed's realtime-only p95 TTFT, not derived from the GPU: a decode step dominates (about 125 ms with a
-few sequences), so time to first token is mostly "wait for the step in progress, then one step". With `{args}`
-the realtime-only p95 TTFT here is {base} ms (the seed: 342 ms). Prefix caching is off except in the `_cache`
-scenarios, so a retried request recomputes its prompt."""
+from the model and the GPU: a 32B dense model in bf16 (64 layers, 8 KV heads of 128: 256 KiB of KV per token) on
+one 80 GB GPU at 90% memory use keeps about 950 blocks of 16 tokens beside its 65.5 GB of weights. Batch lines
+(about 170-335 prompt tokens, 48-160 output tokens) hold 11-21 blocks each and grow as they decode: 48 of them
+fill 96% of the pool on average and touch all of it, so 48 in flight is where this replica runs out of KV and
+starts to preempt (vLLM's recompute); realtime requests (about 256 prompt tokens, 8 output) hold 17 blocks.
+Step timing is fitted to the seed's realtime-only p95 TTFT, not derived from the GPU: a decode step dominates
+(about 160 ms with a few sequences), so time to first token is mostly "wait for the step in progress, then one
+step". With `{args}` the realtime-only p95 TTFT here is {base} ms over the whole window and {after} ms after
+the opening burst (the seed: 342 ms over 300 s, where the burst is 2.6% of the requests). Prefix caching is off
+except in the `_cache` scenarios, so a retried request recomputes its prompt."""
 
 
 def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> list[str]:
@@ -650,13 +665,13 @@ def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> l
     c_hb, c_ev = s("holdback_50", "batch_completions"), s("holdback_50_evict", "batch_completions")
     if c_hb and c_ev is not None and c_ev <= c_hb:
         out.append(
-            f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.** In our "
-            f"simulator an evicted request's computed tokens are thrown away "
-            f"({_fmt(s('holdback_50_evict', 'recomputed_tokens'))} here) and at a fixed 50% ceiling nothing else "
-            f"changes for batch, so eviction cannot add batch completions unless it saves the replica "
-            f"preemptions ({_fmt(s('holdback_50', 'preemptions'))} with holdback alone here, "
-            f"{_fmt(s('holdback_50_evict', 'preemptions'))} with eviction). The seed does not say where its extra "
-            f"150 completions came from.")
+            f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.** An "
+            f"evicted request's computed work is lost or resumed at a cost "
+            f"({_fmt(s('holdback_50_evict', 'recomputed_tokens'))} tokens computed then aborted here), and at a fixed "
+            f"50% ceiling batch holds at most 24 places with or without eviction, so eviction can add completions "
+            f"only by sparing the replica preemptions; here it had {_fmt(s('holdback_50', 'preemptions'))} with "
+            f"holdback alone and {_fmt(s('holdback_50_evict', 'preemptions'))} with eviction (24 batch requests fill "
+            f"about half of its KV blocks). The seed does not say where its extra 150 completions came from.")
     elif c_hb and c_ev:
         out.append(f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.**")
     sweep = [(r, s(n, "p95_ttft_ms")) for n, r in SWEEP if s(n, "p95_ttft_ms") is not None]

@@ -12,6 +12,7 @@ summary, the Markdown report and the plots.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import random
@@ -60,7 +61,9 @@ class Workload:
         "--decode-ms-per-seq", "0.4", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
         "--num-blocks", "950", "--block-size", "16", "--jitter", "0.05",
     )
-    retry_wait_s: float = 120.0
+    # Longest wait after the window for evicted requests to finish their retries (ends as soon as they have): at
+    # a 25% batch ceiling a retry queues behind about 50 batch requests for 12 places.
+    retry_wait_s: float = 300.0
 
 
 QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.0, backoff_cap=8.0,
@@ -322,21 +325,34 @@ def _normalized(workload: Workload) -> dict:
     return json.loads(json.dumps(asdict(workload)))
 
 
+def record_paths(out_dir: Path) -> list[Path]:
+    """The raw run records in out_dir/raw: `<scenario>-r<repeat>.json`, or gzipped (`.json.gz`) once committed."""
+    raw = out_dir / "raw"
+    return sorted([*raw.glob("*.json"), *raw.glob("*.json.gz")])
+
+
+def read_record(path: Path) -> dict:
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)
+
+
 def recorded_runs(out_dir: Path, w: Workload, seed: int) -> dict[tuple[str, int], dict]:
     """The (scenario, repeat) runs already recorded under out_dir/raw, checked to be of this workload and seed."""
     done: dict[tuple[str, int], dict] = {}
     want = _normalized(w)
-    for path in sorted((out_dir / "raw").glob("*.json")):
+    for path in record_paths(out_dir):
         try:
-            record = json.loads(path.read_text())
-        except ValueError:
-            continue  # unreadable: run again
+            record = read_record(path)
+        except (ValueError, OSError, EOFError):
+            continue  # unreadable (a run stopped mid-write): run again
         repeat = record.get("repeat", 0)
         if record.get("workload") != want or record.get("seed") != seed + repeat:
-            changed = sorted(k for k in want if (record.get("workload") or {}).get(k) != want[k])
+            changed = [f"{k} {(record.get('workload') or {}).get(k)!r} against {want[k]!r}" for k in sorted(want)
+                       if (record.get("workload") or {}).get(k) != want[k]]
+            if record.get("seed") != seed + repeat:
+                changed.append(f"seed {record.get('seed')} against {seed + repeat}")
             raise StudyMismatch(
-                f"{path} was recorded with another workload or seed (seed {record.get('seed')} against "
-                f"{seed + repeat}; differing workload fields: {', '.join(changed) or 'none'}): pass the same mode, "
+                f"{path} was recorded with another workload or seed ({'; '.join(changed)}): pass the same mode, "
                 f"--window, --lead and --seed as the interrupted run, or a new --out")
         done[(record["scenario"]["name"], repeat)] = record
     return done

@@ -119,7 +119,7 @@ def test_resume_refuses_records_of_another_workload_or_seed(tmp_path):
         recorded_runs(tmp_path, QUICK, 7)
     other = study.with_overrides(QUICK, window_s=30.0)
     (tmp_path / "raw" / "no_controls-r0.json").write_text(json.dumps(record("no_controls", 0, w=other)))
-    with pytest.raises(StudyMismatch, match="window_s"):
+    with pytest.raises(StudyMismatch, match="window_s 30.0 against 60.0"):
         recorded_runs(tmp_path, QUICK, 7)
 
 
@@ -128,3 +128,12 @@ def test_the_duration_estimate_counts_lead_window_and_overhead():
     assert study.run_seconds(SCENARIOS["realtime_only"], study.FULL, 25.0) == 1 + 300 + 25
     assert study.format_duration(5 * 3600 + 7 * 60) == "5 h 07 min"
     assert study.format_duration(600) == "10 min"
+
+
+def test_gzipped_records_count_as_recorded_and_are_read_by_the_report(tmp_path):
+    import gzip
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "no_controls-r0.json.gz").write_bytes(gzip.compress(json.dumps(record("no_controls", 0)).encode()))
+    assert set(recorded_runs(tmp_path, QUICK, 7)) == {("no_controls", 0)}
+    assert study.read_record(study.record_paths(tmp_path)[0])["scenario"]["name"] == "no_controls"
