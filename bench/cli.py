@@ -11,7 +11,7 @@ from pathlib import Path
 from bench import drill_report
 from bench.drills import DRILLS, PLANS, run_drills
 from bench.report import render
-from bench.study import FULL, QUICK, SCENARIOS, run_study, with_overrides
+from bench.study import FULL, QUICK, SCENARIOS, StudyMismatch, run_study, with_overrides
 
 
 def main(argv: list[str]) -> int:
@@ -19,8 +19,9 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     st = sub.add_parser("study", help="run the holdback-and-eviction study on simulated replicas and write a report")
     mode = st.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="short windows, one repeat (about 10 minutes; default)")
-    mode.add_argument("--full", action="store_true", help="300 s per scenario, 3 repeats, 60 s batch lead")
+    mode.add_argument("--quick", action="store_true", help="short windows, one repeat (about 25 minutes for every scenario; default)")
+    mode.add_argument("--full", action="store_true", help="300 s per scenario, 3 repeats, 60 s batch lead (about 5 hours for every "
+                      "scenario; the estimate is printed at the start; --resume continues a stopped run)")
     st.add_argument("--out", type=Path, default=None, help="results folder (default results/study-<mode>-<time>)")
     st.add_argument("--scenarios", default=",".join(SCENARIOS),
                     help="comma-separated subset of: " + ", ".join(SCENARIOS))
@@ -28,6 +29,8 @@ def main(argv: list[str]) -> int:
     st.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per scenario")
     st.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts")
     st.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
+    st.add_argument("--resume", action="store_true",
+                    help="keep the runs already recorded in --out (same workload and seed, checked) and run the rest")
     rp = sub.add_parser("report", help="regenerate summary.json, report.md and the plots from DIR/raw/*.json")
     rp.add_argument("dir", type=Path)
     dr = sub.add_parser(
@@ -67,8 +70,13 @@ def main(argv: list[str]) -> int:
     repeats = args.repeats or (3 if args.full else 1)
     if repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.resume and args.out is None:
+        p.error("--resume needs --out: the folder of the run to continue")
     out = args.out or Path("results") / f"study-{'full' if args.full else 'quick'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_study(names, workload, repeats, args.seed, out)
+    try:
+        run_study(names, workload, repeats, args.seed, out, resume=args.resume)
+    except StudyMismatch as exc:
+        p.error(str(exc))
     print(render(out))
     return 0
 

@@ -2,7 +2,9 @@
 with prefix caching off and on, at the study's operating point (50% batch reserve), in one run.
 
 Arms (each one run of the study's quick workload on a fresh stack; `--rounds N` repeats the set, every
-other round in reverse order, so no arm always runs first or last):
+other round in reverse order, so no arm always runs first or last). Each is a scenario of bench/study.py under
+this bench's name (holdback_50, evict_newest_restart[_cache], evict_cost_resume[_cache]), so the study and this
+bench configure them in one place:
   holdback_off / holdback_on      holdback alone (eviction off), prefix caching off / on: the baseline
   newest_restart_off / _on        today's eviction: the fixed 50% ceiling, `newest-first` victims, workers
                                   restart evicted requests
@@ -31,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import statistics
 import sys
 import time
@@ -41,29 +41,29 @@ from pathlib import Path
 
 import httpx
 
+from bench.intervals import pooled_quantile_ratio, quantile_interval
 from bench.report import figures, percentile
 from bench.stack import Stack
-from bench.study import QUICK, Scenario, Workload, run_one, with_overrides
+from bench.study import (CACHE, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
+                         with_overrides)
 from gateway.config import Eviction
 
-CACHE = ("--enable-prefix-caching",)
-RESERVE_CEILING = 0.5
+def _arm(study_name: str, name: str, title: str, **changes) -> Scenario:  # noqa: ANN003
+    """One arm: a study scenario (the same gateway, simulator and worker settings) under this bench's name."""
+    return replace(SCENARIOS[study_name], name=name, title=title, **changes)
+
+
+# The arms are the study's scenarios (bench/study.py), renamed; the two borrowing arms add the adaptive reserve.
 ARMS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("holdback_off", "Holdback alone, prefix cache off", batch_ceiling=RESERVE_CEILING),
-    Scenario("holdback_on", "Holdback alone, prefix cache on", batch_ceiling=RESERVE_CEILING, sim_extra=CACHE),
-    Scenario("newest_restart_off", "Newest-first + restart, cache off", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",)),
-    Scenario("newest_restart_on", "Newest-first + restart, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="newest-first", worker_args=("--no-resume",), sim_extra=CACHE),
-    Scenario("cost_resume_off", "Cost-ranked + resume, borrowing, cache off", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", adaptive=True),
-    Scenario("cost_resume_on", "Cost-ranked + resume, borrowing, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", adaptive=True, sim_extra=CACHE),
-    Scenario("cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="cost-ranked", sim_extra=CACHE),
-    Scenario("newest_restart_lent_on", "Newest-first + restart, borrowing, cache on", batch_ceiling=RESERVE_CEILING,
-             eviction=True, eviction_policy="newest-first", adaptive=True, worker_args=("--no-resume",),
-             sim_extra=CACHE),
+    _arm("holdback_50", "holdback_off", "Holdback alone, prefix cache off"),
+    _arm("holdback_50", "holdback_on", "Holdback alone, prefix cache on", sim_extra=CACHE),
+    _arm("evict_newest_restart", "newest_restart_off", "Newest-first + restart, cache off"),
+    _arm("evict_newest_restart_cache", "newest_restart_on", "Newest-first + restart, cache on"),
+    _arm("evict_cost_resume", "cost_resume_off", "Cost-ranked + resume, borrowing, cache off", adaptive=True),
+    _arm("evict_cost_resume_cache", "cost_resume_on", "Cost-ranked + resume, borrowing, cache on", adaptive=True),
+    _arm("evict_cost_resume_cache", "cost_resume_on_fixed", "Cost-ranked + resume, fixed 50%, cache on"),
+    _arm("evict_newest_restart_cache", "newest_restart_lent_on", "Newest-first + restart, borrowing, cache on",
+         adaptive=True),
 )}
 DEFAULT_ARMS = [name for name in ARMS if name not in ("cost_resume_on_fixed", "newest_restart_lent_on")]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
@@ -96,17 +96,6 @@ def attempt_tokens(stack: Stack, rows: list[dict]) -> dict:
                 out["tokens_kept"] += a.get("tokens_kept", 0)
                 out["resumed_attempts"] += a.get("tokens_kept", 0) > 0
     return out
-
-
-def quantile_interval(values: list[float], q: float, z: float = 1.96) -> tuple[float | None, float | None]:
-    """Distribution-free interval for the q-quantile: order statistics around rank n·q (normal approximation)."""
-    n = len(values)
-    if n < 20:
-        return None, None
-    ordered = sorted(values)
-    half = z * math.sqrt(n * q * (1 - q))
-    lo, hi = max(0, math.floor(n * q - half) - 1), min(n - 1, math.ceil(n * q + half) - 1)
-    return ordered[lo], ordered[hi]
 
 
 @dataclass(frozen=True)
@@ -204,30 +193,6 @@ def _ttfts(record: dict) -> list[float]:
     return [r["ttft_s"] * 1000 for r in record.get("realtime", []) if r["status"] == 200 and r["ttft_s"] is not None]
 
 
-def pooled_p95_ratio(rounds: list[tuple[list[float], list[float]]], seed: int = 7,
-                     n: int = 2000) -> tuple[float, float, float] | None:
-    """p95 TTFT of the candidate's realtime requests over every round ÷ the baseline's, with a 95% interval
-    from a two-level bootstrap: rounds drawn with replacement, then each drawn round's requests, so the
-    interval covers the run-to-run spread as well as the spread within a run. `rounds` holds each round's
-    (candidate TTFTs, baseline TTFTs), paired because they ran in the same round."""
-    rounds = [(a, b) for a, b in rounds if len(a) >= 20 and len(b) >= 20]
-    if len(rounds) < 2:
-        return None
-
-    def ratio(drawn: list[tuple[list[float], list[float]]]) -> float:
-        a = [x for pair in drawn for x in pair[0]]
-        b = [x for pair in drawn for x in pair[1]]
-        return percentile(a, 0.95) / percentile(b, 0.95)
-
-    rng = random.Random(seed)
-    draws = []
-    for _ in range(n):
-        picked = [rounds[rng.randrange(len(rounds))] for _ in rounds]
-        draws.append(ratio([(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))) for a, b in picked]))
-    draws.sort()
-    return ratio(rounds), draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
-
-
 def non_inferiority(estimate: tuple[float, float, float] | None, margin: float = TTFT_MARGIN) -> str:
     if estimate is None:
         return "undecided (fewer than two rounds with both arms)"
@@ -258,8 +223,8 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     """Figures of every raw record under `out_dir/raw` (a run's arms, or what an interrupted run left)."""
     by_round: dict[int, dict[str, ArmFigures]] = {}
     ttfts: dict[int, dict[str, list[float]]] = {}
-    for path in sorted((out_dir / "raw").glob("*.json")):
-        record = json.loads(path.read_text())
+    for path in record_paths(out_dir):
+        record = read_record(path)
         scenario = record["scenario"]
         if scenario["name"] not in ARMS:
             continue
@@ -281,7 +246,7 @@ def summarize(out_dir: Path, meta: dict | None = None) -> dict:
     for candidate, baseline in TTFT_PAIRS:
         pairs = [(arms[candidate], arms[baseline]) for arms in ttfts.values() if candidate in arms and baseline in arms]
         if pairs:
-            estimate = pooled_p95_ratio(pairs)
+            estimate = pooled_quantile_ratio(pairs, 0.95)
             pooled[f"{candidate}_vs_{baseline}"] = {
                 "rounds": len(pairs), "ratio": None if estimate is None else list(estimate),
                 "verdict": non_inferiority(estimate)}

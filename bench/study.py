@@ -12,9 +12,11 @@ summary, the Markdown report and the plots.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -37,25 +39,31 @@ class Workload:
     window_s: float = 300.0
     burst: int = 32
     rate: float = 4.0
-    realtime_prompt_words: int = 230  # about 256 prompt tokens with the chat template
+    realtime_prompt_words: int = 230  # about 256 prompt tokens with the chat template (17 KV blocks)
     realtime_max_tokens: int = 8
     # Batch lines vary in length (seeded), as real batch inputs do; fixed lengths would make every
-    # batch request dispatched together finish together, in waves no real workload has.
-    batch_prompt_words: tuple[int, int] = (60, 160)  # uniform range; about 70..180 prompt tokens
-    batch_max_tokens: tuple[int, int] = (32, 96)  # uniform range, mean 64
+    # batch request dispatched together finish together, in waves no real workload has. Batch holds more KV per
+    # request than realtime: longer documents and longer answers, whose blocks grow as they decode.
+    batch_prompt_words: tuple[int, int] = (150, 300)  # uniform range; about 170..335 prompt tokens
+    batch_max_tokens: tuple[int, int] = (48, 160)  # uniform range, mean 104
     batch_requests: int = 4000
     worker_concurrency: int = 64
     max_concurrency: int = 48
     backoff_base: float = 2.0
     backoff_cap: float = 60.0
-    # The simulator's calibrated timing (see the report's calibration section): a large model whose decode
-    # step dominates, so time to first token is mostly "wait for the step in progress, then one step".
+    # The simulator's calibration (docs/study/README.md). KV blocks from the model and the GPU: a 32B dense model in
+    # bf16 on one 80 GB GPU at 90% memory use keeps about 950 blocks of 16 tokens beside its weights, and 48 batch
+    # requests fill 96% of them on average as they decode, so 48 is where the pool is full. Step timing fitted
+    # to the seed's realtime-only p95 TTFT: a decode step dominates, so time to first token is mostly "wait for
+    # the step in progress, then one step".
     sim_args: tuple[str, ...] = (
-        "--step-overhead-ms", "5", "--prefill-ms-per-token", "0.015", "--decode-base-ms", "120",
+        "--step-overhead-ms", "5", "--prefill-ms-per-token", "0.015", "--decode-base-ms", "155",
         "--decode-ms-per-seq", "0.4", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
-        "--num-blocks", "40000", "--jitter", "0.05",
+        "--num-blocks", "950", "--block-size", "16", "--jitter", "0.05",
     )
-    retry_wait_s: float = 120.0
+    # Longest wait after the window for evicted requests to finish their retries (ends as soon as they have): at
+    # a 25% batch ceiling a retry queues behind about 50 batch requests for 12 places.
+    retry_wait_s: float = 300.0
 
 
 QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.0, backoff_cap=8.0,
@@ -63,6 +71,7 @@ QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.
 FULL = Workload()
 
 
+CACHE = ("--enable-prefix-caching",)  # the simulator flag that turns prefix caching on
 ADAPTIVE_RESERVE = {"protectedPriority": 0, "margin": 0.1, "halfLifeSeconds": 5.0, "peakWindowSeconds": 10.0}
 
 
@@ -124,6 +133,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("adaptive_evict", "Adaptive reserve + eviction", batch_ceiling=0.5, eviction=True, adaptive=True),
     Scenario("standard_check", "Standard (priority 0) reclaims from batch", batch_ceiling=0.5, eviction=True,
              objective="standard"),
+    # What an eviction costs, at the fixed 50% reserve (bench/eviction_cost.py runs the same arms on their own):
+    # today's newest-first victims restarted from scratch against cost-ranked victims resumed from their
+    # partial output, each with the replica's prefix caching off and on.
+    Scenario("evict_newest_restart", "Newest-first + restart (50%), cache off", eviction=True,
+             eviction_policy="newest-first", worker_args=("--no-resume",)),
+    Scenario("evict_cost_resume", "Cost-ranked + resume (50%), cache off", eviction=True,
+             eviction_policy="cost-ranked"),
+    Scenario("evict_newest_restart_cache", "Newest-first + restart (50%), cache on", eviction=True,
+             eviction_policy="newest-first", worker_args=("--no-resume",), sim_extra=CACHE),
+    Scenario("evict_cost_resume_cache", "Cost-ranked + resume (50%), cache on", eviction=True,
+             eviction_policy="cost-ranked", sim_extra=CACHE),
 )}
 
 
@@ -284,25 +304,112 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
             record["output_custom_ids"] = [x["custom_id"] for x in lines]
     record["finished_at"] = time.time()
     (out_dir / "raw").mkdir(parents=True, exist_ok=True)
-    (out_dir / "raw" / f"{run_name}.json").write_text(json.dumps(record))
+    # Written whole or not at all: a run stopped mid-write leaves no record for --resume to trust.
+    tmp = out_dir / "raw" / f".{run_name}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out_dir / "raw" / f"{run_name}.json")
     return record
 
 
-def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: Path) -> list[Path]:
+class StudyMismatch(ValueError):
+    """The output folder holds records of another workload or seed: resuming would mix two studies."""
+
+
+# Per run, beyond the batch lead and the window: starting the stack, submitting and validating the batch, waiting
+# for evicted requests' retries, reading the rows and stopping (measured: 6-14 s in quick mode on two cores; full
+# mode waits longer for retries and reads four times the rows). Used until the folder has records to measure.
+RUN_OVERHEAD_S = 25.0
+
+
+def _normalized(workload: Workload) -> dict:
+    return json.loads(json.dumps(asdict(workload)))
+
+
+def record_paths(out_dir: Path) -> list[Path]:
+    """The raw run records in out_dir/raw: `<scenario>-r<repeat>.json`, or gzipped (`.json.gz`) once committed."""
+    raw = out_dir / "raw"
+    return sorted([*raw.glob("*.json"), *raw.glob("*.json.gz")])
+
+
+def read_record(path: Path) -> dict:
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)
+
+
+def recorded_runs(out_dir: Path, w: Workload, seed: int) -> dict[tuple[str, int], dict]:
+    """The (scenario, repeat) runs already recorded under out_dir/raw, checked to be of this workload and seed."""
+    done: dict[tuple[str, int], dict] = {}
+    want = _normalized(w)
+    for path in record_paths(out_dir):
+        try:
+            record = read_record(path)
+        except (ValueError, OSError, EOFError):
+            continue  # unreadable (a run stopped mid-write): run again
+        repeat = record.get("repeat", 0)
+        if record.get("workload") != want or record.get("seed") != seed + repeat:
+            changed = [f"{k} {(record.get('workload') or {}).get(k)!r} against {want[k]!r}" for k in sorted(want)
+                       if (record.get("workload") or {}).get(k) != want[k]]
+            if record.get("seed") != seed + repeat:
+                changed.append(f"seed {record.get('seed')} against {seed + repeat}")
+            raise StudyMismatch(
+                f"{path} was recorded with another workload or seed ({'; '.join(changed)}): pass the same mode, "
+                f"--window, --lead and --seed as the interrupted run, or a new --out")
+        done[(record["scenario"]["name"], repeat)] = record
+    return done
+
+
+def run_seconds(scenario: Scenario, w: Workload, overhead: float) -> float:
+    return (w.lead_s if scenario.batch else 1.0) + w.window_s + overhead
+
+
+def measured_overhead(records: list[dict]) -> float | None:
+    """Median seconds a recorded run took beyond its lead and window (None without records)."""
+    extra = []
+    for r in records:
+        if r.get("finished_at") and r.get("started_at"):
+            lead = r["workload"]["lead_s"] if r["scenario"].get("batch", True) else 1.0
+            extra.append(r["finished_at"] - r["started_at"] - lead - r["workload"]["window_s"])
+    return statistics.median(extra) if extra else None
+
+
+def format_duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: Path, resume: bool = False,
+              log: Callable[[str], None] = print) -> list[Path]:
+    """Run every (scenario, repeat) not yet recorded in out_dir (with `resume`; without it the folder must have no
+    records) and return the raw record paths of the whole plan."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "study.json").write_text(json.dumps({"workload": asdict(w), "repeats": repeats, "seed": seed,
-                                                    "scenarios": names}, indent=2))
+    done = recorded_runs(out_dir, w, seed)
+    if done and not resume:
+        raise StudyMismatch(f"{out_dir} already holds {len(done)} run record(s): pass --resume to skip them and run "
+                            f"the rest, or choose a new --out")
+    meta_path = out_dir / "study.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        names = list(dict.fromkeys([*old.get("scenarios", []), *names]))
+        repeats = max(repeats, old.get("repeats", 0))
+    meta_path.write_text(json.dumps({"workload": asdict(w), "repeats": repeats, "seed": seed, "scenarios": names},
+                                    indent=2))
     plan = [(SCENARIOS[n], r) for r in range(repeats) for n in names]
-    progress = Progress(len(plan), "runs", every=0)
-    written = []
-    for done, (scenario, repeat) in enumerate(plan):
-        progress.update(done, f"{scenario.name} (repeat {repeat + 1}/{repeats})")
+    todo = [(sc, r) for sc, r in plan if (sc.name, r) not in done]
+    overhead = measured_overhead(list(done.values()))
+    per_run = RUN_OVERHEAD_S if overhead is None else max(overhead, 0.0)
+    total = sum(run_seconds(sc, w, per_run) for sc, _ in todo)
+    log(f"holdback bench study: {len(todo)} run(s) to do of {len(plan)} ({len(plan) - len(todo)} already recorded) "
+        f"-> {out_dir}; estimated {format_duration(total)} (each: batch lead {w.lead_s:.0f} s + window "
+        f"{w.window_s:.0f} s + about {per_run:.0f} s to start, drain retries and stop, "
+        f"{'measured on the recorded runs' if overhead is not None else 'until runs are recorded'})")
+    progress = Progress(len(todo), "runs", every=0)
+    for i, (scenario, repeat) in enumerate(todo):
+        progress.update(i, f"{scenario.name} (repeat {repeat + 1}/{repeats})")
         # Same traffic schedule for every scenario within a repeat; a new one per repeat.
         run_one(scenario, w, repeat, seed + repeat, out_dir)
-        written.append(out_dir / "raw" / f"{scenario.name}-r{repeat}.json")
-    progress.update(len(plan), "done", force=True)
+    progress.update(len(todo), "done", force=True)
     progress.close()
-    return written
+    return [out_dir / "raw" / f"{sc.name}-r{r}.json" for sc, r in plan]
 
 
 def with_overrides(w: Workload, **kw) -> Workload:  # noqa: ANN003

@@ -74,6 +74,9 @@ class FlowController:
         self.in_flight = 0
         self.rejected_tokens: Counter[str] = Counter()
         self.tokenizer_fallbacks = 0
+        # When a request slot was last handed back (a finish, or an eviction decision that hands it on): what a
+        # blocked arrival waited for (the blocked_release histogram).
+        self._slot_released_at: float | None = None
         self.recent_releases: deque[dict] = deque(maxlen=RECENT_RELEASES)
         # How prompts are counted (the proxy's PromptCounter.state), for /admin/state.
         self.tokenizer_state: Callable[[], dict] = lambda: {}
@@ -245,6 +248,8 @@ class FlowController:
             return self._reject(req, DropReason.SATURATED, band)
         if kv_wait:
             self._start_kv_wait(req, now)
+        else:
+            req.blocked_on_arrival = not req.sheddable
         req.status = Status.QUEUED
         req.enqueued_at = now
         req.waiter = asyncio.get_running_loop().create_future()
@@ -316,6 +321,7 @@ class FlowController:
             self._refresh_ceilings()
 
     def _release_slot(self, req: FlowRequest) -> None:
+        self._slot_released_at = self.clock()
         req.slot_released = True
         req.replica.in_flight -= 1  # type: ignore[union-attr]
         self.bands[req.priority].in_flight -= 1
@@ -541,6 +547,11 @@ class FlowController:
         m = self.metrics
         m.child(m.dispatches, str(band.priority), path).inc()
         m.child(m.flow_queue_duration, req.fairness_id, str(band.priority), "dispatched").observe(now - req.arrived)
+        if req.blocked_on_arrival:
+            released = self._slot_released_at
+            if released is None or released < req.arrived:
+                released = now  # no slot came back since it arrived: a ceiling or the pool changed
+            m.child(m.blocked_release, str(band.priority)).observe(released - req.arrived)
         if req.waiter is not None:
             m.child(m.queue_wait, str(band.priority)).observe(now - req.arrived)
             if not req.waiter.done():

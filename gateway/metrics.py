@@ -16,6 +16,9 @@ from holdback.probes import component_registry
 
 PREFIX = "holdback_gateway"
 _RELEASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
+# From a tenth of a millisecond (a slot handed on by an eviction decision in the same cycle) to minutes.
+_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                 30, 60)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -43,6 +46,12 @@ class GatewayMetrics:
         self.eviction_confirmation = Histogram(
             f"{PREFIX}_eviction_confirmation_seconds", "Eviction decision to the victim's upstream connection "
             "closed.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.blocked_release = Histogram(
+            f"{PREFIX}_blocked_release_seconds", "For a non-sheddable request that found no room on arrival (it "
+            "queued for a request slot): its arrival to the release of the slot it was then dispatched into (a "
+            "request's end, or an eviction decision that hands the victim's slot on), by band. A dispatch that "
+            "no release made room for (a ceiling raised, a replica back) counts up to the dispatch.",
+            ["band"], buckets=_WAIT_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "Arrival at the gateway to the first response body "
                               "byte from the replica, by objective and stream: for stream=\"true\" (an event "
                               "stream) the first token; for stream=\"false\" the whole answer arrives at once, "

@@ -56,6 +56,8 @@ class FlowRequest:
     # KV admission: set the first time the request waits for KV room.
     kv_wait_deadline: float = math.inf
     evicted_at: float = 0.0
+    # Non-sheddable and queued for a request slot at arrival (no room): its wait for a released slot is measured.
+    blocked_on_arrival: bool = False
     # Its request slot was handed on when it was chosen as a victim (before its connection closed).
     slot_released: bool = False
     # The task proxying this request; eviction cancels it so the upstream connection closes.

@@ -356,3 +356,45 @@ def test_flow_control_metrics_carry_fairness_priority_and_outcome():
         assert duration("b", "dispatched", "count") is None
     run(main())
 
+
+
+def blocked_release(fc, band, what):
+    return fc.metrics.registry.get_sample_value(f"holdback_gateway_blocked_release_seconds_{what}", {"band": band})
+
+
+def test_blocked_arrival_to_released_slot_is_measured_for_realtime_only():
+    # Eviction off: a blocked realtime arrival waits for a batch request to end; the histogram holds arrival ->
+    # that release, not arrival -> dispatch (the dispatch cycle runs later) and not the batch request's own wait.
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\neviction: {enabled: false}")
+        batch = [req(fc, clock, "batch") for _ in range(5)]
+        for r in batch:
+            fc.submit(r)
+        assert batch[-1].status is Status.QUEUED
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(rt) is Outcome.QUEUED
+        clock.t += 0.75
+        fc.finish(batch[0])
+        clock.t += 0.2  # the dispatch loop gets round to it later
+        fc.cycle()
+        assert rt.status is Status.DISPATCHED and batch[-1].status is Status.QUEUED
+        assert blocked_release(fc, "100", "count") == 1
+        assert blocked_release(fc, "100", "sum") == pytest.approx(0.75)
+        assert blocked_release(fc, "-10", "count") is None  # sheddable: never counted
+    run(main())
+
+
+def test_blocked_arrival_served_by_an_eviction_decision_counts_zero_wait():
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", replicas=2, max_concurrency=2)
+        batch = dispatched_batch(fc, clock, 4)
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(rt) is Outcome.QUEUED and rt.status is Status.DISPATCHED
+        assert blocked_release(fc, "100", "count") == 1 and blocked_release(fc, "100", "sum") == 0.0
+        inline = req(fc, clock, "realtime")
+        fc.finish(batch[0])
+        assert fc.submit(inline) is Outcome.DISPATCHED  # found room: not a blocked arrival
+        assert blocked_release(fc, "100", "count") == 1
+        for r in batch:
+            r.task.cancel()
+    run(main())

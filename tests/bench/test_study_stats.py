@@ -1,0 +1,139 @@
+"""The study's statistics and bookkeeping, on hand-made records: intervals, verdicts, goals, harvest, the
+blocked-arrival histogram read-out and resuming a stopped full run."""
+
+import json
+
+import pytest
+
+from bench import study
+from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
+from bench.report import goals, histogram_quantile, paired_ratio, run_harvest, summarize
+from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
+
+
+def test_verdict_is_decided_only_when_the_interval_is_on_one_side():
+    assert verdict(Estimate(1.0, 0.98, 1.04, 3, "b"), 1.05, at_least=False) == "met"
+    assert verdict(Estimate(1.2, 1.1, 1.3, 3, "b"), 1.05, at_least=False) == "missed"
+    assert verdict(Estimate(1.04, 1.0, 1.1, 3, "b"), 1.05, at_least=False).startswith("undecided")
+    assert verdict(Estimate(1.5, 1.31, 1.7, 3, "b"), 1.3, at_least=True) == "met"
+    assert verdict(Estimate(1.2, 1.1, 1.29, 3, "b"), 1.3, at_least=True) == "missed"
+    one = verdict(Estimate(1.5, None, None, 1, "one repeat"), 1.3, at_least=True)
+    assert one.startswith("undecided") and "meets" in one
+    assert verdict(Estimate(None), 1.3, at_least=True) == "not measured"
+
+
+def test_bootstrap_median_spans_the_repeats_and_is_reproducible():
+    est = bootstrap_median([10.0, 12.0, 30.0])
+    assert est.value == 12.0 and est.n == 3
+    assert 10.0 <= est.lo <= 12.0 <= est.hi <= 30.0 and est.lo < est.hi
+    assert bootstrap_median([10.0, 12.0, 30.0]) == est
+    single = bootstrap_median([7.0, None])
+    assert single.value == 7.0 and single.lo is None and single.method == "one repeat"
+
+
+def test_order_statistic_interval_brackets_the_p95_and_ratio_of_runs_is_the_widest():
+    values = [float(i) for i in range(1, 281)]
+    lo, hi = quantile_interval(values, 0.95)
+    assert lo < 266 < hi and hi - lo <= 16  # about ±7 ranks
+    assert quantile_interval(values[:10], 0.95) == (None, None)
+    r = ratio_of_runs(Estimate(200.0, 180.0, 220.0), Estimate(100.0, 90.0, 110.0))
+    assert r.value == 2.0 and r.lo == pytest.approx(180 / 110) and r.hi == pytest.approx(220 / 90)
+
+
+def fig(scenario, repeat, **kw):
+    return {"scenario": scenario, "repeat": repeat, **kw}
+
+
+def test_goal_ratios_pair_scenarios_by_repeat_and_judge_them():
+    runs = []
+    for r, (base, hb, nc) in enumerate([(300, 310, 600), (350, 355, 700), (320, 330, 640)]):
+        runs += [fig("realtime_only", r, p95_ttft_ms=base, realtime_output_tps=30.0),
+                 fig("holdback_50", r, p95_ttft_ms=hb, batch_completions=100 + r, batch_output_tps=400.0),
+                 fig("no_controls", r, p95_ttft_ms=nc, batch_completions=200, batch_output_tps=600.0),
+                 fig("holdback_50_evict", r, p95_ttft_ms=hb, batch_completions=120 + r, batch_output_tps=450.0,
+                     evicted_requests=2, evicted_completed=2, duplicate_final_results=0),
+                 fig("batch_alone", r, batch_completions=260, batch_output_tps=830.0)]
+    summary = summarize(runs)
+    hb = paired_ratio(runs, "holdback_50", "realtime_only", "p95_ttft_ms")
+    assert hb.n == 3 and hb.value == pytest.approx(330 / 320) and hb.lo <= hb.value <= hb.hi
+    judged = {g["goal"]: g for g in goals(summary, runs)}
+    assert judged["no_controls"]["verdict"] == "met"
+    assert judged["holdback"]["verdict"] == "met"  # 1.014..1.033, all under 1.05
+    assert judged["eviction"]["verdict"] == "met"  # 1.18..1.2
+    assert judged["adaptive_batch"]["verdict"] == "not measured"
+    assert judged["retries"]["verdict"] == "met" and "6 of 6" in judged["retries"]["note"]
+    # Harvest from the same repeat: 450 / (830 - 30).
+    assert run_harvest(runs, "holdback_50_evict", 1) == pytest.approx(450 / 800)
+    assert summary["holdback_50_evict"]["harvest"] == pytest.approx(450 / 800)
+    assert summary["holdback_50_evict"]["harvest_ci"] == [pytest.approx(450 / 800)] * 2
+
+
+def test_an_evicted_request_left_unfinished_misses_the_retry_goal():
+    runs = [fig("holdback_50_evict", 0, evicted_requests=3, evicted_completed=2, duplicate_final_results=0,
+                batch_completions=10)]
+    judged = {g["goal"]: g for g in goals(summarize(runs), runs)}
+    assert judged["retries"]["verdict"] == "missed"
+
+
+def test_histogram_quantile_reads_only_the_asked_band():
+    name = "holdback_gateway_blocked_release_seconds"
+    metrics = {f'{name}_bucket{{band="100",le="0.01"}}': 0.0, f'{name}_bucket{{band="100",le="0.1"}}': 10.0,
+               f'{name}_bucket{{band="100",le="+Inf"}}': 10.0,
+               f'{name}_bucket{{band="0",le="0.01"}}': 10.0, f'{name}_bucket{{band="0",le="0.1"}}': 10.0,
+               f'{name}_bucket{{band="0",le="+Inf"}}': 10.0}
+    assert 0.01 < histogram_quantile(metrics, name, 0.5, band="100") <= 0.1
+    assert histogram_quantile(metrics, name, 0.5, band="0") <= 0.01
+    assert histogram_quantile(metrics, name, 0.5, band="-10") is None
+
+
+def record(name, repeat, w=QUICK, seed=7):
+    return {"scenario": {"name": name, "batch": SCENARIOS[name].batch}, "repeat": repeat, "seed": seed + repeat,
+            "workload": json.loads(json.dumps(study.asdict(w))), "started_at": 100.0,
+            "finished_at": 100.0 + w.lead_s + w.window_s + 12.0}
+
+
+def test_resume_runs_only_what_is_missing_and_estimates_from_recorded_runs(tmp_path, monkeypatch):
+    ran, lines = [], []
+
+    def fake_run(scenario, w, repeat, seed, out_dir, **kw):  # noqa: ANN001, ANN003
+        ran.append((scenario.name, repeat))
+        (out_dir / "raw" / f"{scenario.name}-r{repeat}.json").write_text(json.dumps(record(scenario.name, repeat)))
+
+    monkeypatch.setattr(study, "run_one", fake_run)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "no_controls-r0.json").write_text(json.dumps(record("no_controls", 0)))
+    (tmp_path / "raw" / "holdback_50-r1.json").write_text("{truncated")  # a run stopped mid-write: run it again
+    with pytest.raises(StudyMismatch, match="--resume"):
+        run_study(["no_controls", "holdback_50"], QUICK, 2, 7, tmp_path)
+    paths = run_study(["no_controls", "holdback_50"], QUICK, 2, 7, tmp_path, resume=True, log=lines.append)
+    assert ran == [("holdback_50", 0), ("no_controls", 1), ("holdback_50", 1)]
+    assert len(paths) == 4 and all(p.exists() for p in paths)
+    assert "3 run(s) to do of 4 (1 already recorded)" in lines[0] and "about 12 s" in lines[0]
+    assert "measured on the recorded runs" in lines[0]
+
+
+def test_resume_refuses_records_of_another_workload_or_seed(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "no_controls-r0.json").write_text(json.dumps(record("no_controls", 0, seed=8)))
+    with pytest.raises(StudyMismatch, match="seed 8 against 7"):
+        recorded_runs(tmp_path, QUICK, 7)
+    other = study.with_overrides(QUICK, window_s=30.0)
+    (tmp_path / "raw" / "no_controls-r0.json").write_text(json.dumps(record("no_controls", 0, w=other)))
+    with pytest.raises(StudyMismatch, match="window_s 30.0 against 60.0"):
+        recorded_runs(tmp_path, QUICK, 7)
+
+
+def test_the_duration_estimate_counts_lead_window_and_overhead():
+    assert study.run_seconds(SCENARIOS["no_controls"], study.FULL, 25.0) == 60 + 300 + 25
+    assert study.run_seconds(SCENARIOS["realtime_only"], study.FULL, 25.0) == 1 + 300 + 25
+    assert study.format_duration(5 * 3600 + 7 * 60) == "5 h 07 min"
+    assert study.format_duration(600) == "10 min"
+
+
+def test_gzipped_records_count_as_recorded_and_are_read_by_the_report(tmp_path):
+    import gzip
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "no_controls-r0.json.gz").write_bytes(gzip.compress(json.dumps(record("no_controls", 0)).encode()))
+    assert set(recorded_runs(tmp_path, QUICK, 7)) == {("no_controls", 0)}
+    assert study.read_record(study.record_paths(tmp_path)[0])["scenario"]["name"] == "no_controls"
