@@ -65,6 +65,14 @@ ARMS: dict[str, Scenario] = {s.name: s for s in (
     _arm("evict_newest_restart_cache", "newest_restart_lent_on", "Newest-first + restart, borrowing, cache on",
          adaptive=True),
 )}
+# The study's calibration before it was sized for KV pressure: the same step timing but a 120 ms decode base, 40,000
+# KV blocks (KV never runs short), shorter batch lines. Issue 13's first figures were measured on it; `--calibration
+# roomy` runs it again, to compare eviction where the pool has KV to spare with where it has not.
+ROOMY = replace(QUICK, batch_prompt_words=(60, 160), batch_max_tokens=(32, 96), sim_args=(
+    "--step-overhead-ms", "5", "--prefill-ms-per-token", "0.015", "--decode-base-ms", "120",
+    "--decode-ms-per-seq", "0.4", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+    "--num-blocks", "40000", "--jitter", "0.05"))
+CALIBRATIONS = {"kv-pressure": QUICK, "roomy": ROOMY}
 DEFAULT_ARMS = [name for name in ARMS if name not in ("cost_resume_on_fixed", "newest_restart_lent_on")]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
 GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
@@ -295,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")
     p.add_argument("--lead", type=float, default=None, help="seconds batch runs before realtime starts (quick: 8)")
     p.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
+    p.add_argument("--calibration", choices=sorted(CALIBRATIONS), default="kv-pressure",
+                   help="the simulator and batch lines: the study's (kv-pressure, the default) or the earlier one "
+                        "whose KV never runs short (roomy)")
     p.add_argument("--first-round", type=int, default=0, metavar="N",
                    help="number the rounds from N (0-based): add rounds to a folder an earlier run wrote, with "
                         "--out, without overwriting its records (default %(default)s)")
@@ -314,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be at least 1")
     if args.first_round < 0:
         p.error("--first-round must be 0 or more")
-    w = with_overrides(QUICK, window_s=args.window, lead_s=args.lead)
+    w = with_overrides(CALIBRATIONS[args.calibration], window_s=args.window, lead_s=args.lead)
     out = args.out or Path("results") / f"eviction-cost-{time.strftime('%Y%m%d-%H%M%S')}"
     taken = [f"{n}-r{r}.json" for n in names for r in range(args.first_round, args.first_round + args.rounds)
              if (out / "raw" / f"{n}-r{r}.json").exists()]
