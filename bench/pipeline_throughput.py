@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 from rq import Queue
 
+from bench.process_cpu import CpuSampler
 from bench.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,6 +176,41 @@ class Bench:
         if not self.args.keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def sampler(self) -> CpuSampler:
+        """CPU by component for one run: this script, each holdback service, the worker processes (and a
+        supervisor), RQ's workers, the redis-server and, on PostgreSQL, the backends of the bench's database."""
+        redis_port = self.redis_url.rsplit(":", 1)[1].split("/")[0]
+        database = (self.args.database_url or "").rsplit("/", 1)[-1].split("?")[0]
+
+        def role(proc: psutil.Process) -> str | None:
+            if proc.pid == os.getpid():
+                return "bench"
+            cmd = proc.cmdline()
+            if "holdback.cli" in cmd:
+                command = cmd[cmd.index("holdback.cli") + 1:]
+                if command[:1] == ["worker"]:
+                    many = "--processes" in command and command[command.index("--processes") + 1] != "1"
+                    return "worker supervisor" if many else "worker"
+                return {"sim": "simulator"}.get(command[0], command[0]) if command else None
+            if "rq.cli" in cmd:
+                return "rq worker"
+            if proc.name() == "redis-server":
+                return "redis-server"
+            if proc.name() == "postgres":
+                return "postgres"
+            return None
+
+        def outside() -> list[psutil.Process]:
+            found = []
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                name, cmd = proc.info["name"], " ".join(proc.info["cmdline"] or ())
+                if (name == "redis-server" and f":{redis_port}" in cmd) or (
+                        database and name == "postgres" and f" {database} " in cmd):
+                    found.append(proc)
+            return found
+
+        return CpuSampler(role, outside, interval=0.2)
+
     # -- API ---------------------------------------------------------------------------------------------
 
     def upload(self, payload: bytes) -> str:
@@ -232,16 +269,17 @@ def run_ours(b: Bench, n: int, processes: int, concurrency: int) -> dict:
     b.restart_processor(window=n)
     batch_id = b.create_batch(b.upload(_lines(n, 4)))
     b.wait_until("all rows queued", lambda: b.queue.count >= n, timeout=300, interval=0.1)
-    t0, cpu0 = time.monotonic(), _children_cpu()
-    worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
-                        "--log-level", "WARNING", log="worker")
-    worker.wait()
-    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    with b.sampler() as sampled:
+        t0, cpu0 = time.monotonic(), _children_cpu()
+        worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
+                            "--log-level", "WARNING", log="worker")
+        worker.wait()
+        elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     counts = b.batch(batch_id)["request_counts"]
     if counts["completed"] != n:
         raise RuntimeError(f"workers exited with {counts} of {n}; see {b.data_dir}/worker.log")
     return {"kind": f"holdback worker -n {concurrency}", "jobs": n, "seconds": elapsed, "rate": n / elapsed,
-            "cpu_ms_per_job": 1000 * cpu / n}
+            "cpu_ms_per_job": 1000 * cpu / n, "cpu": sampled.shares}
 
 
 def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
@@ -251,18 +289,19 @@ def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
             queue.enqueue_many([Queue.prepare_data("bench.pipeline_throughput.noop", result_ttl=0)
                                 for _ in range(min(1000, n - start))], pipeline=pipe)
         pipe.execute()
-    t0, cpu0 = time.monotonic(), _children_cpu()
-    workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class", worker_class,
-                                 "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for _ in range(processes)]
-    for w in workers:
-        w.wait()
-    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    with b.sampler() as sampled:
+        t0, cpu0 = time.monotonic(), _children_cpu()
+        workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class",
+                                     worker_class, "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for _ in range(processes)]
+        for w in workers:
+            w.wait()
+        elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     if queue.count:
         raise RuntimeError(f"rq workers left {queue.count} jobs")
     return {"kind": worker_class, "jobs": n, "seconds": elapsed, "rate": n / elapsed,
-            "cpu_ms_per_job": 1000 * cpu / n}
+            "cpu_ms_per_job": 1000 * cpu / n, "cpu": sampled.shares}
 
 
 def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
@@ -284,7 +323,9 @@ def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
             run.update(round=r, processes=processes, side=kind)
             runs.append(run)
             print(f"  round {r}: {run['kind']:<28} ×{processes} {run['jobs']:>7,} jobs {run['seconds']:7.2f} s "
-                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job", flush=True)
+                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job\n"
+                  f"      {run['cpu'].line()}", flush=True)
+            run["cpu"] = run["cpu"].as_dict()
 
     def pick(side: str, processes: int, r: int) -> dict:
         return next(x for x in runs if x["side"] == side and x["processes"] == processes and x["round"] == r)
