@@ -13,8 +13,14 @@
    --worker-class rq.SimpleWorker` processes. Each round runs both sides at every P in `--processes`
    (default 1,2), alternating which goes first; ratios (ours ÷ SimpleWorker, ×2 ÷ ×1, CPU per job) are
    taken within a round and their median over rounds is reported, with every round's value. The
-   worker's job is the real one (two database transactions, one HTTP request), RQ's does nothing.
+   worker's job is the real one (two database transactions, one HTTP request), RQ's does nothing. Every
+   worker process, ours and RQ's, leads its own session (as `holdback worker --processes` starts them), so
+   Linux's per-session CPU share (autogroup) treats both sides alike.
    Goals: ours ÷ SimpleWorker ≥ 1.0 at each P; ours ×2 ÷ ×1 ≥ 1.8; worker CPU per job ≤ 1.5× RQ's.
+   Under every run a line says how many cores each component used meanwhile (bench/process_cpu.py: the
+   worker processes, a supervisor, gateway, simulator, redis-server, the PostgreSQL backends of the bench's
+   database, this script), the machine's busy cores no sampled process explains (other users) and its idle
+   cores: which component, or the machine, was the limit. `--json` keeps them per run.
 
 Everything runs through the CLI and HTTP, on a fresh SQLite + a private redis-server unless --database-url /
 --redis-url point elsewhere (the database must exist; the API migrates it).
@@ -293,7 +299,7 @@ def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
         t0, cpu0 = time.monotonic(), _children_cpu()
         workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class",
                                      worker_class, "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                    for _ in range(processes)]
         for w in workers:
             w.wait()
