@@ -326,11 +326,17 @@ def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
             else:
                 jobs = args.fork_jobs if kind.endswith(".Worker") else args.requests
                 run = run_rq(b, jobs, processes, kind)
-            run.update(round=r, processes=processes, side=kind)
+            # CPU of everything the side needs per job (workers, gateway, simulator, Redis, PostgreSQL; not
+            # this script): jobs/s ÷ this is what the machine's free cores bound.
+            shares = run["cpu"]
+            stack = sum(c for role, c in shares.by_role.items() if role != "bench") * shares.seconds
+            run.update(round=r, processes=processes, side=kind, load=os.getloadavg()[0],
+                       stack_cpu_ms_per_job=1000 * stack / run["jobs"])
             runs.append(run)
             print(f"  round {r}: {run['kind']:<28} ×{processes} {run['jobs']:>7,} jobs {run['seconds']:7.2f} s "
-                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job\n"
-                  f"      {run['cpu'].line()}", flush=True)
+                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job, "
+                  f"all components {run['stack_cpu_ms_per_job']:.2f} ms/job\n"
+                  f"      {run['cpu'].line()} | load average {run['load']:.1f}", flush=True)
             run["cpu"] = run["cpu"].as_dict()
 
     def pick(side: str, processes: int, r: int) -> dict:
@@ -348,13 +354,18 @@ def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
         for side in ("ours", simple):
             series[f"{side} rate ×{high}÷×{low}"] = [pick(side, high, r)["rate"] / pick(side, low, r)["rate"]
                                                     for r in rounds]
+        # What the machine gave a second process in that round, as RQ's no-op workers found it: ours ÷ that.
+        series[f"ours ×{high}÷×{low} ÷ SimpleWorker's"] = [
+            a / b for a, b in zip(series[f"ours rate ×{high}÷×{low}"], series[f"{simple} rate ×{high}÷×{low}"])]
     ratios = {name: statistics.median(values) for name, values in series.items()}
-    print(f"\nworker throughput, {args.requests:,} requests a run, {args.rounds} round(s), zero-latency simulator "
+    size = len(_lines(args.requests, 4))
+    print(f"\nworker throughput, {args.requests:,} requests a run (generated chat lines, max_tokens 4, {size:,} bytes), "
+          f"{args.rounds} round(s), zero-latency simulator "
           f"{'through the gateway' if args.path == 'gateway' else 'direct'}, {b.database}; medians of per-round "
           "ratios (goals: ours÷SimpleWorker rate ≥ 1.0, ours ×2÷×1 ≥ 1.8, CPU/job ratio ≤ 1.5 on PostgreSQL)")
     for name, values in series.items():
         print(f"  {name:40} {ratios[name]:6.2f}   per round: " + ", ".join(f"{v:.2f}" for v in values))
-    return {"runs": runs, "median_ratios": ratios, "per_round_ratios": series}
+    return {"runs": runs, "median_ratios": ratios, "per_round_ratios": series, "file_bytes": size}
 
 
 def _children_cpu() -> float:
