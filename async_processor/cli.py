@@ -145,6 +145,9 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
     """Run --processes single-process workers; restart one that dies; pass SIGTERM/SIGINT on.
 
     Children get SIGTERM if this supervisor dies (Linux parent-death signal), so none is ever orphaned.
+    Each child runs in its own session: Linux's scheduler (autogroup, on by default) shares the CPU between
+    sessions, so N processes in the supervisor's session got one session's share — on a busy host, no more CPU
+    than one process. Stopping the supervisor (SIGTERM/SIGINT, or its death) still stops every child.
     """
     base = _without(argv, {"--processes", "--name", "--metrics-port"})
     stopping = False
@@ -156,7 +159,7 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
         return [sys.executable, "-m", "holdback.cli", "worker", *base, *extra]
 
     def spawn(i: int) -> subprocess.Popen:
-        return subprocess.Popen(child_argv(i), preexec_fn=_die_with_parent)
+        return subprocess.Popen(child_argv(i), start_new_session=True, preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):  # noqa: ANN001
         nonlocal stopping

@@ -13,8 +13,14 @@
    --worker-class rq.SimpleWorker` processes. Each round runs both sides at every P in `--processes`
    (default 1,2), alternating which goes first; ratios (ours ÷ SimpleWorker, ×2 ÷ ×1, CPU per job) are
    taken within a round and their median over rounds is reported, with every round's value. The
-   worker's job is the real one (two database transactions, one HTTP request), RQ's does nothing.
+   worker's job is the real one (two database transactions, one HTTP request), RQ's does nothing. Every
+   worker process, ours and RQ's, leads its own session (as `holdback worker --processes` starts them), so
+   Linux's per-session CPU share (autogroup) treats both sides alike.
    Goals: ours ÷ SimpleWorker ≥ 1.0 at each P; ours ×2 ÷ ×1 ≥ 1.8; worker CPU per job ≤ 1.5× RQ's.
+   Under every run a line says how many cores each component used meanwhile (bench/process_cpu.py: the
+   worker processes, a supervisor, gateway, simulator, redis-server, the PostgreSQL backends of the bench's
+   database, this script), the machine's busy cores no sampled process explains (other users) and its idle
+   cores: which component, or the machine, was the limit. `--json` keeps them per run.
 
 Everything runs through the CLI and HTTP, on a fresh SQLite + a private redis-server unless --database-url /
 --redis-url point elsewhere (the database must exist; the API migrates it).
@@ -42,9 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 from rq import Queue
 
+from bench.process_cpu import CpuSampler
 from bench.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,6 +182,41 @@ class Bench:
         if not self.args.keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def sampler(self) -> CpuSampler:
+        """CPU by component for one run: this script, each holdback service, the worker processes (and a
+        supervisor), RQ's workers, the redis-server and, on PostgreSQL, the backends of the bench's database."""
+        redis_port = self.redis_url.rsplit(":", 1)[1].split("/")[0]
+        database = (self.args.database_url or "").rsplit("/", 1)[-1].split("?")[0]
+
+        def role(proc: psutil.Process) -> str | None:
+            if proc.pid == os.getpid():
+                return "bench"
+            cmd = proc.cmdline()
+            if "holdback.cli" in cmd:
+                command = cmd[cmd.index("holdback.cli") + 1:]
+                if command[:1] == ["worker"]:
+                    many = "--processes" in command and command[command.index("--processes") + 1] != "1"
+                    return "worker supervisor" if many else "worker"
+                return {"sim": "simulator"}.get(command[0], command[0]) if command else None
+            if "rq.cli" in cmd:
+                return "rq worker"
+            if proc.name() == "redis-server":
+                return "redis-server"
+            if proc.name() == "postgres":
+                return "postgres"
+            return None
+
+        def outside() -> list[psutil.Process]:
+            found = []
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                name, cmd = proc.info["name"], " ".join(proc.info["cmdline"] or ())
+                if (name == "redis-server" and f":{redis_port}" in cmd) or (
+                        database and name == "postgres" and f" {database} " in cmd):
+                    found.append(proc)
+            return found
+
+        return CpuSampler(role, outside, interval=0.2)
+
     # -- API ---------------------------------------------------------------------------------------------
 
     def upload(self, payload: bytes) -> str:
@@ -232,16 +275,17 @@ def run_ours(b: Bench, n: int, processes: int, concurrency: int) -> dict:
     b.restart_processor(window=n)
     batch_id = b.create_batch(b.upload(_lines(n, 4)))
     b.wait_until("all rows queued", lambda: b.queue.count >= n, timeout=300, interval=0.1)
-    t0, cpu0 = time.monotonic(), _children_cpu()
-    worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
-                        "--log-level", "WARNING", log="worker")
-    worker.wait()
-    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    with b.sampler() as sampled:
+        t0, cpu0 = time.monotonic(), _children_cpu()
+        worker = b.holdback("worker", "--burst", "-n", str(concurrency), "--processes", str(processes),
+                            "--log-level", "WARNING", log="worker")
+        worker.wait()
+        elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     counts = b.batch(batch_id)["request_counts"]
     if counts["completed"] != n:
         raise RuntimeError(f"workers exited with {counts} of {n}; see {b.data_dir}/worker.log")
     return {"kind": f"holdback worker -n {concurrency}", "jobs": n, "seconds": elapsed, "rate": n / elapsed,
-            "cpu_ms_per_job": 1000 * cpu / n}
+            "cpu_ms_per_job": 1000 * cpu / n, "cpu": sampled.shares}
 
 
 def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
@@ -251,18 +295,19 @@ def run_rq(b: Bench, n: int, processes: int, worker_class: str) -> dict:
             queue.enqueue_many([Queue.prepare_data("bench.pipeline_throughput.noop", result_ttl=0)
                                 for _ in range(min(1000, n - start))], pipeline=pipe)
         pipe.execute()
-    t0, cpu0 = time.monotonic(), _children_cpu()
-    workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class", worker_class,
-                                 "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for _ in range(processes)]
-    for w in workers:
-        w.wait()
-    elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    with b.sampler() as sampled:
+        t0, cpu0 = time.monotonic(), _children_cpu()
+        workers = [subprocess.Popen([PY, "-m", "rq.cli", "worker", "--burst", "--quiet", "--worker-class",
+                                     worker_class, "--url", b.redis_url, queue.name], cwd=REPO, env=b.env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                   for _ in range(processes)]
+        for w in workers:
+            w.wait()
+        elapsed, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     if queue.count:
         raise RuntimeError(f"rq workers left {queue.count} jobs")
     return {"kind": worker_class, "jobs": n, "seconds": elapsed, "rate": n / elapsed,
-            "cpu_ms_per_job": 1000 * cpu / n}
+            "cpu_ms_per_job": 1000 * cpu / n, "cpu": sampled.shares}
 
 
 def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
@@ -281,10 +326,18 @@ def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
             else:
                 jobs = args.fork_jobs if kind.endswith(".Worker") else args.requests
                 run = run_rq(b, jobs, processes, kind)
-            run.update(round=r, processes=processes, side=kind)
+            # CPU of everything the side needs per job (workers, gateway, simulator, Redis, PostgreSQL; not
+            # this script): jobs/s ÷ this is what the machine's free cores bound.
+            shares = run["cpu"]
+            stack = sum(c for role, c in shares.by_role.items() if role != "bench") * shares.seconds
+            run.update(round=r, processes=processes, side=kind, load=os.getloadavg()[0],
+                       stack_cpu_ms_per_job=1000 * stack / run["jobs"])
             runs.append(run)
             print(f"  round {r}: {run['kind']:<28} ×{processes} {run['jobs']:>7,} jobs {run['seconds']:7.2f} s "
-                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job", flush=True)
+                  f"{run['rate']:8.1f} jobs/s  worker CPU {run['cpu_ms_per_job']:.2f} ms/job, "
+                  f"all components {run['stack_cpu_ms_per_job']:.2f} ms/job\n"
+                  f"      {run['cpu'].line()} | load average {run['load']:.1f}", flush=True)
+            run["cpu"] = run["cpu"].as_dict()
 
     def pick(side: str, processes: int, r: int) -> dict:
         return next(x for x in runs if x["side"] == side and x["processes"] == processes and x["round"] == r)
@@ -301,13 +354,18 @@ def run_throughput(b: Bench, args: argparse.Namespace) -> dict:
         for side in ("ours", simple):
             series[f"{side} rate ×{high}÷×{low}"] = [pick(side, high, r)["rate"] / pick(side, low, r)["rate"]
                                                     for r in rounds]
+        # What the machine gave a second process in that round, as RQ's no-op workers found it: ours ÷ that.
+        series[f"ours ×{high}÷×{low} ÷ SimpleWorker's"] = [
+            a / b for a, b in zip(series[f"ours rate ×{high}÷×{low}"], series[f"{simple} rate ×{high}÷×{low}"])]
     ratios = {name: statistics.median(values) for name, values in series.items()}
-    print(f"\nworker throughput, {args.requests:,} requests a run, {args.rounds} round(s), zero-latency simulator "
+    size = len(_lines(args.requests, 4))
+    print(f"\nworker throughput, {args.requests:,} requests a run (generated chat lines, max_tokens 4, {size:,} bytes), "
+          f"{args.rounds} round(s), zero-latency simulator "
           f"{'through the gateway' if args.path == 'gateway' else 'direct'}, {b.database}; medians of per-round "
           "ratios (goals: ours÷SimpleWorker rate ≥ 1.0, ours ×2÷×1 ≥ 1.8, CPU/job ratio ≤ 1.5 on PostgreSQL)")
     for name, values in series.items():
         print(f"  {name:40} {ratios[name]:6.2f}   per round: " + ", ".join(f"{v:.2f}" for v in values))
-    return {"runs": runs, "median_ratios": ratios, "per_round_ratios": series}
+    return {"runs": runs, "median_ratios": ratios, "per_round_ratios": series, "file_bytes": size}
 
 
 def _children_cpu() -> float:

@@ -501,6 +501,8 @@ def test_processes_share_the_queue_each_registered_with_rq(stack):
     # Killing only the supervisor takes its children down too (they get SIGTERM and unregister).
     children = psutil.Process(proc.pid).children()
     assert len(children) == 2
+    # Each child leads its own session, so the scheduler's per-session CPU share (autogroup) is per process.
+    assert {os.getsid(c.pid) for c in children} == {c.pid for c in children}
     os.kill(proc.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(children, timeout=20)
     assert alive == [] and Worker.all(queue=stack.queue) == []
