@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
+from gateway.upstream import UpstreamPool, connection_limit
 
 logger = logging.getLogger("gateway")
 
@@ -71,6 +72,7 @@ class Gateway:
         """Open the upstream session, start the replica checks, the dispatch loop and SIGHUP reloads."""
         self._session = upstream_session(self.controller.loaded.config)
         self.proxy.session = self._session
+        self.proxy.upstream = UpstreamPool.for_config(self.controller.loaded.config)
         await self.pool.start(self._session)
         self._loop_task = asyncio.create_task(self.controller.run(), name="gateway-dispatch-loop")
         try:
@@ -87,6 +89,8 @@ class Gateway:
                 await self._loop_task
         await self.pool.stop()
         self.proxy.counter.close()
+        if self.proxy.upstream is not None:
+            self.proxy.upstream.close()
         if self._session is not None:
             await self._session.close()
 
@@ -209,11 +213,9 @@ def refuse_admin(classifier: Classifier, request: web.Request) -> web.Response |
 
 
 def upstream_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
-    """The session every request to a replica goes through (responses relayed as they come, not decompressed)."""
-    sat = cfg.saturation
-    limit = cfg.upstream.connectionLimit or max(
-        256, int(len(cfg.replicas) * sat.maxConcurrency * (1 + sat.headroom) * 2) + 64)
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=30,
+    """The session for /v1/models, health checks and tokenizer calls to the replicas (inference requests go
+    through the proxy's UpstreamPool); not decompressed."""
+    connector = aiohttp.TCPConnector(limit=connection_limit(cfg), limit_per_host=0, keepalive_timeout=30,
                                      enable_cleanup_closed=False)
     timeout = aiohttp.ClientTimeout(total=cfg.upstream.timeoutSeconds or None,
                                     sock_connect=cfg.upstream.connectTimeoutSeconds)

@@ -1,9 +1,12 @@
 """The proxy: classify, pass flow control, forward to the picked replica, relay the answer byte for byte.
 
-Non-streaming answers are read whole and returned; event streams are relayed chunk by chunk, and the
-response headers are sent with the first body chunk, so an eviction before the first token still gets a
-clean 429. Eviction and client disconnects both arrive as cancellation of the handler task: the upstream
-response is closed (the TCP connection is dropped, never pooled), so the replica aborts the request.
+Requests go to the replicas over the lean HTTP/1.1 client of gateway/upstream.py (pooled keep-alive
+connections driven by an asyncio Protocol). Non-streaming answers are read whole and returned; for event
+streams the response headers are sent with the first body chunk, so an eviction before the first token still
+gets a clean 429, and after it the replica's connection writes each body chunk straight to the caller's
+transport from its `data_received` (no task wake per chunk; the handler waits for the end, an error, the
+caller leaving or its transport draining). Eviction and client disconnects both arrive as cancellation of
+the handler task: the upstream connection is dropped (never pooled), so the replica aborts the request.
 With KV admission on, the body is parsed and its prompt counted before flow control, and the relay counts
 streamed tokens (one per `data: {` event) so the ledger's reservation follows the response.
 `controller` is the FlowController in one process, or in a relay of `--workers N` the RemoteFlowController
@@ -32,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
 from gateway.responses import drop_response, error_response, evicted_sse_event
 from gateway.tokenization import PromptCounter
+from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
 from holdback.contract import (DROP_REASON_HEADER, QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER,
                                RESUMABLE_HEADER)
@@ -56,7 +60,8 @@ class Proxy:
     def __init__(self, controller: FlowController, metrics: GatewayMetrics):
         self.controller = controller
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # /v1/models and the prompt counter's calls
+        self.upstream: UpstreamPool | None = None  # inference requests (gateway/upstream.py)
         self.classifier = Classifier(controller.loaded)
         self.upstream_api_key = controller.loaded.upstream_api_key
         self.counter = self._counter()
@@ -190,7 +195,7 @@ class Proxy:
 
     def _upstream_failure(self, replica, exc: BaseException, request_id: str) -> web.Response:
         self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, (aiohttp.ClientConnectorError, ConnectFailed)):
             self.controller.pool.mark_down(replica, f"connect: {exc.os_error or exc}")
         log_event(logger, logging.WARNING, "upstream_error", request_id=request_id, replica=replica.url,
                   error=f"{type(exc).__name__}: {exc}")
@@ -199,81 +204,95 @@ class Proxy:
 
     async def _forward(self, request: web.Request, req: FlowRequest, body: bytes) -> web.StreamResponse:
         replica = req.replica
-        assert self.session is not None and replica is not None
+        pool = self.upstream
+        assert pool is not None and replica is not None
         controller = self.controller
         request_id = req.request_id
-        resp: aiohttp.ClientResponse | None = None
+        conn: UpstreamConnection | None = None
         stream: web.StreamResponse | None = None
+        timer: asyncio.TimerHandle | None = None
         try:
             upstream_headers = self._upstream_headers(request, request_id)
-            while resp is None:
+            while conn is None:
                 try:
-                    resp = await self.session.request(request.method, replica.url + request.path_qs, data=body,
-                                                      headers=upstream_headers)
-                except aiohttp.ClientConnectorError as exc:
+                    conn = await pool.open(replica.url)
+                except ConnectFailed as exc:
                     # Nothing reached the replica, so another one may take the request (once per replica).
                     failed = self._upstream_failure(replica, exc, request_id)
                     replica = await controller.reassign(req)
                     if replica is None:
                         controller.finish(req)
                         return failed
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                except asyncio.TimeoutError as exc:
                     controller.finish(req)
-                    return self._upstream_failure(req.replica, exc, request_id)
-            headers = self._response_headers(resp, request_id)
+                    return self._upstream_failure(replica, exc, request_id)
+            if pool.total_timeout:
+                timer = asyncio.get_running_loop().call_later(pool.total_timeout, conn.expire)
+            conn.send(request.method, request.path_qs, upstream_headers, body)
+            while not conn.status:
+                await conn.wait()
+            headers = response_headers(conn.headers, _HOP_BY_HOP)
+            headers[REQUEST_ID_HEADER] = request_id
             headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
             if req.enqueued_at:  # it waited in a queue
                 headers[QUEUE_MS_HEADER] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
-            content_type = resp.headers.get("Content-Type", "")
-            if not content_type.startswith("text/event-stream") and "Content-Length" in resp.headers:
-                data = await resp.read()
+            content_type = headers.get("Content-Type", "")
+            if not content_type.startswith("text/event-stream") and conn.sized:
+                while not conn.complete:
+                    await conn.wait()
+                data = conn.take()
                 self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
-                resp.release()
                 controller.finish(req, "end", time.monotonic())
-                return web.Response(status=resp.status, body=data, headers=headers)
-            stream = web.StreamResponse(status=resp.status, headers=headers)
-            # The per-chunk path is the gateway's hot loop: one count, two substring tests, one write; the
-            # ledger is revised only when the reservation's blocks change (see KvLedger.revision_due).
-            content = resp.content
-            write = stream.write
-            res = req.reservation if isinstance(req.reservation, Reservation) else None
-            ledger = controller.ledger if res is not None else None
-            due = ledger.revision_due(res) if ledger is not None and res is not None else 0
-            tokens = 0
-            chunk = await content.readany()
+                return web.Response(status=conn.status, body=data, headers=headers)
+            stream = web.StreamResponse(status=conn.status, headers=headers)
+            conn.streaming = True
+            while not conn.pieces and not conn.complete:
+                await conn.wait()
+            chunk = conn.take()
             if chunk:
                 # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
                 streamed = "true" if content_type.startswith("text/event-stream") else "false"
                 self.metrics.child(self.metrics.ttft, req.objective, streamed).observe(time.monotonic() - req.arrived)
                 await stream.prepare(request)
                 controller.started_streaming(req)
-            while chunk:
-                if ledger is not None:
-                    tokens += chunk.count(_EVENT)
-                    done = _FINISHED in chunk or _FINISHED_SPACED in chunk
-                    if done or tokens >= due:
-                        controller.revise(req, tokens, done=done)
-                        due = ledger.revision_due(res)
+                res = req.reservation if isinstance(req.reservation, Reservation) else None
+                counter = _TokenCount(controller, req, res).count if res is not None else None
                 try:
-                    await write(chunk)
+                    # The first chunk carries the headers; then the connection relays the rest by itself,
+                    # waking this task only at the end, on an error, when the caller left or must drain.
+                    while chunk:
+                        if counter is not None:
+                            counter(chunk)
+                        await stream.write(chunk)
+                        chunk = conn.take()
+                    client = request.transport
+                    if client is None or client.is_closing():
+                        raise ConnectionResetError("the caller closed the connection")
+                    conn.relay(client, request.protocol,
+                               stream.headers.get("Transfer-Encoding", "").lower() == "chunked", counter)
+                    while not conn.complete:
+                        await conn.wait()
+                        if conn.left:
+                            raise ConnectionResetError("the caller closed the connection")
+                        if conn.paused:
+                            await _drained(request)
+                            conn.resume()
                 except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
-                    resp.close()
+                    conn.close()
                     controller.finish(req, "cancel", time.monotonic())
                     log_event(logger, logging.INFO, "caller_left_stream", request_id=request_id)
                     return stream
-                chunk = await content.readany()
-            resp.release()
             controller.finish(req, "end", time.monotonic())
             if not stream.prepared:
                 await stream.prepare(request)
-            # The whole answer was relayed and released; a caller that left before the final chunk is no error.
+            # The whole answer was relayed; a caller that left before the final chunk is no error.
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
                 await stream.write_eof()
             return stream
         except asyncio.CancelledError:
             seen = time.monotonic()
-            if resp is not None:
-                resp.close()
+            if conn is not None:
+                conn.close()
             if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
                 # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
                 controller.finish(req, "cancel" if req.streaming_started else "disconnect", seen)
@@ -288,9 +307,9 @@ class Proxy:
                     await stream.write_eof()
                 return stream
             return drop_response(DropReason.EVICTED, request_id)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            if resp is not None:
-                resp.close()
+        except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
+            if conn is not None:
+                conn.close()
             controller.finish(req, "error", time.monotonic())
             if stream is not None and stream.prepared:
                 # Status and part of the body are out; dropping the connection is the only honest signal.
@@ -298,6 +317,38 @@ class Proxy:
                           replica=replica.url, error=f"{type(exc).__name__}: {exc}")
                 raise
             return self._upstream_failure(replica, exc, request_id)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if conn is not None:
+                pool.put(conn)
+
+
+class _TokenCount:
+    """The KV ledger's view of a relayed stream: one token per `data: {` event, revised only when the
+    reservation's blocks change (KvLedger.revision_due) or the generation finished."""
+
+    __slots__ = ("controller", "req", "res", "ledger", "tokens", "due")
+
+    def __init__(self, controller: FlowController, req: FlowRequest, res: Reservation):
+        self.controller, self.req, self.res = controller, req, res
+        self.ledger = controller.ledger
+        self.tokens = 0
+        self.due = self.ledger.revision_due(res)
+
+    def count(self, chunk: bytes) -> None:
+        self.tokens += chunk.count(_EVENT)
+        done = _FINISHED in chunk or _FINISHED_SPACED in chunk
+        if done or self.tokens >= self.due:
+            self.controller.revise(self.req, self.tokens, done=done)
+            self.due = self.ledger.revision_due(self.res)
+
+
+async def _drained(request: web.Request) -> None:
+    """Until the caller's transport is below its low-water mark again (aiohttp's own wait for it)."""
+    protocol = request.protocol
+    if protocol.writing_paused:
+        await protocol._drain_helper()
 
 
 def _document(body: bytes) -> object:

@@ -32,6 +32,7 @@ from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
 from gateway.remote_flow import RemoteFlowController
 from gateway.responses import error_response
+from gateway.upstream import UpstreamPool
 
 logger = logging.getLogger("gateway.relay")
 # How often a relay tells flow control what its prompt counter knows (for /admin/state).
@@ -144,6 +145,7 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     assert relay.controller is not None and relay.proxy is not None
     session = upstream_session(relay.controller.loaded.config)
     relay.proxy.session = session
+    relay.proxy.upstream = UpstreamPool.for_config(relay.controller.loaded.config)
     runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.SockSite(runner, socket.socket(fileno=fd), backlog=1024)
@@ -162,6 +164,7 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
         reporter.cancel()
         await runner.cleanup()
         relay.proxy.counter.close()
+        relay.proxy.upstream.close()
         await session.close()
         channel.close()
 
