@@ -230,7 +230,20 @@ class Proxy:
                 timer = asyncio.get_running_loop().call_later(pool.total_timeout, conn.expire)
             conn.send(request.method, request.path_qs, upstream_headers, body)
             while not conn.status:
-                await conn.wait()
+                try:
+                    await conn.wait()
+                except UpstreamError:
+                    if not conn.stale():
+                        raise
+                    # The replica had closed this pooled connection while it was idle and read nothing of the
+                    # request: send it once more on a new connection.
+                    pool.put(conn)
+                    conn = None
+                    conn = await pool.open(replica.url, fresh=True)
+                    if timer is not None:
+                        timer.cancel()
+                        timer = asyncio.get_running_loop().call_later(pool.total_timeout, conn.expire)
+                    conn.send(request.method, request.path_qs, upstream_headers, body)
             headers = response_headers(conn.headers, _HOP_BY_HOP)
             headers[REQUEST_ID_HEADER] = request_id
             headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt

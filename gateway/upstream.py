@@ -55,6 +55,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.host = urlsplit(url).netloc
         self.transport: asyncio.Transport | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.reused = False  # taken from the idle pool: the replica may have closed it meanwhile
         self._reset()
 
     def _reset(self) -> None:
@@ -69,6 +70,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.buffered = 0
         self.held = False  # reading paused until the handler takes the buffered body
         self.complete = False
+        self.received = False  # any byte of this exchange's answer arrived
         self.error: BaseException | None = None
         self.closed = False  # closed by us: the end of the connection is no error
         self.waiter: asyncio.Future | None = None
@@ -88,6 +90,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.complete or self.closed:  # nothing is expected between exchanges
             self.close()
             return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -207,6 +210,12 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
+    def stale(self) -> bool:
+        """A pooled connection that closed before one byte of the answer came back: most likely the replica
+        closed it while it sat idle (its keep-alive ran out). Sending the request once more on a new connection
+        is safe: an inference request has no effect beyond its compute, and none of its answer was relayed."""
+        return self.reused and not self.received and type(self.error) is UpstreamError
+
     def reusable(self) -> bool:
         return (self.complete and self.keep_alive and not self.closed and not self.paused and not self.held
                 and self.transport is not None and not self.transport.is_closing())
@@ -237,11 +246,12 @@ class UpstreamPool:
     def for_config(cls, cfg) -> UpstreamPool:  # noqa: ANN001 - a GatewayConfig
         return cls(connection_limit(cfg), cfg.upstream.connectTimeoutSeconds, cfg.upstream.timeoutSeconds or None)
 
-    async def open(self, url: str) -> UpstreamConnection:
-        """A connection to `url` (a pooled one when idle); raises ConnectFailed, or TimeoutError on connect."""
+    async def open(self, url: str, fresh: bool = False) -> UpstreamConnection:
+        """A connection to `url` (a pooled one when idle, unless `fresh`); raises ConnectFailed, or TimeoutError
+        on connect."""
         await self._slots.acquire()
         try:
-            idle = self._idle.get(url)
+            idle = None if fresh else self._idle.get(url)
             while idle:
                 conn = idle.pop()
                 if conn.idle_handle is not None:
@@ -249,6 +259,7 @@ class UpstreamPool:
                     conn.idle_handle = None
                 if conn.transport is not None and not conn.transport.is_closing():
                     conn._reset()
+                    conn.reused = True
                     return conn
             return await self._connect(url)
         except BaseException:

@@ -29,6 +29,8 @@ class ScriptedReplica:
         self.port = free_port()
         self.connections = 0
         self.stream_connections: list[int] = []  # the connection number of each streamed POST
+        self.drop_next: set[int] = set()  # connections to close, unanswered, at their next POST
+        self.dropped = 0
         self.blocked = threading.Event()  # the gateway stopped reading the big stream
         self.written_when_blocked = 0
         self.loop = asyncio.new_event_loop()
@@ -76,9 +78,16 @@ class ScriptedReplica:
                                  % (len(body), body))
                     await writer.drain()
                     continue
-                self.stream_connections.append(number)
-                if not await self._answer(headers.get("x-mode", ""), writer):
+                if number in self.drop_next:  # as if its keep-alive ran out just as the request came
+                    self.drop_next.discard(number)
+                    self.dropped += 1
                     break
+                self.stream_connections.append(number)
+                mode = headers.get("x-mode", "")
+                if not await self._answer("chunked" if mode == "stale-next" else mode, writer):
+                    break
+                if mode == "stale-next":
+                    self.drop_next.add(number)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -158,6 +167,15 @@ def test_each_body_framing_is_relayed_byte_for_byte_over_one_kept_alive_connecti
     assert closed.status_code == 200 and closed.content == SSE
     assert post(gw, "chunked").content == SSE  # a fresh connection after the replica closed the last one
     assert replica.stream_connections[-1] != replica.stream_connections[-2]
+
+
+def test_a_pooled_connection_the_replica_closed_is_sent_again_on_a_new_one(stack, replica):
+    gw = stack.gateway([replica.url], "admission: {enabled: false}\n")
+    assert post(gw, "stale-next").content == SSE
+    again = post(gw, "chunked")  # goes out on the pooled connection, which the replica closes unanswered
+    assert again.status_code == 200 and again.content == SSE
+    assert replica.dropped == 1
+    assert replica.stream_connections[-1] != replica.stream_connections[0]
 
 
 def test_a_stream_the_replica_breaks_is_broken_for_the_caller_too(stack, replica):
