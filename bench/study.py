@@ -92,6 +92,8 @@ class Scenario:
     # The adaptive reserve: batch's ceiling follows realtime demand (gateway usageLimit adaptive-reserve)
     # instead of the fixed `batch_ceiling`, which is then its floor.
     adaptive: bool = False
+    # The most of the pool batch may borrow under the adaptive reserve (its `maxCeiling`).
+    max_ceiling: float = 1.0
     # False: no realtime traffic; the window only measures batch alone (the harvest's denominator).
     realtime: bool = True
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
@@ -105,7 +107,7 @@ class Scenario:
         if self.adaptive:
             # The fixed ceiling is the floor. A realtime request lives about a second here, so a 10 s peak window
             # (the gateway default is 30 s) covers many lifetimes of arrival noise; the margin is the default.
-            usage = {"policy": "adaptive-reserve", "minCeiling": batch_ceiling, "maxCeiling": 1.0,
+            usage = {"policy": "adaptive-reserve", "minCeiling": batch_ceiling, "maxCeiling": self.max_ceiling,
                      "adaptive": ADAPTIVE_RESERVE}
         else:
             usage = {"policy": "static", "threshold": 1.0}
