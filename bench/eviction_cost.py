@@ -195,7 +195,9 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
 def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> str:
     """p95 TTFT of `candidate` no worse than `baseline`: decided only when the intervals do not overlap."""
     a, b = arms.get(candidate), arms.get(baseline)
-    if a is None or b is None or None in (a.p95_ttft_lo_ms, a.p95_ttft_hi_ms, b.p95_ttft_lo_ms, b.p95_ttft_hi_ms):
+    if a is None or b is None:
+        return f"not run ({candidate if a is None else baseline} is not in this round)"
+    if None in (a.p95_ttft_lo_ms, a.p95_ttft_hi_ms, b.p95_ttft_lo_ms, b.p95_ttft_hi_ms):
         return "undecided (too few requests)"
     if a.p95_ttft_hi_ms <= b.p95_ttft_lo_ms:
         return "met (better, intervals apart)"
