@@ -108,12 +108,6 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._fail(UpstreamError("the replica closed the connection" + (f": {exc}" if exc else "")))
 
-    def pause_writing(self) -> None:  # the request is written once, from memory: nothing to hold back
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- parser callbacks -----------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
