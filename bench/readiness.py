@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import subprocess
+import threading
 import time
 from abc import ABC, abstractmethod
 
@@ -69,6 +71,7 @@ class Started(ABC):
         """Stop every process that was started."""
 
     def __enter__(self):  # noqa: ANN204
+        _stop_on_sigterm()
         try:
             return self.start()
         except BaseException:
@@ -77,3 +80,15 @@ class Started(ABC):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _raise_exit(signum: int, frame) -> None:  # noqa: ANN001, ARG001
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM unwind the main thread (so every `with Started` stops its processes) instead of ending the
+    interpreter at once, which would leave the children, each in its own session, running. Only where nothing
+    else handles SIGTERM, and only in the main thread (where Python delivers signals)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
