@@ -117,6 +117,8 @@ def figures(record: dict) -> dict:
         "p95_ttft_after_burst_ms": percentile([r["ttft_s"] * 1000 for r in ok if r["sent_s"] >= BURST_SETTLE_S], 0.95),
         "realtime_queued_p95_ms": percentile([r["queue_ms"] for r in rt if r.get("queue_ms") is not None], 0.95),
         "realtime_output_tps": sum(r.get("output_tokens") or 0 for r in ok) / win["window_s"] if win.get("window_s") else None,
+        # The gateway's holdback policy as the run configured it (records before it was kept have none).
+        "usage_limit": (record.get("gateway_overrides") or {}).get("usageLimit"),
     }
     f["preemptions"] = int(sum(metric_sum(m, "vllm:num_preemptions_total") for m in record.get("sim_metrics") or []))
     if not record["scenario"]["batch"]:
@@ -227,8 +229,9 @@ def summarize(run_figs: list[dict]) -> dict[str, dict]:
         by.setdefault(f["scenario"], []).append(f)
     out = {}
     for name, runs in by.items():
-        keys = sorted({k for r in runs for k in r if k not in ("scenario", "repeat", "evicted_all_done")})
+        keys = sorted({k for r in runs for k in r if k not in ("scenario", "repeat", "evicted_all_done", "usage_limit")})
         med = {k: _median([r.get(k) for r in runs]) for k in keys}
+        med["usage_limit"] = next((r["usage_limit"] for r in runs if r.get("usage_limit")), None)
         # Counts that must hold in every run are summed, not medianed.
         for k in ("evictions", "evicted_requests", "evicted_completed", "duplicate_final_results",
                   "duplicates_suppressed", "realtime_errors"):
@@ -460,12 +463,13 @@ def _ratio(a, b, digits: int = 2) -> str:  # noqa: ANN001
 
 def adaptive_section(summary: dict[str, dict]) -> list[str]:
     """The adaptive reserve against the fixed reserves measured in the same study, as ratios."""
-    from bench.study import ADAPTIVE_RESERVE, SCENARIOS
+    from bench.study import SCENARIOS
 
     s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
     if "adaptive_evict" not in summary:
         return ["Not run in this study (scenario `adaptive_evict`)."]
-    out = [f"Gateway `usageLimit: {{policy: adaptive-reserve, minCeiling: 0.5, adaptive: {json.dumps(ADAPTIVE_RESERVE)}}}`"
+    usage = s("adaptive_evict", "usage_limit")
+    out = [f"Gateway `usageLimit: {json.dumps(usage) if usage else '(not kept in these records)'}`"
            ": the batch ceiling is 1 − forecast − margin, never below the 50% reserve's ceiling. Its ratios and "
            f"verdicts are in the goals table; the fixed reserve it is compared with is "
            f"`{best_fixed_reserve(summary)}` (the sweep's most batch completions within 5% of realtime-only p95).", "",
