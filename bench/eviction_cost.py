@@ -139,15 +139,6 @@ class ArmFigures:
     p95_ttft_after_burst_ms: float | None = None
 
 
-def batch_in_flight_mean(record: dict) -> float | None:
-    window = record.get("window") or {}
-    start = window.get("realtime_start", 0.0)
-    end = start + window.get("window_s", 0.0)
-    values = [x["bands"]["-10"]["in_flight"] for x in record.get("samples", [])
-              if start <= x["t"] <= end and "-10" in (x.get("bands") or {})]
-    return statistics.fmean(values) if values else None
-
-
 def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
     f = figures(record)
     got = record.get("collected") or {}
@@ -160,7 +151,7 @@ def arm_figures(record: dict, policy_applied: bool) -> ArmFigures:
         evictions=evictions, tokens_recomputed=recomputed, tokens_kept=got.get("tokens_kept", 0),
         recomputed_per_eviction=recomputed / evictions if evictions else None,
         aborted_computed_tokens=f.get("recomputed_tokens", 0), p95_ttft_ms=percentile(ttfts, 0.95),
-        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi, batch_in_flight_mean=batch_in_flight_mean(record),
+        p95_ttft_lo_ms=lo, p95_ttft_hi_ms=hi, batch_in_flight_mean=f.get("batch_in_flight_mean"),
         p95_ttft_after_burst_ms=f.get("p95_ttft_after_burst_ms"))
 
 

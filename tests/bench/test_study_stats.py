@@ -7,7 +7,8 @@ import pytest
 
 from bench import study
 from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
-from bench.report import goals, histogram_quantile, paired_ratio, run_harvest, summarize
+from bench.report import (adaptive_differences, figures, goals, histogram_quantile, paired_ratio, run_harvest,
+                          summarize)
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 
 
@@ -137,3 +138,34 @@ def test_gzipped_records_count_as_recorded_and_are_read_by_the_report(tmp_path):
     (tmp_path / "raw" / "no_controls-r0.json.gz").write_bytes(gzip.compress(json.dumps(record("no_controls", 0)).encode()))
     assert set(recorded_runs(tmp_path, QUICK, 7)) == {("no_controls", 0)}
     assert study.read_record(study.record_paths(tmp_path)[0])["scenario"]["name"] == "no_controls"
+
+
+def test_figures_count_places_held_from_samples_and_lifetimes():
+    rec = {"scenario": {"name": "adaptive_evict", "batch": True}, "repeat": 0,
+           "gateway_overrides": {"usageLimit": {"policy": "adaptive-reserve", "margin": 0.05}},
+           "window": {"realtime_start": 10.0, "window_s": 10.0},
+           "realtime": [{"status": 200, "ttft_s": 0.3, "e2e_s": 2.0, "sent_s": 1.0, "output_tokens": 8},
+                        {"status": 200, "ttft_s": 0.3, "e2e_s": 3.0, "sent_s": 2.0, "output_tokens": 8}],
+           # Samples before the window (t < 10) do not count.
+           "samples": [{"t": 5.0, "bands": {"-10": {"in_flight": 48}}},
+                       {"t": 11.0, "bands": {"-10": {"in_flight": 30}}},
+                       {"t": 12.0, "bands": {"-10": {"in_flight": 34}}}]}
+    f = figures(rec)
+    assert f["batch_in_flight_mean"] == 32
+    assert f["realtime_in_flight_mean"] == pytest.approx(0.5)  # (2 + 3) s of lifetimes over a 10 s window
+    assert summarize([f])["adaptive_evict"]["usage_limit"] == {"policy": "adaptive-reserve", "margin": 0.05}
+
+
+def test_adaptive_differences_bound_the_goal_by_the_places_realtime_leaves():
+    def run(name, done, held, rt=6.0, p95=300.0):
+        return fig(name, 0, batch_completions=done, batch_in_flight_mean=held, realtime_in_flight_mean=rt,
+                   p95_ttft_ms=p95)
+
+    base = [fig("realtime_only", 0, p95_ttft_ms=300.0), run("reserve_25_evict", 100, 36.0)]
+    # 48 - 6 = 42 places at most: 42 / 36 = 1.17 < 1.25, so no policy could meet the goal.
+    text = " ".join(adaptive_differences(summarize([*base, run("adaptive_evict", 105, 37.0)]), 48))
+    assert "1.05× the batch completions" in text and "1.17×" in text and "no reserve policy can meet" in text
+    # With room to spare the text says how much of it the adaptive reserve used: (33 - 30) / (42 - 30).
+    roomy = [fig("realtime_only", 0, p95_ttft_ms=300.0), run("reserve_25_evict", 100, 30.0)]
+    text = " ".join(adaptive_differences(summarize([*roomy, run("adaptive_evict", 110, 33.0)]), 48))
+    assert "1.40×" in text and "used 25% of the room" in text
