@@ -9,7 +9,8 @@ through the gateway and through both relays (the order reverses every other roun
 own process records each stream's time to first token and the gaps between its tokens. Reported, per gateway
 run, the gateway's CPU per 1,000 streamed tokens divided by the simulator's CPU in the same run (goal at most
 0.25) and by the bare relay's CPU per 1,000 tokens (what holdback adds to aiohttp), the byte relay's CPU over
-the simulator's (what no Python relay can go below), and per round the
+the simulator's (what no Python relay can go below), each relay's system time alone over the simulator's CPU
+(the byte relay's is what a relay in any language pays the kernel to see every chunk), and per round the
 p95 TTFT and p95 inter-token gap through the gateway divided by direct (goal at most 1.1); medians over rounds,
 and for the pooled p95s a distribution-free interval with whether the goal is decided.
 
@@ -152,15 +153,21 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]
 
 
-def _cpu(proc: psutil.Process) -> float:
-    """CPU seconds of a process and its children (`holdback` may run the service in a child)."""
-    total = sum(proc.cpu_times()[:2])
+def _cpu(proc: psutil.Process, fields: slice = slice(0, 2)) -> float:
+    """CPU seconds of a process and its children (`holdback` may run the service in a child): user + system by
+    default, `_KERNEL` for system time alone."""
+    total = sum(proc.cpu_times()[fields])
     for child in proc.children(recursive=True):
         try:
-            total += sum(child.cpu_times()[:2])
+            total += sum(child.cpu_times()[fields])
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+# System time alone: the kernel's work for the process (socket syscalls, and on loopback the TCP delivery to the
+# peer that each send() runs): what a relay in any language pays to forward a chunk it must see.
+_KERNEL = slice(1, 2)
 
 
 def _split_cpu(proc: psutil.Process) -> dict[str, float]:
@@ -280,6 +287,7 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     cpu_ratios: list[float] = []
     bare_ratios: list[float] = []
     byte_ratios: list[float] = []
+    kernel_ratios: dict[str, list[float]] = {"gateway": [], "byte_relay": []}
     relay_itl: dict[str, list[float]] = {"bare_relay": [], "byte_relay": []}
     gw_ms_per_k: list[float] = []
     sim_ms_per_k: list[float] = []
@@ -294,10 +302,12 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
             sim0 = _cpu(sim_ps)
             relay = relays.get(name)
             relay0 = _cpu(relay) if relay is not None else 0.0
+            kernel0 = _cpu(relay, _KERNEL) if relay is not None else 0.0
             split0 = _split_cpu(relay) if name == "gateway_workers" and relay is not None else {}
             res = run_streams(targets[name] + "/v1/chat/completions", args.streams, args.tokens)
             res["sim_cpu"] = _cpu(sim_ps) - sim0
             res["relay_cpu"] = _cpu(relay) - relay0 if relay is not None else 0.0
+            res["relay_kernel_cpu"] = _cpu(relay, _KERNEL) - kernel0 if relay is not None else 0.0
             if split0 and relay is not None:  # flow control's own CPU, and each relay's
                 res["split_cpu"] = {k: v - split0.get(k, 0.0) for k, v in _split_cpu(relay).items()}
             runs[name] = res
@@ -311,6 +321,9 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         for name, ratios in relay_itl.items():
             ratios.append(_p95(runs[name]["gaps"]) / _p95(d["gaps"]))
         byte_ratios.append(per_k["byte_relay"] / (g["sim_cpu"] / g["tokens"] * 1e6))
+        for name in ("gateway", "byte_relay"):  # each relay's kernel time ÷ the simulator's CPU in its own run
+            kernel_ratios[name].append(runs[name]["relay_kernel_cpu"] / runs[name]["tokens"]
+                                       / (runs[name]["sim_cpu"] / runs[name]["tokens"]))
         per_k_sim = g["sim_cpu"] / g["tokens"] * 1e6
         gw_ms_per_k.append(per_k_gw)
         sim_ms_per_k.append(per_k_sim)
@@ -337,7 +350,8 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                   file=sys.stderr, flush=True)
         print(f"round {rnd + 1}/{args.rounds}: gateway {per_k_gw:.1f} ms CPU / 1k tokens, simulator "
               f"{per_k_sim:.1f} (ratio {cpu_ratios[-1]:.3f}), gateway / bare aiohttp relay {bare_ratios[-1]:.3f}, "
-              f"byte relay / simulator {byte_ratios[-1]:.3f}; "
+              f"byte relay / simulator {byte_ratios[-1]:.3f} (kernel time alone {kernel_ratios['byte_relay'][-1]:.3f}; "
+              f"the gateway's {kernel_ratios['gateway'][-1]:.3f}); "
               f"p95 TTFT gw/direct {ttft_ratios[-1]:.3f}, "
               f"p95 inter-token gw/direct {itl_ratios[-1]:.3f}; tokens {g['tokens']}/{d['tokens']}",
               file=sys.stderr, flush=True)
@@ -353,6 +367,10 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                                               "per_round": [round(x, 3) for x in bare_ratios]},
         "cpu_ratio_byte_relay_over_simulator": {"median": statistics.median(byte_ratios),
                                                 "per_round": [round(x, 3) for x in byte_ratios]},
+        # Relays' system time alone ÷ the simulator's CPU for the same tokens: the byte relay's is the floor of a
+        # relay in any language that reads and writes each chunk through the kernel's sockets.
+        "kernel_cpu_ratio_over_simulator": {name: {"median": statistics.median(r), "per_round": [round(x, 3) for x in r]}
+                                            for name, r in kernel_ratios.items()},
         # The baselines' own added inter-token latency: what any relay on this machine adds.
         "p95_inter_token_ratio_relays_over_direct": {name: {"median": statistics.median(r),
                                                             "per_round": [round(x, 3) for x in r]}
