@@ -691,7 +691,11 @@ def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> l
             f"50% ceiling batch holds at most 24 places with or without eviction, so eviction can add completions "
             f"only by sparing the replica preemptions; here it had {_fmt(s('holdback_50', 'preemptions'))} with "
             f"holdback alone and {_fmt(s('holdback_50_evict', 'preemptions'))} with eviction (24 batch requests fill "
-            f"about half of its KV blocks). The seed does not say where its extra 150 completions came from.")
+            f"about half of its KV blocks). The seed does not say where its extra 150 completions came from."
+            + (f" What eviction does make possible is lending the reserve: the adaptive reserve keeps the 50% "
+               f"ceiling as its floor, lends the rest while realtime leaves it idle and takes it back by eviction, "
+               f"and completed {s('adaptive_evict', 'batch_completions') / c_hb:.2f}× holdback alone's batch "
+               f"requests." if s("adaptive_evict", "batch_completions") else ""))
     elif c_hb and c_ev:
         out.append(f"- **Eviction and batch completions: {(c_ev / c_hb - 1) * 100:+.0f}% against the seed's +9%.**")
     sweep = [(r, s(n, "p95_ttft_ms")) for n, r in SWEEP if s(n, "p95_ttft_ms") is not None]

@@ -7,7 +7,7 @@ import pytest
 
 from bench import study
 from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
-from bench.report import (adaptive_differences, figures, goals, histogram_quantile, paired_ratio, run_harvest,
+from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, paired_ratio, run_harvest,
                           summarize)
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 
@@ -169,3 +169,12 @@ def test_adaptive_differences_bound_the_goal_by_the_places_realtime_leaves():
     roomy = [fig("realtime_only", 0, p95_ttft_ms=300.0), run("reserve_25_evict", 100, 30.0)]
     text = " ".join(adaptive_differences(summarize([*roomy, run("adaptive_evict", 110, 33.0)]), 48))
     assert "1.40×" in text and "used 25% of the room" in text
+
+
+def test_the_eviction_difference_names_what_lending_the_reserve_completed():
+    runs = [fig("realtime_only", 0, p95_ttft_ms=300.0, realtime_requests=1200),
+            fig("holdback_50", 0, batch_completions=100, p95_ttft_ms=310.0, preemptions=0),
+            fig("holdback_50_evict", 0, batch_completions=95, recomputed_tokens=5000, preemptions=0),
+            fig("adaptive_evict", 0, batch_completions=130)]
+    text = " ".join(differences({"workload": {}}, summarize(runs), runs))
+    assert "-5% against the seed's +9%" in text and "completed 1.30× holdback alone's" in text
