@@ -369,8 +369,9 @@ def measure(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                                                 "per_round": [round(x, 3) for x in byte_ratios]},
         # Relays' system time alone ÷ the simulator's CPU for the same tokens: the byte relay's is the floor of a
         # relay in any language that reads and writes each chunk through the kernel's sockets.
-        "kernel_cpu_ratio_over_simulator": {name: {"median": statistics.median(r), "per_round": [round(x, 3) for x in r]}
-                                            for name, r in kernel_ratios.items()},
+        "kernel_cpu_ratio_over_simulator": {
+            name: {"median": statistics.median(r), "per_round": [round(x, 3) for x in r]}
+            for name, r in kernel_ratios.items()},
         # The baselines' own added inter-token latency: what any relay on this machine adds.
         "p95_inter_token_ratio_relays_over_direct": {name: {"median": statistics.median(r),
                                                             "per_round": [round(x, 3) for x in r]}

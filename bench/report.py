@@ -245,7 +245,8 @@ def summarize(run_figs: list[dict]) -> dict[str, dict]:
         by.setdefault(f["scenario"], []).append(f)
     out = {}
     for name, runs in by.items():
-        keys = sorted({k for r in runs for k in r if k not in ("scenario", "repeat", "evicted_all_done", "usage_limit")})
+        skip = ("scenario", "repeat", "evicted_all_done", "usage_limit")
+        keys = sorted({k for r in runs for k in r if k not in skip})
         med = {k: _median([r.get(k) for r in runs]) for k in keys}
         med["usage_limit"] = next((r["usage_limit"] for r in runs if r.get("usage_limit")), None)
         # Counts that must hold in every run are summed, not medianed.

@@ -7,8 +7,8 @@ import pytest
 
 from bench import study
 from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
-from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, paired_ratio, run_harvest,
-                          summarize)
+from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, paired_ratio,
+                          run_harvest, summarize)
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 
 
