@@ -134,6 +134,9 @@ def figures(record: dict) -> dict:
     ceilings = [x["batch_ceiling"] for x in samples
                 if x.get("batch_ceiling") is not None and start <= x["t"] <= start + win.get("window_s", 0.0)]
     f["batch_ceiling_mean"] = statistics.fmean(ceilings) if ceilings else None
+    # How far the ceiling moved in the window (a fixed reserve: not at all; an adaptive one: with its forecast).
+    f["batch_ceiling_p10"] = percentile(ceilings, 0.10)
+    f["batch_ceiling_p90"] = percentile(ceilings, 0.90)
     f["batch_in_flight_mean"] = band_in_flight_mean(record, BATCH_BAND)
     evicted_rows = [r for r in rows if r.get("evictions", 0) > 0]
     f["evictions"] = sum(r.get("evictions", 0) for r in rows)
@@ -287,6 +290,68 @@ def best_fixed_reserve(summary: dict[str, dict]) -> str | None:
     return max(pool, key=lambda n: summary[n]["batch_completions"]) if pool else None
 
 
+# Single-replica runs at a fixed batch ceiling with realtime as the interactive class: with realtime-only runs (no
+# batch place held) they show what each batch place held costs realtime's p95 TTFT at this calibration.
+FIXED_RESERVE_RUNS = ("holdback_50", *(n for n, _ in SWEEP), "reserve_25_noevict", *EVICTION_COST)
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares intercept and slope of y on x; None when x does not vary."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
+    """Realtime p95 TTFT against the batch places held (the gateway's batch band in flight, mean over the window),
+    a least-squares line over the realtime-only and fixed-reserve runs, with a bootstrap interval for its slope
+    (runs resampled). From it: the places at which p95 reaches `bound` × realtime-only, the batch completions
+    the fixed reserves made per place, and where the adaptive reserve's runs sit against the line (the line is
+    fitted without them)."""
+    import random
+
+    from bench.intervals import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED
+
+    points = [(0.0 if f["scenario"] == "realtime_only" else f["batch_in_flight_mean"], f["p95_ttft_ms"])
+              for f in run_figs
+              if f["scenario"] in ("realtime_only", *FIXED_RESERVE_RUNS) and f.get("p95_ttft_ms") is not None
+              and (f["scenario"] == "realtime_only" or f.get("batch_in_flight_mean") is not None)]
+    fit = _line(points) if len(points) >= 3 else None
+    base = _median([f.get("p95_ttft_ms") for f in run_figs if f["scenario"] == "realtime_only"])
+    if fit is None or base is None:
+        return None
+    intercept, slope = fit
+
+    def crossing(a: float, b: float) -> float | None:
+        return (bound * base - a) / b if b > 0 else None
+
+    rng = random.Random(BOOTSTRAP_SEED)
+    draws = [d for d in (_line(rng.choices(points, k=len(points))) for _ in range(BOOTSTRAP_SAMPLES)) if d is not None]
+    slopes = sorted(b for _, b in draws)
+    # A draw whose line does not rise never reaches the bound: it counts as unbounded places.
+    crossings = sorted(math.inf if (c := crossing(a, b)) is None else c for a, b in draws)
+    per_place = _median([f["batch_completions"] / f["batch_in_flight_mean"] for f in run_figs
+                         if f["scenario"] in FIXED_RESERVE_RUNS and f.get("batch_completions")
+                         and f.get("batch_in_flight_mean")])
+    at_bound = crossing(intercept, slope)
+    adaptive = [f for f in run_figs if f["scenario"] == "adaptive_evict" and f.get("p95_ttft_ms") is not None
+                and f.get("batch_in_flight_mean") is not None]
+    residual = _median([f["p95_ttft_ms"] - (intercept + slope * f["batch_in_flight_mean"]) for f in adaptive])
+    return {"runs": len(points), "intercept_ms": intercept, "slope_ms": slope,
+            "slope_lo_ms": slopes[int(0.025 * (len(slopes) - 1))] if slopes else None,
+            "slope_hi_ms": slopes[int(math.ceil(0.975 * (len(slopes) - 1)))] if slopes else None,
+            "realtime_only_ms": base, "bound": bound, "places_at_bound": at_bound,
+            "places_at_bound_lo": crossings[int(0.025 * (len(crossings) - 1))] if crossings else None,
+            "places_at_bound_hi": crossings[int(math.ceil(0.975 * (len(crossings) - 1)))] if crossings else None,
+            "completions_per_place": per_place,
+            "completions_at_bound": at_bound * per_place if at_bound is not None and per_place else None,
+            "adaptive_residual_ms": residual}
+
+
 def goals(summary: dict[str, dict], run_figs: list[dict]) -> list[dict]:
     """Each goal of issue 15 with its estimate, 95% interval and verdict (met / missed / undecided)."""
     out: list[dict] = []
@@ -354,7 +419,7 @@ def render(out_dir: Path) -> Path:
     judged = goals(summary, run_figs)
     (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "scenarios": summary, "runs": run_figs,
                                                       "goals": judged}, indent=2))
-    plots = make_plots(out_dir, records, summary)
+    plots = make_plots(out_dir, records, summary, run_figs)
     md = report_markdown(meta, summary, run_figs, plots, judged)
     path = out_dir / "report.md"
     path.write_text(md)
@@ -449,6 +514,7 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(s(name, 'evicted_completed_sum'))} of {_fmt(s(name, 'evicted_requests_sum'))} | "
                      f"{_fmt(s(name, 'duplicate_final_results_sum'))} |")
     lines += ["", "## Adaptive reserve with eviction", ""] + adaptive_section(summary)
+    lines += ["", "## What a batch place costs realtime", ""] + occupancy_section(run_figs)
     lines += ["", "## Harvest", ""] + harvest_section(summary)
     lines += ["", "## KV pressure", ""] + kv_section(summary)
     lines += ["", "## Eviction cost: newest-first restart against cost-ranked resume, prefix caching off and on", ""]
@@ -499,6 +565,32 @@ def adaptive_section(summary: dict[str, dict]) -> list[str]:
     return out
 
 
+def occupancy_section(run_figs: list[dict]) -> list[str]:
+    """The line from batch places held to realtime p95 TTFT, and what it allows at the p95 goal."""
+    occ = occupancy_cost(run_figs)
+    if not occ:
+        return ["Not computed: it needs realtime-only runs and at least two fixed-reserve runs."]
+    at = occ["places_at_bound"]
+    return [f"Realtime p95 TTFT against the batch requests in flight at the gateway (mean over the window, sampled "
+            f"twice a second), a least-squares line over {occ['runs']} runs: the realtime-only runs at 0 places and "
+            f"every single-replica fixed-reserve run ({', '.join(f'`{n}`' for n in FIXED_RESERVE_RUNS)}). The "
+            f"adaptive reserve's runs are left out of the fit and compared with it. Intervals: 95% bootstrap over "
+            f"runs.", "",
+            "| figure | value |", "|---|---|",
+            f"| realtime p95 at 0 places (fitted; measured realtime-only median) | {occ['intercept_ms']:.0f} ms "
+            f"({occ['realtime_only_ms']:.0f} ms) |",
+            f"| p95 per batch place held | {occ['slope_ms']:.2f} ms [{occ['slope_lo_ms']:.2f}, "
+            f"{occ['slope_hi_ms']:.2f}] |",
+            f"| places at which p95 reaches {occ['bound']}× realtime-only | "
+            + (f"{at:.1f} [{occ['places_at_bound_lo']:.1f}, {occ['places_at_bound_hi']:.1f}] |" if at is not None
+               else "never (the line does not rise) |"),
+            f"| batch completions per place held (median over the fixed-reserve runs) | "
+            f"{_fmt(occ['completions_per_place'], 1)} |",
+            f"| batch completions at that many places | {_fmt(occ['completions_at_bound'])} |",
+            f"| adaptive reserve's p95 − the line at its places (median over runs) | "
+            f"{_fmt(occ['adaptive_residual_ms'], 1, ' ms')} |"]
+
+
 def harvest_section(summary: dict[str, dict]) -> list[str]:
     missing = [n for n in ("batch_alone", "realtime_only") if n not in summary]
     out = ["Harvest = batch output tokens/s under mixed load ÷ (pool output tokens/s with batch alone − realtime "
@@ -545,7 +637,8 @@ def eviction_cost_section(summary: dict[str, dict]) -> list[str]:
     return out
 
 
-def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> list[str]:
+def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict],
+               run_figs: list[dict] | None = None) -> list[str]:
     try:
         import matplotlib
     except ImportError as exc:
@@ -637,6 +730,33 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict]) -> 
         fig.savefig(out_dir / "ttft_over_time.png", dpi=110)
         plt.close(fig)
         made.append("ttft_over_time.png")
+
+    occ = occupancy_cost(run_figs or [])
+    if occ:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for names, label, marker, color in (
+                (("realtime_only",), "realtime only", "s", "#333333"),
+                (FIXED_RESERVE_RUNS, "fixed reserve (fitted)", "o", "#3b6fb6"),
+                (("adaptive_evict",), "adaptive reserve (not fitted)", "^", "#d04040")):
+            pts = [(f.get("batch_in_flight_mean") or 0.0, f["p95_ttft_ms"]) for f in run_figs
+                   if f["scenario"] in names and f.get("p95_ttft_ms") is not None]
+            if pts:
+                ax.scatter([x for x, _ in pts], [y for _, y in pts], marker=marker, color=color, label=label, s=28)
+        top = max(f.get("batch_in_flight_mean") or 0.0 for f in run_figs
+                  if f["scenario"] in (*FIXED_RESERVE_RUNS, "adaptive_evict"))
+        xs = [0.0, max(top, occ["places_at_bound"] or 0.0) * 1.05]
+        ax.plot(xs, [occ["intercept_ms"] + occ["slope_ms"] * x for x in xs], "-", color="#3b6fb6", lw=1,
+                label=f"fit: {occ['intercept_ms']:.0f} ms + {occ['slope_ms']:.2f} ms per place")
+        ax.axhline(occ["bound"] * occ["realtime_only_ms"], color="#999999", ls="--", lw=1,
+                   label=f"{occ['bound']}× realtime-only p95")
+        ax.set_xlabel("batch requests in flight at the gateway (mean over the window)")
+        ax.set_ylabel("realtime p95 TTFT (ms)")
+        ax.set_title("What a batch place costs realtime (one point per run)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "occupancy_cost.png", dpi=110)
+        plt.close(fig)
+        made.append("occupancy_cost.png")
     return made
 
 
@@ -673,16 +793,29 @@ def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> l
             f"After the burst has drained the no-controls p95 is {_fmt(s('no_controls', 'p95_ttft_after_burst_ms'))} ms "
             f"against {_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms for realtime alone: still well above "
             f"baseline, which is the seed's finding.")
+    occ = occupancy_cost(run_figs)
     if base and hb:
         verdict = "within 5% of" if abs(hb / base - 1) <= 0.05 else f"{(hb / base - 1) * 100:+.0f}% from"
-        out.append(
-            f"- **Holdback alone: {verdict} the baseline, against the seed's 341 vs 342 ms.** The burst exceeds the "
-            f"24 reserved positions by 8; without eviction those 8, and the realtime requests that arrive while the "
-            f"burst occupies the reserve, wait for batch requests to finish naturally (the seed's decision tree "
-            f"says the same). Over {window:.0f} s they are enough requests to reach the p95; over 300 s they are "
-            f"not. After the burst the holdback p95 is {_fmt(s('holdback_50', 'p95_ttft_after_burst_ms'))} ms against "
-            f"{_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms. With eviction the burst is served at once and "
-            f"the p95 is {_fmt(s('holdback_50_evict', 'p95_ttft_ms'))} ms.")
+        text = (f"- **Holdback alone: {verdict} the baseline ({hb / base:.3f}×), against the seed's 341 vs 342 ms.** "
+                f"The burst exceeds the 24 reserved positions by 8; without eviction those 8, and the realtime "
+                f"requests that arrive while the burst occupies the reserve, wait for batch requests to finish "
+                f"naturally (the seed's decision tree says the same). In this {window:.0f} s window the burst is "
+                f"{_fmt(share, 1)}% of the realtime requests; after it the holdback p95 is "
+                f"{_fmt(s('holdback_50', 'p95_ttft_after_burst_ms'))} ms against "
+                f"{_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms, and with eviction the burst is served at "
+                f"once and the p95 is {_fmt(s('holdback_50_evict', 'p95_ttft_ms'))} ms.")
+        held = s("holdback_50", "batch_in_flight_mean")
+        if occ and held:
+            text += (f" The rest of the gap is the batch places themselves: each batch sequence in the replica "
+                     f"lengthens every engine step (`--decode-ms-per-seq`, the KV each sequence reads per step) and "
+                     f"realtime's time to first token is about two steps, so each batch place held costs realtime "
+                     f"{occ['slope_ms']:.2f} ms of p95 [{occ['slope_lo_ms']:.2f}, {occ['slope_hi_ms']:.2f}] (the "
+                     f"line in 'What a batch place costs realtime'), {occ['slope_ms'] * held:.0f} ms for the "
+                     f"{held:.1f} places holdback alone holds. The line reaches {occ['bound']}× realtime-only at "
+                     f"{occ['places_at_bound']:.1f} places [{occ['places_at_bound_lo']:.1f}, "
+                     f"{occ['places_at_bound_hi']:.1f}], so the 50% reserve's {held:.1f} places sit at this goal's "
+                     f"edge and its verdict turns on a few milliseconds.")
+        out.append(text)
     c_hb, c_ev = s("holdback_50", "batch_completions"), s("holdback_50_evict", "batch_completions")
     if c_hb and c_ev is not None and c_ev <= c_hb:
         out.append(
@@ -707,15 +840,16 @@ def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> l
             f"The seed's sweep medians (about 1 s) are three times its main-scenario figures, so its sweep ran under "
             f"heavier pressure than its 300 s comparison; ours uses the same workload throughout. The direction is the same: less reserve means more evictions and more recompute, more "
             f"reserve means fewer batch completions.")
-    out += adaptive_differences(summary, w.get("max_concurrency", 48))
+    out += adaptive_differences(summary, w.get("max_concurrency", 48), occ)
     out.append("- **Scale:** our batch completions are counted in a shorter window with a simulated model, so they "
                "are not comparable in absolute terms with the seed's 1,648; only ratios between scenarios are.")
     return out
 
 
-def adaptive_differences(summary: dict[str, dict], places: int) -> list[str]:
-    """Why the adaptive reserve's batch completions and harvest land where they do: the places batch held against
-    the places realtime left it (the goals have no seed figure; the reason is in the occupancy)."""
+def adaptive_differences(summary: dict[str, dict], places: int, occ: dict | None = None) -> list[str]:
+    """Why the adaptive reserve's batch completions, p95 and harvest land where they do: the places batch held
+    against the places realtime left it, and against what each place costs realtime's p95 (`occ`, from
+    occupancy_cost); the goals have no seed figure, the reason is in the occupancy."""
     s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
     best = best_fixed_reserve(summary)
     a_done, b_done = s("adaptive_evict", "batch_completions"), s(best, "batch_completions") if best else None
@@ -735,6 +869,37 @@ def adaptive_differences(summary: dict[str, dict], places: int) -> list[str]:
               f"; the adaptive reserve used {(a_held - b_held) / (free - b_held) * 100:.0f}% of the room beyond "
               f"`{best}`." if free > b_held and a_held > b_held else
               f"; the adaptive reserve held no more of it than `{best}`.")]
+    base, a_p95 = s("realtime_only", "p95_ttft_ms"), s("adaptive_evict", "p95_ttft_ms")
+    if occ and base and a_p95 and occ.get("places_at_bound") and occ.get("completions_per_place"):
+        predicted = occ["intercept_ms"] + occ["slope_ms"] * a_held
+        need = 1.25 * b_done / occ["completions_per_place"]
+        floor = (s("adaptive_evict", "usage_limit") or {}).get("minCeiling")
+        # What batch holds at the floor's ceiling: the fixed reserve run at that ceiling (held < ceiling × places,
+        # since places turn over).
+        from bench.study import SCENARIOS
+        at_floor = next((n for n in FIXED_RESERVE_RUNS if n in SCENARIOS and SCENARIOS[n].batch_ceiling == floor
+                         and s(n, "batch_in_flight_mean")), None)
+        lo, hi = s("adaptive_evict", "batch_ceiling_p10"), s("adaptive_evict", "batch_ceiling_p90")
+        text = (f"- **Adaptive reserve p95: {a_p95 / base:.3f}× realtime-only, goal ≤ {occ['bound']}.** At the "
+                f"{a_held:.1f} places it held, the fixed reserves' line predicts {predicted:.0f} ms; it measured "
+                f"{a_p95:.0f} ms ({occ['adaptive_residual_ms']:+.1f} ms from the line, median over runs): lending "
+                f"the reserve and taking it back by eviction costs realtime nothing beyond the places lent. The "
+                f"line reaches {occ['bound']}× realtime-only at {occ['places_at_bound']:.1f} places "
+                f"[{occ['places_at_bound_lo']:.1f}, {occ['places_at_bound_hi']:.1f}]")
+        if at_floor and s(at_floor, "batch_in_flight_mean") > occ["places_at_bound"]:
+            text += (f", below the {s(at_floor, 'batch_in_flight_mean'):.1f} places batch holds at the adaptive "
+                     f"reserve's own floor (minCeiling {floor}, measured as `{at_floor}`), so as configured it "
+                     f"cannot meet the p95 goal")
+        text += (f". Both adaptive goals together need between {need:.1f} places (1.25× `{best}`'s completions at "
+                 f"{occ['completions_per_place']:.1f} completions per place) and {occ['places_at_bound']:.1f}"
+                 + (": no such band, so no policy meets both here." if need >= occ["places_at_bound"] else
+                    f"; a fixed reserve holding that many meets them as well as a demand-following one, because "
+                    f"the realtime load is steady (a Poisson stream at one rate after the opening burst)"
+                    + (f" and the adaptive ceiling only moved between {lo:.2f} and {hi:.2f} of the pool (10th to "
+                       f"90th percentile of its samples)" if lo is not None and hi is not None else "")
+                    + ". A reserve that follows demand can hold more places than a fixed one for the same p95 only "
+                      "where demand rises and falls, which this workload does not do."))
+        out.append(text)
     h = s("adaptive_evict", "harvest")
     if h is not None:
         out.append(f"- **Harvest with the adaptive reserve: {h:.2f}, goal 0.8.** Batch held {a_held:.1f} of the "

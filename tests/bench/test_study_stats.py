@@ -7,8 +7,8 @@ import pytest
 
 from bench import study
 from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
-from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, paired_ratio,
-                          run_harvest, summarize)
+from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, occupancy_cost,
+                          paired_ratio, run_harvest, summarize)
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 
 
@@ -178,3 +178,38 @@ def test_the_eviction_difference_names_what_lending_the_reserve_completed():
             fig("adaptive_evict", 0, batch_completions=130)]
     text = " ".join(differences({"workload": {}}, summarize(runs), runs))
     assert "-5% against the seed's +9%" in text and "completed 1.30× holdback alone's" in text
+
+
+def test_occupancy_cost_fits_p95_against_batch_places_and_places_the_adaptive_runs_against_it():
+    runs = [fig("realtime_only", r, p95_ttft_ms=300.0) for r in range(3)]
+    # Fixed reserves on the line p95 = 300 + 1 ms per place, 10 completions per place.
+    for r, (name, held) in enumerate([("reserve_75_evict", 10.0), ("holdback_50", 20.0), ("reserve_25_evict", 30.0)]):
+        runs.append(fig(name, r, p95_ttft_ms=300.0 + held, batch_in_flight_mean=held, batch_completions=10 * held))
+    # Not fitted: the adaptive reserve, 2 ms above the line; two replicas and no controls are other regimes.
+    runs += [fig("adaptive_evict", 0, p95_ttft_ms=327.0, batch_in_flight_mean=25.0, batch_completions=250.0),
+             fig("no_controls", 0, p95_ttft_ms=3000.0, batch_in_flight_mean=40.0, batch_completions=400.0),
+             fig("two_replicas", 0, p95_ttft_ms=305.0, batch_in_flight_mean=40.0, batch_completions=400.0)]
+    occ = occupancy_cost(runs)
+    assert occ["runs"] == 6
+    assert occ["intercept_ms"] == pytest.approx(300.0) and occ["slope_ms"] == pytest.approx(1.0)
+    assert occ["slope_lo_ms"] <= 1.0 <= occ["slope_hi_ms"]
+    assert occ["places_at_bound"] == pytest.approx(15.0)  # 1.05 × 300 = 315 ms
+    assert occ["places_at_bound_lo"] <= 15.0 <= occ["places_at_bound_hi"]
+    assert occ["completions_per_place"] == pytest.approx(10.0) and occ["completions_at_bound"] == pytest.approx(150.0)
+    assert occ["adaptive_residual_ms"] == pytest.approx(2.0)
+    assert occupancy_cost([fig("realtime_only", 0, p95_ttft_ms=300.0)]) is None
+
+
+def test_the_adaptive_p95_difference_names_the_band_of_places_that_meets_both_goals():
+    def run(name, held, p95, rt=6.0):
+        return fig(name, 0, p95_ttft_ms=p95, batch_in_flight_mean=held, batch_completions=10 * held,
+                   realtime_in_flight_mean=rt)
+
+    runs = [fig("realtime_only", 0, p95_ttft_ms=300.0), fig("realtime_only", 1, p95_ttft_ms=300.0),
+            run("reserve_75_evict", 8.0, 308.0), run("holdback_50", 20.0, 320.0), run("reserve_25_evict", 30.0, 330.0),
+            {**run("adaptive_evict", 25.0, 325.0), "usage_limit": {"policy": "adaptive-reserve", "minCeiling": 0.5}}]
+    text = " ".join(adaptive_differences(summarize(runs), 48, occupancy_cost(runs)))
+    # The line crosses 315 ms at 15 places; 1.25 × the 80 completions of reserve_75_evict need 10 places.
+    assert "1.083× realtime-only" in text and "0.0 ms from the line" in text
+    assert "below the 20.0 places batch holds at the adaptive reserve's own floor" in text
+    assert "between 10.0 places" in text and "and 15.0;" in text
