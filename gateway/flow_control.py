@@ -14,6 +14,7 @@ work from a replica whose KV occupancy reached the hard watermark.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -47,6 +48,9 @@ logger = logging.getLogger("gateway.flow")
 HISTORY = 10
 # Recent KV releases kept for /admin/state (an outside observer times a cancel against `at`).
 RECENT_RELEASES = 32
+# Evicted requests whose place in line is kept for their retry; the oldest is forgotten past this many (a retry
+# that never came back, or came back to another gateway).
+EVICTED_PLACES = 100_000
 
 
 class Outcome(enum.Enum):
@@ -89,6 +93,10 @@ class FlowController:
         # The last applied configs, oldest first (rollback goes to the one before the running one).
         self.history: list[tuple[LoadedConfig, float]] = []
         self._seq = itertools.count(1)
+        # Evicted requests keep their place in line: (fairness id, request id) -> the victim's place, taken by
+        # the retry that comes back with the same request id (the worker's row id, stable across attempts).
+        self._evicted_places: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self.places_kept = 0
         self._expiry: list[tuple[float, int, FlowRequest]] = []
         self._wake = asyncio.Event()
         self._grace_timer: asyncio.TimerHandle | None = None
@@ -216,6 +224,9 @@ class FlowController:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
         now = self.clock()
         req.seq = next(self._seq)
+        req.place = self._evicted_places.pop((req.fairness_id, req.request_id), req.seq)
+        if req.place != req.seq:
+            self.places_kept += 1
         req.traffic_class = self.traffic_classes.get(req.priority) or self.loaded.config.traffic_class(req.priority)
         band = self.band_for(req.priority)
         healthy = self.pool.healthy()
@@ -617,6 +628,12 @@ class FlowController:
     def _evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
         victim.drop_reason = DropReason.EVICTED
         victim.evicted_at = now
+        # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
+        # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
+        places = self._evicted_places
+        places[(victim.fairness_id, victim.request_id)] = victim.place
+        while len(places) > EVICTED_PLACES:
+            places.popitem(last=False)
         self.evictions["issued"] += 1
         self.metrics.child(self.metrics.evictions, "issued").inc()
         log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
@@ -718,7 +735,8 @@ class FlowController:
             "admission": self.admission.state() if self.admission else {"enabled": False},
             "kv": self._kv_state(now),
             "totals": {"dispatched": self.dispatched_total, "evictions": dict(self.evictions),
-                       "rejections": dict(self.rejections)},
+                       "rejections": dict(self.rejections), "evicted_places_kept": self.places_kept,
+                       "evicted_places_waiting": len(self._evicted_places)},
         }
 
 

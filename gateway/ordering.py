@@ -1,7 +1,8 @@
 """Ordering policies: which request of one flow's queue goes first.
 
-A policy turns a request into a sort key; smaller keys go first. Keys end with the arrival sequence number,
-so ties always fall back to first-come-first-served.
+A policy turns a request into a sort key; smaller keys go first. Keys end with the request's place in line
+(its arrival sequence number, or an evicted earlier attempt's) and then its arrival, so ties always fall back
+to first-come-first-served.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ class OrderingPolicy(Protocol):
 
 
 class FCFS:
-    """First come, first served: the logical arrival order."""
+    """First come, first served: the logical arrival order (an evicted request's retry keeps its first place)."""
 
     name = "fcfs"
 
     def key(self, req: FlowRequest) -> tuple:
-        return (req.seq,)
+        return (req.place, req.seq)
 
 
 class EarliestDeadline:
@@ -32,7 +33,7 @@ class EarliestDeadline:
     name = "edf"
 
     def key(self, req: FlowRequest) -> tuple:
-        return (min(req.deadline, req.expires_at), req.seq)
+        return (min(req.deadline, req.expires_at), req.place, req.seq)
 
 
 ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "edf": EarliestDeadline}

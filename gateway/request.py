@@ -47,6 +47,9 @@ class FlowRequest:
     streaming_started: bool = False
     reservation: object | None = None
     seq: int = 0
+    # Its place in line (ordering keys start with it): its own arrival seq, or, for the retry of an evicted
+    # request, the evicted attempt's place.
+    place: int = 0
     status: Status = Status.NEW
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0

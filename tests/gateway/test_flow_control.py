@@ -223,6 +223,40 @@ def test_with_the_concurrency_detector_a_blocked_arrival_takes_its_victims_slot_
     run(main())
 
 
+def test_an_evicted_requests_retry_keeps_its_place_ahead_of_batch_queued_after_it():
+    # Like vLLM's preempted sequences: the retry (same request id, same flow) is dispatched before the batch
+    # requests that arrived after the evicted attempt, so it returns while its prefix may still be cached.
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", max_concurrency=4)
+        batch = dispatched_batch(fc, clock, 4)
+        later = [req(fc, clock, "batch") for _ in range(2)]
+        assert all(fc.submit(r) is Outcome.QUEUED for r in later)
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(rt) is Outcome.QUEUED and rt.status is Status.DISPATCHED
+        victim = batch[-1]
+        assert victim.drop_reason is DropReason.EVICTED
+        fc.finish(victim)
+        # Another tenant sending the same request id gets no place; the victim's own retry does.
+        stranger = FlowRequest(victim.request_id, "batch", PRIO["batch"], "other", "other", arrived=clock())
+        retry = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
+                            arrived=clock())
+        assert fc.submit(stranger) is Outcome.QUEUED and stranger.place == stranger.seq
+        fc.withdraw(stranger)
+        assert fc.submit(retry) is Outcome.QUEUED
+        assert retry.place == victim.place < later[0].place and retry.seq > later[-1].seq
+        fc.finish(rt)
+        fc.cycle()
+        assert retry.status is Status.DISPATCHED and all(r.status is Status.QUEUED for r in later)
+        assert fc.snapshot()["totals"]["evicted_places_kept"] == 1
+        # The place is taken once: a second request with that id queues at its own arrival.
+        again = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
+                            arrived=clock())
+        assert fc.submit(again) is Outcome.QUEUED and again.place == again.seq
+        for r in batch:
+            r.task.cancel()
+    run(main())
+
+
 def test_eviction_off_means_realtime_waits():
     async def main():
         fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\neviction: {enabled: false}")
