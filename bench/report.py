@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from pathlib import Path
 
-from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
+from bench.intervals import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Estimate, bootstrap_median, quantile_interval,
+                             ratio_of_runs, verdict)
 from bench.stack import metric_sum
 
 # The published medians of the study this benchmark reproduces.
@@ -306,16 +308,20 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return my - slope * mx, slope
 
 
+def _central_95(values) -> tuple[float | None, float | None]:  # noqa: ANN001
+    """The 2.5th and 97.5th percentiles of bootstrap draws, as bench.intervals takes them."""
+    ordered = sorted(values)
+    if not ordered:
+        return None, None
+    return ordered[int(0.025 * (len(ordered) - 1))], ordered[int(math.ceil(0.975 * (len(ordered) - 1)))]
+
+
 def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
     """Realtime p95 TTFT against the batch places held (the gateway's batch band in flight, mean over the window),
     a least-squares line over the realtime-only and fixed-reserve runs, with a bootstrap interval for its slope
     (runs resampled). From it: the places at which p95 reaches `bound` × realtime-only, the batch completions
     the fixed reserves made per place, and where the adaptive reserve's runs sit against the line (the line is
     fitted without them)."""
-    import random
-
-    from bench.intervals import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED
-
     points = [(0.0 if f["scenario"] == "realtime_only" else f["batch_in_flight_mean"], f["p95_ttft_ms"])
               for f in run_figs
               if f["scenario"] in ("realtime_only", *FIXED_RESERVE_RUNS) and f.get("p95_ttft_ms") is not None
@@ -331,9 +337,9 @@ def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
 
     rng = random.Random(BOOTSTRAP_SEED)
     draws = [d for d in (_line(rng.choices(points, k=len(points))) for _ in range(BOOTSTRAP_SAMPLES)) if d is not None]
-    slopes = sorted(b for _, b in draws)
+    slope_lo, slope_hi = _central_95(b for _, b in draws)
     # A draw whose line does not rise never reaches the bound: it counts as unbounded places.
-    crossings = sorted(math.inf if (c := crossing(a, b)) is None else c for a, b in draws)
+    at_lo, at_hi = _central_95(math.inf if (c := crossing(a, b)) is None else c for a, b in draws)
     per_place = _median([f["batch_completions"] / f["batch_in_flight_mean"] for f in run_figs
                          if f["scenario"] in FIXED_RESERVE_RUNS and f.get("batch_completions")
                          and f.get("batch_in_flight_mean")])
@@ -342,11 +348,9 @@ def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
                 and f.get("batch_in_flight_mean") is not None]
     residual = _median([f["p95_ttft_ms"] - (intercept + slope * f["batch_in_flight_mean"]) for f in adaptive])
     return {"runs": len(points), "intercept_ms": intercept, "slope_ms": slope,
-            "slope_lo_ms": slopes[int(0.025 * (len(slopes) - 1))] if slopes else None,
-            "slope_hi_ms": slopes[int(math.ceil(0.975 * (len(slopes) - 1)))] if slopes else None,
+            "slope_lo_ms": slope_lo, "slope_hi_ms": slope_hi,
             "realtime_only_ms": base, "bound": bound, "places_at_bound": at_bound,
-            "places_at_bound_lo": crossings[int(0.025 * (len(crossings) - 1))] if crossings else None,
-            "places_at_bound_hi": crossings[int(math.ceil(0.975 * (len(crossings) - 1)))] if crossings else None,
+            "places_at_bound_lo": at_lo, "places_at_bound_hi": at_hi,
             "completions_per_place": per_place,
             "completions_at_bound": at_bound * per_place if at_bound is not None and per_place else None,
             "adaptive_residual_ms": residual}
@@ -419,8 +423,9 @@ def render(out_dir: Path) -> Path:
     judged = goals(summary, run_figs)
     (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "scenarios": summary, "runs": run_figs,
                                                       "goals": judged}, indent=2))
-    plots = make_plots(out_dir, records, summary, run_figs)
-    md = report_markdown(meta, summary, run_figs, plots, judged)
+    occ = occupancy_cost(run_figs)
+    plots = make_plots(out_dir, records, summary, run_figs, occ)
+    md = report_markdown(meta, summary, run_figs, plots, judged, occ)
     path = out_dir / "report.md"
     path.write_text(md)
     return path
@@ -445,7 +450,7 @@ def goals_table(judged: list[dict]) -> list[str]:
 
 
 def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], plots: list[str],
-                    judged: list[dict]) -> str:
+                    judged: list[dict], occ: dict | None = None) -> str:
     from bench.study import SCENARIOS
 
     w = meta.get("workload", {})
@@ -514,7 +519,7 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(s(name, 'evicted_completed_sum'))} of {_fmt(s(name, 'evicted_requests_sum'))} | "
                      f"{_fmt(s(name, 'duplicate_final_results_sum'))} |")
     lines += ["", "## Adaptive reserve with eviction", ""] + adaptive_section(summary)
-    lines += ["", "## What a batch place costs realtime", ""] + occupancy_section(run_figs)
+    lines += ["", "## What a batch place costs realtime", ""] + occupancy_section(occ)
     lines += ["", "## Harvest", ""] + harvest_section(summary)
     lines += ["", "## KV pressure", ""] + kv_section(summary)
     lines += ["", "## Eviction cost: newest-first restart against cost-ranked resume, prefix caching off and on", ""]
@@ -531,7 +536,7 @@ def report_markdown(meta: dict, summary: dict[str, dict], run_figs: list[dict], 
                      f"{_fmt(f.get('preemptions'))} | {_fmt(f.get('batch_p95_e2e_s'), 2)} | "
                      f"{_fmt(f.get('release_p50_ms'), 1)} / {_fmt(f.get('release_p99_ms'), 1)} | "
                      f"{_fmt(f.get('eviction_confirm_p99_ms'), 1)} |")
-    lines += ["", "## Where ours differs from the seed, and why", ""] + differences(meta, summary, run_figs)
+    lines += ["", "## Where ours differs from the seed, and why", ""] + differences(meta, summary, run_figs, occ)
     lines += ["", "## Calibration", "", CALIBRATION.format(
         base=_fmt(s("realtime_only", "p95_ttft_ms")), after=_fmt(s("realtime_only", "p95_ttft_after_burst_ms")),
         args=" ".join(w.get("sim_args", [])))]
@@ -565,9 +570,8 @@ def adaptive_section(summary: dict[str, dict]) -> list[str]:
     return out
 
 
-def occupancy_section(run_figs: list[dict]) -> list[str]:
-    """The line from batch places held to realtime p95 TTFT, and what it allows at the p95 goal."""
-    occ = occupancy_cost(run_figs)
+def occupancy_section(occ: dict | None) -> list[str]:
+    """The line from batch places held to realtime p95 TTFT (occupancy_cost), and what it allows at the p95 goal."""
     if not occ:
         return ["Not computed: it needs realtime-only runs and at least two fixed-reserve runs."]
     at = occ["places_at_bound"]
@@ -638,7 +642,7 @@ def eviction_cost_section(summary: dict[str, dict]) -> list[str]:
 
 
 def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict],
-               run_figs: list[dict] | None = None) -> list[str]:
+               run_figs: list[dict] | None = None, occ: dict | None = None) -> list[str]:
     try:
         import matplotlib
     except ImportError as exc:
@@ -731,8 +735,7 @@ def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict],
         plt.close(fig)
         made.append("ttft_over_time.png")
 
-    occ = occupancy_cost(run_figs or [])
-    if occ:
+    if occ and run_figs:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         for names, label, marker, color in (
                 (("realtime_only",), "realtime only", "s", "#333333"),
@@ -773,7 +776,7 @@ the opening burst (the seed: 342 ms over 300 s, where the burst is 2.6% of the r
 except in the `_cache` scenarios, so a retried request recomputes its prompt."""
 
 
-def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> list[str]:
+def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict], occ: dict | None = None) -> list[str]:
     """Each place our figures part from the seed's, by how much, and the reason the raw records show."""
     s = lambda name, k: (summary.get(name) or {}).get(k)  # noqa: E731
     w = meta.get("workload", {})
@@ -793,7 +796,7 @@ def differences(meta: dict, summary: dict[str, dict], run_figs: list[dict]) -> l
             f"After the burst has drained the no-controls p95 is {_fmt(s('no_controls', 'p95_ttft_after_burst_ms'))} ms "
             f"against {_fmt(s('realtime_only', 'p95_ttft_after_burst_ms'))} ms for realtime alone: still well above "
             f"baseline, which is the seed's finding.")
-    occ = occupancy_cost(run_figs)
+    occ = occ if occ is not None else occupancy_cost(run_figs)
     if base and hb:
         verdict = "within 5% of" if abs(hb / base - 1) <= 0.05 else f"{(hb / base - 1) * 100:+.0f}% from"
         text = (f"- **Holdback alone: {verdict} the baseline ({hb / base:.3f}×), against the seed's 341 vs 342 ms.** "
