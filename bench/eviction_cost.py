@@ -17,6 +17,11 @@ bench configure them in one place:
                                   cost_resume_on: what the victim order and resume change at the same occupancy
   cost_resume_on_cap60            (only with --arms) cost_resume_on lending at most up to 60% of the pool
                                   (`maxCeiling` 0.6): fewer batch sequences in each engine step for realtime
+  holdback_offload, newest_restart_offload, cost_resume_offload
+                                  (only with --arms) holdback_on, newest_restart_on and cost_resume_on with a
+                                  host-memory tier behind the prefix cache (`--kv-offload-blocks 9500`, vLLM's
+                                  CPU offloading): under KV pressure an evicted request's GPU blocks go to the
+                                  request it was evicted for, so only a second tier keeps them for its retry
 Without eviction the reserve cannot be lent: nothing would give it back when realtime needs it, so the
 holdback-alone arms keep batch at the fixed ceiling.
 Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
@@ -46,7 +51,7 @@ import httpx
 from bench.intervals import pooled_quantile_ratio, quantile_interval
 from bench.report import figures, percentile
 from bench.stack import Stack
-from bench.study import (CACHE, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
+from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
                          with_overrides)
 from gateway.config import Eviction
 
@@ -68,6 +73,11 @@ ARMS: dict[str, Scenario] = {s.name: s for s in (
          adaptive=True),
     _arm("evict_cost_resume_cache", "cost_resume_on_cap60", "Cost-ranked + resume, borrowing up to 60%, cache on",
          adaptive=True, max_ceiling=0.6),
+    _arm("holdback_50", "holdback_offload", "Holdback alone, prefix cache + offload tier", sim_extra=OFFLOAD),
+    _arm("evict_newest_restart_cache", "newest_restart_offload", "Newest-first + restart, cache + offload tier",
+         sim_extra=OFFLOAD),
+    _arm("evict_cost_resume_cache", "cost_resume_offload", "Cost-ranked + resume, borrowing, cache + offload tier",
+         adaptive=True, sim_extra=OFFLOAD),
 )}
 # The study's calibration before it was sized for KV pressure: the same step timing but a 120 ms decode base, 40,000
 # KV blocks (KV never runs short), shorter batch lines. Issue 13's first figures were measured on it; `--calibration
@@ -86,7 +96,8 @@ def _with_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
 KV_PRESSURE_V1 = replace(QUICK, sim_args=_with_flag(QUICK.sim_args, "--decode-ms-per-seq", "0.4"))
 CALIBRATIONS = {"kv-pressure": QUICK, "kv-pressure-v1": KV_PRESSURE_V1, "roomy": ROOMY}
 DEFAULT_ARMS = [name for name in ARMS
-                if name not in ("cost_resume_on_fixed", "newest_restart_lent_on", "cost_resume_on_cap60")]
+                if name not in ("cost_resume_on_fixed", "newest_restart_lent_on", "cost_resume_on_cap60",
+                                "holdback_offload", "newest_restart_offload", "cost_resume_offload")]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
 GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
 # "No worse" realtime p95 TTFT, judged over every round at once: the upper end of the ratio's 95% interval at
@@ -95,7 +106,8 @@ GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completio
 TTFT_MARGIN = 1.05
 # The TTFT comparisons judged across rounds: (candidate, baseline).
 TTFT_PAIRS = (("cost_resume_on", "newest_restart_on"), ("cost_resume_on", "newest_restart_off"),
-              ("cost_resume_on", "newest_restart_lent_on"), ("cost_resume_on_cap60", "newest_restart_on"))
+              ("cost_resume_on", "newest_restart_lent_on"), ("cost_resume_on_cap60", "newest_restart_on"),
+              ("cost_resume_offload", "newest_restart_offload"), ("cost_resume_offload", "newest_restart_off"))
 
 
 def gateway_takes_policy() -> bool:
@@ -174,6 +186,14 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
         "recompute_restart_on_vs_resume_on": _ratio(per_eviction("newest_restart_on"), per_eviction("cost_resume_on")),
         "recompute_restart_off_vs_resume_off": _ratio(per_eviction("newest_restart_off"),
                                                       per_eviction("cost_resume_off")),
+        "recompute_restart_off_vs_resume_offload": _ratio(per_eviction("newest_restart_off"),
+                                                          per_eviction("cost_resume_offload")),
+        "recompute_restart_offload_vs_resume_offload": _ratio(per_eviction("newest_restart_offload"),
+                                                              per_eviction("cost_resume_offload")),
+        "completions_resume_offload_vs_holdback_offload": _ratio(completions("cost_resume_offload"),
+                                                                 completions("holdback_offload")),
+        "p95_ttft_resume_offload_vs_restart_offload": _ratio(p95("cost_resume_offload"),
+                                                             p95("newest_restart_offload")),
         "completions_resume_on_vs_holdback_on": _ratio(completions("cost_resume_on"), completions("holdback_on")),
         "completions_resume_on_cap60_vs_holdback_on": _ratio(completions("cost_resume_on_cap60"),
                                                              completions("holdback_on")),
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.eviction_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                   help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all but the three marked "
+                   help="comma-separated subset of: " + ", ".join(ARMS) + " (default: all but those marked "
                         "'only with --arms' above)")
     p.add_argument("--rounds", type=int, default=1, help="repeats of the whole set (default %(default)s)")
     p.add_argument("--window", type=float, default=None, help="seconds of realtime traffic per arm (quick: 60)")

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy], default="fcfs",
                      help="waiting order and preemption victim; priority: LOWER request priority runs first")
     eng.add_argument("--enable-prefix-caching", action="store_true", help="share full prompt blocks by prefix hash")
+    eng.add_argument("--kv-offload-blocks", type=int, default=_DEFAULT_ENGINE.offload_blocks,
+                     help="blocks of a host-memory tier every full block is copied to as it is produced (vLLM's "
+                          "CPU offloading connector): a prefix whose GPU blocks were reused is loaded back from "
+                          "there instead of recomputed; 0: no tier; needs --enable-prefix-caching")
     eng.add_argument("--preemption", choices=("recompute", "none"), default="recompute",
                      help="what happens when running sequences outgrow the KV cache: recompute preempts the "
                           "newest (vLLM); none counts an out-of-memory and fails every request of that step's batch")
@@ -81,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cost of a step that decodes at least one sequence")
     tim.add_argument("--decode-ms-per-seq", type=float, default=_DEFAULT_TIMING.decode_ms_per_seq,
                      help="extra cost per decoding sequence in a step")
+    tim.add_argument("--load-ms-per-token", type=float, default=_DEFAULT_TIMING.load_ms_per_token,
+                     help="cost of each token loaded back from the offload tier in the step that admits it")
     tim.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of gaussian step-time noise")
     tim.add_argument("--zero-latency", action="store_true",
                      help="all costs 0 (for throughput tests of other components)")
@@ -105,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         decode_base_ms=args.decode_base_ms,
         decode_ms_per_seq=args.decode_ms_per_seq,
+        load_ms_per_token=args.load_ms_per_token,
         jitter=args.jitter,
     )
     return SimConfig(
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             max_model_len=args.max_model_len,
             scheduling_policy=SchedulingPolicy(args.scheduling_policy),
             enable_prefix_caching=args.enable_prefix_caching,
+            offload_blocks=args.kv_offload_blocks,
             preemption=args.preemption == "recompute",
         ),
         timing=timing,

@@ -20,6 +20,8 @@ class EngineConfig:
     max_model_len: int = 8192
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     enable_prefix_caching: bool = False
+    # Blocks of the host-memory offload tier (vLLM's CPU offloading connector); 0: none. Needs prefix caching.
+    offload_blocks: int = 0
     # False models a runtime that cannot preempt: a running sequence that cannot grow is an out-of-memory
     # failure of the whole step's batch instead of a recompute preemption.
     preemption: bool = True
@@ -28,6 +30,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.offload_blocks < 0:
+            raise ValueError(f"offload_blocks must not be negative, got {self.offload_blocks}")
+        if self.offload_blocks and not self.enable_prefix_caching:
+            raise ValueError("an offload tier (--kv-offload-blocks) keeps blocks by prefix hash: "
+                             "add --enable-prefix-caching")
         SchedulingPolicy(self.scheduling_policy)
 
 

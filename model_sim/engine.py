@@ -176,7 +176,8 @@ class Engine:
                 stream.notify()
         modeled = 0.0
         if not out.is_empty:
-            modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng)
+            modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng,
+                                            out.num_loaded_tokens)
         self._last_deadline = started + modeled if not out.is_empty else None
         await _sleep_until(started + modeled, self._spin)
         ended = time.perf_counter()

@@ -5,6 +5,11 @@ requests to blocks. With prefix caching, a full block is registered under the ch
 tokens up to its end (and, for the first block, the request's `cache_salt`); a later request whose
 prompt starts with the same tokens and carries the same salt takes the same block (ref count + 1). A freed block with a hash stays in the free queue with its contents, in
 LRU order, until an allocation needs the space: usage counts it as free, a hit revives it.
+
+`OffloadTier` is a second, larger tier in host memory, as vLLM's CPU offloading connector keeps one: every
+full block is copied there as it is produced (kept under its chain hash, least recently used evicted first),
+so a prefix whose GPU blocks were reused by other requests can still be loaded back instead of recomputed.
+Loaded blocks take fresh GPU blocks and are registered in the GPU cache like computed ones.
 """
 
 from __future__ import annotations
@@ -78,6 +83,37 @@ class BlockPool:
             self.cached[block_hash] = block
 
 
+class OffloadTier:
+    """Host-memory copies of full blocks, by chain hash, evicted least recently used first."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+        self.stored = 0  # blocks copied in since start
+        self.evicted = 0  # blocks dropped to make room
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._hashes
+
+    def store(self, block_hash: int) -> None:
+        if block_hash in self._hashes:
+            self._hashes.move_to_end(block_hash)
+            return
+        self._hashes[block_hash] = None
+        self.stored += 1
+        if len(self._hashes) > self.num_blocks:
+            self._hashes.popitem(last=False)
+            self.evicted += 1
+
+    def touch(self, hashes: list[int]) -> None:
+        for h in hashes:
+            if h in self._hashes:
+                self._hashes.move_to_end(h)
+
+
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
 
@@ -87,10 +123,13 @@ def salt_seed(cache_salt: str | None) -> int | None:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, offload_blocks: int = 0):
+        if offload_blocks and not enable_prefix_caching:
+            raise ValueError("an offload tier keeps blocks by prefix hash: it needs prefix caching on")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.offload = OffloadTier(offload_blocks) if offload_blocks else None
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are already registered in the prefix cache.
         self._num_registered: dict[str, int] = {}
@@ -127,7 +166,26 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None and hits:
+            self.offload.touch(request.block_hashes[:len(hits)])
         return hits
+
+    def get_offloaded_blocks(self, request: Request, num_gpu_hits: int) -> int:
+        """How many blocks after the GPU hit can be loaded from the offload tier (the prefix continues there).
+
+        Like the GPU hit, at most num_tokens - 1 tokens are covered in all.
+        """
+        if self.offload is None:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._ensure_hashes(request, max_blocks)
+        n = 0
+        for h in hashes[num_gpu_hits:max_blocks]:
+            if h not in self.offload:
+                break
+            n += 1
+        self.offload.touch(hashes[num_gpu_hits:num_gpu_hits + n])
+        return n
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
         """Give the request room for `num_new_tokens` more tokens; False (and no change) if full."""
@@ -157,6 +215,8 @@ class KVCacheManager:
         hashes = self._ensure_hashes(request, num_full)
         for i in range(done, num_full):
             self.pool.register(blocks[i], hashes[i])
+            if self.offload is not None:
+                self.offload.store(hashes[i])
         self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

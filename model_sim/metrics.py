@@ -54,6 +54,10 @@ class _EngineStateCollector(Collector):
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", stats.prefix_cache_hits)
+        yield counter("vllm:external_prefix_cache_queries",
+                      "External (offload tier) prefix cache queries, in queried tokens.", stats.offload_queries)
+        yield counter("vllm:external_prefix_cache_hits",
+                      "External (offload tier) prefix cache hits, in loaded tokens.", stats.offload_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
         # Not a vLLM metric: the simulator's own count of computed work thrown away by aborts.

@@ -25,6 +25,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    # Prompt tokens whose KV is copied back from the offload tier for requests admitted in this step.
+    num_loaded_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     # Requests failed by an out-of-memory in this step (preemption off): their streams end with an error.
     failed: list[Request] = field(default_factory=list)
@@ -47,6 +49,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The offload tier (vLLM's `external_prefix_cache_*`): tokens looked up there, and found and loaded.
+    offload_queries: int = 0
+    offload_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
@@ -65,7 +70,8 @@ class Scheduler:
         config.validate()
         self.config = config
         self.policy = SchedulingPolicy(config.scheduling_policy)
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.offload_blocks)
         self.waiting = make_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -128,15 +134,22 @@ class Scheduler:
                 request = self.waiting.peek()
                 hits = self.kv.get_computed_blocks(request)
                 num_hit = len(hits) * self.config.block_size
-                n = min(request.num_tokens - num_hit, budget)
-                if not self.kv.allocate_slots(request, n, hits):
+                # Past the GPU hit, the offload tier may hold the prefix's next blocks: loaded, not computed.
+                loaded = self.kv.get_offloaded_blocks(request, len(hits)) * self.config.block_size
+                n = min(request.num_tokens - num_hit - loaded, budget)
+                if not self.kv.allocate_slots(request, loaded + n, hits):
                     break  # head of line waits for blocks, as in vLLM
                 self.waiting.pop()
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
+                    # As vLLM counts it: every token not computed at the first admission, loaded ones included.
+                    request.num_cached_tokens = num_hit + loaded
                     self.stats.prefix_cache_queries += request.num_tokens if self.kv.enable_prefix_caching else 0
                     self.stats.prefix_cache_hits += num_hit
-                request.num_computed_tokens = num_hit
+                if self.kv.offload is not None:
+                    self.stats.offload_queries += request.num_tokens - num_hit
+                    self.stats.offload_hits += loaded
+                out.num_loaded_tokens += loaded
+                request.num_computed_tokens = num_hit + loaded
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
                 request.status = RequestStatus.RUNNING

@@ -43,8 +43,12 @@ def test_help_and_bad_arguments():
     out = subprocess.run([*run, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--replicas", "--scheduling-policy", "--enable-prefix-caching", "--zero-latency",
-                 "--output-length-mode", "--fault-429-rate", "--decode-ms-per-seq"):
+                 "--output-length-mode", "--fault-429-rate", "--decode-ms-per-seq", "--kv-offload-blocks",
+                 "--load-ms-per-token"):
         assert flag in out.stdout
     bad = subprocess.run([*run, "--port", "1", "--fault-429-rate", "0.7", "--fault-500-rate", "0.7"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "at most 1" in bad.stderr
+    no_cache = subprocess.run([*run, "--port", "1", "--kv-offload-blocks", "100"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+    assert no_cache.returncode == 2 and "add --enable-prefix-caching" in no_cache.stderr

@@ -116,3 +116,19 @@ def test_cache_salt_must_be_a_non_empty_string(sim):
         r = sim.http.post("/v1/completions", content=json.dumps({"prompt": "x", "cache_salt": bad}),
                           headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_an_offload_tier_serves_a_prefix_the_gpu_cache_has_overwritten_and_metrics_count_it(start_sim):
+    # 8 GPU blocks of 16 tokens: a second, 119-token prompt overwrites the first one's blocks, but the tier
+    # (vLLM's CPU offloading) still holds them, so the repeat is loaded back, and usage says so.
+    sim = start_sim(enable_prefix_caching=True, block_size=16, num_blocks=8, offload_blocks=64)
+    first, other = prompt_of(70), "x " + prompt_of(118)  # other: all 8 blocks
+    assert _cached(sim, first, "tenant-a") == 0
+    assert _cached(sim, other, "tenant-a") == 0
+    assert _cached(sim, first, "tenant-a") == 64
+    assert _cached(sim, first, "tenant-b") == 0, "the tier keeps the salt's scope"
+    metrics = sim.metrics()
+    assert metrics["vllm:external_prefix_cache_hits_total"] == 64
+    assert metrics["vllm:prefix_cache_hits_total"] == 0
+    state = sim.state()
+    assert state["offload_hits"] == 64 and state["kv"]["offload"]["num_blocks"] == 64

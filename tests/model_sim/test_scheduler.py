@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from model_sim.config import EngineConfig
 from model_sim.generation import output_token_id
 from model_sim.request import Request, RequestStatus
@@ -183,6 +185,59 @@ def test_cached_free_blocks_are_evicted_when_space_is_needed():
     run_to_completion(sched)
     assert b.status is RequestStatus.FINISHED_LENGTH
     assert sched.kv.pool.num_used == 0
+
+
+def test_an_aborted_requests_blocks_reused_on_the_gpu_are_loaded_back_from_the_offload_tier():
+    # The GPU holds 8 blocks; the tier 32. An aborted request's 5 full blocks are overwritten on the GPU by
+    # another prompt, yet its retry finds them in the tier: loaded, not computed, and counted as cached.
+    def run(offload_blocks: int) -> tuple[Scheduler, Request, int]:
+        sched = Scheduler(EngineConfig(num_blocks=8, block_size=16, enable_prefix_caching=True,
+                                       offload_blocks=offload_blocks))
+        prompt = list(range(1, 81)) + [500, 501, 502]  # 5 full blocks and 3 tokens
+        first = make_request(0, 40, prompt=prompt)
+        sched.add_request(first)
+        for _ in range(3):
+            run_step(sched)
+        sched.abort_request(first.request_id, 0.0)
+        other = make_request(120, 2)  # all 8 blocks: overwrites every freed GPU block
+        sched.add_request(other)
+        run_to_completion(sched)
+        retry = make_request(0, 4, prompt=prompt)
+        sched.add_request(retry)
+        out, _ = run_step(sched)
+        return sched, retry, out.num_loaded_tokens
+
+    sched, retry, loaded = run(0)
+    assert retry.num_cached_tokens == 0 and loaded == 0, "without a tier the GPU cache lost the prefix"
+    sched, retry, loaded = run(32)
+    assert loaded == 80 and retry.num_cached_tokens == 80
+    assert sched.stats.offload_hits == 80 and sched.stats.prefix_cache_hits == 0
+    assert sched.kv.offload.stored >= 5 + 7
+    run_to_completion(sched)
+    assert sched.kv.pool.num_used == 0
+
+
+def test_the_offload_tier_evicts_least_recently_used_blocks_and_the_gpu_hit_comes_first():
+    sched = Scheduler(EngineConfig(num_blocks=64, block_size=16, enable_prefix_caching=True, offload_blocks=4))
+    a = make_request(0, 1, prompt=list(range(1, 50)))  # 3 full blocks
+    sched.add_request(a)
+    run_to_completion(sched)
+    assert len(sched.kv.offload) == 3
+    b = make_request(0, 1, prompt=list(range(200, 250)))  # 3 more: a's oldest two go
+    sched.add_request(b)
+    run_to_completion(sched)
+    assert len(sched.kv.offload) == 4 and sched.kv.offload.evicted == 2
+    c = make_request(0, 1, prompt=list(range(1, 50)))  # a's blocks are still on the GPU (free, cached)
+    sched.add_request(c)
+    out, _ = run_step(sched)
+    assert c.num_cached_tokens == 48 and out.num_loaded_tokens == 0, "the GPU cache is asked first"
+
+
+def test_an_offload_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="enable-prefix-caching"):
+        EngineConfig(num_blocks=8, offload_blocks=4).validate()
+    with pytest.raises(ValueError, match="must not be negative"):
+        EngineConfig(num_blocks=8, enable_prefix_caching=True, offload_blocks=-1).validate()
 
 
 def test_abort_frees_blocks_immediately_wherever_the_request_is():
