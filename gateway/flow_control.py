@@ -126,6 +126,7 @@ class FlowController:
         self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency, policy=cfg.picker.policy,
                                      in_flight_weight=cfg.picker.inFlightWeight,
                                      kv_usage_weight=cfg.picker.kvUsageWeight, occupancy=self._occupancy_share)
+        self.evicted_affinity = cfg.picker.evictedAffinity
         ev = cfg.eviction
         self.evictor.policy = victim_policy(ev.policy_name())
         self.eviction_enabled = ev.policy_name() != "none"
@@ -636,7 +637,8 @@ class FlowController:
         # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
         # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
         places = self._evicted_places
-        places[(victim.fairness_id, victim.request_id)] = (victim.place, getattr(victim.replica, "url", None))
+        home = getattr(victim.replica, "url", None) if self.evicted_affinity else None
+        places[(victim.fairness_id, victim.request_id)] = (victim.place, home)
         while len(places) > EVICTED_PLACES:
             places.popitem(last=False)
         self.evictions["issued"] += 1
