@@ -22,6 +22,11 @@ bench configure them in one place:
                                   host-memory tier behind the prefix cache (`--kv-offload-blocks 9500`, vLLM's
                                   CPU offloading): under KV pressure an evicted request's GPU blocks go to the
                                   request it was evicted for, so only a second tier keeps them for its retry
+  cost_resume_offload_2r, cost_resume_offload_2r_spread
+                                  (only with --arms) cost_resume_offload on two replicas (twice the realtime
+                                  traffic), the retry of an evicted request sent back to the replica holding its
+                                  blocks (the gateway's default) or scored like a new request
+                                  (`picker.evictedAffinity: false`): what the home replica saves
 Without eviction the reserve cannot be lent: nothing would give it back when realtime needs it, so the
 holdback-alone arms keep batch at the fixed ceiling.
 Figures per arm: batch completions in the realtime window, evictions (attempts ended `evicted`), tokens
@@ -78,6 +83,10 @@ ARMS: dict[str, Scenario] = {s.name: s for s in (
          sim_extra=OFFLOAD),
     _arm("evict_cost_resume_cache", "cost_resume_offload", "Cost-ranked + resume, borrowing, cache + offload tier",
          adaptive=True, sim_extra=OFFLOAD),
+    _arm("evict_cost_resume_cache", "cost_resume_offload_2r", "Cost-ranked + resume, borrowing, offload tier, "
+         "2 replicas, retry to its replica", adaptive=True, sim_extra=OFFLOAD, replicas=2),
+    _arm("evict_cost_resume_cache", "cost_resume_offload_2r_spread", "Cost-ranked + resume, borrowing, offload "
+         "tier, 2 replicas, retry scored anew", adaptive=True, sim_extra=OFFLOAD, replicas=2, evicted_affinity=False),
 )}
 # The study's calibration before it was sized for KV pressure: the same step timing but a 120 ms decode base, 40,000
 # KV blocks (KV never runs short), shorter batch lines. Issue 13's first figures were measured on it; `--calibration
@@ -97,7 +106,8 @@ KV_PRESSURE_V1 = replace(QUICK, sim_args=_with_flag(QUICK.sim_args, "--decode-ms
 CALIBRATIONS = {"kv-pressure": QUICK, "kv-pressure-v1": KV_PRESSURE_V1, "roomy": ROOMY}
 DEFAULT_ARMS = [name for name in ARMS
                 if name not in ("cost_resume_on_fixed", "newest_restart_lent_on", "cost_resume_on_cap60",
-                                "holdback_offload", "newest_restart_offload", "cost_resume_offload")]
+                                "holdback_offload", "newest_restart_offload", "cost_resume_offload",
+                                "cost_resume_offload_2r", "cost_resume_offload_2r_spread")]
 GOAL_RECOMPUTE_RATIO = 5.0  # newest-first restart ÷ cost-ranked resume with caching, per eviction
 GOAL_COMPLETIONS_RATIO = 1.09  # eviction arm ÷ holdback alone, batch completions in the window
 # "No worse" realtime p95 TTFT, judged over every round at once: the upper end of the ratio's 95% interval at
@@ -194,6 +204,8 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
                                                                  completions("holdback_offload")),
         "p95_ttft_resume_offload_vs_restart_offload": _ratio(p95("cost_resume_offload"),
                                                              p95("newest_restart_offload")),
+        "recompute_2r_spread_vs_2r_home": _ratio(per_eviction("cost_resume_offload_2r_spread"),
+                                                 per_eviction("cost_resume_offload_2r")),
         "completions_resume_on_vs_holdback_on": _ratio(completions("cost_resume_on"), completions("holdback_on")),
         "completions_resume_on_cap60_vs_holdback_on": _ratio(completions("cost_resume_on_cap60"),
                                                              completions("holdback_on")),

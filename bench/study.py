@@ -99,6 +99,8 @@ class Scenario:
     max_ceiling: float = 1.0
     # False: no realtime traffic; the window only measures batch alone (the harvest's denominator).
     realtime: bool = True
+    # The gateway's picker.evictedAffinity: an evicted request's retry goes back to the replica it ran on.
+    evicted_affinity: bool = True
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
     # pressure the one-replica runs see and eviction is exercised across replicas.
 
@@ -124,6 +126,7 @@ class Scenario:
             "flowControl": {"bands": bands},
             "eviction": {"enabled": self.eviction, "maxPerDecision": 2,
                          **({"policy": self.eviction_policy} if self.eviction_policy else {})},
+            **({} if self.evicted_affinity else {"picker": {"evictedAffinity": False}}),
         }
 
 

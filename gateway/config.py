@@ -212,6 +212,9 @@ class Picker(_Model):
     policy: Literal["least-loaded", "kv-headroom"] = "least-loaded"
     inFlightWeight: float = Field(default=1.0, ge=0)
     kvUsageWeight: float = Field(default=1.0, ge=0)
+    # An evicted request's retry goes back to the replica its attempt ran on (where its blocks are cached)
+    # whenever that replica has room; false: it is scored like any new request.
+    evictedAffinity: bool = True
 
 
 class Health(_Model):

@@ -95,8 +95,11 @@ class FlowController:
         self._seq = itertools.count(1)
         # Evicted requests keep their place in line: (fairness id, request id) -> the victim's place, taken by
         # the retry that comes back with the same request id (the worker's row id, stable across attempts).
-        self._evicted_places: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        # (fairness id, request id) of an evicted request → (its place in line, the replica it ran on).
+        self._evicted_places: collections.OrderedDict[tuple[str, str], tuple[int, str | None]] = \
+            collections.OrderedDict()
         self.places_kept = 0
+        self.affinity_kept = 0  # evicted requests' retries dispatched to the replica their attempt ran on
         self._expiry: list[tuple[float, int, FlowRequest]] = []
         self._wake = asyncio.Event()
         self._grace_timer: asyncio.TimerHandle | None = None
@@ -123,6 +126,7 @@ class FlowController:
         self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency, policy=cfg.picker.policy,
                                      in_flight_weight=cfg.picker.inFlightWeight,
                                      kv_usage_weight=cfg.picker.kvUsageWeight, occupancy=self._occupancy_share)
+        self.evicted_affinity = cfg.picker.evictedAffinity
         ev = cfg.eviction
         self.evictor.policy = victim_policy(ev.policy_name())
         self.eviction_enabled = ev.policy_name() != "none"
@@ -224,7 +228,7 @@ class FlowController:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
         now = self.clock()
         req.seq = next(self._seq)
-        req.place = self._evicted_places.pop((req.fairness_id, req.request_id), req.seq)
+        req.place, req.affinity = self._evicted_places.pop((req.fairness_id, req.request_id), (req.seq, None))
         if req.place != req.seq:
             self.places_kept += 1
         req.traffic_class = self.traffic_classes.get(req.priority) or self.loaded.config.traffic_class(req.priority)
@@ -247,7 +251,7 @@ class FlowController:
         self._follow_demand(healthy, now)
         if not kv_wait and not self._queued_at_or_above(req.priority):
             if self.detector.saturation(healthy, now) < self.ceilings[req.priority]:
-                replica = self.picker.pick(healthy, self.detector, now, fits)
+                replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity)
                 if replica is not None:
                     self._dispatch(req, replica, band, now, "inline")
                     return Outcome.DISPATCHED
@@ -437,7 +441,7 @@ class FlowController:
                         self._start_kv_wait(req, now)
                         break  # head-of-line: this band and the ones below wait for KV room
                     fits = _within(decision)
-                replica = self.picker.pick(healthy, self.detector, now, fits)
+                replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity)
                 if replica is None:
                     blocked = band
                     break
@@ -541,6 +545,8 @@ class FlowController:
         req.replica = replica
         replica.in_flight += 1
         replica.dispatches += 1
+        if req.affinity is not None and req.affinity == replica.url:
+            self.affinity_kept += 1
         if self.admission is not None and self.ledger is not None:
             req.reservation = self.ledger.reserve(
                 request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
@@ -631,7 +637,8 @@ class FlowController:
         # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
         # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
         places = self._evicted_places
-        places[(victim.fairness_id, victim.request_id)] = victim.place
+        home = getattr(victim.replica, "url", None) if self.evicted_affinity else None
+        places[(victim.fairness_id, victim.request_id)] = (victim.place, home)
         while len(places) > EVICTED_PLACES:
             places.popitem(last=False)
         self.evictions["issued"] += 1
@@ -736,6 +743,7 @@ class FlowController:
             "kv": self._kv_state(now),
             "totals": {"dispatched": self.dispatched_total, "evictions": dict(self.evictions),
                        "rejections": dict(self.rejections), "evicted_places_kept": self.places_kept,
+                       "evicted_replica_kept": self.affinity_kept,
                        "evicted_places_waiting": len(self._evicted_places)},
         }
 

@@ -69,10 +69,16 @@ class EndpointPicker:
         return ReplicaView(replica.url, replica.in_flight, self.max_concurrency, self.occupancy(replica))
 
     def pick(self, replicas: Sequence[Replica], detector: SaturationDetector, now: float,
-             fits: Callable[[Replica], bool] | None = None) -> Replica | None:
+             fits: Callable[[Replica], bool] | None = None, prefer: str | None = None) -> Replica | None:
+        """The best replica with room; `prefer` (a replica url) wins whenever it has room and fits: the retry of
+        an evicted request goes back to where its prefix is cached, as a prefix-aware scorer would send it."""
         n = len(replicas)
         if n == 0:
             return None
+        if prefer is not None:
+            for r in replicas:
+                if r.url == prefer and r.healthy and detector.has_room(r, now) and (fits is None or fits(r)):
+                    return r
         self._turn = (self._turn + 1) % n
         best, best_score = None, 0.0
         for i in range(n):

@@ -50,6 +50,9 @@ class FlowRequest:
     # Its place in line (ordering keys start with it): its own arrival seq, or, for the retry of an evicted
     # request, the evicted attempt's place.
     place: int = 0
+    # The retry of an evicted request: the replica its evicted attempt ran on, where its prompt and kept output
+    # are cached (GPU prefix cache or a host-memory offload tier). The picker prefers it while it has room.
+    affinity: str | None = None
     status: Status = Status.NEW
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0

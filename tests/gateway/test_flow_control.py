@@ -257,6 +257,44 @@ def test_an_evicted_requests_retry_keeps_its_place_ahead_of_batch_queued_after_i
     run(main())
 
 
+@pytest.mark.parametrize("affinity", [True, False])
+def test_an_evicted_requests_retry_goes_back_to_the_replica_it_ran_on_while_that_replica_has_room(affinity):
+    # Its prompt and kept output are cached there (GPU or offload tier), so the retry goes back even though the
+    # least-loaded scorer would send a new request elsewhere; `picker.evictedAffinity: false` turns that off.
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\nflowControl: {bands: [{priority: 100, "
+                               "ceiling: 1.0}, {priority: 0, ceiling: 1.0}, {priority: -10, ceiling: 1.0}]}\n"
+                               f"picker: {{evictedAffinity: {str(affinity).lower()}}}", replicas=2, max_concurrency=4)
+        batch = dispatched_batch(fc, clock, 8)  # 4 on each replica: the pool is full
+        rt = req(fc, clock, "realtime")
+        assert fc.submit(rt) is Outcome.QUEUED and rt.status is Status.DISPATCHED
+        victim = next(r for r in batch if r.drop_reason is DropReason.EVICTED)
+        home, other = victim.replica, next(r for r in fc.pool.replicas if r is not victim.replica)
+        fc.finish(victim)
+        fc.finish(rt)
+        for r in [r for r in batch if r.replica is other][:2]:
+            fc.finish(r)
+        assert (home.in_flight, other.in_flight) == (3, 2)
+        fresh = req(fc, clock, "batch")
+        retry = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
+                            arrived=clock())
+        assert fc.submit(retry) is Outcome.DISPATCHED
+        if not affinity:
+            assert retry.replica is other and fc.snapshot()["totals"]["evicted_replica_kept"] == 0
+            return
+        assert retry.replica is home
+        assert fc.submit(fresh) is Outcome.DISPATCHED and fresh.replica is other, "no affinity: least loaded"
+        assert fc.snapshot()["totals"]["evicted_replica_kept"] == 1
+        # A full home replica does not hold the retry back: it goes wherever there is room.
+        victim2 = FlowRequest("gone", "batch", PRIO["batch"], "t", "t", arrived=clock())
+        victim2.affinity = home.url
+        home.in_flight = 4
+        assert fc.submit(victim2) is Outcome.DISPATCHED and victim2.replica is other
+        for r in batch:
+            r.task.cancel()
+    run(main())
+
+
 def test_eviction_off_means_realtime_waits():
     async def main():
         fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}\neviction: {enabled: false}")
