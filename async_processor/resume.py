@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from async_processor.stream import StreamAssembly, StreamedReply, TokenSums
 from holdback.contract import RESUMABLE_HEADER
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
 from holdback.models import Attempt
+from holdback.results import AttemptFigures
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -121,12 +122,6 @@ _SUMS = (
            func.coalesce(func.sum(_attempts.c.cached_tokens), 0))
     .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"))
 )
-_RECORD = (
-    update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
-    .values(input_tokens=bindparam("prompt"), output_tokens=bindparam("output"), cached_tokens=bindparam("cached"),
-            partial_output=bindparam("partial"), tokens_kept=bindparam("kept"),
-            tokens_recomputed=bindparam("recomputed"))
-)
 
 
 def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, Progress] | Skip:
@@ -145,19 +140,7 @@ def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, 
     return opened, Progress(text, kept + cut_output, cut_prompt + cut_output, earlier)
 
 
-@dataclass(frozen=True)
-class AttemptTokens:
-    """One streamed attempt's own figures, written on its attempts row."""
-
-    prompt: int
-    output: int
-    cached: int
-    kept: int  # output tokens carried in from earlier attempts
-    recomputed: int  # earlier attempts' work (prompt + output) computed again by this one
-    partial: str | None  # all attempts' text so far, when this attempt's stream was cut
-
-
-def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptTokens | None:
+def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
     """None when no event stream came back: `record_outcome` reads the usage of a plain answer itself."""
     if not sent.events:
         return None
@@ -171,7 +154,7 @@ def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptTokens | None:
     partial = None
     if sent.cut and a.text:
         partial = (progress.text if plan.resumed else "") + a.text
-    return AttemptTokens(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, partial)
+    return AttemptFigures(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, partial)
 
 
 def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:
@@ -184,12 +167,6 @@ def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:
 
 
 def record_attempt(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy,
-                   tokens: AttemptTokens | None) -> Recorded:
-    """`holdback.dispatch.record_outcome`, then this attempt's own token figures in the same transaction."""
-    recorded = record_outcome(session, dispatch, reply, policy)
-    if tokens is not None:
-        session.connection().execute(_RECORD, {
-            "attempt_id": dispatch.attempt_id, "prompt": tokens.prompt, "output": tokens.output,
-            "cached": tokens.cached, "partial": tokens.partial, "kept": tokens.kept,
-            "recomputed": tokens.recomputed})
-    return recorded
+                   tokens: AttemptFigures | None) -> Recorded:
+    """`holdback.dispatch.record_outcome`, with this attempt's own token figures on its attempt row."""
+    return record_outcome(session, dispatch, reply, policy, figures=tokens)

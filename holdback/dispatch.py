@@ -45,7 +45,8 @@ from holdback.models import (
     RequestRow,
     RequestStatus,
 )
-from holdback.results import FinalResult, Usage, begin_attempt, end_attempt, record_final, schedule_retry
+from holdback.results import (AttemptFigures, FinalResult, Usage, begin_attempt, end_attempt, record_final,
+                              schedule_retry)
 
 # A proxy's own "nobody behind me answered" statuses: the path failed, not the request.
 PATH_STATUSES = frozenset({502, 503})
@@ -350,11 +351,14 @@ def record_outcome(
     *,
     now: float | None = None,
     rand: Callable[[], float] = random.random,
+    figures: AttemptFigures | None = None,
 ) -> Recorded:
-    """Close the attempt and move the row: final result, retry, or left for expiry. One transaction."""
+    """Close the attempt and move the row: final result, retry, or left for expiry. One transaction.
+
+    `figures`: a streamed attempt's own token figures, written on its attempt row by the same UPDATE."""
     now = time.time() if now is None else now
     if reply.aborted:
-        return _record_abort(session, dispatch, reply, policy, now)
+        return _record_abort(session, dispatch, reply, policy, now, figures)
 
     outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable)
     body: dict | str | None = None
@@ -376,7 +380,7 @@ def record_outcome(
     end_attempt(
         session, dispatch.attempt_id, outcome.kind.value, status_code=outcome.status, replica=reply.replica,
         drop_reason=outcome.drop_reason, evicted=outcome.evicted, usage=usage,
-        error=error if outcome.kind is not AttemptOutcome.success else None,
+        error=error if outcome.kind is not AttemptOutcome.success else None, figures=figures,
     )
 
     if outcome.kind is AttemptOutcome.success:
@@ -434,9 +438,10 @@ def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: Retry
     return Recorded(Disposition.retry, outcome, wake_at=next_at, delay=delay)
 
 
-def _record_abort(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy, now: float) -> Recorded:
+def _record_abort(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy, now: float,
+                  figures: AttemptFigures | None) -> Recorded:
     outcome = Outcome(AttemptOutcome.cancelled)
-    end_attempt(session, dispatch.attempt_id, outcome.kind.value, error=reply.error)
+    end_attempt(session, dispatch.attempt_id, outcome.kind.value, error=reply.error, figures=figures)
     status = session.connection().execute(_ROW_STATUS, {"row_id": dispatch.row_id}).scalar()
     if status is None or status in REQUEST_TERMINAL_VALUES:
         return Recorded(Disposition.cancelled, outcome)

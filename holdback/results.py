@@ -98,6 +98,18 @@ def begin_attempt(session: Session, row_id: str, worker: str, *, open_batch_only
                          now, deadline)
 
 
+@dataclass(frozen=True)
+class AttemptFigures:
+    """A streamed attempt's own token figures, written with its end (one UPDATE for both)."""
+
+    prompt: int
+    output: int
+    cached: int
+    kept: int  # output tokens carried in from earlier attempts
+    recomputed: int  # earlier attempts' work (prompt + output) computed again by this one
+    partial: str | None  # all attempts' text so far, when this attempt's stream was cut
+
+
 def end_attempt(
     session: Session,
     attempt_id: int,
@@ -109,18 +121,31 @@ def end_attempt(
     evicted: bool = False,
     usage: Usage = Usage(),
     error: str | None = None,
+    figures: AttemptFigures | None = None,
 ) -> None:
-    session.connection().execute(_END_ATTEMPT, {
-        "attempt_id": attempt_id, "ended_at": time.time(), "outcome": outcome, "status_code": status_code,
-        "replica": replica, "drop_reason": drop_reason, "evicted": evicted, "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens, "error": error,
-    })
+    """Close an attempt. With `figures` (a streamed attempt) its tokens are the stream's own, not the
+    assembled body's usage (which sums every attempt of the request)."""
+    params = {"attempt_id": attempt_id, "ended_at": time.time(), "outcome": outcome, "status_code": status_code,
+              "replica": replica, "drop_reason": drop_reason, "evicted": evicted, "error": error}
+    if figures is None:
+        params.update(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens)
+        session.connection().execute(_END_ATTEMPT, params)
+        return
+    params.update(input_tokens=figures.prompt, output_tokens=figures.output, cached_tokens=figures.cached,
+                  partial_output=figures.partial, tokens_kept=figures.kept, tokens_recomputed=figures.recomputed)
+    session.connection().execute(_END_STREAMED_ATTEMPT, params)
 
 
+_END_COLUMNS = ("ended_at", "outcome", "status_code", "replica", "drop_reason", "evicted", "input_tokens",
+                "output_tokens", "error")
 _END_ATTEMPT = (
     update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
-    .values(**{name: bindparam(name) for name in ("ended_at", "outcome", "status_code", "replica", "drop_reason",
-                                                  "evicted", "input_tokens", "output_tokens", "error")})
+    .values(**{name: bindparam(name) for name in _END_COLUMNS})
+)
+_END_STREAMED_ATTEMPT = (
+    update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
+    .values(**{name: bindparam(name) for name in (*_END_COLUMNS, "cached_tokens", "partial_output", "tokens_kept",
+                                                  "tokens_recomputed")})
 )
 
 

@@ -256,3 +256,31 @@ def test_a_later_delivery_closes_the_dead_workers_open_attempt(db):
     with db() as s:
         first = s.query(Attempt).filter_by(request_id=row_id, number=1).one()
         assert first.outcome == "abandoned" and first.ended_at is not None
+
+
+def test_a_streamed_attempts_figures_are_written_by_the_update_that_ends_it(db):
+    # One UPDATE of the attempt row carries its end and its own token figures (the stream's, not the assembled
+    # body's, which sums every attempt), on both backends.
+    from sqlalchemy import event
+
+    from holdback.results import AttemptFigures
+
+    _, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        d = begin(s, row_id, "w-test")
+    statements: list[str] = []
+    engine = db.kw["bind"]
+    listener = lambda _c, _cur, statement, *_a: statements.append(statement)  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        with transaction(db) as s:
+            rec = record_outcome(s, d, Reply(200, {}, OK_BODY), RetryPolicy(),
+                                 figures=AttemptFigures(prompt=5, output=2, cached=4, kept=1, recomputed=1, partial=None))
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    assert rec.disposition is Disposition.final
+    assert sum(1 for st in statements if st.lstrip().upper().startswith("UPDATE ATTEMPTS")) == 1, statements
+    with transaction(db) as s:
+        a = s.get(Attempt, d.attempt_id)
+        assert (a.input_tokens, a.output_tokens, a.cached_tokens, a.tokens_kept, a.tokens_recomputed) == (5, 2, 4, 1, 1)
+        assert a.outcome == "success" and a.ended_at is not None
