@@ -6,6 +6,8 @@ listening on a unix socket under the data dir, so several local processes share 
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -43,6 +45,17 @@ def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0, *, start=None) 
             f"the embedded Redis socket path {sock} is too long for a unix socket; "
             "set HOLDBACK_DATA_DIR to a shorter path or REDIS_URL to a Redis server"
         )
+    # Processes of one data dir often start together (api, processor, worker). Without the lock each would
+    # start a server: the last one takes over the socket path while the others keep the clients that had
+    # already connected, so two processes of one install could talk to two different Redis servers.
+    deadline = time.monotonic() + timeout
+    with _start_lock(sock.parent / "start.lock", deadline):
+        if _answers(url):
+            return url
+        return _start(sock, url, deadline, start)
+
+
+def _start(sock: Path, url: str, deadline: float, start) -> str:  # noqa: ANN001
     command = [
         str(embedded_server_binary()),
         "--port", "0",
@@ -58,12 +71,36 @@ def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0, *, start=None) 
         subprocess.run([*command, "--daemonize", "yes"], check=True)
     else:
         start([*command, "--daemonize", "no"])
-    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _answers(url):
             return url
         time.sleep(0.02)
     raise RuntimeError(f"embedded Redis did not start; see {sock.parent / 'redis.log'}")
+
+
+class _start_lock:
+    """An exclusive lock on `path` (flock: released by the kernel if its holder dies), waited for until
+    `deadline`."""
+
+    def __init__(self, path: Path, deadline: float):
+        self.path, self.deadline = path, deadline
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= self.deadline:
+                    os.close(self.fd)
+                    raise RuntimeError(f"another process kept {self.path} locked while starting the embedded "
+                                       "Redis; see its redis.log beside it") from None
+                time.sleep(0.01)
+
+    def __exit__(self, *_exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def stop_embedded_redis(data_dir: Path) -> None:
