@@ -181,46 +181,37 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+# The per-round ratios: name -> (the ArmFigures field, numerator arm, denominator arm), in report order.
+RATIOS: dict[str, tuple[str, str, str]] = {
+    "recompute_restart_off_vs_resume_on": ("recomputed_per_eviction", "newest_restart_off", "cost_resume_on"),
+    "recompute_restart_on_vs_resume_on": ("recomputed_per_eviction", "newest_restart_on", "cost_resume_on"),
+    "recompute_restart_off_vs_resume_off": ("recomputed_per_eviction", "newest_restart_off", "cost_resume_off"),
+    "recompute_restart_off_vs_resume_offload": ("recomputed_per_eviction", "newest_restart_off",
+                                                "cost_resume_offload"),
+    "recompute_restart_offload_vs_resume_offload": ("recomputed_per_eviction", "newest_restart_offload",
+                                                    "cost_resume_offload"),
+    "completions_resume_offload_vs_holdback_offload": ("batch_completions", "cost_resume_offload",
+                                                       "holdback_offload"),
+    "p95_ttft_resume_offload_vs_restart_offload": ("p95_ttft_ms", "cost_resume_offload", "newest_restart_offload"),
+    "recompute_2r_spread_vs_2r_home": ("recomputed_per_eviction", "cost_resume_offload_2r_spread",
+                                       "cost_resume_offload_2r"),
+    "completions_resume_on_vs_holdback_on": ("batch_completions", "cost_resume_on", "holdback_on"),
+    "completions_resume_on_cap60_vs_holdback_on": ("batch_completions", "cost_resume_on_cap60", "holdback_on"),
+    "completions_resume_off_vs_holdback_off": ("batch_completions", "cost_resume_off", "holdback_off"),
+    "completions_restart_off_vs_holdback_off": ("batch_completions", "newest_restart_off", "holdback_off"),
+    "completions_resume_on_fixed_vs_holdback_on": ("batch_completions", "cost_resume_on_fixed", "holdback_on"),
+    "p95_ttft_resume_on_vs_restart_off": ("p95_ttft_ms", "cost_resume_on", "newest_restart_off"),
+    "p95_ttft_resume_on_vs_restart_on": ("p95_ttft_ms", "cost_resume_on", "newest_restart_on"),
+    "p95_ttft_resume_on_fixed_vs_restart_off": ("p95_ttft_ms", "cost_resume_on_fixed", "newest_restart_off"),
+    "p95_after_burst_resume_on_vs_restart_off": ("p95_ttft_after_burst_ms", "cost_resume_on", "newest_restart_off"),
+}
+
+
 def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
-    def per_eviction(name: str) -> float | None:
-        return arms[name].recomputed_per_eviction if name in arms else None
+    def value(field: str, name: str) -> float | None:
+        return getattr(arms[name], field) if name in arms else None
 
-    def completions(name: str) -> float | None:
-        return arms[name].batch_completions if name in arms else None
-
-    def p95(name: str) -> float | None:
-        return arms[name].p95_ttft_ms if name in arms else None
-
-    return {
-        "recompute_restart_off_vs_resume_on": _ratio(per_eviction("newest_restart_off"), per_eviction("cost_resume_on")),
-        "recompute_restart_on_vs_resume_on": _ratio(per_eviction("newest_restart_on"), per_eviction("cost_resume_on")),
-        "recompute_restart_off_vs_resume_off": _ratio(per_eviction("newest_restart_off"),
-                                                      per_eviction("cost_resume_off")),
-        "recompute_restart_off_vs_resume_offload": _ratio(per_eviction("newest_restart_off"),
-                                                          per_eviction("cost_resume_offload")),
-        "recompute_restart_offload_vs_resume_offload": _ratio(per_eviction("newest_restart_offload"),
-                                                              per_eviction("cost_resume_offload")),
-        "completions_resume_offload_vs_holdback_offload": _ratio(completions("cost_resume_offload"),
-                                                                 completions("holdback_offload")),
-        "p95_ttft_resume_offload_vs_restart_offload": _ratio(p95("cost_resume_offload"),
-                                                             p95("newest_restart_offload")),
-        "recompute_2r_spread_vs_2r_home": _ratio(per_eviction("cost_resume_offload_2r_spread"),
-                                                 per_eviction("cost_resume_offload_2r")),
-        "completions_resume_on_vs_holdback_on": _ratio(completions("cost_resume_on"), completions("holdback_on")),
-        "completions_resume_on_cap60_vs_holdback_on": _ratio(completions("cost_resume_on_cap60"),
-                                                             completions("holdback_on")),
-        "completions_resume_off_vs_holdback_off": _ratio(completions("cost_resume_off"), completions("holdback_off")),
-        "completions_restart_off_vs_holdback_off": _ratio(completions("newest_restart_off"),
-                                                          completions("holdback_off")),
-        "completions_resume_on_fixed_vs_holdback_on": _ratio(completions("cost_resume_on_fixed"),
-                                                             completions("holdback_on")),
-        "p95_ttft_resume_on_vs_restart_off": _ratio(p95("cost_resume_on"), p95("newest_restart_off")),
-        "p95_ttft_resume_on_vs_restart_on": _ratio(p95("cost_resume_on"), p95("newest_restart_on")),
-        "p95_ttft_resume_on_fixed_vs_restart_off": _ratio(p95("cost_resume_on_fixed"), p95("newest_restart_off")),
-        "p95_after_burst_resume_on_vs_restart_off": _ratio(
-            arms["cost_resume_on"].p95_ttft_after_burst_ms if "cost_resume_on" in arms else None,
-            arms["newest_restart_off"].p95_ttft_after_burst_ms if "newest_restart_off" in arms else None),
-    }
+    return {key: _ratio(value(field, a), value(field, b)) for key, (field, a, b) in RATIOS.items()}
 
 
 def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> str:

@@ -93,9 +93,9 @@ class FlowController:
         # The last applied configs, oldest first (rollback goes to the one before the running one).
         self.history: list[tuple[LoadedConfig, float]] = []
         self._seq = itertools.count(1)
-        # Evicted requests keep their place in line: (fairness id, request id) -> the victim's place, taken by
-        # the retry that comes back with the same request id (the worker's row id, stable across attempts).
-        # (fairness id, request id) of an evicted request → (its place in line, the replica it ran on).
+        # Evicted requests keep their place in line and their replica: (fairness id, request id) -> (the victim's
+        # place, the replica it ran on), taken by the retry that comes back with the same request id (the worker's
+        # row id, stable across attempts).
         self._evicted_places: collections.OrderedDict[tuple[str, str], tuple[int, str | None]] = \
             collections.OrderedDict()
         self.places_kept = 0

@@ -124,8 +124,6 @@ def salt_seed(cache_salt: str | None) -> int | None:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, offload_blocks: int = 0):
-        if offload_blocks and not enable_prefix_caching:
-            raise ValueError("an offload tier keeps blocks by prefix hash: it needs prefix caching on")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
