@@ -23,8 +23,10 @@ from gateway.log import log_event
 logger = logging.getLogger("gateway.replicas")
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_NUM_GPU_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
-_BLOCK_SIZE = re.compile(r'block_size="(\d+)"')
+_ENGINE = re.compile(r'[{,]engine="([^"]*)"')
+# `(?<![a-z_])`: `block_size` must not match inside `mamba_block_size` or `user_specified_block_size`.
+_CACHE_INFO = {name: re.compile(rf'(?<![a-z_]){name}="(\d+)"')
+               for name in ("num_gpu_blocks", "block_size", "kv_cache_size_tokens")}
 
 
 @dataclass(eq=False)
@@ -35,10 +37,14 @@ class Replica:
     # Requests the gateway has dispatched here and not yet seen finish.
     in_flight: int = 0
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
-    kv_usage: float | None = None
+    kv_usage: float | None = None  # vllm:kv_cache_usage_perc averaged over data-parallel engines
+    kv_usage_max: float | None = None  # ... and the fullest engine's (one full engine preempts alone)
     waiting: float | None = None
     running: float | None = None
-    kv_blocks_total: int | None = None
+    # The KV pool from `vllm:cache_config_info`: blocks and tokens of the whole replica (every data-parallel
+    # engine), and tokens per block.
+    num_gpu_blocks: int | None = None
+    kv_cache_size_tokens: int | None = None
     kv_block_size: int | None = None
     # What the replica says it serves (GET /v1/models, /version), read once it is healthy.
     model: str | None = None
@@ -55,13 +61,31 @@ class Replica:
     def metrics_fresh(self, now: float, staleness: float) -> bool:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
 
+    # The pool's old name, until flow_control.py and admission.py read `num_gpu_blocks`.
+    @property
+    def kv_blocks_total(self) -> int | None:
+        return self.num_gpu_blocks
+
+    @kv_blocks_total.setter
+    def kv_blocks_total(self, blocks: int | None) -> None:
+        self.num_gpu_blocks = blocks
+
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the samples of the vLLM gauges we use over their label sets; read num_gpu_blocks when exported."""
+    """The vLLM gauges we use, summed over their label sets, and the KV pool of `vllm:cache_config_info`.
+
+    Keys: the gauge names (`vllm:kv_cache_usage_perc` is the engines' average; `kv_cache_usage_max` the fullest
+    engine's), and `num_gpu_blocks`, `block_size`, `kv_cache_size_tokens` when exported. vLLM writes one
+    cache_config_info series per data-parallel engine from the front end's one CacheConfig, in which it has
+    summed `num_gpu_blocks` over the engines and kept `kv_cache_size_tokens` per engine
+    (vllm/v1/engine/core_client.py `_apply_ready_response`): so the blocks are read once, the tokens summed
+    over the engines. Without `kv_cache_size_tokens` (the simulator, older vLLM) it is blocks x block size."""
     wanted = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running")
     out: dict[str, float] = {}
     counts: dict[str, int] = {}
+    peaks: dict[str, float] = {}
+    engines: dict[str, dict[str, float]] = {}  # engine label -> its cache_config_info values
     for line in text.splitlines():
         if not line or line[0] == "#" or not line.startswith("vllm:"):
             continue
@@ -70,12 +94,13 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             continue
         name = m.group(1)
         if name == "vllm:cache_config_info":
-            blocks = _NUM_GPU_BLOCKS.search(m.group(2) or "")
-            if blocks:
-                out["num_gpu_blocks"] = float(blocks.group(1))
-            size = _BLOCK_SIZE.search(m.group(2) or "")
-            if size:
-                out["block_size"] = float(size.group(1))
+            labels = m.group(2) or ""
+            engine = _ENGINE.search(labels)
+            info = engines.setdefault(engine.group(1) if engine else "", {})
+            for key, pattern in _CACHE_INFO.items():
+                found = pattern.search(labels)
+                if found:
+                    info[key] = float(found.group(1))
             continue
         if name not in wanted:
             continue
@@ -87,12 +112,26 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
+        peaks[name] = max(peaks.get(name, value), value)
     # KV usage is a fraction per engine: average it over label sets (data-parallel ranks) instead of summing.
     for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
         if name in out:
             out[name] /= counts[name]
-    if "vllm:kv_cache_usage_perc" not in out and "vllm:gpu_cache_usage_perc" in out:
-        out["vllm:kv_cache_usage_perc"] = out["vllm:gpu_cache_usage_perc"]
+    usage = "vllm:kv_cache_usage_perc" if "vllm:kv_cache_usage_perc" in out else "vllm:gpu_cache_usage_perc"
+    if usage in out:
+        out["vllm:kv_cache_usage_perc"] = out[usage]
+        out["kv_cache_usage_max"] = peaks[usage]
+    blocks = [e["num_gpu_blocks"] for e in engines.values() if "num_gpu_blocks" in e]
+    sizes = [e["block_size"] for e in engines.values() if "block_size" in e]
+    tokens = [e["kv_cache_size_tokens"] for e in engines.values() if "kv_cache_size_tokens" in e]
+    if blocks:
+        out["num_gpu_blocks"] = max(blocks)  # every engine's series carries the replica's total
+    if sizes:
+        out["block_size"] = max(sizes)
+    if tokens:
+        out["kv_cache_size_tokens"] = sum(tokens)
+    elif blocks and sizes:
+        out["kv_cache_size_tokens"] = out["num_gpu_blocks"] * out["block_size"]
     return out
 
 
@@ -230,12 +269,15 @@ class ReplicaPool:
         if "vllm:kv_cache_usage_perc" not in values and "vllm:num_requests_waiting" not in values:
             return
         replica.kv_usage = values.get("vllm:kv_cache_usage_perc")
+        replica.kv_usage_max = values.get("kv_cache_usage_max")
         replica.waiting = values.get("vllm:num_requests_waiting")
         replica.running = values.get("vllm:num_requests_running")
         if "num_gpu_blocks" in values:
-            replica.kv_blocks_total = int(values["num_gpu_blocks"])
+            replica.num_gpu_blocks = int(values["num_gpu_blocks"])
         if "block_size" in values:
             replica.kv_block_size = int(values["block_size"])
+        if "kv_cache_size_tokens" in values:
+            replica.kv_cache_size_tokens = int(values["kv_cache_size_tokens"])
         if replica.model is None:
             await self._identify(replica)
         replica.metrics_at = time.monotonic()
