@@ -2,21 +2,24 @@
 it, and what each attempt kept and recomputed.
 
 A resumable request (one choice, no logprobs, no tools, a text prompt) is sent streamed; when its stream is
-cut, the attempt keeps the text so far (`attempts.partial_output`, all attempts' text). The next attempt
-continues it: `/v1/completions` with prompt + text so far, `/v1/chat/completions` with the partial answer as
-a final assistant message and vLLM's `continue_final_message: true`, `add_generation_prompt: false`; the
-output limits shrink by what was produced. Other requests are sent as they are and restart.
+cut, the attempt keeps what it carried so far (a `Partial` in `attempts.partial_output`, all attempts' output).
+The next attempt continues it: `/v1/completions` with the prompt and output so far as token ids (vLLM's
+`return_token_ids`), or prompt + text so far when the server sent no ids; `/v1/chat/completions` with the
+partial answer as a final assistant message and vLLM's `continue_final_message: true`,
+`add_generation_prompt: false`; the output limits shrink by what was produced. Other requests are sent as
+they are and restart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from async_processor.stream import StreamAssembly, StreamedReply, TokenSums
+from async_processor.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
 from holdback.contract import RESUMABLE_HEADER
 from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
 from holdback.models import Attempt
@@ -27,11 +30,18 @@ CHAT = "/v1/chat/completions"
 _LIMITS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens")}
 # Streaming features whose deltas the assembler does not rebuild: such requests restart.
 _CHAT_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format", "audio", "prediction")
+# vLLM's per-chunk ids and rendered prompt, which the assembled body leaves out: a caller who asks for them gets
+# vLLM's own non-streamed answer.
+_STREAM_METADATA = ("return_token_ids", "return_prompt_text")
+# A broken character: what vLLM streams for bytes that are not (or not yet) valid UTF-8.
+REPLACEMENT_CHARACTER = "\ufffd"
 
 
 def resumable(url: str, body: dict) -> bool:
     """Can this request continue from its partial output with the same final text?"""
     if url not in _LIMITS or body.get("stream") or (body.get("n") or 1) != 1:
+        return False
+    if any(body.get(k) for k in _STREAM_METADATA):
         return False
     if url == COMPLETIONS:
         prompt = body.get("prompt")
@@ -50,12 +60,16 @@ def resumable(url: str, body: dict) -> bool:
 
 @dataclass(frozen=True)
 class Progress:
-    """What the request's earlier attempts left: the latest cut stream's text and the usage so far."""
+    """What the request's earlier attempts left: the latest cut stream's output and the usage so far."""
 
     text: str = ""
-    tokens: int = 0  # output tokens of `text`
+    tokens: int = 0  # output tokens of `text` (and `reasoning`)
     computed: int = 0  # prompt + output tokens the attempt that was cut had computed
     earlier: TokenSums = TokenSums()
+    reasoning: str = ""  # a chat's reasoning so far
+    reasoning_fields: tuple[str, ...] = ()  # the spellings its stream used (`reasoning`, `reasoning_content`)
+    # The prompt and the output so far as token ids (completions): the prompt that continues it exactly.
+    context_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,13 +83,43 @@ class Plan:
 
 
 def plan_attempt(dispatch: Dispatch, progress: Progress, resume: bool) -> Plan:
+    """How to send this attempt; a resumed plan's `progress` is what it continues (see `_resume_point`)."""
     body = json.loads(dispatch.body)
     if not resumable(dispatch.url, body):
         return Plan(False, False, dispatch.body.encode(), progress)
-    resumed = resume and progress.tokens > 0 and _continue(dispatch.url, body, progress)
+    point = _resume_point(dispatch.url, body, progress) if resume and progress.tokens > 0 else None
+    resumed = point is not None and _continue(dispatch.url, body, point)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return Plan(True, resumed, json.dumps(body).encode(), progress)
+    if dispatch.url == COMPLETIONS:
+        body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
+    return Plan(True, resumed, json.dumps(body).encode(), point if resumed else progress)
+
+
+def _resume_point(url: str, body: dict, progress: Progress) -> Progress | None:
+    """What a resume continues; None when the request should restart instead."""
+    if url == COMPLETIONS and progress.context_ids and _text_keeps_up_with_ids(body):
+        return progress
+    # Resuming by text tokenizes the kept text again. A trailing U+FFFD is a character whose bytes were cut
+    # (or were never valid UTF-8): tokenized again it is the replacement character itself, not the bytes the
+    # model produced, and the model would go on after a character it never wrote. Those characters are given
+    # up and generated again. Each came from at least one token, so the tokens kept drop by one per
+    # character: the count may stay a little high (a character of several tokens), which only lowers the
+    # resumed output limit, so the caller's limit is never passed.
+    text = progress.text.rstrip(REPLACEMENT_CHARACTER)
+    if not text:
+        # No answer text yet (only reasoning, or only broken characters): continuing the answer would drop the
+        # reasoning that was to lead it, so the request starts over.
+        return None
+    broken = len(progress.text) - len(text)
+    return dataclasses.replace(progress, text=text, tokens=max(0, progress.tokens - broken), context_ids=None)
+
+
+def _text_keeps_up_with_ids(body: dict) -> bool:
+    """False when vLLM holds text back behind the ids: while a stop string could still match (`stop` without
+    `include_stop_str_in_output`) the last characters are not streamed yet, so resuming from the ids would
+    lose them; such a request resumes by text."""
+    return not body.get("stop") or bool(body.get("include_stop_str_in_output"))
 
 
 def _continue(url: str, body: dict, progress: Progress) -> bool:
@@ -88,6 +132,12 @@ def _continue(url: str, body: dict, progress: Progress) -> bool:
     if isinstance(body.get("min_tokens"), int):
         body["min_tokens"] = max(0, body["min_tokens"] - progress.tokens)
     if url == COMPLETIONS:
+        if progress.context_ids:
+            # vLLM takes a list of ints as the prompt's token ids. Those ids are the prompt as it was already
+            # truncated, so truncating them again would cut into the prompt a second time.
+            body["prompt"] = list(progress.context_ids)
+            body.pop("truncate_prompt_tokens", None)
+            return True
         prompt = body["prompt"]
         body["prompt"] = (prompt[0] if isinstance(prompt, list) else prompt) + progress.text
         return True
@@ -106,6 +156,53 @@ def headers(dispatch: Dispatch, plan: Plan, gateway_key: str | None, resume: boo
     if plan.streamed and resume:
         out[RESUMABLE_HEADER] = "1"  # the gateway's victim policy prefers what can resume
     return out
+
+
+# --- what a cut attempt keeps ------------------------------------------------------------------------------
+
+# `attempts.partial_output` is a text column: the answer's text so far. When an attempt kept more than text
+# (reasoning, the token ids), it holds a JSON object that opens with this key instead, so the column carries
+# both without a migration. An answer whose own text opens with it would be misread; that is not worth a column.
+_PARTIAL_KEY = "holdback_partial"
+_PARTIAL_OPENING = '{"%s":1,' % _PARTIAL_KEY
+
+
+@dataclass(frozen=True)
+class Partial:
+    """What a cut attempt keeps for the next one, all attempts' output so far (`attempts.partial_output`)."""
+
+    text: str
+    reasoning: str = ""
+    reasoning_fields: tuple[str, ...] = ()
+    context_ids: tuple[int, ...] | None = None  # see `Progress.context_ids`
+    # Output tokens left out of `context_ids` because vLLM had not streamed their text yet (the bytes of a
+    # character not yet whole): resumed from the ids they would break that character, so they are generated again.
+    untold: int = 0
+
+    def stored(self) -> str:
+        if not self.reasoning and not self.reasoning_fields and self.context_ids is None:
+            return self.text
+        doc: dict = {_PARTIAL_KEY: 1, "text": self.text}
+        if self.reasoning or self.reasoning_fields:
+            doc.update(reasoning=self.reasoning, reasoning_fields=list(self.reasoning_fields))
+        if self.context_ids is not None:
+            doc.update(context_ids=list(self.context_ids), untold=self.untold)
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def read(cls, stored: str) -> "Partial":
+        if stored.startswith(_PARTIAL_OPENING):
+            try:
+                doc = json.loads(stored)
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict) and isinstance(doc.get("text"), str):
+                ids, fields, untold = doc.get("context_ids"), doc.get("reasoning_fields"), doc.get("untold")
+                ids_ok = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                return cls(doc["text"], str(doc.get("reasoning") or ""),
+                           tuple(f for f in fields if f in REASONING_FIELDS) if isinstance(fields, list) else (),
+                           tuple(ids) if ids_ok else None, untold if ids_ok and isinstance(untold, int) else 0)
+        return cls(stored)
 
 
 # --- the database side --------------------------------------------------------------------------------
@@ -136,8 +233,10 @@ def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, 
     cut = conn.execute(_LATEST_CUT, params).one_or_none()
     if cut is None:
         return opened, Progress(earlier=earlier)
-    text, kept, cut_prompt, cut_output = cut
-    return opened, Progress(text, kept + cut_output, cut_prompt + cut_output, earlier)
+    stored, kept, cut_prompt, cut_output = cut
+    partial = Partial.read(stored)
+    return opened, Progress(partial.text, max(0, kept + cut_output - partial.untold), cut_prompt + cut_output,
+                            earlier, partial.reasoning, partial.reasoning_fields, partial.context_ids)
 
 
 def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
@@ -152,8 +251,16 @@ def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
         redone += min(a.completion_tokens, progress.tokens)  # a restart decodes the lost output again
     recomputed = min(progress.computed, redone)
     partial = None
-    if sent.cut and a.text:
-        partial = (progress.text if plan.resumed else "") + a.text
+    if sent.cut and a.carried_output:
+        before = progress if plan.resumed else Progress()
+        fields = tuple(f for f in REASONING_FIELDS if f in before.reasoning_fields or f in a.reasoning_fields)
+        # The ids of the prompt as vLLM saw it and of what it generated: whether this attempt was sent by ids,
+        # by text or afresh, they are exactly what the model had when the stream was cut.
+        context, untold = None, 0
+        if a.prompt_token_ids is not None and a.token_ids is not None:
+            untold = a.untold_tokens
+            context = (*a.prompt_token_ids, *a.token_ids[:len(a.token_ids) - untold])
+        partial = Partial(before.text + a.text, before.reasoning + a.reasoning, fields, context, untold).stored()
     return AttemptFigures(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, partial)
 
 
@@ -161,8 +268,8 @@ def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:
     """The Reply `record_outcome` classifies: a completed stream carries the assembled non-streamed body."""
     if not sent.events or sent.cut or sent.reply.status is None or sent.reply.status >= 300:
         return sent.reply
-    kept = plan.progress.text if plan.resumed else ""
-    body = sent.assembly.body(kept, plan.progress.earlier)
+    kept = plan.progress if plan.resumed else Progress(earlier=plan.progress.earlier)
+    body = sent.assembly.body(kept.text, kept.earlier, kept.reasoning, kept.reasoning_fields)
     return Reply(sent.reply.status, sent.reply.headers, json.dumps(body).encode())
 
 

@@ -14,7 +14,8 @@ import enum
 REQUEST_ID_HEADER = "x-request-id"  # the request row id, stable across attempts
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
-# Older Gateway API Inference Extension spellings, still accepted by the gateway.
+# The Gateway API Inference Extension's spellings: its endpoint picker and older llm-d read only these, so the
+# workers send both spellings and the gateway accepts either.
 OBJECTIVE_HEADER_ALIASES = ("x-gateway-inference-objective",)
 FAIRNESS_HEADER_ALIASES = ("x-gateway-inference-fairness-id",)
 TTL_HEADER = "x-holdback-ttl"  # seconds a request may wait in the gateway queue
@@ -55,20 +56,21 @@ class DropReason(str, enum.Enum):
     CONTEXT_LENGTH = "rejected-context-length"
 
 
-def _in_family(reason: str | None, family: DropReason) -> bool:
-    # A family is the reason itself or any refinement of it: llm-d may send `evicted-<why>`.
-    if not reason:
+def _in_family(reason: object, family: DropReason) -> bool:
+    # A family is the reason itself or any refinement of it: llm-d may send `evicted-<why>`. A reason can come
+    # from an error event's `code`, which vLLM sends as the HTTP status (an int): never a drop reason.
+    if not isinstance(reason, str) or not reason:
         return False
     reason = reason.strip().lower()
     return reason == family.value or reason.startswith(family.value + "-")
 
 
-def is_eviction(reason: str | None) -> bool:
+def is_eviction(reason: object) -> bool:
     """True for `evicted` and every `evicted-*` reason."""
     return _in_family(reason, DropReason.EVICTED)
 
 
-def is_no_endpoints(reason: str | None) -> bool:
+def is_no_endpoints(reason: object) -> bool:
     """True for `rejected-no-endpoints` (and refinements): no healthy replica, the path is down."""
     return _in_family(reason, DropReason.NO_ENDPOINTS)
 

@@ -7,9 +7,10 @@ a retry, or a row left for the batch's expiry. Callers do the HTTP themselves an
 
 Outcome classes: 2xx → success; 429 with any drop reason → retry with backoff
 until the batch deadline, never counted against a budget; a failing path (gateway unreachable, 502/503,
-no replica) → the same, never budgeted: an outage costs time, not results; other 5xx and transport errors →
-retry within a budget of transient failures, then fail; other 4xx → final failure whose response goes to
-the error file.
+no replica) → the same, never budgeted: an outage costs time, not results; a stream that broke after it
+carried output (how an llm-d eviction reaches us: a bare reset) → the same, resuming from that output;
+other 5xx (a failed stream's error event too) and transport errors → retry within a budget of transient
+failures, then fail; other 4xx → final failure whose response goes to the error file.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from holdback.contract import (
     DEADLINE_HEADER,
     DROP_REASON_HEADER,
     FAIRNESS_HEADER,
+    FAIRNESS_HEADER_ALIASES,
     OBJECTIVE_HEADER,
+    OBJECTIVE_HEADER_ALIASES,
     REPLICA_HEADERS,
     REQUEST_ID_HEADER,
     is_eviction,
@@ -59,13 +62,16 @@ def request_headers(
     gateway_key: str | None = None,
     objective: str = BATCH_OBJECTIVE,
 ) -> dict[str, str]:
-    """The headers of every attempt: objective, fairness id, the row id (stable across attempts), deadline, key."""
-    headers = {
-        "content-type": "application/json",
-        OBJECTIVE_HEADER: objective,
-        FAIRNESS_HEADER: tenant_id,
-        REQUEST_ID_HEADER: request_id,
-    }
+    """The headers of every attempt: objective, fairness id, the row id (stable across attempts), deadline, key.
+
+    Objective and fairness id go in llm-d's spelling and in the Gateway API Inference Extension's, so that
+    every gateway in front of the replicas (ours, llm-d's, the extension's endpoint picker) reads them."""
+    headers = {"content-type": "application/json"}
+    for name in (OBJECTIVE_HEADER, *OBJECTIVE_HEADER_ALIASES):
+        headers[name] = objective
+    for name in (FAIRNESS_HEADER, *FAIRNESS_HEADER_ALIASES):
+        headers[name] = tenant_id
+    headers[REQUEST_ID_HEADER] = request_id
     if deadline is not None:
         headers[DEADLINE_HEADER] = str(int(deadline))
     if gateway_key:
@@ -85,6 +91,11 @@ class Outcome:
     drop_reason: str | None = None
     retry_after: float | None = None  # seconds the server asked us to wait, if it did
     path_failure: bool = False  # the way to a replica failed (see `is_path_failure`), not this request
+    # A stream broke after it carried output with no word why. Behind llm-d an eviction looks exactly like this
+    # (no 429, no event), and the retry resumes from the output, so it is not budgeted. A replica that crashes
+    # on this request every time would loop: each such retry has made progress of its own, and the batch's
+    # deadline ends the loop (the row is then closed with the batch, never retried past it).
+    cut_after_output: bool = False
 
     @property
     def evicted(self) -> bool:
@@ -93,7 +104,8 @@ class Outcome:
     @property
     def transient(self) -> bool:
         """5xx and transport errors the request may have caused: retried within the transient-failure budget."""
-        return self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error) and not self.path_failure
+        return (self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error)
+                and not self.path_failure and not self.cut_after_output)
 
     @property
     def shed(self) -> bool:
@@ -112,15 +124,16 @@ def is_path_failure(status: int | None, drop_reason: str | None = None, *, unrea
 
 
 def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None,
-             unreachable: bool = False) -> Outcome:
+             unreachable: bool = False, cut_after_output: bool = False) -> Outcome:
     """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error),
-    and `unreachable` that not even a connection was made."""
+    `unreachable` that not even a connection was made, `cut_after_output` that a stream broke after it
+    carried output."""
     headers = headers or {}
     drop_reason = _header(headers, DROP_REASON_HEADER)
     retry_after = parse_retry_after(_header(headers, "retry-after"), now=now)
     path = is_path_failure(status, drop_reason, unreachable=unreachable)
     if status is None:
-        return Outcome(AttemptOutcome.transport_error, path_failure=path)
+        return Outcome(AttemptOutcome.transport_error, path_failure=path, cut_after_output=cut_after_output)
     if 200 <= status < 300:
         return Outcome(AttemptOutcome.success, status)
     if status == 429:
@@ -301,13 +314,14 @@ class Reply:
     status: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     body: bytes | None = None
-    error: str | None = None  # transport error, or why we aborted
+    error: str | None = None  # transport error, what a stream's error event said, or why we aborted
     aborted: bool = False  # we closed the connection: the batch was cancelled or expired
     unreachable: bool = False  # no connection could be opened: the request never left
+    cut_after_output: bool = False  # a stream broke after it carried output (see `Outcome.cut_after_output`)
 
     @classmethod
-    def transport_error(cls, error: str, *, unreachable: bool = False) -> "Reply":
-        return cls(error=error, unreachable=unreachable)
+    def transport_error(cls, error: str, *, unreachable: bool = False, cut_after_output: bool = False) -> "Reply":
+        return cls(error=error, unreachable=unreachable, cut_after_output=cut_after_output)
 
     @classmethod
     def cancelled(cls, reason: str = "batch cancelled or expired") -> "Reply":
@@ -360,7 +374,8 @@ def record_outcome(
     if reply.aborted:
         return _record_abort(session, dispatch, reply, policy, now, figures)
 
-    outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable)
+    outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable,
+                       cut_after_output=reply.cut_after_output)
     body: dict | str | None = None
     usage = Usage()
     error = reply.error
