@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from model_sim.config import EngineConfig, SimConfig
+from model_sim.config import EngineConfig, Runner, SimConfig
 from model_sim.faults import FaultSettings
 from model_sim.generation import OutputLengthMode
 from model_sim.replica import Replica
@@ -47,7 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, required=True, help="port of replica 0; replica i uses PORT+i")
     srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     srv.add_argument("--replicas", type=int, default=1, help="number of replicas in this process")
-    srv.add_argument("--model", default="sim-model", help="served model name (requests for another name get 400)")
+    srv.add_argument("--model", default="sim-model", help="served model name (requests for another name get 404)")
+    srv.add_argument("--runner", choices=[r.value for r in Runner], default=Runner.BOTH.value,
+                     help="what the replica serves, as vLLM's --runner: generate (no /v1/embeddings), pooling "
+                          "(/v1/embeddings only), or both (the simulator's own)")
+    srv.add_argument("--api-key", default=None,
+                     help="as vLLM's --api-key: every /v1/* route needs `Authorization: Bearer KEY` and answers "
+                          "401 otherwise; /health /metrics /version /tokenize stay open")
+    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="as vLLM's flag: usage.prompt_tokens_details carries cached_tokens (null without it)")
     srv.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                      help="event loop (asyncio keeps step timing closer to the model under load)")
     srv.add_argument("--log-level", default="INFO", help="logging level")
@@ -60,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--num-blocks", type=int, default=_DEFAULT_ENGINE.num_blocks, help="KV-cache blocks")
     eng.add_argument("--block-size", type=int, default=_DEFAULT_ENGINE.block_size, help="tokens per KV block")
     eng.add_argument("--max-model-len", type=int, default=_DEFAULT_ENGINE.max_model_len,
-                     help="longest prompt + max_tokens accepted")
+                     help="context length: a longer prompt is refused, max_tokens clamped to what fits beside it")
     eng.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy], default="fcfs",
                      help="waiting order and preemption victim; priority: LOWER request priority runs first")
     eng.add_argument("--enable-prefix-caching", action="store_true", help="share full prompt blocks by prefix hash")
@@ -71,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--preemption", choices=("recompute", "none"), default="recompute",
                      help="what happens when running sequences outgrow the KV cache: recompute preempts the "
                           "newest (vLLM); none counts an out-of-memory and fails every request of that step's batch")
-    eng.add_argument("--default-max-tokens", type=int, default=16,
-                     help="output length cap when a request sets no max_tokens")
+    eng.add_argument("--default-max-tokens", type=int, default=None,
+                     help="output cap of a request that sets none, as a model's generation_config max_new_tokens "
+                          "(unset: vLLM's, the rest of the context for chat; completions default to 16)")
     eng.add_argument("--output-length-mode", choices=[m.value for m in OutputLengthMode], default="fixed",
                      help="fixed: exactly max_tokens; random: uniform in [1, max_tokens] unless ignore_eos")
 
@@ -134,6 +143,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         timer_spin_ms=args.timer_spin_ms,
         admin_key=args.admin_key,
+        api_key=args.api_key,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        runner=Runner(args.runner),
     )
 
 

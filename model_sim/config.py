@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from model_sim.faults import FaultSettings
@@ -38,14 +39,32 @@ class EngineConfig:
         SchedulingPolicy(self.scheduling_policy)
 
 
+class Runner(str, enum.Enum):
+    """What a replica serves, after vLLM's `--runner`: a generation server has no /v1/embeddings and a pooling
+    server no generation (both answer FastAPI's 404). `both` is the simulator's own: one replica for all."""
+
+    GENERATE = "generate"
+    POOLING = "pooling"
+    BOTH = "both"
+
+    @property
+    def generates(self) -> bool:
+        return self is not Runner.POOLING
+
+    @property
+    def pools(self) -> bool:
+        return self is not Runner.GENERATE
+
+
 @dataclass(frozen=True)
 class SimConfig:
     model: str = "sim-model"
     engine: EngineConfig = field(default_factory=EngineConfig)
     timing: TimingModel = field(default_factory=TimingModel)
     faults: FaultSettings = field(default_factory=FaultSettings)
-    # Used when a request sets neither max_tokens nor max_completion_tokens.
-    default_max_tokens: int = 16
+    # The cap of a request that sets none (chat: neither max_tokens nor max_completion_tokens); None: vLLM's,
+    # i.e. chat may use the rest of the context and completions get 16.
+    default_max_tokens: int | None = None
     output_length_mode: OutputLengthMode = OutputLengthMode.FIXED
     embedding_dim: int = 384
     seed: int = 0
@@ -53,15 +72,21 @@ class SimConfig:
     timer_spin_ms: float = 1.5
     # When set, GET/POST /admin/faults need `Authorization: Bearer <admin_key>`.
     admin_key: str | None = None
+    # vLLM's --api-key: when set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise).
+    api_key: str | None = None
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens; off, it is null.
+    enable_prompt_tokens_details: bool = False
+    runner: Runner = Runner.BOTH
 
     def validate(self) -> None:
         self.engine.validate()
         self.timing.validate()
         self.faults.validate()
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.timer_spin_ms < 0:
             raise ValueError(f"timer_spin_ms must not be negative, got {self.timer_spin_ms}")
         if self.embedding_dim < 1:
             raise ValueError(f"embedding_dim must be at least 1, got {self.embedding_dim}")
         OutputLengthMode(self.output_length_mode)
+        Runner(self.runner)

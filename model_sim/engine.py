@@ -55,9 +55,9 @@ class RequestStream:
 
     __slots__ = ("request", "_event")
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, event: asyncio.Event | None = None):
         self.request = request
-        self._event = asyncio.Event()
+        self._event = event if event is not None else asyncio.Event()
 
     def notify(self) -> None:
         self._event.set()
@@ -95,18 +95,14 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestRejected if a request of this shape can never be served."""
+        """Raise RequestRejected if a request of this shape can never be served.
+
+        The context length is the protocol's to check (vLLM clamps max_tokens to it); this checks what
+        only the engine knows: a request whose KV blocks exceed the whole cache could never be scheduled.
+        """
         cfg = self.config
         if num_prompt_tokens < 1:
-            raise RequestRejected("The prompt is empty; send at least one token of prompt text.", "prompt")
-        if num_prompt_tokens + max_tokens > cfg.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
-                f"completion). Reduce max_tokens to at most {max(cfg.max_model_len - num_prompt_tokens, 0)} "
-                f"or shorten the prompt.",
-                "max_tokens",
-            )
+            raise RequestRejected("The decoder prompt cannot be empty", "prompt")
         needed = self.scheduler.kv.blocks_for_tokens(num_prompt_tokens + max_tokens - 1)
         if needed > cfg.num_blocks:
             fits = cfg.num_blocks * cfg.block_size - num_prompt_tokens + 1
@@ -128,7 +124,12 @@ class Engine:
         external_id: str | None = None,
         output_offset: int = 0,
         cache_salt: str | None = None,
+        n: int = 1,
+        choice_index: int = 0,
+        event: asyncio.Event | None = None,
     ) -> RequestStream:
+        """Queue a request. The n choices of one body are n requests sharing one `event`, so the handler
+        wakes when any of them has news."""
         self.check_request(len(prompt_token_ids), max_tokens)
         self._next_id += 1
         request = Request(
@@ -141,8 +142,10 @@ class Engine:
             external_id=external_id,
             output_offset=output_offset,
             cache_salt=cache_salt,
+            n=n,
+            choice_index=choice_index,
         )
-        stream = RequestStream(request)
+        stream = RequestStream(request, event)
         self._streams[request.request_id] = stream
         self.scheduler.add_request(request)
         self._wakeup.set()

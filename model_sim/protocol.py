@@ -1,6 +1,7 @@
 """The OpenAI and vLLM wire formats: request bodies in, response bodies and SSE chunks out.
 
-Parsing raises InvalidRequest with the offending field as `param`. Sampling fields the simulator
+Parsing raises InvalidRequest with the offending field as `param`; the checks vLLM makes are made in its
+order and worded as it words them. Bodies and chunks carry vLLM's key sets. Sampling fields the simulator
 does not model (temperature, top_p, stop, logprobs, ...) are accepted and ignored.
 """
 
@@ -9,16 +10,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from model_sim.errors import InvalidRequest
+from model_sim.errors import ApiError, InvalidRequest, ValidationFailed, error_body, type_for_status
 from model_sim.tokenizer import Tokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
+# vLLM's VLLM_MAX_N_SEQUENCES default: the most choices one request may ask for.
+MAX_N = 16384
+# vLLM's CompletionRequest.max_tokens default; a chat request without one may use the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass
 class GenerationParams:
-    prompt_token_ids: list[int]
-    max_tokens: int
+    """A generation request's fields, checked for type; `max_tokens` is resolved against the prompt later."""
+
+    # What the body asked for (max_completion_tokens wins on chat), None when it set neither.
+    requested_max_tokens: int | None
+    # The body field the request's cap came from, as vLLM names it in its errors.
+    max_tokens_param: str
     min_tokens: int
     ignore_eos: bool
     priority: int
@@ -28,6 +39,9 @@ class GenerationParams:
     # how many tokens it carried.
     continuous_usage: bool = False
     cache_salt: str | None = None
+    n: int = 1
+    # Set by resolve_max_tokens.
+    max_tokens: int = 0
 
 
 def _is_int(value) -> bool:
@@ -35,11 +49,13 @@ def _is_int(value) -> bool:
 
 
 def check_model(body: dict, served: str) -> None:
+    """vLLM's `_check_model`: an absent or empty `model` means the served one, any other name is a 404."""
     model = body.get("model")
-    if model is None:
-        return  # vLLM serves its one model when the field is absent
-    if not isinstance(model, str) or model != served:
-        raise InvalidRequest(f"The model `{model}` does not exist. Set \"model\" to \"{served}\".", "model")
+    if not model or model == served:
+        return
+    if not isinstance(model, str):
+        raise InvalidRequest(f"\"model\" must be a string, got {model!r}.", "model")
+    raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
 
 
 @dataclass(frozen=True)
@@ -114,12 +130,13 @@ def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
     raise InvalidRequest("\"prompt\" is required: a string, or a non-empty list of non-negative token ids.", "prompt")
 
 
-def _int_field(body: dict, name: str, default, minimum: int):
+def _int_field(body: dict, name: str, default, minimum: int | None = None):
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value) or value < minimum:
-        raise InvalidRequest(f"\"{name}\" must be an integer of at least {minimum}, got {value!r}.", name)
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        bound = f" of at least {minimum}" if minimum is not None else ""
+        raise InvalidRequest(f"\"{name}\" must be an integer{bound}, got {value!r}.", name)
     return value
 
 
@@ -132,31 +149,44 @@ def _bool_field(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens: int, chat: bool) -> GenerationParams:
-    max_tokens = _int_field(body, "max_tokens", None, 1)
+def parse_generation(body: dict, chat: bool, priority_header: str | None = None) -> GenerationParams:
+    """The fields of a chat or completions body. On /v1/completions only `max_tokens` counts.
+
+    `priority_header` is vLLM's `X-Vllm-Priority`: an integer there overrides the body's `priority`.
+    """
+    max_tokens = _int_field(body, "max_tokens", None)
+    param = "max_tokens"
     if chat:
-        max_completion = _int_field(body, "max_completion_tokens", None, 1)
+        max_completion = _int_field(body, "max_completion_tokens", None)
         if max_completion is not None:
-            max_tokens = max_completion
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    min_tokens = _int_field(body, "min_tokens", 0, 0)
-    if min_tokens > max_tokens:
-        raise InvalidRequest(f"\"min_tokens\" ({min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
-    n = _int_field(body, "n", 1, 1)
-    if n != 1:
-        raise InvalidRequest("\"n\" must be 1: the simulator returns one choice per request.", "n")
+            max_tokens, param = max_completion, "max_completion_tokens"
+    elif "max_tokens" not in body:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS  # an explicit null leaves the cap to the context, as in vLLM
+    min_tokens = _int_field(body, "min_tokens", 0)
+    if min_tokens < 0:
+        raise ValidationFailed(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    n = _int_field(body, "n", 1)
+    if n < 1:
+        raise ValidationFailed(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise ValidationFailed(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+                               "VLLM_MAX_N_SEQUENCES environment variable.")
     priority = body.get("priority", 0)
     if priority is None:
         priority = 0
     if not _is_int(priority):
         raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
+    if priority_header is not None:
+        try:
+            priority = int(priority_header)
+        except ValueError:
+            pass  # vLLM ignores a header it cannot read
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     include_usage = continuous_usage = False
-    if options is not None:
+    if options:
         if not stream:
-            raise InvalidRequest("\"stream_options\" can only be set when \"stream\" is true.", "stream_options")
+            raise InvalidRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         if not isinstance(options, dict):
             raise InvalidRequest("\"stream_options\" must be an object such as {\"include_usage\": true}.",
                                  "stream_options")
@@ -166,8 +196,8 @@ def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequest("\"cache_salt\" must be a non-empty string if provided.", "cache_salt")
     return GenerationParams(
-        prompt_token_ids=prompt_token_ids,
-        max_tokens=max_tokens,
+        requested_max_tokens=max_tokens,
+        max_tokens_param=param,
         min_tokens=min_tokens,
         ignore_eos=_bool_field(body, "ignore_eos"),
         priority=priority,
@@ -175,78 +205,175 @@ def parse_generation(body: dict, prompt_token_ids: list[int], default_max_tokens
         include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage,
         cache_salt=cache_salt,
+        n=n,
     )
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int, prompt_is_text: bool = True) -> None:
+    """vLLM's refusal of a prompt longer than the context, generation and embeddings alike."""
+    if num_prompt_tokens <= max_model_len:
+        return
+    # vLLM's tokenizer truncates text at max_model_len + 1 tokens, so it only knows "at least" that many.
+    count, qualifier = (max_model_len + 1, "at least ") if prompt_is_text else (num_prompt_tokens, "")
+    raise ValidationFailed(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+        f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt.", "input_tokens", count)
+
+
+def resolve_max_tokens(params: GenerationParams, num_prompt_tokens: int, max_model_len: int,
+                       default_max_tokens: int | None = None, prompt_is_text: bool = True) -> int:
+    """vLLM's checks and `get_max_tokens`, in its order; sets and returns `params.max_tokens`.
+
+    A cap above the context is refused, a prompt longer than the context is refused, and a cap that
+    does not fit beside the prompt is clamped to what does (vLLM answers 200, not 400). Without a cap the
+    request may use the rest of the context, or `default_max_tokens` when the server sets one.
+    """
+    requested = params.requested_max_tokens
+    if requested is not None and requested > max_model_len:
+        raise ValidationFailed(
+            f"{params.max_tokens_param}={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.", params.max_tokens_param, requested)
+    check_prompt_length(num_prompt_tokens, max_model_len, prompt_is_text)
+    fallback = requested if requested is not None else default_max_tokens
+    max_tokens = max_model_len - num_prompt_tokens if fallback is None else min(fallback,
+                                                                                 max_model_len - num_prompt_tokens)
+    if max_tokens < 1:
+        raise ValidationFailed(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if params.min_tokens > max_tokens:
+        raise ValidationFailed(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                               f"got {params.min_tokens}.")
+    params.max_tokens = max_tokens
+    return max_tokens
+
+
+# -- response bodies ----------------------------------------------------------------------------------------
+# Key sets and order as vLLM's pydantic models dump them (ChatCompletionResponse, CompletionResponse, UsageInfo).
+
+
+def prompt_tokens_details(cached_tokens: int | None, streamed: bool = False) -> dict | None:
+    """vLLM's `prompt_tokens_details`, or None when the server does not report them."""
+    if cached_tokens is None:
+        return None
+    if streamed:  # the usage chunk is dumped without None fields
+        return {"cached_tokens": cached_tokens}
+    return {"cached_tokens": cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+    """The `usage` of a whole (non-streamed) answer; `cached_tokens` None: details off."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": prompt_tokens_details(cached_tokens),
+            "completion_tokens_details": None}
+
+
+def stream_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """The `usage` of the final usage chunk (vLLM drops None fields there)."""
+    out = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+           "completion_tokens": completion_tokens}
     if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        out["prompt_tokens_details"] = prompt_tokens_details(cached_tokens, streamed=True)
     return out
 
 
-def completion_body(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                    prompt_tokens: int, completion_tokens: int, chat: bool, cached_tokens: int | None = None) -> dict:
+@dataclass(frozen=True)
+class Choice:
+    text: str
+    finish_reason: str | None
+
+
+def completion_body(response_id: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
+                    completion_tokens: int, chat: bool, cached_tokens: int | None = None,
+                    system_fingerprint: str | None = None) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason, "stop_reason": None}
-        obj = "chat.completion"
+        out = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": None,
+                                        "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None, "token_ids": None,
+                "routed_experts": None} for i, c in enumerate(choices)]
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
-        obj = "text_completion"
-    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice],
+        out = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None,
+                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+               for i, c in enumerate(choices)]
+    body = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": out, "service_tier": None, "system_fingerprint": system_fingerprint,
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+    if chat:
+        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return body
 
 
 class SseFormatter:
-    """Pre-rendered chunk templates: one stream costs one json.dumps of the token text per token."""
+    """Chunks as vLLM streams them, from pre-rendered templates: one json.dumps of the token text per token.
 
-    def __init__(self, response_id: str, created: int, model: str, chat: bool):
+    Chat: a head chunk per choice with the role (and `prompt_token_ids`/`prompt_text` null), then one chunk per
+    token with `token_ids: null`, the last one with `finish_reason` and `stop_reason`. Completions: one chunk per
+    token. The fingerprint rides on the final usage chunk, or on each finish chunk when there is none.
+    """
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool, system_fingerprint: str,
+                 include_usage: bool = False):
         self.chat = chat
+        self.fingerprint = system_fingerprint
+        self.include_usage = include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._head = (f'data: {{"id":{json.dumps(response_id)},"object":"{obj}","created":{created},'
                       f'"model":{json.dumps(model)},"choices":[')
-        self._field = '{"index":0,"delta":{"content":' if chat else '{"index":0,"text":'
-        self._close = "}," if chat else ","
         self.role_sent = not chat
 
-    def tokens(self, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
+    def roles(self, n: int, prompt_tokens: int | None = None) -> bytes:
+        """The chat head chunks, one per choice; with `prompt_tokens` (continuous usage) each carries usage."""
+        self.role_sent = True
+        tail = self._usage_tail(prompt_tokens, 0)
+        return "".join(f'{self._head}{{"index":{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                       f'"finish_reason":null}}]{tail},"prompt_token_ids":null,"prompt_text":null}}\n\n'
+                       for i in range(n)).encode()
+
+    def tokens(self, index: int, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
                sent: int = 0) -> bytes:
-        """Chunks for `texts`; with `prompt_tokens` (continuous usage) each carries the usage so far."""
+        """One chunk per text of choice `index`; the last ends the choice when `finish_reason` is set."""
         out = []
-        if not self.role_sent:
-            tail = self._usage_tail(prompt_tokens, sent)
-            out.append(f'{self._head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
-                       f'"logprobs":null,"finish_reason":null}}]{tail}}}\n\n')
-            self.role_sent = True
         last = len(texts) - 1
         for i, text in enumerate(texts):
-            reason = json.dumps(finish_reason) if (i == last and finish_reason) else "null"
-            tail = self._usage_tail(prompt_tokens, sent + i + 1)
-            out.append(f'{self._head}{self._field}{json.dumps(text)}{self._close}'
-                       f'"logprobs":null,"finish_reason":{reason}}}]{tail}}}\n\n')
+            out.append(self._chunk(index, json.dumps(text), finish_reason if i == last else None,
+                                   prompt_tokens, sent + i + 1))
         return "".join(out).encode()
 
-    @staticmethod
-    def _usage_tail(prompt_tokens: int | None, completion_tokens: int) -> str:
+    def finish_only(self, index: int, finish_reason: str, prompt_tokens: int | None = None, sent: int = 0) -> bytes:
+        """A finish without a new token (an abort): empty text, as vLLM sends it."""
+        return self._chunk(index, '""', finish_reason, prompt_tokens, sent).encode()
+
+    def _chunk(self, index: int, text: str, finish_reason: str | None, prompt_tokens: int | None,
+               completion_tokens: int) -> str:
+        ending = (f'"finish_reason":{json.dumps(finish_reason)},"stop_reason":null' if finish_reason
+                  else '"finish_reason":null')
+        if self.chat:
+            choice = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,{ending},"token_ids":null}}'
+        else:
+            choice = (f'{{"index":{index},"text":{text},"logprobs":null,"finish_reason":'
+                      f'{json.dumps(finish_reason)},"stop_reason":null,"prompt_token_ids":null,"token_ids":null}}')
+        tail = self._usage_tail(prompt_tokens, completion_tokens)
+        if finish_reason and not self.include_usage:
+            tail += f',"system_fingerprint":{json.dumps(self.fingerprint)}'
+        return f"{self._head}{choice}]{tail}}}\n\n"
+
+    def _usage_tail(self, prompt_tokens: int | None, completion_tokens: int) -> str:
         if prompt_tokens is None:
             return ""
-        return f',"usage":{json.dumps(usage(prompt_tokens, completion_tokens))}'
-
-
-    def finish_only(self, finish_reason: str) -> bytes:
-        empty = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
-        return f'{self._head}{empty}"logprobs":null,"finish_reason":{json.dumps(finish_reason)}}}]}}\n\n'.encode()
+        body = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                "completion_tokens": completion_tokens}
+        if self.chat:
+            body["completion_tokens_details"] = None
+        return f',"usage":{json.dumps(body, separators=(",", ":"))}'
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
-        body = usage(prompt_tokens, completion_tokens, cached_tokens)
-        return f'{self._head}],"usage":{json.dumps(body)}}}\n\n'.encode()
+        body = json.dumps(stream_usage(prompt_tokens, completion_tokens, cached_tokens), separators=(",", ":"))
+        return f'{self._head}],"usage":{body},"system_fingerprint":{json.dumps(self.fingerprint)}}}\n\n'.encode()
 
     DONE = b"data: [DONE]\n\n"
 
     @staticmethod
     def error(message: str, code: int) -> bytes:
-        body = {"error": {"message": message, "type": "server_error" if code >= 500 else "invalid_request_error",
-                          "param": None, "code": code}}
+        """vLLM's streaming error event (json.dumps with its default separators); [DONE] follows it."""
+        body = error_body(code, message, type_for_status(code), None)
         return f"data: {json.dumps(body)}\n\n".encode()

@@ -52,12 +52,17 @@ class Request:
     # vLLM's `cache_salt`: folded into the first block's hash, so only requests with the same salt
     # share prefix-cache blocks.
     cache_salt: str | None = None
+    # The body's `n` and this request's choice in it: each choice is a request of its own, as in vLLM.
+    n: int = 1
+    choice_index: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prefix-cache hit at the first admission, in tokens (-1 until admitted).
     num_cached_tokens: int = -1
+    # Of those, the tokens loaded from the offload tier rather than found on the GPU.
+    num_loaded_tokens: int = 0
     num_preemptions: int = 0
     # Chain hashes of this request's full blocks, computed once and kept across preemptions.
     block_hashes: list[int] = field(default_factory=list)

@@ -53,6 +53,10 @@ class SchedulerStats:
     offload_queries: int = 0
     offload_hits: int = 0
     prompt_tokens: int = 0
+    # Of those, the ones not computed (vLLM's vllm:prompt_tokens_cached), and of these the ones loaded from the
+    # offload tier; both counted when a request's first token is out, as prompt_tokens is.
+    prompt_tokens_cached: int = 0
+    prompt_tokens_loaded: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
     # Prompt and output tokens already computed for requests that were then aborted (client gone,
@@ -143,6 +147,7 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     # As vLLM counts it: every token not computed at the first admission, loaded ones included.
                     request.num_cached_tokens = num_hit + loaded
+                    request.num_loaded_tokens = loaded
                     self.stats.prefix_cache_queries += request.num_tokens if self.kv.enable_prefix_caching else 0
                     self.stats.prefix_cache_hits += num_hit
                 if self.kv.offload is not None:
@@ -208,6 +213,8 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.prompt_tokens += request.num_prompt_tokens
+                self.stats.prompt_tokens_cached += max(request.num_cached_tokens, 0)
+                self.stats.prompt_tokens_loaded += request.num_loaded_tokens
             request.output_token_ids.append(output_token_id(request.output_offset + request.num_output_tokens))
             if request.last_token_time is not None:
                 request.token_gap = now - request.last_token_time

@@ -1,7 +1,9 @@
 """HTTP routes of a replica: OpenAI generation and embeddings, vLLM's extras, admin and faults.
 
 Routes stay thin: parse with `protocol`, hand the request to the engine, stream what it emits.
-A cancelled handler (client gone) aborts its engine request in `finally`.
+A cancelled handler (client gone) aborts its engine requests in `finally`. What is routed follows
+`--runner` (a route a vLLM server of that kind lacks answers FastAPI's 404), and `--api-key` guards
+/v1/* as vLLM's middleware does.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from holdback import tracing
 from holdback.contract import REQUEST_ID_HEADER, SIM_REPLICA_HEADER
 from holdback.logs import log_event
 from model_sim import protocol
-from model_sim.engine import RequestRejected
-from model_sim.errors import ApiError, InvalidRequest, error_response
+from model_sim.engine import RequestRejected, RequestStream
+from model_sim.errors import ApiError, BareError, InvalidRequest, bare_response, error_response, json_response
 from model_sim.faults import FORCE_ERROR_HEADER
 from model_sim.generation import continuation_offset, output_text, output_token_text
 from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("model_sim")
 REPLICA_KEY: web.AppKey["Replica"] = web.AppKey("replica")
+# vLLM 0.32 reads a request's priority from this header before the body's `priority`.
+PRIORITY_HEADER = "X-Vllm-Priority"
+# The paths vLLM's AuthenticationMiddleware guards when --api-key is set.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 _FAULT_MESSAGES = {
     429: "Injected fault: too many requests. Retry later.",
@@ -45,13 +51,15 @@ _FAULT_MESSAGES = {
 
 def build_app(replica: "Replica") -> web.Application:
     # The span middleware is outermost, so a span's status is the answer the caller got; absent when tracing is off.
-    middlewares = ([_trace_middleware] if tracing.enabled() else []) + [_errors_middleware]
+    middlewares = ([_trace_middleware] if tracing.enabled() else []) + [_errors_middleware, _auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[REPLICA_KEY] = replica
     routes = Routes(replica)
-    app.router.add_post("/v1/chat/completions", routes.chat_completions)
-    app.router.add_post("/v1/completions", routes.completions)
-    app.router.add_post("/v1/embeddings", routes.embeddings)
+    if replica.config.runner.generates:
+        app.router.add_post("/v1/chat/completions", routes.chat_completions)
+        app.router.add_post("/v1/completions", routes.completions)
+    if replica.config.runner.pools:
+        app.router.add_post("/v1/embeddings", routes.embeddings)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
@@ -92,16 +100,28 @@ async def _errors_middleware(request: web.Request, handler):
     except ApiError as err:
         headers = {"retry-after": "1"} if err.status in (429, 503) else None
         return error_response(err, headers)
+    except BareError as err:
+        return bare_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = f"{exc.reason}: {request.method} {request.path}"
-        if exc.status == 404:
-            message = f"No route {request.method} {request.path}; see the simulator's README for its endpoints."
-        return error_response(ApiError(exc.status, message))
+        if exc.status in (404, 405):  # FastAPI's answers for an unknown route or method
+            return bare_response(BareError(exc.status, {"detail": exc.reason}))
+        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
     except Exception:
         log_event(log, "unhandled_error", logging.ERROR, exc_info=True, method=request.method, path=request.path)
         return error_response(ApiError(500, "Internal error in the simulator; see its log."))
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    """vLLM's AuthenticationMiddleware: with an API key, /v1/* needs `Authorization: Bearer KEY` (OPTIONS aside)."""
+    key = request.app[REPLICA_KEY].config.api_key
+    if key is not None and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            raise BareError(401, {"error": "Unauthorized"})
+    return await handler(request)
 
 
 async def _json_object(request: web.Request) -> dict:
@@ -114,12 +134,22 @@ async def _json_object(request: web.Request) -> dict:
     return body
 
 
+def _response_id(prefix: str, request: web.Request) -> str:
+    """vLLM's: the caller's X-Request-Id when it sent one, else 16 random hex digits."""
+    return f"{prefix}-{request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex[:16]}"
+
+
 class Routes:
     def __init__(self, replica: "Replica"):
         self.replica = replica
+        self.config = replica.config
         self.engine = replica.engine
         self.tokenizer = replica.tokenizer
         self.model = replica.config.model
+        self.max_model_len = replica.config.engine.max_model_len
+        # vLLM's is `vllm-<version>-<config hash>`; ours names the simulator and hashes its settings.
+        self.system_fingerprint = "model_sim-" + hashlib.blake2b(repr(replica.config).encode(),
+                                                                 digest_size=4).hexdigest()
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -145,97 +175,132 @@ class Routes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         await self._inject_faults(request)
         body = await _json_object(request)
-        protocol.check_model(body, self.model)
+        params = protocol.parse_generation(body, chat=True, priority_header=request.headers.get(PRIORITY_HEADER))
         prompt = protocol.chat_prompt(body)
+        protocol.check_model(body, self.model)
         offset = continuation_offset(prompt.continued) if prompt.continued is not None else 0
-        return await self._generate(request, body, self.tokenizer.encode(prompt.text), chat=True, offset=offset)
+        return await self._generate(request, params, self.tokenizer.encode(prompt.text), chat=True, offset=offset,
+                                    prompt_is_text=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await self._inject_faults(request)
         body = await _json_object(request)
-        protocol.check_model(body, self.model)
-        prompt_ids = protocol.completion_prompt_ids(body.get("prompt"), self.tokenizer)
+        params = protocol.parse_generation(body, chat=False, priority_header=request.headers.get(PRIORITY_HEADER))
         prompt = body.get("prompt")
+        prompt_ids = protocol.completion_prompt_ids(prompt, self.tokenizer)
+        protocol.check_model(body, self.model)
         offset = continuation_offset(prompt) if isinstance(prompt, str) else 0
-        return await self._generate(request, body, prompt_ids, chat=False, offset=offset)
+        is_text = isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
+                                              and isinstance(prompt[0], str))
+        return await self._generate(request, params, prompt_ids, chat=False, offset=offset, prompt_is_text=is_text)
 
-    async def _generate(self, request: web.Request, body: dict, prompt_ids: list[int], chat: bool, offset: int):
-        params = protocol.parse_generation(body, prompt_ids, self.replica.config.default_max_tokens, chat)
+    async def _generate(self, request: web.Request, params: protocol.GenerationParams, prompt_ids: list[int],
+                        chat: bool, offset: int, prompt_is_text: bool):
+        protocol.resolve_max_tokens(params, len(prompt_ids), self.max_model_len, self.config.default_max_tokens,
+                                    prompt_is_text)
         try:
-            stream = self.engine.add_request(
-                params.prompt_token_ids,
-                params.max_tokens,
-                min_tokens=params.min_tokens,
-                ignore_eos=params.ignore_eos,
-                priority=params.priority,
-                external_id=request.headers.get(REQUEST_ID_HEADER),
-                output_offset=offset,
-                cache_salt=params.cache_salt,
-            )
+            self.engine.check_request(len(prompt_ids), params.max_tokens)
         except RequestRejected as exc:
             raise InvalidRequest(str(exc), exc.param) from None
-        req = stream.request
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # Each choice is a sequence of its own (its own KV), as vLLM fans a request with n > 1 out.
+        event = asyncio.Event()
+        streams = [self.engine.add_request(
+            prompt_ids,
+            params.max_tokens,
+            min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos,
+            priority=params.priority,
+            external_id=request.headers.get(REQUEST_ID_HEADER),
+            output_offset=offset,
+            cache_salt=params.cache_salt,
+            n=params.n,
+            choice_index=i,
+            event=event,
+        ) for i in range(params.n)]
+        response_id = _response_id("chatcmpl" if chat else "cmpl", request)
         created = int(time.time())
         try:
             if params.stream:
-                return await self._stream(request, stream, params, response_id, created, chat)
-            while not req.status.is_finished:
-                await stream.wait()
-            if req.error is not None:
-                raise ApiError(500, req.error)
-            if req.status is RequestStatus.FINISHED_ABORTED:
+                return await self._stream(request, streams, params, response_id, created, chat)
+            while not all(s.request.status.is_finished for s in streams):
+                await streams[0].wait()
+            failed = next((s.request.error for s in streams if s.request.error is not None), None)
+            if failed is not None:
+                raise ApiError(500, failed)
+            if any(s.request.status is RequestStatus.FINISHED_ABORTED for s in streams):
                 raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
-            return web.json_response(protocol.completion_body(
-                response_id, created, self.model, output_text(offset, offset + req.num_output_tokens),
-                req.status.finish_reason, req.num_prompt_tokens, req.num_output_tokens, chat,
-                _cached_tokens(req)))
+            reqs = [s.request for s in streams]
+            choices = [protocol.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason)
+                       for r in reqs]
+            return json_response(protocol.completion_body(
+                response_id, created, self.model, choices, reqs[0].num_prompt_tokens,
+                sum(r.num_output_tokens for r in reqs), chat, self._cached_tokens(reqs[0]), self.system_fingerprint))
         finally:
-            if not req.status.is_finished:
-                self.engine.abort_request(req.request_id)
+            for s in streams:
+                if not s.request.status.is_finished:
+                    self.engine.abort_request(s.request.request_id)
 
-    async def _stream(self, request, stream, params, response_id: str, created: int, chat: bool):
-        req = stream.request
+    async def _stream(self, request, streams: list[RequestStream], params, response_id: str, created: int,
+                      chat: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt = protocol.SseFormatter(response_id, created, self.model, chat)
-        sent = 0
-        offset = req.output_offset
-        running_usage = req.num_prompt_tokens if params.continuous_usage else None
+        fmt = protocol.SseFormatter(response_id, created, self.model, chat, self.system_fingerprint,
+                                    params.include_usage)
+        n = len(streams)
+        sent = [0] * n
+        done = [False] * n
+        prompt_tokens = streams[0].request.num_prompt_tokens
+        running_usage = prompt_tokens if params.continuous_usage else None
         try:
             while True:
-                n = req.num_output_tokens
-                finished = req.status.is_finished
-                if req.error is not None:
-                    # As vLLM does when the engine fails mid-stream: an error event, no [DONE].
-                    await resp.write(fmt.error(req.error, 500))
+                failed = next((s.request.error for s in streams if s.request.error is not None), None)
+                if failed is not None:
+                    # As vLLM does when the engine fails mid-stream: an error event, then [DONE].
+                    await resp.write(fmt.error(failed, 500) + fmt.DONE)
                     await resp.write_eof()
                     return resp
-                if n > sent:
-                    texts = [output_token_text(offset + i) for i in range(sent, n)]
-                    await resp.write(fmt.tokens(texts, req.status.finish_reason if finished else None,
-                                                running_usage, sent))
-                    sent = n
-                elif finished:
-                    await resp.write(fmt.finish_only(req.status.finish_reason))
-                if finished:
+                out = []
+                for i, stream in enumerate(streams):
+                    req = stream.request
+                    if done[i]:
+                        continue
+                    k, finished = req.num_output_tokens, req.status.is_finished
+                    if (k > sent[i] or finished) and not fmt.role_sent:
+                        out.append(fmt.roles(n, running_usage))
+                    if k > sent[i]:
+                        texts = [output_token_text(req.output_offset + j) for j in range(sent[i], k)]
+                        out.append(fmt.tokens(i, texts, req.status.finish_reason if finished else None,
+                                              running_usage, sent[i]))
+                        sent[i] = k
+                    elif finished and sent[i]:
+                        out.append(fmt.finish_only(i, req.status.finish_reason, running_usage, sent[i]))
+                    done[i] = finished  # a choice aborted before its first token sends nothing, as in vLLM
+                if out:
+                    await resp.write(b"".join(out))
+                if all(done):
                     break
-                await stream.wait()
-            tail = fmt.usage(req.num_prompt_tokens, sent, _cached_tokens(req)) if params.include_usage else b""
+                await streams[0].wait()
+            cached = self._cached_tokens(streams[0].request)
+            tail = fmt.usage(prompt_tokens, sum(sent), cached) if params.include_usage else b""
             await resp.write(tail + fmt.DONE)
             await resp.write_eof()
         except ConnectionResetError:
-            # The client left between our checks; the caller's `finally` aborts the request.
-            log_event(log, "client_disconnected_mid_stream", logging.DEBUG, request_id=req.request_id)
+            # The client left between our checks; the caller's `finally` aborts the requests.
+            log_event(log, "client_disconnected_mid_stream", logging.DEBUG, request_id=streams[0].request.request_id)
         return resp
+
+    def _cached_tokens(self, req) -> int | None:
+        """Prompt tokens served from the prefix cache at admission; None (null) unless the server reports them."""
+        if not self.config.enable_prompt_tokens_details:
+            return None
+        return max(req.num_cached_tokens, 0)
 
     # -- embeddings -----------------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
         await self._inject_faults(request)
         body = await _json_object(request)
-        protocol.check_model(body, self.model)
         inputs = body.get("input")
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in inputs)):
@@ -243,9 +308,10 @@ class Routes:
         if not isinstance(inputs, list) or not inputs:
             raise InvalidRequest("\"input\" is required: a string, a list of strings or a list of token-id lists.",
                                  "input")
-        dims = body.get("dimensions") or self.replica.config.embedding_dim
+        dims = body.get("dimensions") or self.config.embedding_dim
         if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 4096:
             raise InvalidRequest(f"\"dimensions\" must be an integer from 1 to 4096, got {dims!r}.", "dimensions")
+        protocol.check_model(body, self.model)
         data, total = [], 0
         for i, item in enumerate(inputs):
             if isinstance(item, str):
@@ -257,20 +323,24 @@ class Routes:
                 raise InvalidRequest(f"input[{i}] must be a string or a list of non-negative token ids.", "input")
             if not ids:
                 raise InvalidRequest(f"input[{i}] is empty; send at least one token.", "input")
-            if len(ids) > self.replica.config.engine.max_model_len:
-                raise InvalidRequest(f"input[{i}] has {len(ids)} tokens, more than the model's maximum context "
-                                     f"length of {self.replica.config.engine.max_model_len}; shorten it.", "input")
+            protocol.check_prompt_length(len(ids), self.max_model_len, isinstance(item, str))
             total += len(ids)
-            data.append({"object": "embedding", "index": i, "embedding": _embedding(ids, dims)})
-        return web.json_response({"object": "list", "data": data, "model": self.model,
-                                  "usage": {"prompt_tokens": total, "total_tokens": total}})
+            data.append({"index": i, "object": "embedding", "embedding": _embedding(ids, dims)})
+        return json_response({
+            "id": _response_id("embd", request), "object": "list", "created": int(time.time()), "model": self.model,
+            "data": data, "usage": protocol.usage(total, 0)})
 
     # -- vLLM extras ----------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
-            "parent": None, "max_model_len": self.replica.config.engine.max_model_len}]})
+        now = int(time.time())
+        permission = {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": now,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
+        return json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": now, "owned_by": "vllm", "root": self.model,
+            "parent": None, "max_model_len": self.max_model_len, "permission": [permission]}]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
@@ -282,8 +352,8 @@ class Routes:
         else:
             raise InvalidRequest("Send \"prompt\" (a string) or \"messages\" (a chat) to tokenize.", "prompt")
         ids = self.tokenizer.encode(text)
-        return web.json_response({
-            "count": len(ids), "max_model_len": self.replica.config.engine.max_model_len, "tokens": ids,
+        return json_response({
+            "count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
             "token_strs": self.tokenizer.token_strings(ids) if body.get("return_token_strs") else None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -293,13 +363,13 @@ class Routes:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                    for t in tokens):
             raise InvalidRequest("\"tokens\" is required: a list of non-negative token ids.", "tokens")
-        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+        return json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "model_sim"})
+        return json_response({"version": "model_sim"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.replica.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -337,11 +407,6 @@ class Routes:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         return web.json_response(self.replica.faults.as_dict())
-
-
-def _cached_tokens(req) -> int:
-    """Prompt tokens served from the prefix cache at admission (vLLM's usage.prompt_tokens_details)."""
-    return max(req.num_cached_tokens, 0)
 
 
 def _embedding(token_ids: list[int], dims: int) -> list[float]:

@@ -63,15 +63,18 @@ class SimServer:
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$')
 
 
+_COMMON_LABELS = re.compile(r'(engine="0"|model_name="sim-model"),?')
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """name{labels} -> value, with the model_name label dropped when it is the only one."""
+    """name{labels} -> value, without the `engine="0"` and `model_name` labels every series carries."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m:
             continue
         name, labels, value = m.groups()
-        labels = (labels or "").replace('model_name="sim-model"', "").replace("{,", "{").replace(",}", "}")
+        labels = _COMMON_LABELS.sub("", labels or "").replace(",}", "}")
         key = name if labels in ("", "{}") else name + labels
         out[key] = float(value)
     return out
@@ -80,7 +83,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 def sim_config(*, timing: TimingModel | None = None, faults: FaultSettings | None = None, **engine) -> SimConfig:
     base = dict(num_blocks=4096)
     base.update(engine)
-    extra = {k: base.pop(k) for k in ("default_max_tokens", "output_length_mode", "seed") if k in base}
+    extra = {k: base.pop(k) for k in ("model", "default_max_tokens", "output_length_mode", "seed", "runner",
+                                      "api_key", "enable_prompt_tokens_details") if k in base}
     return SimConfig(
         engine=EngineConfig(**base),
         timing=timing if timing is not None else TimingModel.zero(),

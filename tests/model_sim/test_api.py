@@ -44,9 +44,19 @@ def test_chat_and_completions_streaming_and_not_with_usage(sim):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_default_max_tokens_is_16(sim):
-    done = client(sim).completions.create(model="sim-model", prompt="x")
-    assert done.usage.completion_tokens == 16
+def test_without_max_tokens_completions_get_16_and_chat_the_rest_of_the_context(start_sim):
+    sim = start_sim(max_model_len=256)
+    assert client(sim).completions.create(model="sim-model", prompt="x").usage.completion_tokens == 16
+    chat = client(sim).chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "x"}])
+    assert chat.usage.completion_tokens == 256 - chat.usage.prompt_tokens
+    # On /v1/completions only max_tokens counts; an explicit null leaves the cap to the context, as in vLLM.
+    done = sim.http.post("/v1/completions", json={"prompt": "x", "max_completion_tokens": 3}).json()
+    assert done["usage"]["completion_tokens"] == 16
+    unset = sim.http.post("/v1/completions", json={"prompt": "x", "max_tokens": None}).json()
+    assert unset["usage"]["completion_tokens"] == 255
+    capped = start_sim(max_model_len=256, default_max_tokens=5)  # a model whose generation config sets one
+    assert client(capped).chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "x"}]).usage.completion_tokens == 5
 
 
 def test_random_output_length_is_seeded_and_capped_unless_ignore_eos(start_sim):
@@ -72,6 +82,8 @@ def test_embeddings_models_tokenize_detokenize(sim):
     assert again.data[0].embedding == emb.data[0].embedding
     assert emb.usage.prompt_tokens == 3
     assert [m.id for m in oai.models.list()] == ["sim-model"]
+
+    assert sim.http.post("/v1/embeddings", json={"model": "gpt-9", "input": "x"}).status_code == 404
 
     text = "Héllo, wörld! Tokenizers are deterministic:   12345678 ok."
     tok = sim.http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
@@ -103,23 +115,27 @@ def test_bad_input_answers_400_with_a_message_that_says_what_to_change(start_sim
     _assert_envelope(post("/v1/chat/completions", json={"model": "sim-model"}), 400, "messages", "\"messages\" is required")
     _assert_envelope(post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
                      400, "messages", "role must be one of")
-    _assert_envelope(post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 400, "model",
-                     'Set "model" to "sim-model"')
+    _assert_envelope(post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model",
+                     "Valid aliases: sim-model")
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "max_tokens": 5000}), 400, "max_tokens",
-                     "Reduce max_tokens to at most 4095")
+                     "max_tokens=5000 cannot be greater than max_model_len=4096")
     # Fits the context but never the 8 x 16-token KV cache.
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "max_tokens": 200}), 400, "max_tokens",
                      "could never run")
-    _assert_envelope(post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens", "at least 1")
-    _assert_envelope(post("/v1/completions", json={"prompt": "x", "n": 2}), 400, "n", "must be 1")
+    _assert_envelope(post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens",
+                     "max_tokens must be at least 1, got 0.")
+    _assert_envelope(post("/v1/completions", json={"prompt": "x", "n": 0}), 400, None, "n must be at least 1")
+    _assert_envelope(post("/v1/completions", json={"prompt": "x", "min_tokens": 9, "max_tokens": 4}), 400, None,
+                     "min_tokens must be less than or equal to max_tokens=4")
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "priority": "high"}), 400, "priority", "integer")
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}),
-                     400, "stream_options", "only be set when \"stream\" is true")
+                     400, "stream_options", "only be defined when `stream=True`")
     _assert_envelope(post("/v1/completions", json={}), 400, "prompt", "\"prompt\" is required")
     _assert_envelope(post("/v1/completions", content=b"{not json"), 400, None, "not valid JSON")
     _assert_envelope(post("/v1/embeddings", json={"input": ""}), 400, "input", "empty")
     _assert_envelope(post("/detokenize", json={"tokens": [-1]}), 400, "tokens", "non-negative")
-    _assert_envelope(sim.http.get("/v1/nothing"), 404, None, "No route")
+    nothing = sim.http.get("/v1/nothing")
+    assert nothing.status_code == 404 and nothing.json() == {"detail": "Not Found"}
 
     with pytest.raises(openai.BadRequestError) as info:
         client(sim).chat.completions.create(model="sim-model", messages=[], max_tokens=1)
@@ -174,9 +190,11 @@ def test_metrics_exposition_uses_vllm_names_and_model_label(sim):
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-        assert f'{name}{{' in text and 'model_name="sim-model"' in text, name
+        assert f'{name}{{engine="0",' in text and 'model_name="sim-model"' in text, name
     m = sim.metrics()
     assert m["vllm:prompt_tokens_total"] == 4 and m["vllm:generation_tokens_total"] == 3
     assert m["vllm:time_to_first_token_seconds_count"] == 1 and m["vllm:e2e_request_latency_seconds_count"] == 1
+    assert m["vllm:request_prompt_tokens_sum"] == 4 and m["vllm:request_params_n_count"] == 1
+    assert "vllm:gpu_cache_usage_perc" not in text, "vLLM dropped the legacy name"
     assert m["vllm:inter_token_latency_seconds_count"] == 2
     assert json.loads(sim.http.get("/admin/state").text)["generation_tokens"] == 3

@@ -27,7 +27,7 @@ def test_replicas_on_consecutive_ports_and_clean_sigterm(tmp_path):
             assert state["replica"] == str(i) and state["kv"]["num_blocks"] == 512
         # Separate registries: each replica counts only its own tokens.
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'vllm:generation_tokens_total{model_name="m1"} 4.0' in metrics
+        assert 'vllm:generation_tokens_total{engine="0",model_name="m1"} 4.0' in metrics
 
         with httpx.Client(timeout=30) as client, client.stream(
                 "POST", f"http://127.0.0.1:{port}/v1/completions",
@@ -44,7 +44,7 @@ def test_help_and_bad_arguments():
     assert out.returncode == 0
     for flag in ("--replicas", "--scheduling-policy", "--enable-prefix-caching", "--zero-latency",
                  "--output-length-mode", "--fault-429-rate", "--decode-ms-per-seq", "--kv-offload-blocks",
-                 "--load-ms-per-token"):
+                 "--load-ms-per-token", "--runner", "--api-key", "--enable-prompt-tokens-details"):
         assert flag in out.stdout
     bad = subprocess.run([*run, "--port", "1", "--fault-429-rate", "0.7", "--fault-500-rate", "0.7"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)

@@ -101,7 +101,7 @@ def _cached(sim, prompt: str, salt: str | None, stream: bool = False) -> int:
 
 
 def test_cache_salt_scopes_prefix_hits_and_usage_reports_them(start_sim):
-    sim = start_sim(enable_prefix_caching=True, block_size=16)
+    sim = start_sim(enable_prefix_caching=True, block_size=16, enable_prompt_tokens_details=True)
     prompt = prompt_of(70)
     assert _cached(sim, prompt, "tenant-a") == 0
     assert _cached(sim, prompt, "tenant-a") == 64, "the same salt hits every full block"
@@ -121,7 +121,8 @@ def test_cache_salt_must_be_a_non_empty_string(sim):
 def test_an_offload_tier_serves_a_prefix_the_gpu_cache_has_overwritten_and_metrics_count_it(start_sim):
     # 8 GPU blocks of 16 tokens: a second, 119-token prompt overwrites the first one's blocks, but the tier
     # (vLLM's CPU offloading) still holds them, so the repeat is loaded back, and usage says so.
-    sim = start_sim(enable_prefix_caching=True, block_size=16, num_blocks=8, offload_blocks=64)
+    sim = start_sim(enable_prefix_caching=True, block_size=16, num_blocks=8, offload_blocks=64,
+                    enable_prompt_tokens_details=True)
     first, other = prompt_of(70), "x " + prompt_of(118)  # other: all 8 blocks
     assert _cached(sim, first, "tenant-a") == 0
     assert _cached(sim, other, "tenant-a") == 0
