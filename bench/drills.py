@@ -69,7 +69,7 @@ class DrillPlan:
         "--step-overhead-ms", "4", "--prefill-ms-per-token", "0.002", "--decode-base-ms", "30",
         "--decode-ms-per-seq", "0.3", "--max-num-seqs", "128", "--max-num-batched-tokens", "16384",
         "--num-blocks", "8192", "--block-size", "16", "--max-model-len", "40960", "--enable-prefix-caching",
-        "--preemption", "none", "--jitter", "0.05",
+        "--enable-prompt-tokens-details", "--preemption", "none", "--jitter", "0.05",
     )
     # Gateway concurrency per replica, half the replica's 128 sequences: every running sequence slows a simulated
     # step, and the peak must be one this two-core machine can generate and serve without running out of CPU

@@ -71,7 +71,8 @@ QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.
 FULL = Workload()
 
 
-CACHE = ("--enable-prefix-caching",)  # the simulator flag that turns prefix caching on
+# The simulator flags that turn prefix caching on and report its hits in usage (the workers' cached_tokens).
+CACHE = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 # Prefix caching with a host-memory tier behind it (vLLM's CPU offloading connector): 10x the GPU's 950 blocks,
 # about 38 GiB of host memory at 4 MiB a block (a 32B model's KV of 16 tokens in bf16), ordinary on a GPU server.
 OFFLOAD = (*CACHE, "--kv-offload-blocks", "9500")

@@ -249,11 +249,11 @@ def test_keys_objectives_models_and_sse_passthrough(stack):
         r = c.get("/v1/models", headers=batch_auth)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "sim-model"
 
-        # Upstream 4xx passes through unchanged (the simulator refuses an unknown model).
+        # Upstream 4xx passes through unchanged (the simulator answers an unknown model 404, as vLLM does).
         bad = {**body(2), "model": "no-such-model"}
         direct_bad = httpx.post(sims[0] + "/v1/completions", json=bad, timeout=30)
         via_bad = c.post("/v1/completions", json=bad, headers=batch_auth)
-        assert via_bad.status_code == direct_bad.status_code == 400
+        assert via_bad.status_code == direct_bad.status_code == 404
         assert via_bad.content == direct_bad.content
 
         # SSE passes through byte for byte, apart from the ids and timestamps the simulator makes up.

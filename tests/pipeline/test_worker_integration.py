@@ -352,14 +352,14 @@ def test_client_error_is_final_with_the_response_kept(stack):
     _, _, row_ids = stack.batch(1, body={**CHAT, "model": "no-such-model"})
     stack.worker(sim)
     (row,) = stack.wait_final(row_ids)
-    assert (row.status, row.response_status, row.attempts) == ("failed", 400, 1)
+    assert (row.status, row.response_status, row.attempts) == ("failed", 404, 1)  # vLLM: an unknown model is a 404
     assert stack.attempts(row.id)[0].outcome == "client_error"
     line = output_line(row)
     message = line["response"]["body"]["error"]["message"]
-    assert line["response"]["status_code"] == 400 and message
+    assert line["response"]["status_code"] == 404 and message
     poll(lambda: FailedJobRegistry(queue=stack.queue).get_job_ids() == [row.id], 20,
          "the failed job in the FailedJobRegistry", lambda: stack.procs.log("worker"))
-    assert Job.fetch(row.id, connection=stack.redis).latest_result().exc_string == f"HTTP 400: {message}"
+    assert Job.fetch(row.id, connection=stack.redis).latest_result().exc_string == f"HTTP 404: {message}"
 
 
 def test_duplicate_deliveries_give_one_final_result_and_are_counted(stack):
