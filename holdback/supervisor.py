@@ -100,8 +100,9 @@ def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
     children: list[Child] = []
     replicas = args.replicas
     if not replicas:
+        # --enable-prompt-tokens-details: the platform reports cached prompt tokens (vLLM's default is off).
         children.append(Child("sim", ["sim", "--host", host, "--port", str(args.sim_port), "--replicas",
-                                      str(args.sim_replicas), *args.sim_args],
+                                      str(args.sim_replicas), "--enable-prompt-tokens-details", *args.sim_args],
                               ready_url=f"http://{host}:{args.sim_port}/health"))
         replicas = ",".join(f"http://{host}:{args.sim_port + i}" for i in range(args.sim_replicas))
     gateway = ["gateway", "--host", host, "--port", str(args.gateway_port), "--replicas", replicas]

@@ -54,7 +54,8 @@ def test_the_gateway_salt_replaces_the_callers_and_public_salts_are_namespaced()
 
 
 def test_tenant_b_sending_tenant_as_exact_prompt_gets_no_cached_tokens(stack):
-    sims = stack.sim(1, "--enable-prefix-caching", "--block-size", "16", "--zero-latency")
+    sims = stack.sim(1, "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", "16",
+                     "--zero-latency")
     gw = stack.gateway(sims, KEYS)
     prompt = " ".join(["w"] * 80)  # 80 tokens: 4 full blocks can hit (one token is always computed)
 
