@@ -15,7 +15,7 @@ DB_TESTS ?= tests/api tests/pipeline tests/platform tests/deploy/test_object_sto
 # Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
 TEST_WORKERS ?= 2
 
-.PHONY: up test test-fast test-embedded test-services bench install clean
+.PHONY: up test test-fast test-embedded test-services test-vllm bench install clean
 
 # pip's output goes to .venv/pip.log and is shown only when the install fails.
 $(STAMP): pyproject.toml
@@ -51,6 +51,14 @@ test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
 	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \
 	$(wildcard $(DB_TESTS))
+
+# The real-engine tier: real vLLM (its CPU build, a tiny random-weight model built here) in front of and behind
+# holdback. The first run builds that environment under ~/.cache/holdback/real-vllm/ (about 2 minutes, 3.6 GB);
+# later runs reuse it. One test process: the vLLM servers are shared fixtures and the engine takes both cores.
+test-vllm: $(STAMP)
+	@engine=$$($(BIN)/python -m tests.real_vllm.engine_env ensure) || exit 1; \
+	export $$(echo "$$engine" | grep '^HOLDBACK_VLLM_'); \
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -p no:xdist tests/real_vllm -ra
 
 bench: $(STAMP)
 	$(BIN)/holdback bench study --quick

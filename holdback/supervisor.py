@@ -374,7 +374,7 @@ Metrics (Prometheus) and probes (/healthz liveness, /readyz readiness) of every 
   Worker         {worker}/metrics
 
 A request line (examples/requests.jsonl has chat, completions and embeddings lines):
-  {_first_line()}
+  {_first_line(_served_model(gw, keys['realtime']))}
 
 Try it with the official openai client (one batch per endpoint):
   python examples/submit.py {api}/v1 {keys['tenant']}
@@ -383,8 +383,22 @@ Or run `holdback demo` in another terminal. Ctrl-C or SIGTERM stops everything.
 """, flush=True)
 
 
-def _first_line() -> str:
+def _served_model(gateway: str, key: str) -> str | None:
+    """The first model the replicas serve (the gateway's `/v1/models`), or None when none answers yet."""
     try:
-        return EXAMPLE_REQUESTS.read_text().splitlines()[0]
-    except (OSError, IndexError):
+        r = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+        return r.json()["data"][0]["id"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _first_line(model: str | None) -> str:
+    """The example file's first line, naming a model the replicas serve (the file says `sim-model`)."""
+    try:
+        line = json.loads(EXAMPLE_REQUESTS.read_text().splitlines()[0])
+    except (OSError, IndexError, ValueError):
         return "(examples/requests.jsonl is in the source checkout)"
+    if model is None:
+        return f"{json.dumps(line)}\n  (no replica has answered /v1/models yet: put your served model's name in `model`)"
+    line["body"]["model"] = model
+    return json.dumps(line)

@@ -1,0 +1,78 @@
+"""Eviction against real vLLM: realtime arrives at a full pool, the gateway evicts running batch requests,
+vLLM aborts them (its own log says so), and each evicted chat resumes through vLLM's real chat template
+with `continue_final_message`, so its final text starts with the output the evicted attempt kept.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.real_vllm.stack import REALTIME_KEY, RealStack, chat
+from tests.support import poll
+
+pytestmark = pytest.mark.e2e
+
+# Four slots on the replica; batch may hold half of them; realtime bursts fill the rest and evict.
+EVICTION = """
+saturation: {detector: concurrency, maxConcurrency: 4}
+eviction: {enabled: true, maxPerDecision: 2}
+"""
+
+
+ROWS = 12
+
+
+def _batch_in_flight(s: RealStack) -> int:
+    return sum(b["in_flight"] for b in s.state()["bands"] if b["priority"] < 0)
+
+
+def _bursts(gateway_url: str, stop: threading.Event, answers: list[int]) -> None:
+    body = {"model": "tiny", "max_tokens": 24, "messages": [{"role": "user", "content": "realtime question"}]}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {REALTIME_KEY}"}) as client:
+        while not stop.is_set():
+            threads = [threading.Thread(target=lambda: answers.append(
+                client.post(f"{gateway_url}/v1/chat/completions", json=body).status_code)) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            stop.wait(0.5)
+
+
+def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept_text(backend, tmp_path, vllm):
+    s = RealStack(backend, tmp_path, [vllm.url], gateway_config=EVICTION)
+    stop, answers = threading.Event(), []
+    traffic = threading.Thread(target=_bursts, args=(s.gateway_url, stop, answers), daemon=True)
+    try:
+        s.wait_identified()
+        # Long outputs (ignore_eos: the random weights would stop early at random) keep batch running.
+        batch_id = s.submit([chat(f"long-{i}", f"tell me a long story number {i}", max_tokens=440, ignore_eos=True)
+                             for i in range(ROWS)])
+        poll(lambda: _batch_in_flight(s) >= 2, 120, "batch running", s.logs)
+        traffic.start()
+        poll(lambda: any(a.evicted for a in s.attempts(batch_id)), 180, "an eviction", s.logs)
+        stop.set()
+        traffic.join(120)
+        batch = s.wait(batch_id, timeout=400)
+    finally:
+        stop.set()
+        s.close()
+    assert batch.status == "completed" and batch.request_counts.completed == ROWS, batch
+    assert answers and set(answers) == {200}, "realtime is never shed"
+    evicted = [a for a in s.attempts(batch_id) if a.evicted]
+    assert evicted
+    aborted = poll(lambda: (lambda log: log if all(a.request_id in log for a in evicted) else None)(vllm.aborted()),
+                   30, "vLLM to log the aborts", vllm.aborted)
+    assert all(a.request_id in aborted for a in evicted), "every eviction aborted its request inside vLLM"
+    out = s.lines(batch.output_file_id)
+    resumed = [a for a in evicted if a.partial_output]
+    assert resumed, "an evicted chat kept its partial output"
+    for attempt in resumed:
+        row = next(r for r in s.rows(batch_id) if r.id == attempt.request_id)
+        text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]
+        assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40]), (attempt.partial_output[:80], text[:80])
+        usage = out[row.custom_id]["response"]["body"]["usage"]
+        assert usage["completion_tokens"] >= 440 - 2, "the resumed chat produced its whole limit over attempts"

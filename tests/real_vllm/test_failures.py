@@ -1,0 +1,96 @@
+"""A vLLM replica failing under a batch, with another healthy beside it: nothing is lost.
+
+Its engine dies mid-stream: vLLM ends the stream with its error event (an integer `code`) and `[DONE]`; the
+worker records a server error with vLLM's message, spends budget on it, keeps the partial output and resumes on
+the healthy replica. The API server is killed outright (SIGKILL): every row still ends with exactly one result,
+and realtime callers never see a 502 while the other replica is healthy.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import psutil
+import pytest
+from sqlalchemy import func, select
+
+from holdback.models import RequestRow
+from tests.real_vllm.stack import REALTIME_KEY, RealStack, chat
+from tests.support import poll
+
+pytestmark = pytest.mark.e2e
+
+
+def _running(server) -> float:
+    try:
+        return server.metrics().get("vllm:num_requests_running", 0.0)
+    except httpx.HTTPError:
+        return 0.0
+
+
+def test_engine_death_mid_stream_is_a_budgeted_server_error_that_resumes_elsewhere(backend, tmp_path, vllm,
+                                                                                   spare_vllm):
+    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url])
+    try:
+        s.wait_identified()
+        batch_id = s.submit([chat(f"story-{i}", f"tell me a long story number {i}", max_tokens=440, ignore_eos=True)
+                             for i in range(6)])
+        poll(lambda: _running(spare_vllm) >= 1 and spare_vllm.metrics().get("vllm:generation_tokens_total", 0) > 40,
+             120, "output streaming from the replica about to fail", s.logs)
+        for engine in psutil.Process(spare_vllm.proc.pid).children():  # the EngineCore process
+            engine.send_signal(signal.SIGKILL)
+        batch = s.wait(batch_id, timeout=400)
+        attempts = s.attempts(batch_id)
+        out = s.lines(batch.output_file_id)
+        rows = {r.id: r for r in s.rows(batch_id)}
+    finally:
+        s.close()
+    assert batch.status == "completed" and batch.request_counts.completed == 6, (batch, s.logs())
+    failed = [a for a in attempts if a.error and "EngineCore encountered an issue" in a.error]
+    assert failed, [(a.outcome, a.status_code, a.error) for a in attempts]
+    for attempt in failed:
+        assert attempt.outcome == "server_error" and attempt.status_code == 500, (attempt.outcome, attempt.status_code)
+        assert attempt.partial_output, "the output streamed before the failure is kept"
+        row = rows[attempt.request_id]
+        assert row.transient_failures >= 1, "a server error spends the request's budget"
+        text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]
+        assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40])
+
+
+def _realtime_loop(url: str, stop: threading.Event, answers: list[int]) -> None:
+    body = {"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "are you there"}]}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {REALTIME_KEY}"}) as client:
+        while not stop.is_set():
+            answers.append(client.post(f"{url}/v1/chat/completions", json=body).status_code)
+
+
+def test_a_replica_killed_mid_batch_loses_nothing_and_realtime_sees_no_502(backend, tmp_path, vllm, spare_vllm):
+    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url])
+    stop, answers = threading.Event(), []
+    loops = [threading.Thread(target=_realtime_loop, args=(s.gateway_url, stop, answers), daemon=True)
+             for _ in range(3)]
+    try:
+        s.wait_identified()
+        batch_id = s.submit([chat(f"row-{i}", f"question {i}", max_tokens=160, ignore_eos=True) for i in range(24)])
+        for loop in loops:
+            loop.start()
+        poll(lambda: _running(spare_vllm) >= 2, 120, "requests running on the replica about to die", s.logs)
+        spare_vllm.proc.send_signal(signal.SIGKILL)  # the API server only: its engine is orphaned, as in life
+        spare_vllm.proc.wait(30)
+        seen = len(answers)
+        poll(lambda: len(answers) >= seen + 6, 120, "realtime answered after the kill", s.logs)
+        stop.set()
+        for loop in loops:
+            loop.join(120)
+        batch = s.wait(batch_id, timeout=400)
+        with s.db() as db:
+            duplicates = db.scalar(select(func.sum(RequestRow.duplicates)).where(RequestRow.batch_id == batch_id))
+        out = s.lines(batch.output_file_id)
+    finally:
+        stop.set()
+        s.close()
+    assert batch.status == "completed" and batch.request_counts.completed == 24, batch
+    assert sorted(out) == sorted(f"row-{i}" for i in range(24)) and duplicates == 0
+    assert answers and set(answers) == {200}, f"realtime answers while a replica died: {sorted(set(answers))}"
