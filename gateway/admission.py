@@ -1,27 +1,35 @@
 """KV admission: one of three outcomes for a request (run now, queue with a deadline, reject with the reason).
 
-Read-only over the ledger and the replicas. A replica's occupancy is the larger of its scraped KV usage and
-the blocks the ledger has reserved there; a request may go to a replica only if the occupancy after adding
-its reservation stays under the step of the pressure ladder that applies to it:
+Read-only over the ledger and the replicas, and counted in KV tokens (whole blocks of each replica's own block
+size). A replica's pool is what it reports (`vllm:cache_config_info` kv_cache_size_tokens, else num_gpu_blocks ×
+block_size), else the calibration profile's, else the configured one; its occupancy is the larger of its
+scraped KV usage × pool and what the ledger has reserved there. A request may go to a replica only if the
+occupancy after adding its reservation stays under the step of the pressure ladder that applies to it:
   every request            ≤ hardWatermark (0.92)
-  priority ≤ 0, long       ≤ admissionWatermark (0.82)   (long: prompt + max new ≥ longRequestTokens)
+  priority ≤ 0, long       ≤ admissionWatermark (0.82)   (long: prompt + n × max new ≥ longRequestTokens)
   batch class              ≤ batchPauseWatermark (0.88), and batch reservations ≤ (1 − interactiveReserve)
   tenant over its soft share: only while the replica stays under admissionWatermark
-Above hardWatermark the flow controller evicts recoverable batch work. Quotas (hard tenant share, reserved
-tokens, active sequences, context length, token-seconds) reject with the quota's name, limit and usage.
+Above hardWatermark the flow controller evicts recoverable batch work. The context limit rejects only what vLLM
+rejects (a prompt that fills the context, an explicit output limit above it); an output limit that runs past
+the context is reserved as vLLM clamps it, to the context's end. Quotas (hard tenant share, reserved tokens,
+active sequences, context length, token-seconds) reject with the quota's name, limit and usage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from gateway.config import Admission, Quota
 from gateway.kv_ledger import KvLedger
 from gateway.replicas import Replica
 from gateway.request import DropReason
+
+if TYPE_CHECKING:
+    from gateway.calibration import Profile
 
 
 class Outcome(enum.Enum):
@@ -38,14 +46,30 @@ class Demand:
     """What a request asks of the KV pool."""
 
     prompt_tokens: int
+    # Per sequence: the client's output limit, else the default vLLM applies (gateway/tokenization.py).
     max_new_tokens: int
     priority: int
     traffic_class: str
     fairness_id: str
+    # n (best_of when larger): every sequence generates its own output into its own blocks.
+    sequences: int = 1
+    # The body field max_new_tokens came from (vLLM's name for it in a 400); None: a default, never rejected.
+    limit_param: str | None = None
 
     @property
     def context_tokens(self) -> int:
+        """One sequence's context: what the model's context limit bounds."""
         return self.prompt_tokens + self.max_new_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Every sequence's output together."""
+        return self.sequences * self.max_new_tokens
+
+    @property
+    def held_tokens(self) -> int:
+        """The most the request can hold in KV: the prompt and every sequence's output."""
+        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True)
@@ -57,26 +81,39 @@ class Decision:
     replicas: tuple[Replica, ...] = ()
 
 
+def reported_pool_tokens(replica: Replica, block_size: int) -> int | None:
+    """The KV pool the replica reports, in tokens (None: it reports none): kv_cache_size_tokens, else
+    num_gpu_blocks × its block size, both of the whole replica (every data-parallel engine)."""
+    if replica.kv_cache_size_tokens:
+        return replica.kv_cache_size_tokens
+    return replica.num_gpu_blocks * block_size if replica.num_gpu_blocks else None
+
+
 class KvAdmission:
-    def __init__(self, cfg: Admission, ledger: KvLedger, profile_blocks: int | None = None):
+    def __init__(self, cfg: Admission, ledger: KvLedger, profile: Profile | None = None):
         self.cfg = cfg
         self.ledger = ledger
         # A replica's own vllm:cache_config_info wins; then the calibration profile; then the config.
-        self.default_pool_blocks = profile_blocks or cfg.default_pool_blocks()
+        self.profile_block_size = profile.block_size if profile else None
+        self.default_pool_tokens = (profile.num_gpu_blocks * profile.block_size if profile
+                                    else cfg.default_pool_tokens())
         self.batch_cap = 1.0 - cfg.interactiveReserve
         self.queue_deadline = cfg.queueDeadlineMs / 1000.0
 
     # -- capacity ---------------------------------------------------------------------------------------------
-    def pool_blocks(self, replica: Replica) -> int:
-        return replica.kv_blocks_total or self.default_pool_blocks
+    def block_size(self, replica: Replica) -> int:
+        return replica.kv_block_size or self.profile_block_size or self.cfg.blockTokens
+
+    def pool_tokens(self, replica: Replica) -> int:
+        return reported_pool_tokens(replica, self.block_size(replica)) or self.default_pool_tokens
 
     def occupancy(self, replica: Replica) -> float:
-        """Blocks taken on the replica: the larger of what it reports and what we reserved there."""
-        scraped = (replica.kv_usage or 0.0) * self.pool_blocks(replica)
-        return max(scraped, float(self.ledger.reserved_on(replica.url)))
+        """KV tokens taken on the replica: the larger of what it reports and what we reserved there."""
+        scraped = (replica.kv_usage or 0.0) * self.pool_tokens(replica)
+        return max(scraped, float(self.ledger.kv_tokens_on(replica.url)))
 
     def level(self, replica: Replica) -> str:
-        share = self.occupancy(replica) / self.pool_blocks(replica)
+        share = self.occupancy(replica) / self.pool_tokens(replica)
         cfg = self.cfg
         if share >= cfg.hardWatermark:
             return "evict"
@@ -92,10 +129,21 @@ class KvAdmission:
         known = [r.max_model_len for r in replicas if r.max_model_len]
         return min(known) if known else None
 
-    def _cap(self, d: Demand, blocks: int, soft_over: bool) -> float:
+    def within_context(self, d: Demand, replicas: Sequence[Replica]) -> Demand:
+        """The demand as vLLM runs it: an output limit past the context's end is clamped to it."""
+        limit = self.context_limit(replicas)
+        if limit is None or d.context_tokens <= limit:
+            return d
+        return dataclasses.replace(d, max_new_tokens=max(0, limit - d.prompt_tokens))
+
+    def kv_tokens(self, d: Demand, replica: Replica) -> int:
+        """The reservation `d` takes on `replica` (d within the context), in KV tokens."""
+        return self.ledger.kv_tokens_for(d.prompt_tokens, d.output_tokens, self.block_size(replica))
+
+    def _cap(self, d: Demand, soft_over: bool) -> float:
         cfg = self.cfg
         cap = cfg.hardWatermark
-        if d.priority <= 0 and d.context_tokens >= cfg.longRequestTokens:
+        if d.priority <= 0 and d.held_tokens >= cfg.longRequestTokens:
             cap = min(cap, cfg.admissionWatermark)
         if d.traffic_class == "batch":
             cap = min(cap, cfg.batchPauseWatermark)
@@ -103,12 +151,12 @@ class KvAdmission:
             cap = min(cap, cfg.admissionWatermark)
         return cap
 
-    def fits(self, d: Demand, blocks: int, replica: Replica, soft_over: bool = False) -> bool:
-        pool = self.pool_blocks(replica)
-        if self.occupancy(replica) + blocks > self._cap(d, blocks, soft_over) * pool:
+    def fits(self, d: Demand, kv_tokens: int, replica: Replica, soft_over: bool = False) -> bool:
+        pool = self.pool_tokens(replica)
+        if self.occupancy(replica) + kv_tokens > self._cap(d, soft_over) * pool:
             return False
         if d.traffic_class == "batch":
-            return self.ledger.batch_by_replica[replica.url] + blocks <= self.batch_cap * pool
+            return self.ledger.batch_kv_tokens[replica.url] + kv_tokens <= self.batch_cap * pool
         return True
 
     # -- quotas -----------------------------------------------------------------------------------------------
@@ -121,12 +169,22 @@ class KvAdmission:
         return out
 
     def _context_rejection(self, d: Demand, replicas: Sequence[Replica]) -> Decision | None:
+        """What vLLM would answer 400 (retrying cannot help), then the quotas' maxContextTokens (on `d` within
+        the context)."""
         limit = self.context_limit(replicas)
-        if limit is not None and d.context_tokens > limit:
+        # A generation needs room for one output token; an embedding (no output) may fill the context.
+        room = 1 if d.max_new_tokens > 0 else 0
+        if limit is not None and d.prompt_tokens + room > limit:
             return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
-                            f"prompt ({d.prompt_tokens} tokens) + max new tokens ({d.max_new_tokens}) = "
-                            f"{d.context_tokens} exceeds the model's context limit of {limit} tokens; shorten "
-                            f"the prompt or lower max_tokens.")
+                            f"This model's maximum context length is {limit} tokens. However, your prompt "
+                            f"contains {d.prompt_tokens} input tokens, which "
+                            f"{'leaves no room for any output token' if room else 'exceeds this limit'}. Please "
+                            f"reduce the length of the input prompt to at most {limit - room} tokens.")
+        if limit is not None and d.limit_param is not None and d.max_new_tokens > limit:
+            return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
+                            f"{d.limit_param}={d.max_new_tokens} cannot be greater than the model's context "
+                            f"length of {limit} tokens. Please request fewer output tokens.")
+        d = self.within_context(d, replicas)
         for who, quota in self._quotas(d):
             if quota.maxContextTokens and d.context_tokens > quota.maxContextTokens:
                 return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
@@ -135,20 +193,20 @@ class KvAdmission:
                                 f"{d.max_new_tokens}); shorten the prompt or lower max_tokens.")
         return None
 
-    def _quota_rejection(self, d: Demand, blocks: int, total_pool: int, now: float) -> Decision | None:
+    def _quota_rejection(self, d: Demand, kv_tokens: int, total_pool: int, now: float) -> Decision | None:
         ledger = self.ledger
         tenant = ledger.tenant(d.fairness_id)
-        share_after = (tenant.reserved_blocks + blocks) / total_pool
+        share_after = (tenant.kv_tokens + kv_tokens) / total_pool
         if share_after > self.cfg.tenantMaxShare:
             return _quota("tenantMaxShare", f"fairness id {d.fairness_id!r}", f"{self.cfg.tenantMaxShare:.2f} "
-                          f"of the KV pool ({total_pool} blocks)", f"{tenant.reserved_blocks} blocks reserved + "
-                          f"{blocks} asked = {share_after:.3f} of the pool")
+                          f"of the KV pool ({total_pool} tokens)", f"{tenant.kv_tokens} KV tokens reserved + "
+                          f"{kv_tokens} asked = {share_after:.3f} of the pool")
         for who, quota in self._quotas(d):
             totals = ledger.tenant(d.fairness_id) if who.startswith("tenant") else ledger.traffic_class(
                 d.traffic_class)
-            if quota.maxReservedTokens and totals.reserved_tokens + d.context_tokens > quota.maxReservedTokens:
+            if quota.maxReservedTokens and totals.reserved_tokens + d.held_tokens > quota.maxReservedTokens:
                 return _quota("maxReservedTokens", who, f"{quota.maxReservedTokens} tokens",
-                              f"{totals.reserved_tokens} reserved + {d.context_tokens} asked")
+                              f"{totals.reserved_tokens} reserved + {d.held_tokens} asked")
             if quota.maxActiveSequences and totals.active + 1 > quota.maxActiveSequences:
                 return _quota("maxActiveSequences", who, f"{quota.maxActiveSequences} sequences",
                               f"{totals.active} active")
@@ -162,7 +220,7 @@ class KvAdmission:
 
     def soft_over(self, fairness_id: str, total_pool: int) -> float:
         """How far the tenant's reserved share is over its soft quota, as a ratio of that quota (0: not over)."""
-        share = self.ledger.tenant(fairness_id).reserved_blocks / max(total_pool, 1)
+        share = self.ledger.tenant(fairness_id).kv_tokens / max(total_pool, 1)
         return max(0.0, share / self.cfg.tenantSoftShare - 1.0)
 
     # -- the decision -----------------------------------------------------------------------------------------
@@ -172,22 +230,27 @@ class KvAdmission:
         rejected = self._context_rejection(d, healthy)
         if rejected is not None:
             return rejected
-        blocks = self.ledger.blocks_for(d.prompt_tokens, d.max_new_tokens)
-        biggest = max(self.pool_blocks(r) for r in healthy)
-        cap = self._cap(d, blocks, False)
+        d = self.within_context(d, healthy)
+        need = {r.url: self.kv_tokens(d, r) for r in healthy}
+        cap = self._cap(d, False)
         if d.traffic_class == "batch":
             cap = min(cap, self.batch_cap)
-        if blocks > cap * biggest:
+        # Where it leaves the most of the cap free: if it does not fit there on an empty pool, it fits nowhere.
+        best = max(healthy, key=lambda r: cap * self.pool_tokens(r) - need[r.url])
+        if need[best.url] > cap * self.pool_tokens(best):
+            size, pool = self.block_size(best), self.pool_tokens(best)
+            seqs = f" x {d.sequences} sequences" if d.sequences > 1 else ""
             return Decision(Outcome.REJECT, DropReason.KV_CAPACITY,
-                            f"this request needs {blocks} KV blocks (prompt {d.prompt_tokens} + max new "
-                            f"{d.max_new_tokens} tokens) but at most {math.floor(cap * biggest)} of a replica's "
-                            f"{biggest} blocks may hold it; lower max_tokens or shorten the prompt.")
-        total_pool = sum(self.pool_blocks(r) for r in healthy)
-        rejected = self._quota_rejection(d, blocks, total_pool, now)
+                            f"this request needs {need[best.url] // size} KV blocks of {size} tokens (prompt "
+                            f"{d.prompt_tokens} + max new {d.max_new_tokens} tokens{seqs}) but at most "
+                            f"{math.floor(cap * pool / size)} of a replica's {pool // size} blocks may hold it; "
+                            f"lower max_tokens or shorten the prompt.")
+        total_pool = sum(self.pool_tokens(r) for r in healthy)
+        rejected = self._quota_rejection(d, max(need.values()), total_pool, now)
         if rejected is not None:
             return rejected
         soft = self.soft_over(d.fairness_id, total_pool) > 0
-        fitting = tuple(r for r in healthy if self.fits(d, blocks, r, soft))
+        fitting = tuple(r for r in healthy if self.fits(d, need[r.url], r, soft))
         if fitting:
             return Decision(Outcome.RUN, replicas=fitting)
         return Decision(Outcome.QUEUE)
@@ -198,7 +261,7 @@ class KvAdmission:
                 "hardWatermark": cfg.hardWatermark, "interactiveReserve": cfg.interactiveReserve,
                 "tenantMaxShare": cfg.tenantMaxShare, "tenantSoftShare": cfg.tenantSoftShare,
                 "blockTokens": cfg.blockTokens, "safetyFactor": cfg.safetyFactor,
-                "queueDeadlineMs": cfg.queueDeadlineMs, "default_pool_blocks": self.default_pool_blocks}
+                "queueDeadlineMs": cfg.queueDeadlineMs, "default_pool_tokens": self.default_pool_tokens}
 
 
 def _quota(name: str, who: str, limit: str, usage: str) -> Decision:

@@ -163,17 +163,22 @@ class Admission(_Model):
     kvPoolGiB: float = Field(default=52.0, gt=0)
     bytesPerToken: int = Field(default=131072, gt=0)
     kvPoolBlocks: int | None = Field(default=None, gt=0)
+    # Tokens per KV block only for a replica that reports no block size (vllm:cache_config_info block_size)
+    # and has no calibration profile, and the unit of kvPoolBlocks. A replica's own block size always wins:
+    # vLLM's differs per attention backend (16, 32, 64, 128, more for hybrid models).
     blockTokens: int = Field(default=16, gt=0)
     safetyFactor: float = Field(default=1.0, ge=1.0, le=4.0)
     admissionWatermark: float = Field(default=0.82, gt=0, le=1)
     batchPauseWatermark: float = Field(default=0.88, gt=0, le=1)
     hardWatermark: float = Field(default=0.92, gt=0, le=1)
     interactiveReserve: float = Field(default=0.25, ge=0, lt=1)
-    # prompt + max new tokens at or above this is "long" for the admission-watermark step.
+    # prompt + n × max new tokens at or above this is "long" for the admission-watermark step.
     longRequestTokens: int = Field(default=4096, gt=0)
     tenantMaxShare: float = Field(default=0.15, gt=0, le=1)
     tenantSoftShare: float = Field(default=0.10, gt=0, le=1)
     queueDeadlineMs: int = Field(default=8000, ge=0)
+    # The output of a chat without max_tokens/max_completion_tokens when the replica's context is unknown (with
+    # it known, vLLM generates to the context's end, and that is counted); /v1/completions default to 16, as vLLM.
     maxNewTokensDefault: int = Field(default=1024, gt=0)
     # The model's context limit; unset: the replica's reported max_model_len.
     maxContextTokens: int | None = Field(default=None, gt=0)
@@ -203,8 +208,14 @@ class Admission(_Model):
         """Blocks of a pool above the hard watermark: what one scheduling cycle may grow into."""
         return int((1.0 - self.hardWatermark) * pool_blocks + 1e-9)
 
+    def default_pool_tokens(self) -> int:
+        """The KV pool, in tokens, of a replica that reports none and has no calibration profile."""
+        if self.kvPoolBlocks:
+            return self.kvPoolBlocks * self.blockTokens
+        return int(self.kvPoolGiB * 2**30 // self.bytesPerToken)
+
     def default_pool_blocks(self) -> int:
-        return self.kvPoolBlocks or int(self.kvPoolGiB * 2**30 // (self.bytesPerToken * self.blockTokens))
+        return self.default_pool_tokens() // self.blockTokens
 
 
 class Picker(_Model):

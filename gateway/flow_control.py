@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from gateway.admission import LEVELS, Decision, Demand, KvAdmission
+from gateway.admission import LEVELS, Decision, Demand, KvAdmission, reported_pool_tokens
 from gateway.admission import Outcome as KvOutcome
 from gateway.band import PriorityBand
 from gateway.calibration import Profile, load_profile
@@ -144,8 +144,7 @@ class FlowController:
             self.ledger.configure(block_tokens=adm.blockTokens, safety_factor=safety,
                                   window=adm.tokenSecondsWindowSeconds)
         self.profile = profile
-        self.admission = KvAdmission(adm, self.ledger,
-                                     self.profile.num_gpu_blocks if self.profile else None) if adm.enabled else None
+        self.admission = KvAdmission(adm, self.ledger, self.profile) if adm.enabled else None
         self.pool.on_identify = self._on_identify
         for replica in self.pool.replicas:
             replica.refused = None
@@ -354,8 +353,8 @@ class FlowController:
         admission, res = self.admission, req.reservation
         if admission is not None and isinstance(res, Reservation):
             # Its blocks are held on the old replica; quotas already count them, only room matters here.
-            demand = self._demand(req)
-            fits = lambda r: admission.fits(demand, res.blocks, r)  # noqa: E731
+            demand = admission.within_context(self._demand(req), others)
+            fits = lambda r: admission.fits(demand, admission.kv_tokens(demand, r), r)  # noqa: E731
         new = self.picker.pick(others, self.detector, self.clock(), fits)
         if new is None:
             return None
@@ -363,7 +362,7 @@ class FlowController:
         new.in_flight += 1
         new.dispatches += 1
         if isinstance(req.reservation, Reservation) and self.ledger is not None:
-            self.ledger.move(req.reservation, new.url)
+            self.ledger.move(req.reservation, new.url, admission.block_size(new) if admission else None)
         req.replica = new
         return new
 
@@ -372,9 +371,9 @@ class FlowController:
         res = req.reservation
         if self.ledger is None or not isinstance(res, Reservation) or req.status is not Status.DISPATCHED:
             return
-        before = res.blocks
+        before = res.kv_tokens
         self.ledger.revise(res, output_tokens, self.clock(), done=done)
-        if res.blocks < before and self.total_queued:
+        if res.kv_tokens < before and self.total_queued:
             self.wake()
 
     def started_streaming(self, req: FlowRequest) -> None:
@@ -467,30 +466,38 @@ class FlowController:
     def _occupancy_share(self, replica: Replica) -> float:
         if self.admission is None:
             return replica.kv_usage or 0.0
-        return self.admission.occupancy(replica) / self.admission.pool_blocks(replica)
+        return self.admission.occupancy(replica) / self.admission.pool_tokens(replica)
 
     def _demand(self, req: FlowRequest) -> Demand:
-        return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id)
+        # getattr: FlowRequest is gaining `sequences` and `limit_param` (gateway/request.py, filled by the proxy
+        # from its TokenCount); until then every request is one sequence whose limit is clamped, never refused.
+        return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
+                      sequences=getattr(req, "sequences", 1), limit_param=getattr(req, "limit_param", None))
 
     def _reject_kv(self, req: FlowRequest, decision: Decision, band: PriorityBand) -> Outcome:
         assert decision.reason is not None
-        self.rejected_tokens[decision.reason.value] += req.prompt_tokens + req.max_new_tokens
-        self.metrics.child(self.metrics.kv_rejected_tokens, decision.reason.value).inc(
-            req.prompt_tokens + req.max_new_tokens)
+        asked = self._demand(req).held_tokens
+        self.rejected_tokens[decision.reason.value] += asked
+        self.metrics.child(self.metrics.kv_rejected_tokens, decision.reason.value).inc(asked)
         return self._reject(req, decision.reason, band, decision.message)
 
     def _on_identify(self, replica: Replica) -> None:
         """A replica told us what it serves and (when exported) its KV pool: check both against the config."""
         self._check_calibration(replica)
         adm = self.loaded.config.admission
-        if self.admission is None or not replica.kv_blocks_total:
+        if self.admission is None:
+            return
+        block_size = self.admission.block_size(replica)
+        pool = reported_pool_tokens(replica, block_size)
+        if not pool:
             return
         running = adm.maxRunningSequences or self.loaded.config.saturation.maxConcurrency
-        room = adm.growth_room(replica.kv_blocks_total)
+        pool_blocks = pool // block_size
+        room = adm.growth_room(pool_blocks)
         if room < running:
             # The config passed its check against the configured pool; this replica's real pool is smaller.
             log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
-                      pool_blocks=replica.kv_blocks_total, room_blocks=room, running_sequences=running,
+                      pool_blocks=pool_blocks, block_size=block_size, room_blocks=room, running_sequences=running,
                       hint="lower admission.hardWatermark or admission.maxRunningSequences")
 
     def _check_calibration(self, replica: Replica) -> None:
@@ -510,7 +517,7 @@ class FlowController:
         view = plain_view(req, now)
         if self.admission is None:
             return view
-        total = sum(self.admission.pool_blocks(r) for r in self.pool.healthy()) or 1
+        total = sum(self.admission.pool_tokens(r) for r in self.pool.healthy()) or 1
         return dataclasses.replace(view, tenant_over_soft_quota=self.admission.soft_over(req.fairness_id, total))
 
     def _evict_over_hard_watermark(self, healthy: list[Replica], now: float) -> None:
@@ -520,13 +527,15 @@ class FlowController:
         # The scraped usage shows the freed blocks only after a scrape: wait that long between decisions.
         grace = max(self.evictor.grace, self.pool.scrape_interval + 0.05)
         for replica in healthy:
-            excess = admission.occupancy(replica) - admission.cfg.hardWatermark * admission.pool_blocks(replica)
+            pool = admission.pool_tokens(replica)
+            excess = admission.occupancy(replica) - admission.cfg.hardWatermark * pool
             if excess < 0:
                 continue
-            victims = self.evictor.decide_kv(replica, excess + 1, grace, now)
+            # The evictor counts the victims' blocks, all of this replica's block size.
+            victims = self.evictor.decide_kv(replica, excess / admission.block_size(replica) + 1, grace, now)
             for victim in victims:
                 self._evict(victim, now, replica=replica.url, trigger="kv-hard-watermark",
-                            occupancy=round(admission.occupancy(replica) / admission.pool_blocks(replica), 4))
+                            occupancy=round(admission.occupancy(replica) / pool, 4))
             if victims:
                 return
 
@@ -548,10 +557,12 @@ class FlowController:
         if req.affinity is not None and req.affinity == replica.url:
             self.affinity_kept += 1
         if self.admission is not None and self.ledger is not None:
+            # As the replica runs it: the output clamped to the context, every sequence's own.
+            demand = self.admission.within_context(self._demand(req), self.pool.healthy())
             req.reservation = self.ledger.reserve(
                 request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
                 priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
-                max_new_tokens=req.max_new_tokens, now=now)
+                max_new_tokens=demand.output_tokens, block_size=self.admission.block_size(replica), now=now)
         elapsed = max(now - self._rate_at, 1e-3)
         self._rate = self._rate * math.exp(-elapsed / 5.0) + 1.0 / 5.0
         self._rate_at = now
@@ -670,24 +681,29 @@ class FlowController:
         total_pool = 0
         for r in self.pool.replicas:
             totals = ledger.by_replica.get(r.url)
-            reserved = totals.reserved_blocks if totals else 0
-            used = totals.used_blocks if totals else 0
-            pool = admission.pool_blocks(r) if admission else (r.kv_blocks_total or 0)
+            reserved = totals.kv_tokens if totals else 0
+            used = totals.used_kv_tokens if totals else 0
+            # In KV tokens, and in blocks of the replica's own block size (what its vLLM counts).
+            size = admission.block_size(r) if admission else (r.kv_block_size or ledger.block_tokens)
+            pool = admission.pool_tokens(r) if admission else (reported_pool_tokens(r, size) or 0)
             if r.healthy and r.refused is None:
                 total_pool += pool
+            scraped = round((r.kv_usage or 0.0) * pool) if r.kv_usage is not None else None
             replicas[r.url] = {
-                "total_blocks": pool, "reserved_blocks": reserved, "used_blocks": used,
-                "scraped_used_blocks": round((r.kv_usage or 0.0) * pool) if r.kv_usage is not None else None,
+                "block_size": size, "total_kv_tokens": pool, "reserved_kv_tokens": reserved, "used_kv_tokens": used,
+                "scraped_used_kv_tokens": scraped, "total_blocks": pool // size,
+                "reserved_blocks": math.ceil(reserved / size), "used_blocks": math.ceil(used / size),
+                "scraped_used_blocks": round(scraped / size) if scraped is not None else None,
                 "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
                 "level": admission.level(r) if admission else LEVELS[0]}
         tenants = {}
         ledger.accrue_all(now)
         for fid, totals in ledger.by_tenant.items():
-            tenants[fid] = {"reserved_blocks": totals.reserved_blocks, "reserved_tokens": totals.reserved_tokens,
-                            "share": round(totals.reserved_blocks / total_pool, 6) if total_pool else 0.0,
+            tenants[fid] = {"reserved_kv_tokens": totals.kv_tokens, "reserved_tokens": totals.reserved_tokens,
+                            "share": round(totals.kv_tokens / total_pool, 6) if total_pool else 0.0,
                             "active_sequences": totals.active,
                             "token_seconds": round(ledger.token_seconds(fairness_id=fid, now=now, accrued=True), 1)}
-        classes = {name: {"reserved_blocks": t.reserved_blocks, "reserved_tokens": t.reserved_tokens,
+        classes = {name: {"reserved_kv_tokens": t.kv_tokens, "reserved_tokens": t.reserved_tokens,
                           "active_sequences": t.active} for name, t in ledger.by_class.items()}
         waiting: dict[str, int] = {}
         wait_s: dict[str, float] = {}

@@ -1,12 +1,14 @@
 """The KV ledger: the one owner of every KV reservation the gateway holds on a replica.
 
-A reservation is a request's worst-case commitment, ceil(safetyFactor × ceil((prompt + max new) ÷
-blockTokens)) blocks, taken at dispatch. As the response is relayed its used part (prompt + output so far)
-grows and the remaining allowance shrinks; when generation ends the reservation shrinks to what is used,
-and at end, cancel, disconnect or eviction it is released at once. The relay revises a reservation when its
-blocks change (a block boundary, the output limit, the finish marker), so held tokens and token-seconds follow
-the stream block by block. Totals are kept per replica, per fairness id and per traffic class, plus occupied
-token-seconds (tokens held × seconds) over a window.
+Everything is counted in KV tokens: token slots of a replica's pool, always whole blocks of that replica's own
+block size (vLLM's `block_size`: 16 to 128 and more, per attention backend). A reservation is a request's
+worst-case commitment, ceil(safetyFactor × ceil((prompt + max new) ÷ block size)) blocks, taken at dispatch,
+where max new is every sequence's output together (n × the output limit). As the response is relayed its used
+part (prompt + output so far) grows and the remaining allowance shrinks; when generation ends the reservation
+shrinks to what is used, and at end, cancel, disconnect or eviction it is released at once. The relay revises
+a reservation when its blocks change (a block boundary, the output limit, the finish marker), so held tokens
+and token-seconds follow the stream block by block. Totals are kept per replica, per fairness id and per
+traffic class, plus occupied token-seconds (tokens held × seconds) over a window.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ class Reservation:
     priority: int
     replica: str
     prompt_tokens: int
+    # Every sequence's output together (n × the per-sequence limit the replica applies).
     max_new_tokens: int
-    blocks: int
-    used_blocks: int
+    # The replica's tokens per KV block; kv_tokens and used_kv_tokens are whole blocks of it.
+    block_size: int
+    kv_tokens: int
+    used_kv_tokens: int
     output_tokens: int = 0
     accrued_at: float = 0.0
     generation_done: bool = False
@@ -35,6 +40,14 @@ class Reservation:
     @property
     def held_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+    @property
+    def blocks(self) -> int:
+        return self.kv_tokens // self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        return self.used_kv_tokens // self.block_size
 
 
 class TokenSecondsMeter:
@@ -71,10 +84,18 @@ class TokenSecondsMeter:
 
 @dataclass
 class Totals:
-    reserved_blocks: int = 0
-    used_blocks: int = 0
+    # KV tokens reserved and used (whole blocks of each replica's block size).
+    kv_tokens: int = 0
+    used_kv_tokens: int = 0
+    # Tokens asked (prompt + every sequence's output limit, or what is held once generation ended): the
+    # maxReservedTokens quota's unit, independent of block sizes.
     reserved_tokens: int = 0
     active: int = 0
+
+
+def whole_blocks(tokens: int, block_size: int) -> int:
+    """`tokens` rounded up to whole blocks, in tokens."""
+    return math.ceil(tokens / block_size) * block_size
 
 
 class KvLedger:
@@ -83,32 +104,34 @@ class KvLedger:
         self.by_replica: dict[str, Totals] = defaultdict(Totals)
         self.by_tenant: dict[str, Totals] = defaultdict(Totals)
         self.by_class: dict[str, Totals] = defaultdict(Totals)
-        # Batch-class reservations per replica: the interactive reserve caps them.
-        self.batch_by_replica: Counter[str] = Counter()
+        # Batch-class KV tokens per replica: the interactive reserve caps them.
+        self.batch_kv_tokens: Counter[str] = Counter()
         self.active: set[Reservation] = set()
 
     def configure(self, *, block_tokens: int, safety_factor: float, window: float) -> None:
-        """New settings apply to new reservations; the ones held keep their sizes."""
+        """New settings apply to new reservations; the ones held keep their sizes. `block_tokens` is only the
+        block size of a reservation whose replica reported none (admission.blockTokens)."""
         self.block_tokens = block_tokens
         self.safety_factor = safety_factor
         if not hasattr(self, "meter") or self.meter.window != window:
             self.meter = TokenSecondsMeter(window)
 
     # -- sizing -----------------------------------------------------------------------------------------------
-    def blocks_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        raw = math.ceil((prompt_tokens + max_new_tokens) / self.block_tokens)
-        return max(1, math.ceil(raw * self.safety_factor - 1e-9))
-
-    def _used_blocks(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_tokens)
+    def kv_tokens_for(self, prompt_tokens: int, max_new_tokens: int, block_size: int | None = None) -> int:
+        """The reservation for prompt + max new tokens on a replica with this block size, in KV tokens."""
+        size = block_size or self.block_tokens
+        raw = math.ceil((prompt_tokens + max_new_tokens) / size)
+        return max(1, math.ceil(raw * self.safety_factor - 1e-9)) * size
 
     # -- life cycle -------------------------------------------------------------------------------------------
     def reserve(self, *, request_id: str, fairness_id: str, traffic_class: str, priority: int, replica: str,
-                prompt_tokens: int, max_new_tokens: int, now: float) -> Reservation:
+                prompt_tokens: int, max_new_tokens: int, now: float, block_size: int | None = None) -> Reservation:
+        """`max_new_tokens`: every sequence's output together; `block_size`: the replica's (None: blockTokens)."""
+        size = block_size or self.block_tokens
+        kv_tokens = self.kv_tokens_for(prompt_tokens, max_new_tokens, size)
         res = Reservation(request_id, fairness_id, traffic_class, priority, replica, prompt_tokens,
-                          max_new_tokens, self.blocks_for(prompt_tokens, max_new_tokens),
-                          self._used_blocks(prompt_tokens), accrued_at=now)
-        res.used_blocks = min(res.used_blocks, res.blocks)
+                          max_new_tokens, size, kv_tokens, min(whole_blocks(prompt_tokens, size), kv_tokens),
+                          accrued_at=now)
         self.active.add(res)
         self._apply(res, +1)
         return res
@@ -120,22 +143,27 @@ class KvLedger:
         self._accrue(res, now)
         self._apply(res, -1)
         res.output_tokens = max(res.output_tokens, output_tokens)
-        res.used_blocks = self._used_blocks(res.held_tokens)
+        res.used_kv_tokens = whole_blocks(res.held_tokens, res.block_size)
         res.generation_done = res.generation_done or done or res.output_tokens >= res.max_new_tokens
         if res.generation_done:
-            res.blocks = res.used_blocks
+            res.kv_tokens = res.used_kv_tokens
         # An estimate that was too low grows the reservation to what is really held.
-        res.blocks = max(res.blocks, res.used_blocks)
+        res.kv_tokens = max(res.kv_tokens, res.used_kv_tokens)
         self._apply(res, +1)
 
     def revision_due(self, res: Reservation) -> int:
         """The output-token count at which `revise` next changes the reservation (a block boundary of the
         held tokens, or the output limit): the relay revises only then, not on every streamed chunk."""
-        return min(res.max_new_tokens, res.used_blocks * self.block_tokens - res.prompt_tokens + 1)
+        return min(res.max_new_tokens, res.used_kv_tokens - res.prompt_tokens + 1)
 
-    def move(self, res: Reservation, replica: str) -> None:
+    def move(self, res: Reservation, replica: str, block_size: int | None = None) -> None:
+        """To another replica: what is held is rounded to that replica's blocks (None: keep the block size)."""
         self._apply(res, -1)
         res.replica = replica
+        if block_size and block_size != res.block_size:
+            res.block_size = block_size
+            res.used_kv_tokens = whole_blocks(res.held_tokens, block_size)
+            res.kv_tokens = max(whole_blocks(res.kv_tokens, block_size), res.used_kv_tokens)
         self._apply(res, +1)
 
     def release(self, res: Reservation, now: float) -> bool:
@@ -177,20 +205,20 @@ class KvLedger:
             tokens = res.held_tokens
         for totals in (self.by_replica[res.replica], self.by_tenant[res.fairness_id],
                        self.by_class[res.traffic_class]):
-            totals.reserved_blocks += sign * res.blocks
-            totals.used_blocks += sign * res.used_blocks
+            totals.kv_tokens += sign * res.kv_tokens
+            totals.used_kv_tokens += sign * res.used_kv_tokens
             totals.reserved_tokens += sign * tokens
             totals.active += sign
         if res.traffic_class == "batch":
-            self.batch_by_replica[res.replica] += sign * res.blocks
+            self.batch_kv_tokens[res.replica] += sign * res.kv_tokens
         if sign < 0:
             for table, key in ((self.by_tenant, res.fairness_id), (self.by_class, res.traffic_class)):
                 if table[key].active <= 0:
                     del table[key]
 
-    def reserved_on(self, replica: str) -> int:
+    def kv_tokens_on(self, replica: str) -> int:
         totals = self.by_replica.get(replica)
-        return totals.reserved_blocks if totals else 0
+        return totals.kv_tokens if totals else 0
 
     def tenant(self, fairness_id: str) -> Totals:
         return self.by_tenant.get(fairness_id) or Totals()

@@ -11,6 +11,7 @@ agrees, prompts go to /tokenize. Every `tokenizerCheckEvery`-th in-process count
 in the background, and a disagreement sends that replica's prompts back to /tokenize. `tokenizer: replica`
 always asks the replica, `simulator` and `local` count in process without the check, `estimate` uses
 characters ÷ `charsPerToken`, which is also the fallback (counted in a metric) when nothing else answers.
+The output limit is read from the body as vLLM reads it (`output_limit`), with vLLM's defaults.
 """
 
 from __future__ import annotations
@@ -51,11 +52,26 @@ PROBE_CHAT = ({"role": "system", "content": "Answer briefly."},
               {"role": "user", "content": "How many tokens is this chat? Count them, please."})
 
 
+# What vLLM generates for a /v1/completions request without max_tokens (its CompletionRequest default).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class TokenCount:
     prompt_tokens: int
+    # Per sequence: the output limit the request gives, else the one vLLM applies (see output_limit).
     max_new_tokens: int
     exact: bool
+    # The body field max_new_tokens came from (None: a default), and the sequences generated (n, best_of).
+    limit_param: str | None = None
+    sequences: int = 1
+
+
+@dataclass(frozen=True)
+class OutputLimit:
+    tokens: int
+    param: str | None
+    sequences: int
 
 
 def _chars(value: Any) -> int:
@@ -78,11 +94,29 @@ def _token_ids(value: Any) -> int | None:
     return None
 
 
-def max_new_tokens(body: Mapping[str, Any], default: int, path: str) -> int:
+def _count_field(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def output_limit(body: Mapping[str, Any], path: str, *, default: int, context: int | None,
+                 prompt_tokens: int) -> OutputLimit:
+    """Per-sequence output as vLLM reads it: chat takes max_completion_tokens when set, else max_tokens, else
+    generates to the end of the context (`context` − prompt; `default` when the context is not known);
+    /v1/completions reads only max_tokens, else 16. A value vLLM would refuse (0, a string) counts as none: the
+    replica answers it. Sequences: n, or best_of when larger, each with its own output."""
     if path.endswith("/embeddings"):
-        return 0  # embeddings generate nothing
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+        return OutputLimit(0, None, 1)  # embeddings generate nothing
+    sequences = max(_count_field(body, "n") or 1, _count_field(body, "best_of") or 1)
+    if path.endswith("/chat/completions"):
+        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        fallback = max(1, context - prompt_tokens) if context else default
+    else:
+        param, fallback = "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS
+    value = _count_field(body, param)
+    if value is None:
+        return OutputLimit(fallback, None, sequences)
+    return OutputLimit(value, param, sequences)
 
 
 # -- in-process tokenizers ------------------------------------------------------------------------------------
@@ -178,7 +212,8 @@ def find_tokenizer_json(model: str | None) -> str | None:
 def candidates(cfg: Admission, replica: Replica) -> list[InProcess]:
     """In-process tokenizers that may count this replica's prompts, to be checked against its /tokenize."""
     out: list[InProcess] = []
-    paths = [cfg.tokenizerFile, find_tokenizer_json(replica.model)]
+    # The model's root (a path or a hub name) is where its tokenizer is; `model` may be a served alias.
+    paths = [cfg.tokenizerFile, find_tokenizer_json(replica.model_root or replica.model)]
     for path in dict.fromkeys(p for p in paths if p):
         try:
             out.append(file_tokenizer(path))
@@ -214,7 +249,6 @@ class PromptCounter:
 
     async def count(self, body: Mapping[str, Any], path: str, session: aiohttp.ClientSession | None,
                     replica: Replica | None) -> TokenCount:
-        new = max_new_tokens(body, self.cfg.maxNewTokensDefault, path)
         chat = "messages" in body
         prompt = body.get("messages") if chat else body.get("prompt", body.get("input"))
         # The chat template's switches change the rendered prompt (a resumed answer continues its message).
@@ -222,14 +256,14 @@ class PromptCounter:
         ids = _token_ids(prompt)
         if ids is not None:
             self._counted("token_ids")
-            return TokenCount(ids, new, True)
+            return self._with_output(body, path, replica, ids, True)
         key_doc = {"model": body.get("model"), "messages" if chat else "prompt": prompt, **options}
         key = hashlib.sha256(json.dumps(key_doc, sort_keys=True, default=str).encode()).hexdigest()
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             self._counted("cache")
-            return TokenCount(cached, new, True)
+            return self._with_output(body, path, replica, cached, True)
         counted, source = None, "replica"
         local = self._fixed if self._fixed is not None else self._in_process(session, replica)
         if local is not None and (local.chat or not chat):
@@ -244,13 +278,20 @@ class PromptCounter:
             self.fallbacks += 1
             self.on_fallback()
             self._counted("estimate")
-            return TokenCount(math.ceil(_chars(prompt) / self.cfg.charsPerToken), new, False)
+            return self._with_output(body, path, replica, math.ceil(_chars(prompt) / self.cfg.charsPerToken), False)
         self._counted(source)
         if self.cfg.tokenCacheSize:
             self._cache[key] = counted
             if len(self._cache) > self.cfg.tokenCacheSize:
                 self._cache.popitem(last=False)
-        return TokenCount(counted, new, True)
+        return self._with_output(body, path, replica, counted, True)
+
+    def _with_output(self, body: Mapping[str, Any], path: str, replica: Replica | None, prompt_tokens: int,
+                     exact: bool) -> TokenCount:
+        context = self.cfg.maxContextTokens or (replica.max_model_len if replica is not None else None)
+        limit = output_limit(body, path, default=self.cfg.maxNewTokensDefault, context=context,
+                             prompt_tokens=prompt_tokens)
+        return TokenCount(prompt_tokens, limit.tokens, exact, limit.param, limit.sequences)
 
     def _counted(self, source: str) -> None:
         self.sources[source] += 1

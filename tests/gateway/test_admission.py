@@ -3,10 +3,13 @@
 import pytest
 
 from gateway.admission import Demand, KvAdmission, Outcome
+from gateway.calibration import Profile
 from gateway.config import Admission, ConfigError, Quota, parse_config
 from gateway.kv_ledger import KvLedger
 from gateway.replicas import Replica
+from gateway.flow_control import Outcome as FlowOutcome
 from gateway.request import DropReason
+from tests.gateway.test_flow_control import controller, req, run
 
 
 def setup(**kw):
@@ -24,30 +27,44 @@ def hold(ledger, replica, blocks, cls="interactive", fid="other", prio=100):
                           prompt_tokens=blocks * 16, max_new_tokens=0, now=0.0)
 
 
-def d(prompt, new, prio=0, cls="interactive", fid="t"):
-    return Demand(prompt, new, prio, cls, fid)
+def d(prompt, new, prio=0, cls="interactive", fid="t", **kw):
+    return Demand(prompt, new, prio, cls, fid, **kw)
 
 
 def test_reservation_is_prompt_plus_max_new_in_blocks_times_the_safety_factor():
     ledger = KvLedger(block_tokens=16, safety_factor=1.5, window=60)
-    assert ledger.blocks_for(100, 60) == 15  # ceil(160/16) = 10, x 1.5
+    assert ledger.kv_tokens_for(100, 60) == 15 * 16  # ceil(160/16) = 10 blocks, x 1.5
     res = ledger.reserve(request_id="a", fairness_id="t", traffic_class="batch", priority=-10, replica="r",
                          prompt_tokens=100, max_new_tokens=60, now=0.0)
-    assert (ledger.reserved_on("r"), ledger.by_replica["r"].used_blocks) == (15, 7)
+    assert (ledger.kv_tokens_on("r"), ledger.by_replica["r"].used_kv_tokens) == (15 * 16, 7 * 16)
+    assert (res.blocks, res.used_blocks) == (15, 7)
+
+
+def test_a_reservation_is_whole_blocks_of_its_replicas_own_block_size():
+    ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)  # 16: only for a replica that reports none
+    res = ledger.reserve(request_id="a", fairness_id="t", traffic_class="interactive", priority=0, replica="r",
+                         prompt_tokens=100, max_new_tokens=60, now=0.0, block_size=128)
+    assert (res.kv_tokens, res.blocks, res.used_kv_tokens, res.used_blocks) == (256, 2, 128, 1)
+    assert ledger.revision_due(res) == 29  # the 129th held token opens the second block
+    ledger.revise(res, 40, 1.0)
+    assert (res.used_kv_tokens, ledger.revision_due(res)) == (256, 60)
+    ledger.move(res, "s", block_size=16)  # reassigned to a replica of 16-token blocks: its 140 tokens, re-rounded
+    assert (res.kv_tokens, res.used_kv_tokens, ledger.kv_tokens_on("r"), ledger.kv_tokens_on("s")) == (
+        256, 144, 0, 256)
 
 
 def test_revise_follows_output_and_release_frees_everything():
     ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
     res = ledger.reserve(request_id="a", fairness_id="t", traffic_class="interactive", priority=0, replica="r",
                          prompt_tokens=32, max_new_tokens=64, now=0.0)
-    assert ledger.reserved_on("r") == 6
+    assert ledger.kv_tokens_on("r") == 6 * 16
     ledger.revise(res, 16, 1.0)
-    assert ledger.by_replica["r"].used_blocks == 3 and ledger.reserved_on("r") == 6  # worst case still held
+    assert ledger.by_replica["r"].used_kv_tokens == 3 * 16 and ledger.kv_tokens_on("r") == 6 * 16  # worst case held
     ledger.revise(res, 20, 2.0, done=True)  # generation ended early: only what is used stays reserved
-    assert ledger.reserved_on("r") == 4
+    assert ledger.kv_tokens_on("r") == 4 * 16
     assert ledger.token_seconds(fairness_id="t", now=2.0) == pytest.approx(32 * 1 + 48 * 1)
     assert ledger.release(res, 3.0) and not ledger.release(res, 3.0)
-    assert ledger.reserved_on("r") == 0 and ledger.tenant("t").active == 0
+    assert ledger.kv_tokens_on("r") == 0 and ledger.tenant("t").active == 0
 
 
 @pytest.mark.parametrize("prompt, max_new", [(32, 64), (5, 40), (17, 3), (0, 33)])
@@ -64,8 +81,8 @@ def test_revising_only_when_due_keeps_the_same_blocks_as_revising_every_token(pr
             due_only.revise(b, out, float(out))
             due = due_only.revision_due(b)
             revisions += 1
-        assert (b.blocks, b.used_blocks, due_only.reserved_on("r")) == (a.blocks, a.used_blocks,
-                                                                         every.reserved_on("r")), out
+        assert (b.blocks, b.used_blocks, due_only.kv_tokens_on("r")) == (a.blocks, a.used_blocks,
+                                                                          every.kv_tokens_on("r")), out
     # The ledger is touched once per block crossed (and at the output limit), not once per token.
     assert revisions <= max_new // 16 + 2
 
@@ -101,12 +118,83 @@ def test_batch_reservations_keep_the_interactive_reserve():
 def test_never_fits_and_context_limits_reject_with_what_to_change():
     r = rep()
     big = setup()[0].decide(d(16 * 930, 0, prio=100), [r], 0)
-    assert big.reason is DropReason.KV_CAPACITY and "lower max_tokens" in big.message
+    assert big.reason is DropReason.KV_CAPACITY and "930 KV blocks of 16 tokens" in big.message
+    assert "lower max_tokens" in big.message
     adm, _ = setup(maxContextTokens=8000, tenantQuota=Quota(maxContextTokens=4000))
-    ctx = adm.decide(d(7000, 2000), [r], 0)
-    assert ctx.reason is DropReason.CONTEXT_LENGTH and "8000" in ctx.message
+    ctx = adm.decide(d(8000, 16), [r], 0)
+    assert ctx.reason is DropReason.CONTEXT_LENGTH and "maximum context length is 8000 tokens" in ctx.message
     tenant = adm.decide(d(3000, 2000), [r], 0)
     assert tenant.reason is DropReason.CONTEXT_LENGTH and "maxContextTokens" in tenant.message
+
+
+def test_the_context_limit_rejects_only_what_vllm_rejects_and_reserves_what_it_runs():
+    adm, _ = setup()
+    r = Replica("http://r", healthy=True, max_model_len=512)
+    # A prompt that fills the context: vLLM answers 400 and so does the gateway, saying what to change.
+    full = adm.decide(d(512, 16), [r], 0)
+    assert full.reason is DropReason.CONTEXT_LENGTH
+    assert "maximum context length is 512 tokens" in full.message and "at most 511 tokens" in full.message
+    assert adm.decide(d(512, 0), [r], 0).outcome is Outcome.RUN  # an embedding (no output) may fill it
+    # An explicit limit above the context: 400 naming the field, as vLLM's.
+    over = adm.decide(d(2, 600, limit_param="max_tokens"), [r], 0)
+    assert over.reason is DropReason.CONTEXT_LENGTH
+    assert "max_tokens=600 cannot be greater than" in over.message and "512" in over.message
+    # Prompt + limit past the context: vLLM clamps the output to the context's end and answers 200.
+    for new, param in ((510, "max_tokens"), (512, "max_completion_tokens"), (1024, None), (600, None)):
+        asked = d(2, new, limit_param=param)
+        assert adm.decide(asked, [r], 0).outcome is Outcome.RUN, (new, param)
+        assert adm.within_context(asked, [r]).max_new_tokens == 510
+    assert adm.kv_tokens(adm.within_context(d(9, 1024), [r]), r) == 512  # 9 + 503, not 9 + 1024
+
+
+def test_the_pool_and_reservations_are_counted_in_the_replicas_own_block_size():
+    # tests/fixtures/vllm/metrics.prom (real vLLM): 16384 blocks of 128 tokens, kv_cache_size_tokens 2,097,152.
+    adm, _ = setup()  # blockTokens 16
+    r = Replica("http://r", healthy=True, kv_block_size=128, num_gpu_blocks=16384)
+    assert (adm.block_size(r), adm.pool_tokens(r)) == (128, 2_097_152)
+    assert adm.kv_tokens(d(100, 0), r) == 128
+    # 300,000 tokens fit under 0.92 of the real pool; as 16384 blocks of 16 tokens (262,144) they never would.
+    assert adm.decide(d(300_000, 0, prio=100), [r], 0).outcome is Outcome.RUN
+    r.kv_cache_size_tokens = 1_000_000  # reported (hybrid models: not blocks x block size): it wins
+    assert adm.pool_tokens(r) == 1_000_000
+    # A replica that reports nothing: the calibration profile's geometry, else the config's (blockTokens).
+    assert (adm.block_size(rep()), adm.pool_tokens(rep())) == (16, 16000)
+    profile = Profile(model="m", runtime_version="v", gpu_sku="g", num_gpu_blocks=500, block_size=32,
+                      max_model_len=None, measured_at=0.0)
+    profiled = KvAdmission(adm.cfg, adm.ledger, profile)
+    assert (profiled.block_size(rep()), profiled.pool_tokens(rep())) == (32, 16000)
+    assert profiled.block_size(r) == 128  # the replica's own still wins
+
+
+def test_dispatch_reserves_the_output_vllm_runs_in_the_replicas_blocks_and_admin_state_shows_both_units():
+    async def main():
+        fc, clock = controller("admission: {tenantMaxShare: 1.0, tenantSoftShare: 1.0}\nusageLimit: {policy: static}")
+        replica = fc.pool.replicas[0]
+        # As real vLLM reports itself (tests/fixtures/vllm/metrics.prom, --max-model-len 512).
+        replica.max_model_len, replica.kv_block_size = 512, 128
+        replica.num_gpu_blocks, replica.kv_cache_size_tokens = 16384, 2_097_152
+        chat = req(fc, clock, "realtime")
+        chat.prompt_tokens, chat.max_new_tokens = 9, 1024  # vLLM generates at most 503 of them
+        assert fc.submit(chat) is FlowOutcome.DISPATCHED
+        assert (chat.reservation.max_new_tokens, chat.reservation.kv_tokens, chat.reservation.blocks) == (503, 512, 4)
+        pair = req(fc, clock, "realtime")
+        pair.prompt_tokens, pair.max_new_tokens, pair.sequences = 100, 100, 2  # n=2: two outputs
+        assert fc.submit(pair) is FlowOutcome.DISPATCHED
+        assert (pair.reservation.max_new_tokens, pair.reservation.kv_tokens) == (200, 384)
+        kv = fc.snapshot()["kv"]["replicas"][replica.url]
+        assert (kv["block_size"], kv["total_kv_tokens"], kv["total_blocks"]) == (128, 2_097_152, 16384)
+        assert (kv["reserved_kv_tokens"], kv["reserved_blocks"], kv["used_blocks"]) == (896, 7, 2)
+        assert fc.snapshot()["kv"]["tenants"]["t"]["share"] == round(896 / 2_097_152, 6)
+    run(main())
+
+
+def test_every_sequence_reserves_its_own_output():
+    adm, _ = setup()
+    r = rep()
+    assert adm.kv_tokens(d(100, 100, sequences=3), r) == 400
+    assert adm.decide(d(16 * 100, 16 * 500, prio=100), [r], 0).outcome is Outcome.RUN  # 600 of 920 blocks
+    two = adm.decide(d(16 * 100, 16 * 500, prio=100, sequences=2), [r], 0)          # 1100: never fits
+    assert two.reason is DropReason.KV_CAPACITY and "x 2 sequences" in two.message
 
 
 def test_tenant_hard_share_and_soft_share():

@@ -365,9 +365,9 @@ def test_kv_admission_queues_then_rejects_after_its_deadline():
         clock.t += 0.6
         fc.cycle()
         assert nxt.drop_reason is DropReason.KV_CAPACITY and "queueDeadlineMs" in nxt.drop_message
-        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 90
+        assert fc.ledger.kv_tokens_on(fc.pool.replicas[0].url) == 90 * 16
         fc.finish(big)
-        assert fc.ledger.reserved_on(fc.pool.replicas[0].url) == 20
+        assert fc.ledger.kv_tokens_on(fc.pool.replicas[0].url) == 20 * 16
         assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 90 * 16}
     run(main())
 
@@ -376,7 +376,7 @@ def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
     async def main():
         fc, clock = controller("admission: {kvPoolBlocks: 1000, tenantMaxShare: 0.5, tenantSoftShare: 0.1}\n"
                                "usageLimit: {policy: static}")
-        fc.pool.replicas[0].kv_blocks_total = 1000
+        fc.pool.replicas[0].num_gpu_blocks = 1000
         r = req(fc, clock, "batch", fid="heavy")
         r.prompt_tokens, r.max_new_tokens, r.resumable = 150 * 16, 50 * 16, True
         assert fc.submit(r) is Outcome.DISPATCHED

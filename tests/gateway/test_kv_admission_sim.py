@@ -1,8 +1,9 @@
 """KV admission over real HTTP: the gateway and `holdback sim` replicas run as subprocesses.
 
-The simulator has 1000 KV blocks of 16 tokens and a 16000-token context; its tokenizer makes "a a a ..." one
-token per word, so a request's reservation is known exactly: ceil((prompt + max_tokens) / 16) blocks. Long
-`max_tokens` with `ignore_eos` keep a reservation held until the test closes the stream.
+The simulator has 1000 KV blocks of 16 tokens (its own block size, from vllm:cache_config_info) and a
+16000-token context; its tokenizer makes "a a a ..." one token per word, so a request's reservation is known
+exactly: ceil((prompt + max_tokens) / 16) blocks. Long `max_tokens` with `ignore_eos` keep a reservation held
+until the test closes the stream.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def test_queued_request_is_rejected_when_its_kv_deadline_passes(stack):
             await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
             base = Held(client, blocks_body(900), hdr("realtime"))
             await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == 900)
+            # A completion without max_tokens gets vLLM's 16 output tokens: 288 + 16 is 19 blocks, 919 <= 920.
+            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(288)},
+                                  headers=hdr("realtime"))
+            assert r.status_code == 200, r.text
             r = await client.post("/v1/completions", json=blocks_body(40, 100, stream=False), headers=hdr("realtime"))
             assert r.status_code == 429 and r.headers["x-llm-d-request-dropped-reason"] == "rejected-kv-capacity"
             assert "queueDeadlineMs (300 ms)" in r.json()["error"]["message"]
@@ -260,17 +265,15 @@ def test_context_limits_reject_with_400(stack):
     async def main():
         async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
             await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
-            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(15000),
-                                                           "max_tokens": 1001}, headers=hdr("realtime"))
+            # A prompt that fills the context leaves no room for output: 400, as vLLM answers it.
+            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(16000),
+                                                           "max_tokens": 1}, headers=hdr("realtime"))
             assert r.status_code == 400 and r.headers["x-llm-d-request-dropped-reason"] == "rejected-context-length"
-            assert "16001 exceeds the model's context limit of 16000" in r.json()["error"]["message"]
+            message = r.json()["error"]["message"]
+            assert "maximum context length is 16000 tokens" in message and "16000 input tokens" in message
             r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(400),
                                                            "max_tokens": 101}, headers=hdr("realtime", "short"))
             assert r.status_code == 400 and "maxContextTokens of tenant 'short': limit 500" in r.json()["error"]["message"]
-            # A request without an output limit counts maxNewTokensDefault (1024).
-            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(15000)},
-                                  headers=hdr("realtime"))
-            assert r.status_code == 400 and "max new tokens (1024)" in r.json()["error"]["message"]
             assert sim_state(sim)["running"] == 0 and gw.state()["kv"]["tokenizer_fallbacks"] == 0
 
     asyncio.run(main())
@@ -305,10 +308,10 @@ def test_each_quota_rejects_naming_its_limit_and_usage(stack):
             await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
             # hard share: 0.3 of 1000 blocks
             big = Held(client, blocks_body(250, 3000), hdr("realtime", "big"))
-            await wait_until(lambda: gw.state()["kv"]["tenants"].get("big", {}).get("reserved_blocks") == 250)
+            await wait_until(lambda: gw.state()["kv"]["tenants"].get("big", {}).get("reserved_kv_tokens") == 4000)
             assert gw.state()["kv"]["tenants"]["big"]["share"] == 0.25
             await refused(client, blocks_body(60, 100, False), hdr("realtime", "big"), "tenantMaxShare",
-                          "0.30", "250 blocks reserved + 60 asked")
+                          "0.30", "4000 KV tokens reserved + 960 asked")
             # active sequences
             one = Held(client, blocks_body(70, 1000), hdr("realtime", "seqs"))
             await wait_until(lambda: gw.state()["kv"]["tenants"].get("seqs", {}).get("active_sequences") == 1)
@@ -356,7 +359,7 @@ def test_soft_quota_waits_only_under_pressure(stack):
             late = Held(client, blocks_body(20, 300), hdr("standard", "soft"))
             await wait_until(lambda: gw.band(0)["queued"] == 1)
             calm = Held(client, blocks_body(20, 300), hdr("realtime", "calm"))  # a calm tenant still runs
-            await wait_until(lambda: gw.state()["kv"]["tenants"].get("calm", {}).get("reserved_blocks") == 20)
+            await wait_until(lambda: gw.state()["kv"]["tenants"].get("calm", {}).get("reserved_kv_tokens") == 320)
             assert gw.band(0)["queued"] == 1
             await fill[0].close()
             await wait_until(lambda: gw.band(0)["queued"] == 0)

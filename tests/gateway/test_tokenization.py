@@ -8,7 +8,8 @@ import pytest
 
 from gateway.config import Admission, ConfigError, parse_config
 from gateway.replicas import Replica
-from gateway.tokenization import InProcess, PromptCounter, find_tokenizer_json, load_local_tokenizer
+from gateway.tokenization import (InProcess, PromptCounter, candidates, find_tokenizer_json, load_local_tokenizer,
+                                  output_limit)
 from tests.support import poll
 
 tokenizers = pytest.importorskip("tokenizers", reason="admission.tokenizer `local` needs the tokenizers package "
@@ -61,6 +62,35 @@ def test_without_a_tokenizer_the_estimate_is_used_and_counted():
     assert count(counter, {"input": "abcd"}, "/v1/embeddings").max_new_tokens == 0
 
 
+def test_the_output_limit_is_read_as_vllm_reads_it():
+    def limit(body, path="/v1/completions", context=512, prompt=9):
+        got = output_limit(body, path, default=1024, context=context, prompt_tokens=prompt)
+        return got.tokens, got.param, got.sequences
+
+    chat = "/v1/chat/completions"
+    assert limit({}) == (16, None, 1)                                 # completions: vLLM's default of 16
+    assert limit({"max_completion_tokens": 300}) == (16, None, 1)    # /v1/completions reads only max_tokens
+    assert limit({"max_tokens": 300}) == (300, "max_tokens", 1)
+    assert limit({}, chat) == (503, None, 1)                          # chat: to the end of the context
+    assert limit({}, chat, context=None) == (1024, None, 1)          # context unknown: maxNewTokensDefault
+    assert limit({"max_tokens": 50, "max_completion_tokens": 20}, chat) == (20, "max_completion_tokens", 1)
+    assert limit({"max_tokens": 50, "max_completion_tokens": None}, chat) == (50, "max_tokens", 1)
+    assert limit({"max_tokens": 7, "n": 2}) == (7, "max_tokens", 2)
+    assert limit({"n": 2, "best_of": 3}, chat) == (503, None, 3)     # best_of when larger
+    assert limit({"max_tokens": "7", "n": True}) == (16, None, 1)    # what vLLM refuses, it answers itself
+    assert limit({"input": "x", "n": 2}, "/v1/embeddings") == (0, None, 1)
+
+
+def test_a_chat_without_a_limit_counts_the_rest_of_the_replicas_context():
+    counter = PromptCounter(Admission(tokenizer="simulator"))
+    body = {"messages": [{"role": "user", "content": "a a a"}], "n": 2}
+    got = count(counter, body, "/v1/chat/completions", Replica("http://r", max_model_len=512))
+    assert (got.max_new_tokens, got.limit_param, got.sequences) == (512 - got.prompt_tokens, None, 2)
+    completion = count(counter, {"prompt": "a a a", "max_completion_tokens": 99}, "/v1/completions",
+                       Replica("http://r", max_model_len=512))
+    assert (completion.max_new_tokens, completion.limit_param) == (16, None)
+
+
 def test_simulator_tokenizer_matches_the_simulator_and_counts_are_cached():
     counter = PromptCounter(Admission(tokenizer="simulator", tokenCacheSize=1))
     assert count(counter, {"prompt": "a a a a"}).prompt_tokens == 4
@@ -94,6 +124,12 @@ def test_the_models_tokenizer_json_is_found_in_its_directory_or_the_hub_cache(tm
     (repo / "refs" / "main").write_text("gone\n")  # refs/main names a snapshot without one: the newest that has one
     assert find_tokenizer_json("org/model") in {str(repo / "snapshots" / r / "tokenizer.json") for r in ("old", "pinned")}
     assert find_tokenizer_json(None) is None and find_tokenizer_json("no-slash-model") is None
+
+
+def test_the_tokenizer_json_is_looked_up_at_the_models_root_not_its_served_name(tmp_path):
+    path = tokenizer_file(tmp_path)  # vLLM --served-model-name tiny, weights (and tokenizer) in tmp_path
+    replica = Replica("http://r", model="tiny", model_root=str(tmp_path))
+    assert [c.path for c in candidates(Admission(), replica)] == [path]
 
 
 def identified(url: str) -> Replica:
