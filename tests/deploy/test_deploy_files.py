@@ -20,7 +20,7 @@ from tests.deploy.deploy_files import (
 )
 
 K8S_VERSION = kubernetes_validate.latest_version()
-CUSTOM_GROUPS = ("monitoring.coreos.com/", "inference.networking.x-k8s.io/")
+CUSTOM_GROUPS = ("monitoring.coreos.com/", "inference.networking.x-k8s.io/", "llm-d.ai/")
 
 
 @pytest.fixture(scope="module", params=["base", "overlays/vllm"])
@@ -78,11 +78,26 @@ def test_custom_resources_are_well_formed_and_point_at_what_exists(manifests) ->
         assert "InferenceObjective" in kinds
 
 
-def test_objectives_match_the_gateway_config() -> None:
+# Current llm-d reads only llm-d.ai/v1alpha2 objectives (and ignores the old group when its own CRD is there);
+# older llm-d and the Inference Extension's own picker read the old group.
+OBJECTIVE_FILES = {"inference-objectives.yaml": "llm-d.ai/v1alpha2",
+                   "inference-objectives-legacy.yaml": "inference.networking.x-k8s.io/v1alpha2"}
+
+
+@pytest.mark.parametrize("file,api_version", sorted(OBJECTIVE_FILES.items()))
+def test_objectives_match_the_gateway_config_in_the_group_llm_d_reads(file: str, api_version: str) -> None:
     config = yaml.safe_load((REPO / "gateway" / "default.yaml").read_text())
-    docs = yaml.safe_load_all((K8S / "overlays" / "vllm" / "inference-objectives.yaml").read_text())
-    objectives = {d["metadata"]["name"]: d["spec"]["priority"] for d in docs if d}
+    docs = [d for d in yaml.safe_load_all((K8S / "overlays" / "vllm" / file).read_text()) if d]
+    assert {d["apiVersion"] for d in docs} == {api_version}
+    assert all(d["spec"]["poolRef"]["name"] == "vllm" for d in docs)
+    objectives = {d["metadata"]["name"]: d["spec"]["priority"] for d in docs}
     assert objectives == {name: o["priority"] for name, o in config["objectives"].items()}
+
+
+def test_the_overlay_ships_the_objectives_current_llm_d_reads() -> None:
+    overlay = yaml.safe_load((K8S / "overlays" / "vllm" / "kustomization.yaml").read_text())
+    assert "inference-objectives.yaml" in overlay["resources"]
+    assert "inference-objectives-legacy.yaml" not in overlay["resources"], "one group at a time"
 
 
 def test_every_deployment_has_probes_and_runs_as_non_root(manifests) -> None:  # noqa: ANN001
