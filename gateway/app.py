@@ -47,6 +47,7 @@ class Gateway:
         self.pool = ReplicaPool(loaded.config.replicas)
         self.controller = FlowController(loaded, self.pool, self.metrics)
         self.pool.on_change = self.controller.wake
+        self.pool.key_source = lambda url: self.controller.loaded.replica_key_source(url)
         self.proxy = Proxy(self.controller, self.metrics)
         self.metrics.watch(self.controller.snapshot)
         self._session: aiohttp.ClientSession | None = None
@@ -68,9 +69,13 @@ class Gateway:
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.stop()
 
+    def replica_key(self, url: str) -> str | None:
+        """The key of the replica at `url` (or under it) in the running config."""
+        return self.controller.loaded.replica_key(url)
+
     async def start(self) -> None:
         """Open the upstream session, start the replica checks, the dispatch loop and SIGHUP reloads."""
-        self._session = upstream_session(self.controller.loaded.config)
+        self._session = upstream_session(self.controller.loaded.config, self.replica_key)
         self.proxy.session = self._session
         self.proxy.upstream = UpstreamPool.for_config(self.controller.loaded.config)
         await self.pool.start(self._session)
@@ -212,15 +217,25 @@ def refuse_admin(classifier: Classifier, request: web.Request) -> web.Response |
     return None
 
 
-def upstream_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
-    """The session for /v1/models, health checks and tokenizer calls to the replicas (inference requests go
-    through the proxy's UpstreamPool); not decompressed."""
+def upstream_session(cfg: GatewayConfig, key: Callable[[str], str | None] = lambda url: None
+                     ) -> aiohttp.ClientSession:
+    """The session for /v1/models, health checks, scrapes and tokenizer calls to the replicas (inference requests
+    go through the proxy's UpstreamPool); not decompressed. `key(url)` is the replica's key, put on every call
+    that does not carry an Authorization of its own."""
     connector = aiohttp.TCPConnector(limit=connection_limit(cfg), limit_per_host=0, keepalive_timeout=30,
                                      enable_cleanup_closed=False)
     timeout = aiohttp.ClientTimeout(total=cfg.upstream.timeoutSeconds or None,
                                     sock_connect=cfg.upstream.connectTimeoutSeconds)
+
+    async def authorize(request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
+        if "Authorization" not in request.headers:
+            value = key(str(request.url))
+            if value:
+                request.headers["Authorization"] = f"Bearer {value}"
+        return await handler(request)
+
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 skip_auto_headers=("User-Agent",))
+                                 skip_auto_headers=("User-Agent",), middlewares=(authorize,))
 
 
 async def rollback_request(classifier: Classifier, request: web.Request) -> float | None | web.Response:

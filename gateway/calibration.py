@@ -5,7 +5,8 @@ KV geometry from `vllm:cache_config_info`), then measures one probe request: the
 in use while it streams against ceil(tokens ÷ block size), whose ratio (never below 1) becomes the profile's
 `safety_factor`. The gateway reserves with the larger of that and `admission.safetyFactor`. The gateway uses the profile's pool size for
 replicas that do not export their own, and refuses any replica whose model or runtime differs from the
-profile's: an estimate measured on another model or runtime is false headroom.
+profile's: an estimate measured on another model or runtime is false headroom. A replica started with
+`--api-key` is measured with that key (every call carries it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gateway.replicas import Replica, parse_vllm_metrics
 
 @dataclass(frozen=True)
 class Profile:
-    model: str
+    model: str  # the served name (vLLM's `id` in /v1/models)
     runtime_version: str
     gpu_sku: str
     num_gpu_blocks: int
@@ -33,10 +34,13 @@ class Profile:
     measured_at: float
     # Observed ÷ computed blocks of the probe, at least 1.0 (1.0 when no probe ran).
     safety_factor: float = 1.0
+    # Where the model's weights came from (vLLM's `root`: a path or a hub name).
+    model_root: str | None = None
 
     def mismatch(self, replica: Replica) -> str | None:
         """Why this profile must not be used for `replica`, or None when it matches."""
-        if replica.model != self.model:
+        # Profiles written before the served name was recorded hold the root instead.
+        if self.model not in (replica.model, replica.model_root if self.model_root is None else None):
             return f"model {replica.model!r} differs from the profile's {self.model!r}"
         if replica.runtime_version != self.runtime_version:
             return f"runtime {replica.runtime_version!r} differs from the profile's {self.runtime_version!r}"
@@ -54,10 +58,13 @@ def load_profile(path: str | Path) -> Profile:
                           f"`holdback gateway calibrate`: {exc}") from exc
 
 
-def measure(replica_url: str, gpu_sku: str, probe_tokens: int = 512, timeout: float = 30.0) -> Profile:
-    """Read a running replica's identity and KV pool geometry, then measure one probe (0: no probe)."""
+def measure(replica_url: str, gpu_sku: str, probe_tokens: int = 512, timeout: float = 30.0,
+            api_key: str | None = None) -> Profile:
+    """Read a running replica's identity and KV pool geometry, then measure one probe (0: no probe).
+    `api_key`: the replica's `--api-key`, sent on every call."""
     url = replica_url.rstrip("/")
-    with httpx.Client(timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout, headers=headers, event_hooks={"response": [_refused_key(api_key)]}) as client:
         models = client.get(url + "/v1/models").raise_for_status().json()["data"][0]
         version = client.get(url + "/version").raise_for_status().json().get("version")
         metrics = parse_vllm_metrics(client.get(url + "/metrics").raise_for_status().text)
@@ -66,9 +73,19 @@ def measure(replica_url: str, gpu_sku: str, probe_tokens: int = 512, timeout: fl
         model = str(models["id"])
         blocks, block_size = int(metrics["num_gpu_blocks"]), int(metrics["block_size"])
         factor = _probe(client, url, model, blocks, block_size, probe_tokens) if probe_tokens else 1.0
-    return Profile(model=str(models.get("root") or models["id"]), runtime_version=str(version), gpu_sku=gpu_sku,
+    return Profile(model=model, runtime_version=str(version), gpu_sku=gpu_sku,
                    num_gpu_blocks=blocks, block_size=block_size, max_model_len=models.get("max_model_len"),
-                   measured_at=time.time(), safety_factor=factor)
+                   measured_at=time.time(), safety_factor=factor,
+                   model_root=str(models["root"]) if models.get("root") else None)
+
+
+def _refused_key(api_key: str | None):  # noqa: ANN202 - an httpx response hook
+    def check(response: httpx.Response) -> None:
+        if response.status_code in (401, 403):
+            what = "rejects the given key" if api_key else "wants an API key (vLLM --api-key) and none was given"
+            raise RuntimeError(f"{response.request.url} answered {response.status_code}: the replica {what}; "
+                               "pass the replica's --api-key to `holdback gateway calibrate --api-key`")
+    return check
 
 
 def _usage(client: httpx.Client, url: str) -> float:

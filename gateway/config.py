@@ -238,12 +238,43 @@ class Metrics(_Model):
     scrapeIntervalSeconds: float = Field(default=0.25, gt=0)
 
 
+# The environment variable `upstream.apiKey_env` names unless set: what a `--upstream-api-key` flag of
+# `holdback gateway` would be read from (holdback.env_flags), so the key never has to be in the file.
+UPSTREAM_KEY_ENV = "HOLDBACK_GATEWAY_UPSTREAM_API_KEY"
+
+
+class ReplicaKey(_Model):
+    """One replica's own key (its vLLM `--api-key`), for `upstream.replicaKeys`."""
+
+    key: str | None = None
+    key_env: str | None = Field(default=None, alias="keyEnv")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ReplicaKey":
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("an upstream.replicaKeys entry needs exactly one of `key` or `key_env`")
+        return self
+
+
 class Upstream(_Model):
     connectTimeoutSeconds: float = Field(default=5.0, gt=0)
     timeoutSeconds: float = Field(default=0.0, ge=0)
     connectionLimit: int = Field(default=0, ge=0)
+    # Sent as `Authorization: Bearer` on every call to a replica (inference, /v1/models, /version, /tokenize,
+    # /metrics, /health): the key vLLM was started with (`--api-key`). The variable apiKey_env names wins
+    # over apiKey when it is set.
     apiKey: str | None = None
-    apiKey_env: str | None = None
+    apiKey_env: str | None = Field(default=UPSTREAM_KEY_ENV, alias="apiKeyEnv")
+    # Replica base URL -> its own key, for replicas started with different keys; it replaces apiKey there.
+    replicaKeys: dict[str, ReplicaKey] = {}
+
+    @field_validator("replicaKeys")
+    @classmethod
+    def _replica_urls(cls, keys: dict[str, ReplicaKey]) -> dict[str, ReplicaKey]:
+        for url in keys:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream.replicaKeys: {url!r} must be a replica's http:// or https:// URL")
+        return {url.rstrip("/"): key for url, key in keys.items()}
 
 
 class KeyEntry(_Model):
@@ -413,6 +444,27 @@ class LoadedConfig:
     upstream_api_key: str | None
     skipped_key_envs: tuple[str, ...]
     admin_keys: frozenset[str] = frozenset()
+    # Where upstream_api_key came from ("upstream.apiKey", "$VAR"), and (url, key, where from) per replica with
+    # its own key (upstream.replicaKeys).
+    upstream_key_source: str | None = None
+    replica_keys: tuple[tuple[str, str, str], ...] = ()
+
+    def replica_key(self, url: str) -> str | None:
+        """The key to send to the replica at `url` (its base URL, or any URL under it): its own, else the one
+        for all replicas."""
+        own = self._own_key(url)
+        return own[1] if own else self.upstream_api_key
+
+    def replica_key_source(self, url: str) -> str | None:
+        """Which setting `replica_key(url)` comes from, for the log line of a replica that refuses it."""
+        own = self._own_key(url)
+        return own[2] if own else self.upstream_key_source
+
+    def _own_key(self, url: str) -> tuple[str, str, str] | None:
+        for entry in self.replica_keys:
+            if url == entry[0] or url.startswith(entry[0] + "/"):
+                return entry
+        return None
 
 
 def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -> LoadedConfig:
@@ -446,9 +498,18 @@ def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -
                            entry.sharePublicPrompts, entry.permissionVersion))
     if len({k.key for k in keys}) != len(keys):
         raise ConfigError(f"{source}: two keys entries have the same key value")
-    upstream_key = config.upstream.apiKey
-    if config.upstream.apiKey_env:
-        upstream_key = env.get(config.upstream.apiKey_env) or upstream_key
+    up = config.upstream
+    upstream_key, upstream_source = up.apiKey, "upstream.apiKey" if up.apiKey else None
+    if up.apiKey_env and env.get(up.apiKey_env):
+        upstream_key, upstream_source = env[up.apiKey_env], f"${up.apiKey_env}"
+    replica_keys = []
+    for url, entry in up.replicaKeys.items():
+        value = entry.key if entry.key_env is None else env.get(entry.key_env) or None
+        if value is None:
+            skipped.append(entry.key_env or "")
+            continue
+        where = f"${entry.key_env}" if entry.key_env else "key"
+        replica_keys.append((url, value, f"upstream.replicaKeys[{url!r}] ({where})"))
     admin_keys = set()
     for entry in config.adminKeys:
         value = entry.key if entry.key_env is None else env.get(entry.key_env) or None
@@ -457,7 +518,8 @@ def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -
             continue
         admin_keys.add(value)
     digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped), frozenset(admin_keys))
+    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped), frozenset(admin_keys),
+                        upstream_source, tuple(replica_keys))
 
 
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> LoadedConfig:

@@ -34,7 +34,7 @@ from gateway.request import FlowRequest, Status
 logger = logging.getLogger("gateway.flow")
 
 # Fields of a replica the relays need: which ones take work, and what they serve (for prompt counting).
-_REPLICA_VIEW = ("url", "healthy", "refused", "model", "runtime_version", "max_model_len")
+_REPLICA_VIEW = ("url", "healthy", "refused", "model", "model_root", "runtime_version", "max_model_len")
 # A relay that dies sooner than this after its start is restarted after a growing pause, not at once.
 _QUICK_EXIT = 5.0
 
@@ -119,10 +119,10 @@ class RelayLink:
             controller.count_mid_stream_eviction()
         elif kind == "fallbacks":
             controller.tokenizer_fallbacks += message[1]
-        elif kind == "mark_down":
+        elif kind in ("mark_down", "mark_unauthorized"):
             replica = next((r for r in self.server.gateway.pool.replicas if r.url == message[1]), None)
             if replica is not None:
-                self.server.gateway.pool.mark_down(replica, message[2])
+                getattr(self.server.gateway.pool, kind)(replica, *message[2:])
         elif kind == "tokenizer":
             self.tokenizer = message[1]
         elif kind == "call":

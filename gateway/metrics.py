@@ -68,6 +68,10 @@ class GatewayMetrics:
                                      "cache, token_ids, estimate.", ["source"], registry=r)
         self.upstream_errors = Counter(f"{PREFIX}_upstream_errors", "Transport failures talking to a replica.",
                                        ["replica"], registry=r)
+        self.upstream_moves = Counter(f"{PREFIX}_upstream_moves", "Requests sent to another replica before any "
+                                      "byte of an answer, by why their replica failed: connect (refused), closed "
+                                      "(died with the request), unauthorized (refused the gateway's key).",
+                                      ["reason"], registry=r)
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):

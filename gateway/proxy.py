@@ -8,7 +8,11 @@ transport from its `data_received` (no task wake per chunk; the handler waits fo
 caller leaving or its transport draining). Eviction and client disconnects both arrive as cancellation of
 the handler task: the upstream connection is dropped (never pooled), so the replica aborts the request.
 With KV admission on, the body is parsed and its prompt counted before flow control, and the relay counts
-streamed tokens (one per `data: {` event) so the ledger's reservation follows the response.
+streamed tokens (vLLM's running `usage.completion_tokens` when the stream carries it, else one per `data: {`
+event) so the ledger's reservation follows the response. Until the first byte of an answer, a replica that
+refuses the connection, dies with the request or refuses the gateway's key is taken out and the request moves
+to another one (flow control moves its slot and KV reservation); a request that reached a replica which died
+is sent once more, no further.
 `controller` is the FlowController in one process, or in a relay of `--workers N` the RemoteFlowController
 that asks the flow-control process (gateway/remote_flow.py): the same calls, so this is the one relay path.
 """
@@ -33,7 +37,8 @@ from gateway.kv_ledger import Reservation
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.request import DropReason, FlowRequest, Status
-from gateway.responses import drop_response, error_response, evicted_sse_event
+from gateway.replicas import UNAUTHORIZED, Replica
+from gateway.responses import drop_response, embeddings_not_served, error_response, evicted_sse_event
 from gateway.tokenization import PromptCounter
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
@@ -50,6 +55,9 @@ _HOP_BY_HOP = frozenset({
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
 _EVENT = b"data: {"
 _FINISHED, _FINISHED_SPACED = b'"finish_reason":"', b'"finish_reason": "'
+# vLLM's running count in each chunk of a stream asked for `stream_options.continuous_usage_stats`.
+_COMPLETION_TOKENS = b'"completion_tokens":'
+EMBEDDINGS = "/v1/embeddings"
 
 
 def _request_id(headers) -> str:
@@ -63,7 +71,6 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None  # /v1/models and the prompt counter's calls
         self.upstream: UpstreamPool | None = None  # inference requests (gateway/upstream.py)
         self.classifier = Classifier(controller.loaded)
-        self.upstream_api_key = controller.loaded.upstream_api_key
         self.counter = self._counter()
 
     def _counter(self) -> PromptCounter:
@@ -73,7 +80,6 @@ class Proxy:
 
     def reconfigure(self) -> None:
         self.classifier = Classifier(self.controller.loaded)
-        self.upstream_api_key = self.controller.loaded.upstream_api_key
         self.counter.close()  # its background tokenizer checks stop; the new counter checks again
         self.counter = self._counter()
 
@@ -119,10 +125,14 @@ class Proxy:
         except ClassificationError as exc:
             log_event(logger, logging.INFO, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
+        controller = self.controller
+        if request.path == EMBEDDINGS:
+            healthy = controller.pool.healthy()
+            if healthy and all(r.serves_no_embeddings() for r in healthy):
+                return embeddings_not_served(healthy[0], request_id)
         raw = await request.read()
         doc = _document(raw)
         body = salted_body(raw, request.path, cls.cache_salt, doc)
-        controller = self.controller
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                           resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1")
@@ -165,7 +175,7 @@ class Proxy:
         assert self.session is not None
         try:
             async with self.session.get(replica.url + request.path_qs,
-                                        headers=self._upstream_headers(request, request_id)) as resp:
+                                        headers=self._upstream_headers(request, request_id, replica.url)) as resp:
                 data = await resp.read()
                 return web.Response(status=resp.status, body=data,
                                     headers=self._response_headers(resp, request_id))
@@ -173,15 +183,16 @@ class Proxy:
             return self._upstream_failure(replica, exc, request_id)
 
     # -- forwarding -----------------------------------------------------------------------------------------
-    def _upstream_headers(self, request: web.Request, request_id: str) -> CIMultiDict:
+    def _upstream_headers(self, request: web.Request, request_id: str, replica_url: str) -> CIMultiDict:
         out = CIMultiDict()
         for k, v in request.headers.items():
             if k.lower() not in _NOT_FORWARDED:
                 out.add(k, v)
         out[REQUEST_ID_HEADER] = request_id
         tracing.inject(out)
-        if self.upstream_api_key:
-            out["Authorization"] = f"Bearer {self.upstream_api_key}"
+        key = self.controller.loaded.replica_key(replica_url)
+        if key:
+            out["Authorization"] = f"Bearer {key}"
         return out
 
     @staticmethod
@@ -193,57 +204,119 @@ class Proxy:
         out[REQUEST_ID_HEADER] = request_id
         return out
 
-    def _upstream_failure(self, replica, exc: BaseException, request_id: str) -> web.Response:
+    def _upstream_failure(self, replica, exc: BaseException, request_id: str, down: bool = False) -> web.Response:
+        """Count and log a transport failure; take the replica out when its port refused the connection or
+        (`down`) it closed a new connection before answering."""
         self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
         if isinstance(exc, (aiohttp.ClientConnectorError, ConnectFailed)):
             self.controller.pool.mark_down(replica, f"connect: {exc.os_error or exc}")
+        elif down:
+            self.controller.pool.mark_down(replica, f"closed before answering: {exc}")
         log_event(logger, logging.WARNING, "upstream_error", request_id=request_id, replica=replica.url,
                   error=f"{type(exc).__name__}: {exc}")
         return error_response(502, f"The model replica failed: {type(exc).__name__}; retry the request.",
                               "upstream_error", "upstream_error", request_id)
 
-    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes) -> web.StreamResponse:
-        replica = req.replica
+    async def _move(self, req: FlowRequest, reason: str, failed: web.Response) -> web.Response | None:
+        """Nothing of the answer has reached the caller and its replica is out: flow control hands the request to
+        another healthy replica with room, moving its slot and KV reservation; `failed` is the answer (finished)
+        when none is left."""
+        old: Replica = req.replica  # type: ignore[assignment]
+        replica = await self.controller.reassign(req)
+        if replica is None:
+            self.controller.finish(req, "error", time.monotonic())
+            return failed
+        self.metrics.child(self.metrics.upstream_moves, reason).inc()
+        log_event(logger, logging.INFO, "upstream_moved", request_id=req.request_id, replica=old.url,
+                  to=replica.url, reason=reason)
+        return None
+
+    async def _exchange(self, request: web.Request, req: FlowRequest, body: bytes) -> UpstreamConnection | web.Response:
+        """Send the request to its replica until the response headers are in: the connection, or the answer when
+        no replica could take it (the request is finished then). Until the first byte of an answer, a failed
+        replica is taken out and the request moves on (`_move`); a request that reached a replica which died is
+        sent once more, no further. Raises the exchange's error (timeout, bad HTTP) with the connection closed."""
         pool = self.upstream
-        assert pool is not None and replica is not None
+        assert pool is not None
+        conn: UpstreamConnection | None = None
+        fresh = False  # the next connection is a new one (the pooled one was closed while idle)
+        resent = False
+        try:
+            while True:
+                replica: Replica = req.replica  # type: ignore[assignment]
+                try:
+                    conn = await pool.open(replica.url, fresh=fresh)
+                except ConnectFailed as exc:
+                    # Nothing reached the replica, so another one may take the request.
+                    failed = await self._move(req, "connect", self._upstream_failure(replica, exc, req.request_id))
+                    if failed is not None:
+                        return failed
+                    fresh = False
+                    continue
+                except asyncio.TimeoutError as exc:
+                    self.controller.finish(req, "error", time.monotonic())
+                    return self._upstream_failure(replica, exc, req.request_id)
+                conn.send(request.method, request.path_qs,
+                          self._upstream_headers(request, req.request_id, replica.url), body)
+                try:
+                    while not conn.status:
+                        await conn.wait()
+                except UpstreamError as exc:
+                    if not conn.unanswered():
+                        raise
+                    stale = conn.stale()
+                    pool.put(conn)
+                    conn = None
+                    fresh = stale
+                    if stale:
+                        # The replica had closed this pooled connection while it was idle and read nothing of
+                        # the request: send it once more on a new connection.
+                        continue
+                    # A new connection closed before one byte of an answer: the replica died with the request.
+                    failed = self._upstream_failure(replica, exc, req.request_id, down=True)
+                    if resent:
+                        self.controller.finish(req, "error", time.monotonic())
+                        return failed
+                    resent = True
+                    failed = await self._move(req, "closed", failed)
+                    if failed is not None:
+                        return failed
+                    continue
+                if conn.status not in UNAUTHORIZED:
+                    return conn
+                # The caller's key is never forwarded: the replica refuses the gateway's own.
+                status = conn.status
+                self.controller.pool.mark_unauthorized(replica, request.path, status)
+                conn.close()
+                pool.put(conn)
+                conn = None
+                self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
+                failed = await self._move(req, "unauthorized", error_response(
+                    502, f"The model replica refused the gateway's own key (HTTP {status}); the gateway's operator "
+                    "must set upstream.apiKey (or upstream.replicaKeys) to the replicas' --api-key.",
+                    "upstream_error", "upstream_unauthorized", req.request_id))
+                if failed is not None:
+                    return failed
+                fresh = False
+        except BaseException:
+            if conn is not None:  # cancelled (eviction, the caller left) or failed: never pooled
+                conn.close()
+                pool.put(conn)
+            raise
+
+    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes) -> web.StreamResponse:
+        pool = self.upstream
+        assert pool is not None and req.replica is not None
         controller = self.controller
         request_id = req.request_id
         conn: UpstreamConnection | None = None
         stream: web.StreamResponse | None = None
-        timer: asyncio.TimerHandle | None = None
         try:
-            upstream_headers = self._upstream_headers(request, request_id)
-            while conn is None:
-                try:
-                    conn = await pool.open(replica.url)
-                except ConnectFailed as exc:
-                    # Nothing reached the replica, so another one may take the request (once per replica).
-                    failed = self._upstream_failure(replica, exc, request_id)
-                    replica = await controller.reassign(req)
-                    if replica is None:
-                        controller.finish(req)
-                        return failed
-                except asyncio.TimeoutError as exc:
-                    controller.finish(req)
-                    return self._upstream_failure(replica, exc, request_id)
-            if pool.total_timeout:
-                timer = asyncio.get_running_loop().call_later(pool.total_timeout, conn.expire)
-            conn.send(request.method, request.path_qs, upstream_headers, body)
-            while not conn.status:
-                try:
-                    await conn.wait()
-                except UpstreamError:
-                    if not conn.stale():
-                        raise
-                    # The replica had closed this pooled connection while it was idle and read nothing of the
-                    # request: send it once more on a new connection.
-                    pool.put(conn)
-                    conn = None
-                    conn = await pool.open(replica.url, fresh=True)
-                    if timer is not None:
-                        timer.cancel()
-                        timer = asyncio.get_running_loop().call_later(pool.total_timeout, conn.expire)
-                    conn.send(request.method, request.path_qs, upstream_headers, body)
+            exchanged = await self._exchange(request, req, body)
+            if isinstance(exchanged, web.Response):
+                return exchanged
+            conn = exchanged
+            replica: Replica = req.replica  # type: ignore[assignment]
             headers = response_headers(conn.headers, _HOP_BY_HOP)
             headers[REQUEST_ID_HEADER] = request_id
             headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
@@ -256,6 +329,14 @@ class Proxy:
                 data = conn.take()
                 self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
                 controller.finish(req, "end", time.monotonic())
+                if conn.status == 404 and request.path == EMBEDDINGS and _route_not_found(data):
+                    # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
+                    if not replica.serves_no_embeddings():
+                        log_event(logger, logging.WARNING, "replica_serves_no_embeddings", replica=replica.url,
+                                  model=replica.model, hint="point /v1/embeddings at replicas started with an "
+                                  "embedding model")
+                    replica.no_embeddings_model = replica.model or ""
+                    return embeddings_not_served(replica, request_id)
                 return web.Response(status=conn.status, body=data, headers=headers)
             stream = web.StreamResponse(status=conn.status, headers=headers)
             conn.streaming = True
@@ -324,33 +405,40 @@ class Proxy:
             if conn is not None:
                 conn.close()
             controller.finish(req, "error", time.monotonic())
+            failed: Replica = req.replica  # type: ignore[assignment]
             if stream is not None and stream.prepared:
                 # Status and part of the body are out; dropping the connection is the only honest signal.
                 log_event(logger, logging.WARNING, "stream_broken", request_id=request_id,
-                          replica=replica.url, error=f"{type(exc).__name__}: {exc}")
+                          replica=failed.url, error=f"{type(exc).__name__}: {exc}")
                 raise
-            return self._upstream_failure(replica, exc, request_id)
+            return self._upstream_failure(failed, exc, request_id)
         finally:
-            if timer is not None:
-                timer.cancel()
             if conn is not None:
                 pool.put(conn)
 
 
 class _TokenCount:
-    """The KV ledger's view of a relayed stream: one token per `data: {` event, revised only when the
-    reservation's blocks change (KvLedger.revision_due) or the generation finished."""
+    """The KV ledger's view of a relayed stream, revised only when the reservation's blocks change
+    (KvLedger.revision_due) or the generation finished. The tokens are vLLM's own running count when the stream
+    carries one (`usage.completion_tokens` in every chunk: several tokens may come in one event, and a token
+    whose bytes are not yet a whole character comes as an empty one), else one per `data: {` event."""
 
-    __slots__ = ("controller", "req", "res", "ledger", "tokens", "due")
+    __slots__ = ("controller", "req", "res", "ledger", "tokens", "due", "usage")
 
     def __init__(self, controller: FlowController, req: FlowRequest, res: Reservation):
         self.controller, self.req, self.res = controller, req, res
         self.ledger = controller.ledger
         self.tokens = 0
         self.due = self.ledger.revision_due(res)
+        self.usage = False  # the stream carries usage: events are not counted any more
 
     def count(self, chunk: bytes) -> None:
-        self.tokens += chunk.count(_EVENT)
+        reported = _completion_tokens(chunk)
+        if reported is not None:
+            self.usage = True
+            self.tokens = max(self.tokens, reported)
+        elif not self.usage:
+            self.tokens += chunk.count(_EVENT)
         done = _FINISHED in chunk or _FINISHED_SPACED in chunk
         if done or self.tokens >= self.due:
             self.controller.revise(self.req, self.tokens, done=done)
@@ -362,6 +450,32 @@ async def _drained(request: web.Request) -> None:
     protocol = request.protocol
     if protocol.writing_paused:
         await protocol._drain_helper()
+
+
+def _completion_tokens(chunk: bytes) -> int | None:
+    """The last `"completion_tokens": N` in `chunk` (None when there is none, or its digits are cut off)."""
+    at = chunk.rfind(_COMPLETION_TOKENS)
+    if at < 0:
+        return None
+    start = at + len(_COMPLETION_TOKENS)
+    while start < len(chunk) and chunk[start] == 0x20:
+        start += 1
+    end = start
+    while end < len(chunk) and 0x30 <= chunk[end] <= 0x39:
+        end += 1
+    if end == start or end == len(chunk):  # no digits, or the number may go on in the next chunk
+        return None
+    return int(chunk[start:end])
+
+
+def _route_not_found(body: bytes) -> bool:
+    """FastAPI's answer for a path it has no route for, `{"detail":"Not Found"}` (vLLM's own 404s, such as an
+    unknown model, are OpenAI error envelopes)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("detail") == "Not Found" and "error" not in doc
 
 
 def _document(body: bytes) -> object:

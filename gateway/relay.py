@@ -143,7 +143,8 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     channel.send(("hello", os.getpid(), index))
     await asyncio.wait_for(relay.configured, 60)
     assert relay.controller is not None and relay.proxy is not None
-    session = upstream_session(relay.controller.loaded.config)
+    controller = relay.controller
+    session = upstream_session(controller.loaded.config, lambda url: controller.loaded.replica_key(url))
     relay.proxy.session = session
     relay.proxy.upstream = UpstreamPool.for_config(relay.controller.loaded.config)
     runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None)

@@ -56,6 +56,10 @@ class RelayPool:
         replica.healthy = False
         self.channel.send(("mark_down", replica.url, reason))
 
+    def mark_unauthorized(self, replica: Replica, path: str, status: int) -> None:
+        replica.healthy = False
+        self.channel.send(("mark_unauthorized", replica.url, path, status))
+
 
 class RemoteFlowController:
     def __init__(self, channel: Channel, loaded: LoadedConfig, ledger: dict, replicas: list[dict]):

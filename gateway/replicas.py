@@ -2,7 +2,9 @@
 
 `ReplicaPool` owns the list. A background task GETs each replica's /health (a replica is taken out after
 `failuresToDown` failed checks, or at once when its port refuses connections, and is put back on the first
-success) and scrapes /metrics for the utilization detector, the KV admission policy and /admin/state.
+success once it said what it serves) and scrapes /metrics for the utilization detector, the KV admission
+policy and /admin/state. A replica that answers 401/403 (vLLM started with `--api-key` the gateway does not
+send) is out until it accepts the gateway's key (`upstream.apiKey`, `upstream.replicaKeys`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import Callable
 
 import aiohttp
 
+from gateway.config import UPSTREAM_KEY_ENV
 from gateway.log import log_event
 
 logger = logging.getLogger("gateway.replicas")
 
+# A replica's answers that mean the gateway's key is missing or wrong.
+UNAUTHORIZED = (401, 403)
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _ENGINE = re.compile(r'[{,]engine="([^"]*)"')
 # `(?<![a-z_])`: `block_size` must not match inside `mamba_block_size` or `user_specified_block_size`.
@@ -46,10 +51,19 @@ class Replica:
     num_gpu_blocks: int | None = None
     kv_cache_size_tokens: int | None = None
     kv_block_size: int | None = None
-    # What the replica says it serves (GET /v1/models, /version), read once it is healthy.
+    # What the replica says it serves (GET /v1/models, /version), read before it takes work, again after it was
+    # down: `model` is the served name (vLLM's `id`), `model_root` where its weights came from (a path or a hub
+    # name, where its tokenizer is).
+    identified: bool = False
     model: str | None = None
+    model_root: str | None = None
     runtime_version: str | None = None
     max_model_len: int | None = None
+    # Why the replica refuses the gateway's key (it answered 401/403): it gets no work until it accepts it.
+    unauthorized: str | None = None
+    # The served model ("" when unknown) for which the replica answered /v1/embeddings with FastAPI's 404 (a
+    # generation model has no such route); forgotten once it serves another model.
+    no_embeddings_model: str | None = None
     # Set when the calibration profile does not match this replica: it gets no work until it does.
     refused: str | None = None
     metrics_at: float = 0.0
@@ -60,6 +74,9 @@ class Replica:
 
     def metrics_fresh(self, now: float, staleness: float) -> bool:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
+
+    def serves_no_embeddings(self) -> bool:
+        return self.no_embeddings_model is not None and self.no_embeddings_model == (self.model or "")
 
     # The pool's old name, until flow_control.py and admission.py read `num_gpu_blocks`.
     @property
@@ -141,8 +158,13 @@ class ReplicaPool:
     def __init__(self, urls: list[str], *, on_change: Callable[[], None] = lambda: None):
         self.replicas: list[Replica] = [Replica(url) for url in urls]
         self.on_change = on_change
-        # Called once a replica's identity is known (the calibration check hooks in here).
+        # Called once a replica's identity is known, and again when its KV pool is (the calibration check hooks in
+        # here).
         self.on_identify: Callable[[Replica], None] = lambda replica: None
+        # The setting the key sent to a replica comes from (None: no key is sent), named in the log line of a
+        # replica that refuses it; the gateway points it at the running config. The key itself is put on each
+        # call by the session (gateway.app.upstream_session).
+        self.key_source: Callable[[str], str | None] = lambda url: None
         self.health_interval = 1.0
         self.health_timeout = 2.0
         self.failures_to_down = 2
@@ -161,11 +183,33 @@ class ReplicaPool:
         return [r for r in self.replicas if r.healthy and r.refused is None]
 
     def mark_down(self, replica: Replica, reason: str) -> None:
-        """Take a replica out at once (its port refused a connection)."""
+        """Take a replica out at once (its port refused a connection, or it died before answering)."""
         replica.failures = max(replica.failures, self.failures_to_down)
+        replica.identified = False  # it may come back restarted, with another model or key
         if replica.healthy:
             replica.healthy = False
             log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason)
+            self.on_change()
+
+    def mark_unauthorized(self, replica: Replica, path: str, status: int) -> None:
+        """The replica answered 401/403: out until it accepts the gateway's key; one log line says which key
+        and how to set it."""
+        source = self.key_source(replica.url)
+        if source is None:
+            reason = (f"{path} answered {status}: the replica wants an API key (vLLM --api-key) and the gateway "
+                      f"sends none")
+            hint = (f"set upstream.apiKey (every replica), upstream.replicaKeys[{replica.url!r}] (this one) or "
+                    f"${UPSTREAM_KEY_ENV} to the replica's --api-key, then reload the gateway (SIGHUP)")
+        else:
+            reason = f"{path} answered {status}: the replica rejects the key from {source}"
+            hint = f"set {source} to the replica's --api-key, then reload the gateway (SIGHUP)"
+        if replica.unauthorized != reason:  # once, and again only when a reload changed the key
+            log_event(logger, logging.ERROR, "replica_unauthorized", replica=replica.url, status=status,
+                      reason=reason, hint=hint)
+        replica.unauthorized = reason
+        replica.identified = False
+        if replica.healthy:
+            replica.healthy = False
             self.on_change()
 
     # -- background checks ----------------------------------------------------------------------------------
@@ -215,6 +259,9 @@ class ReplicaPool:
             timeout = aiohttp.ClientTimeout(total=self.health_timeout)
             async with self._session.get(replica.url + "/health", timeout=timeout) as resp:
                 await resp.read()
+                if resp.status in UNAUTHORIZED:
+                    self.mark_unauthorized(replica, "/health", resp.status)
+                    return
                 ok = resp.status < 300
                 reason = f"HTTP {resp.status}"
         except aiohttp.ClientConnectorError as exc:
@@ -223,35 +270,53 @@ class ReplicaPool:
             reason = f"{type(exc).__name__}: {exc}"
         if ok:
             replica.failures = 0
+            if not replica.identified:
+                # Before it takes work: a replica that wants another key must not answer callers 401.
+                await self._identify(replica)
+            if replica.unauthorized is not None:
+                return
             if not replica.healthy:
                 replica.healthy = True
-                log_event(logger, logging.INFO, "replica_up", replica=replica.url)
+                log_event(logger, logging.INFO, "replica_up", replica=replica.url, model=replica.model)
                 self.on_change()
             return
         replica.failures += 1
         if replica.healthy and (refused or replica.failures >= self.failures_to_down):
             replica.healthy = False
+            replica.identified = False
             log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason,
                       failures=replica.failures)
             self.on_change()
 
     async def _identify(self, replica: Replica) -> None:
-        """Model, context limit and runtime version, for the context check and the calibration profile."""
+        """Model, context limit and runtime version, for the context check and the calibration profile; asked
+        until it is known, then not again until the replica was down."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
+        answers = []
         try:
-            async with self._session.get(replica.url + "/v1/models", timeout=timeout) as resp:
-                models = await resp.json() if resp.status < 300 else {}
-            async with self._session.get(replica.url + "/version", timeout=timeout) as resp:
-                version = await resp.json() if resp.status < 300 else {}
+            for path in ("/v1/models", "/version"):
+                async with self._session.get(replica.url + path, timeout=timeout) as resp:
+                    if resp.status in UNAUTHORIZED:
+                        self.mark_unauthorized(replica, path, resp.status)
+                        return
+                    answers.append(await resp.json() if resp.status < 300 else {})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return
+        if replica.unauthorized is not None:
+            log_event(logger, logging.INFO, "replica_authorized", replica=replica.url)
+            replica.unauthorized = None
+        models, version = answers
         data = models.get("data") if isinstance(models, dict) else None
         if not data or not isinstance(data[0], dict):
             return
-        replica.max_model_len = data[0].get("max_model_len")
+        first = data[0]
+        replica.max_model_len = first.get("max_model_len")
         replica.runtime_version = str(version.get("version")) if isinstance(version, dict) else None
-        replica.model = str(data[0].get("root") or data[0].get("id"))
+        replica.model = str(first.get("id") or first.get("root"))  # what callers name in `model`
+        replica.model_root = str(first["root"]) if first.get("root") else None
+        replica.no_embeddings_model = None  # it may have come back with an embedding model: ask it again
+        replica.identified = True
         self.on_identify(replica)
 
     async def _scrape(self, replica: Replica) -> None:
@@ -260,6 +325,9 @@ class ReplicaPool:
             timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
             dispatches_before = replica.dispatches
             async with self._session.get(replica.url + "/metrics", timeout=timeout) as resp:
+                if resp.status in UNAUTHORIZED:
+                    self.mark_unauthorized(replica, "/metrics", resp.status)
+                    return
                 if resp.status >= 300:
                     return
                 text = await resp.text()
@@ -268,6 +336,7 @@ class ReplicaPool:
         values = parse_vllm_metrics(text)
         if "vllm:kv_cache_usage_perc" not in values and "vllm:num_requests_waiting" not in values:
             return
+        pool_before = (replica.num_gpu_blocks, replica.kv_block_size, replica.kv_cache_size_tokens)
         replica.kv_usage = values.get("vllm:kv_cache_usage_perc")
         replica.kv_usage_max = values.get("kv_cache_usage_max")
         replica.waiting = values.get("vllm:num_requests_waiting")
@@ -278,7 +347,8 @@ class ReplicaPool:
             replica.kv_block_size = int(values["block_size"])
         if "kv_cache_size_tokens" in values:
             replica.kv_cache_size_tokens = int(values["kv_cache_size_tokens"])
-        if replica.model is None:
-            await self._identify(replica)
+        if replica.identified and pool_before != (replica.num_gpu_blocks, replica.kv_block_size,
+                                                  replica.kv_cache_size_tokens):
+            self.on_identify(replica)  # its KV pool is known (or changed): the growth-room check reads it
         replica.metrics_at = time.monotonic()
         replica.dispatches_at_scrape = dispatches_before

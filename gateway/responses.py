@@ -53,6 +53,16 @@ def drop_response(reason: DropReason, request_id: str, message: str | None = Non
     return error_response(status, message or generic, err_type, reason.value, request_id, headers)
 
 
+def embeddings_not_served(replica, request_id: str) -> web.Response:  # noqa: ANN001 - a gateway.replicas.Replica
+    """/v1/embeddings where the replicas serve a generation model (FastAPI's 404 for the path, not vLLM's)."""
+    serves = f" (they serve {replica.model!r}, a text-generation model)" if replica.model else ""
+    message = (f"The model replicas behind this gateway serve no embeddings model{serves}, so /v1/embeddings is "
+               "not available here. Send embeddings requests to a gateway whose replicas were started with an "
+               "embedding model (vLLM `--runner pooling`, e.g. `vllm serve BAAI/bge-small-en-v1.5 --runner "
+               "pooling`), or point this gateway's `replicas` at such replicas.")
+    return error_response(404, message, "invalid_request_error", "embeddings_not_served", request_id)
+
+
 def evicted_sse_event() -> bytes:
     """The last event of a stream cut by eviction: the client sees an error, not a silent truncation."""
     _status, _retry, message = _DROPS[DropReason.EVICTED]

@@ -55,6 +55,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.host = urlsplit(url).netloc
         self.transport: asyncio.Transport | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.deadline_handle: asyncio.TimerHandle | None = None  # the pool's total timeout of this exchange
         self.reused = False  # taken from the idle pool: the replica may have closed it meanwhile
         self._reset()
 
@@ -155,6 +156,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the handler's side ---------------------------------------------------------------------------------
     def send(self, method: str, target: str, headers: CIMultiDict, body: bytes) -> None:
+        """Write the request; the exchange fails with a timeout after the pool's `total_timeout` (until `put`)."""
+        if self.pool.total_timeout:
+            self.deadline_handle = asyncio.get_running_loop().call_later(self.pool.total_timeout, self.expire)
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         lines.append(f"Content-Length: {len(body)}")
@@ -204,11 +208,16 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
+    def unanswered(self) -> bool:
+        """The replica closed (or reset) the connection before one byte of its answer came back. Sending the
+        request once more is safe: an inference request has no effect beyond its compute, and none of its
+        answer was relayed."""
+        return not self.received and type(self.error) is UpstreamError
+
     def stale(self) -> bool:
-        """A pooled connection that closed before one byte of the answer came back: most likely the replica
-        closed it while it sat idle (its keep-alive ran out). Sending the request once more on a new connection
-        is safe: an inference request has no effect beyond its compute, and none of its answer was relayed."""
-        return self.reused and not self.received and type(self.error) is UpstreamError
+        """Unanswered on a pooled connection: most likely the replica closed it while it sat idle (its keep-alive
+        ran out), so a new connection to the same replica may take the request."""
+        return self.reused and self.unanswered()
 
     def reusable(self) -> bool:
         return (self.complete and self.keep_alive and not self.closed and not self.paused and not self.held
@@ -277,6 +286,9 @@ class UpstreamPool:
     def put(self, conn: UpstreamConnection) -> None:
         """The exchange is over: pool the connection if it can carry another, else close it."""
         self._slots.release()
+        if conn.deadline_handle is not None:
+            conn.deadline_handle.cancel()
+            conn.deadline_handle = None
         if not conn.reusable():
             conn.close()
             return

@@ -49,7 +49,7 @@ def test_the_gateway_salt_replaces_the_callers_and_public_salts_are_namespaced()
     assert json.loads(salted(body, CHAT, None))["cache_salt"] == "public:" + private_salt("tenant-a", 1)
     plain = json.dumps({"prompt": "x"}).encode()
     assert salted(plain, "/v1/completions", None) == plain, "a public caller without a salt sends none"
-    assert salted(plain, "/v1/embeddings", salt_of("a-key")) == plain, "only generation bodies"
+    assert salted(plain, "/v1/models", salt_of("a-key")) == plain, "only bodies that reach the prefix cache"
     assert salted(b"not json", CHAT, salt_of("a-key")) == b"not json", "the replica reports bad JSON"
 
 

@@ -7,8 +7,18 @@ and unit; the real-engine tier (`make test-vllm`) checks the same behaviours aga
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import logging
 from pathlib import Path
 
+import httpx
+import pytest
+from aiohttp import web
+
+from gateway.app import Gateway
+from gateway.config import ConfigError, parse_config
 from gateway.replicas import Replica, parse_vllm_metrics
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
@@ -65,3 +75,393 @@ def test_the_pools_old_name_reads_and_sets_num_gpu_blocks():
     assert (r.num_gpu_blocks, r.kv_cache_size_tokens, r.kv_block_size, r.kv_usage_max) == (None,) * 4
     r.kv_blocks_total = 1000  # flow_control.py and admission.py still read it by this name
     assert r.num_gpu_blocks == 1000 == r.kv_blocks_total
+
+
+# -- a replica that answers as vLLM 0.32.0 does, and the gateway in this process ---------------------------------
+CHAT_SSE = (FIXTURES / "chat_stream.sse").read_bytes()
+COMPLETION_SSE = (FIXTURES / "completion_stream.sse").read_bytes()
+ERRORS = json.loads((FIXTURES / "errors.json").read_text())
+MODELS = {"object": "list", "data": [{
+    "id": "tiny", "object": "model", "created": 1796192300, "owned_by": "vllm", "root": "/tmp/tiny", "parent": None,
+    "max_model_len": 512, "permission": [{"id": "modelperm-1", "object": "model_permission", "allow_view": True}]}]}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+class FakeVllm:
+    """vLLM's answers from tests/fixtures/vllm on a port of this process. With `api_key`, /v1/* wants
+    `Authorization: Bearer <key>` (vLLM's AuthenticationMiddleware); `dies`: an inference request's connection
+    is closed before any byte of an answer, as when the replica is killed with the request; `refuses`: inference
+    answers 401 (the replica was restarted with another key after it was identified)."""
+
+    def __init__(self, api_key: str | None = None, dies: bool = False, refuses: bool = False,
+                 metrics: str = METRICS):
+        self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
+        self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
+        self.bodies: list[dict] = []  # inference bodies
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def count(self, path: str) -> int:
+        return sum(1 for p, _auth in self.calls if p == path)
+
+    async def __aenter__(self) -> "FakeVllm":
+        app = web.Application(middlewares=[self._authenticate])
+        app.router.add_get("/health", self._answer(lambda: web.Response()))
+        app.router.add_get("/metrics", self._answer(lambda: web.Response(text=self.metrics)))
+        app.router.add_get("/version", self._answer(lambda: web.json_response({"version": "0.32.0"})))
+        app.router.add_post("/tokenize", self._answer(lambda: web.json_response(
+            {"count": 9, "max_model_len": 512, "tokens": list(range(9))})))
+        app.router.add_get("/v1/models", self._answer(lambda: web.json_response(MODELS)))
+        app.router.add_post("/v1/chat/completions", self._chat)
+        # /v1/embeddings has no route: a generation server answers FastAPI's 404 (ERRORS, below).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):  # noqa: ANN001
+        auth = request.headers.get("Authorization")
+        self.calls.append((request.path, auth))
+        if self.api_key and request.path.startswith("/v1") and auth != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        if request.path == "/v1/embeddings":
+            return web.json_response(ERRORS["embeddings_on_generation_server_404"], status=404)
+        return await handler(request)
+
+    @staticmethod
+    def _answer(make):  # noqa: ANN001, ANN205
+        async def handler(request: web.Request) -> web.Response:
+            return make()
+        return handler
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.refuses:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        if self.dies:
+            request.transport.close()  # type: ignore[union-attr]
+            await asyncio.sleep(3600)  # cancelled with the connection
+        if body.get("stream"):
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            await stream.write(CHAT_SSE)
+            await stream.write_eof()
+            return stream
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "model": "tiny",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ps{"},
+                                               "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}})
+
+
+@contextlib.asynccontextmanager
+async def gateway(replicas: list[str], config: str = "", env: dict[str, str] | None = None):
+    """A Gateway serving on a port of this process; yields it and its URL."""
+    loaded = parse_config(f"replicas: {json.dumps(replicas)}\n{config}", "test.yaml", env or {})
+    gw = Gateway(loaded)
+    runner = web.AppRunner(gw.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield gw, "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+def events(caplog, name: str) -> list[dict]:
+    return [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == name]
+
+
+def test_a_scrape_sets_the_replicas_kv_pool_and_usage_of_every_engine():
+    async def main():
+        async with FakeVllm(metrics=data_parallel(METRICS, [0.1, 0.3])) as vllm, gateway([vllm.url]) as (gw, _url):
+            return gw.pool.replicas[0]
+
+    replica = asyncio.run(main())
+    assert (replica.num_gpu_blocks, replica.kv_block_size, replica.kv_cache_size_tokens) == (32768, 128, 4_194_304)
+    assert round(replica.kv_usage, 6) == 0.2 and replica.kv_usage_max == 0.3
+
+
+# -- item: /admin/state names the served model ------------------------------------------------------------------
+def test_a_replica_is_known_by_its_served_name_and_its_root_is_kept_for_the_tokenizer():
+    async def main():
+        async with FakeVllm() as vllm, gateway([vllm.url]) as (gw, url):
+            async with httpx.AsyncClient() as client:
+                state = (await client.get(url + "/admin/state")).json()
+            return gw.pool.replicas[0], state
+
+    replica, state = asyncio.run(main())
+    assert state["replicas"][0]["model"] == "tiny"  # vLLM's `id`, what callers put in `model`; not /tmp/tiny
+    assert (replica.model, replica.model_root, replica.max_model_len, replica.runtime_version) == (
+        "tiny", "/tmp/tiny", 512, "0.32.0")
+
+
+def test_a_calibration_profile_of_the_root_path_still_matches_and_a_new_one_records_the_served_name():
+    from gateway.calibration import Profile
+
+    replica = Replica("http://r", model="tiny", model_root="/tmp/tiny", runtime_version="0.32.0")
+    old = Profile("/tmp/tiny", "0.32.0", "cpu", 16384, 128, 512, 0.0)  # written before: the root
+    assert old.mismatch(replica) is None
+    assert Profile("tiny", "0.32.0", "cpu", 16384, 128, 512, 0.0, model_root="/tmp/tiny").mismatch(replica) is None
+    assert "differs" in Profile("other", "0.32.0", "cpu", 1, 16, None, 0.0, model_root="/x").mismatch(replica)
+
+
+# -- item: replicas started with --api-key ----------------------------------------------------------------------
+def test_a_replica_that_wants_a_key_the_gateway_lacks_is_out_with_one_log_line_saying_how_to_set_it(caplog):
+    caplog.set_level(logging.INFO, logger="gateway")
+
+    async def main():
+        async with FakeVllm(api_key="vk") as vllm, gateway([vllm.url], "health: {intervalSeconds: 0.05}\n") as (
+                gw, url):
+            for _ in range(3):
+                await gw.pool.check_all()
+                await gw.pool.scrape_all()
+            async with httpx.AsyncClient() as client:
+                ready = await client.get(url + "/readyz")
+                answer = await client.post(url + "/v1/chat/completions", json=CHAT)
+            return vllm, gw.pool.replicas[0], ready, answer
+
+    vllm, replica, ready, answer = asyncio.run(main())
+    assert not replica.healthy and replica.model is None
+    assert ready.status_code == 503
+    assert answer.status_code == 503  # no replica can take it: no 401 relayed to the caller
+    assert vllm.count("/v1/chat/completions") == 0
+    logged = events(caplog, "replica_unauthorized")
+    assert len(logged) == 1, logged
+    assert logged[0]["replica"] == vllm.url and logged[0]["status"] == 401
+    assert "sends none" in logged[0]["reason"] and "upstream.apiKey" in logged[0]["hint"]
+    assert "HOLDBACK_GATEWAY_UPSTREAM_API_KEY" in logged[0]["hint"]
+
+
+def test_the_configured_key_goes_on_every_call_and_the_replica_is_identified_once():
+    async def main():
+        async with FakeVllm(api_key="vk") as vllm, gateway([vllm.url], "upstream: {apiKey: vk}\n") as (gw, url):
+            for _ in range(4):
+                await gw.pool.scrape_all()
+            async with httpx.AsyncClient() as client:
+                streamed = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+                listed = await client.get(url + "/v1/models")
+            return vllm, gw.pool.replicas[0], streamed, listed
+
+    vllm, replica, streamed, listed = asyncio.run(main())
+    assert replica.healthy and replica.model == "tiny" and replica.max_model_len == 512
+    assert streamed.status_code == 200 and streamed.content == CHAT_SSE
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "tiny"
+    paths = {path for path, _auth in vllm.calls}
+    assert {"/health", "/metrics", "/v1/models", "/version", "/tokenize", "/v1/chat/completions"} <= paths
+    assert {auth for _path, auth in vllm.calls} == {"Bearer vk"}
+    # Identified at the first health check; the scrapes after it do not ask again (the passthrough list is one).
+    assert vllm.count("/v1/models") == 2 and vllm.count("/version") == 1
+
+
+def test_a_replicas_own_key_the_environment_key_and_a_rejected_key_named_in_the_log(caplog):
+    caplog.set_level(logging.INFO, logger="gateway")
+
+    async def main():
+        async with FakeVllm(api_key="a-key") as a, FakeVllm(api_key="b-key") as b, FakeVllm(api_key="c-key") as c:
+            config = (f"upstream:\n  replicaKeys:\n    {a.url}/: {{key_env: A_KEY}}\n"
+                      f"    {c.url}: {{key: wrong}}\n")
+            env = {"A_KEY": "a-key", "HOLDBACK_GATEWAY_UPSTREAM_API_KEY": "b-key"}
+            async with gateway([a.url, b.url, c.url], config, env) as (gw, url):
+                return [(r.healthy, r.model, r.unauthorized) for r in gw.pool.replicas], c.url
+
+    states, c_url = asyncio.run(main())
+    assert states[0] == (True, "tiny", None)  # its own key, from A_KEY
+    assert states[1] == (True, "tiny", None)  # the one for all, from the environment
+    assert states[2][0] is False and "rejects the key from upstream.replicaKeys" in states[2][2]
+    logged = events(caplog, "replica_unauthorized")
+    assert [e["replica"] for e in logged] == [c_url]
+    assert logged[0]["hint"].startswith(f"set upstream.replicaKeys[{c_url!r}] (key)")
+
+
+def test_a_reload_with_the_key_puts_the_refused_replica_back():
+    async def main():
+        async with FakeVllm(api_key="vk") as vllm, gateway([vllm.url]) as (gw, url):
+            assert not gw.pool.replicas[0].healthy
+            gw.controller.apply_config(parse_config(f"replicas: [{vllm.url}]\nupstream: {{apiKey: vk}}\n", "t", {}))
+            await gw.pool.check_all()
+            replica = gw.pool.replicas[0]
+            async with httpx.AsyncClient() as client:
+                answer = await client.post(url + "/v1/chat/completions", json=CHAT)
+            return replica, answer
+
+    replica, answer = asyncio.run(main())
+    assert replica.healthy and replica.unauthorized is None and replica.model == "tiny"
+    assert answer.status_code == 200
+
+
+def test_the_upstream_key_settings_are_validated_and_resolved():
+    loaded = parse_config("upstream: {apiKey: file-key, replicaKeys: {'http://a:8000/': {keyEnv: K}}}\n", "t",
+                          {"K": "own"})
+    assert loaded.replica_key("http://a:8000") == "own" == loaded.replica_key("http://a:8000/v1/models")
+    assert loaded.replica_key("http://b:8000") == "file-key"
+    assert loaded.replica_key_source("http://b:8000") == "upstream.apiKey"
+    env = parse_config("upstream: {apiKey: file-key}\n", "t", {"HOLDBACK_GATEWAY_UPSTREAM_API_KEY": "env-key"})
+    assert env.replica_key("http://b") == "env-key" and env.upstream_key_source == "$HOLDBACK_GATEWAY_UPSTREAM_API_KEY"
+    unset = parse_config("upstream: {replicaKeys: {'http://a': {key_env: UNSET}}}\n", "t", {})
+    assert unset.replica_key("http://a") is None and "UNSET" in unset.skipped_key_envs
+    with pytest.raises(ConfigError, match="exactly one of `key` or `key_env`"):
+        parse_config("upstream: {replicaKeys: {'http://a': {}}}\n", "t", {})
+    with pytest.raises(ConfigError, match="must be a replica's http"):
+        parse_config("upstream: {replicaKeys: {'a:8000': {key: k}}}\n", "t", {})
+
+
+def test_calibration_sends_the_key_and_says_so_when_it_is_missing():
+    from gateway.calibration import measure
+
+    async def main():
+        async with FakeVllm(api_key="vk") as vllm:
+            refused = None
+            try:
+                await asyncio.to_thread(measure, vllm.url, "cpu", 0)
+            except RuntimeError as exc:
+                refused = str(exc)
+            profile = await asyncio.to_thread(measure, vllm.url, "cpu", 0, 10.0, "vk")
+            return refused, profile
+
+    refused, profile = asyncio.run(main())
+    assert refused is not None and "wants an API key" in refused and "--api-key" in refused
+    assert (profile.model, profile.model_root, profile.num_gpu_blocks, profile.block_size) == (
+        "tiny", "/tmp/tiny", 16384, 128)
+
+
+# -- item: a replica that dies before the first byte -----------------------------------------------------------
+def test_realtime_requests_whose_replica_dies_before_answering_go_to_the_healthy_one(caplog):
+    caplog.set_level(logging.INFO, logger="gateway")
+
+    async def main():
+        async with FakeVllm(dies=True) as dead, FakeVllm() as alive, gateway(
+                [dead.url, alive.url], "health: {intervalSeconds: 30}\n") as (gw, url):
+            headers = {"x-llm-d-inference-objective": "realtime"}
+            async with httpx.AsyncClient(timeout=30) as client:
+                answers = await asyncio.gather(*(client.post(url + "/v1/chat/completions", headers=headers,
+                                                             json={**CHAT, "stream": i % 2 == 0})
+                                                 for i in range(12)))
+            fc = gw.controller
+            held = {u: t.reserved_tokens if hasattr(t, "reserved_tokens") else t.reserved_blocks
+                    for u, t in fc.ledger.by_replica.items()}
+            return dead, alive, answers, gw.pool.replicas, fc.in_flight, held, len(fc.ledger.active)
+
+    dead, alive, answers, replicas, in_flight, held, active = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
+    assert {a.headers["x-holdback-replica"] for a in answers} == {alive.url}
+    assert dead.count("/v1/chat/completions") >= 1  # some went there first ...
+    assert not replicas[0].healthy  # ... and it was taken out at once
+    assert [r.in_flight for r in replicas] == [0, 0] and in_flight == 0  # every slot came back
+    assert active == 0 and not any(held.values()), held  # and every KV reservation, wherever it moved
+    assert events(caplog, "upstream_moved")
+
+
+def test_with_no_replica_left_the_request_that_reached_a_dying_one_gets_502_and_releases_its_slot():
+    async def main():
+        async with FakeVllm(dies=True) as a, FakeVllm(dies=True) as b, gateway(
+                [a.url, b.url], "health: {intervalSeconds: 30}\n") as (gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                answer = await client.post(url + "/v1/chat/completions", json=CHAT)
+            return answer, a.count("/v1/chat/completions") + b.count("/v1/chat/completions"), gw.controller
+
+    answer, sent, fc = asyncio.run(main())
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_error"
+    assert sent == 2  # the first replica, then once more to the other
+    assert fc.in_flight == 0 and not fc.ledger.active
+
+
+# -- item: embeddings where no replica serves them ---------------------------------------------------------------
+def test_embeddings_on_a_generation_pool_answer_an_openai_error_saying_what_to_change():
+    async def main():
+        async with FakeVllm() as vllm, gateway([vllm.url]) as (gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                first = await client.post(url + "/v1/embeddings", json={"model": "tiny", "input": "hello"})
+                second = await client.post(url + "/v1/embeddings", json={"model": "tiny", "input": "again"})
+            return vllm.count("/v1/embeddings"), first, second, gw.controller.in_flight
+
+    sent, first, second, in_flight = asyncio.run(main())
+    for answer in (first, second):
+        assert answer.status_code == 404
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "embeddings_not_served")
+        assert "serve no embeddings model" in error["message"] and "embedding model" in error["message"]
+        assert "'tiny'" in error["message"]
+    assert sent == 1  # learnt from the replica's 404 once, then answered by the gateway
+    assert in_flight == 0
+
+
+def test_only_fastapis_own_404_means_no_embeddings_route():
+    from gateway.proxy import _route_not_found
+
+    assert _route_not_found(json.dumps(ERRORS["embeddings_on_generation_server_404"]).encode())
+    assert not _route_not_found(json.dumps(ERRORS["unknown_model_404"]).encode())  # the caller's model name
+    assert not _route_not_found(b"not json")
+
+
+# -- item: cache salts vLLM accepts -----------------------------------------------------------------------------
+def test_every_salt_sent_is_at_most_128_characters_and_embeddings_are_salted_too():
+    from gateway.cache_salt import MAX_SALT_LENGTH, PUBLIC_PREFIX, private_salt, salted_body
+
+    def salt(own: str | None, path: str = "/v1/chat/completions", scope: str | None = None) -> str | None:
+        doc = {"messages": []} if own is None else {"messages": [], "cache_salt": own}
+        return json.loads(salted_body(json.dumps(doc).encode(), path, scope, doc)).get("cache_salt")
+
+    longest = "s" * 128  # what vLLM itself accepts from a caller
+    hashed = salt(longest)
+    assert len(hashed) <= MAX_SALT_LENGTH and hashed.startswith(PUBLIC_PREFIX)
+    assert hashed == salt(longest) != salt("s" * 127 + "t"), "deterministic, and distinct salts stay distinct"
+    assert salt("x" * 121) == PUBLIC_PREFIX + "x" * 121  # fits: kept as it is
+    assert len(salt("x" * 122)) <= MAX_SALT_LENGTH
+    assert not set(salt("a/b@c")) & set("@/\\\x00"), "vLLM refuses these characters"
+    assert len(private_salt("t" * 500, 7)) <= MAX_SALT_LENGTH
+    assert salt(None, "/v1/embeddings", private_salt("tenant-a", 1)) == private_salt("tenant-a", 1)
+    assert salt("mine", "/v1/embeddings") == PUBLIC_PREFIX + "mine"
+
+
+# -- item: streamed tokens as vLLM counts them -----------------------------------------------------------------
+class _Ledger:
+    def revision_due(self, res) -> int:  # noqa: ANN001
+        return 10**9
+
+
+class _Controller:
+    def __init__(self) -> None:
+        self.ledger = _Ledger()
+        self.revisions: list[tuple[int, bool]] = []
+
+    def revise(self, req, tokens: int, done: bool = False) -> None:  # noqa: ANN001
+        self.revisions.append((tokens, done))
+
+
+def stream_count(data: bytes, chunks: list[bytes] | None = None) -> tuple[int, list[tuple[int, bool]]]:
+    from gateway.proxy import _TokenCount
+
+    controller = _Controller()
+    counter = _TokenCount(controller, None, None)  # type: ignore[arg-type]
+    for chunk in chunks if chunks is not None else [e + b"\n\n" for e in data.split(b"\n\n") if e]:
+        counter.count(chunk)
+    return counter.tokens, controller.revisions
+
+
+def test_streamed_tokens_are_vllms_usage_count_not_the_events():
+    tokens, revisions = stream_count(CHAT_SSE)
+    assert CHAT_SSE.count(b"data: {") == 6  # a head event with no token, four tokens, the usage event
+    assert tokens == 4 and revisions[-1] == (4, True)
+    # Several tokens in one event, and an empty one: the count follows usage.completion_tokens.
+    many = (b'data: {"choices":[{"delta":{"content":"abc"}}],"usage":{"completion_tokens":3}}\n\n'
+            b'data: {"choices":[{"delta":{"content":""}}],"usage":{"completion_tokens": 4}}\n\n')
+    assert stream_count(b"", [many])[0] == 4
+    # One relayed chunk may end inside the number: it is read from the next one.
+    cut = [b'data: {"usage":{"completion_tokens":1', b'2}}\n\ndata: {"usage":{"completion_tokens":13}}\n\n']
+    assert stream_count(b"", cut)[0] == 13
+
+
+def test_without_usage_in_the_stream_each_event_is_a_token_until_the_final_usage():
+    events_ = [e + b"\n\n" for e in COMPLETION_SSE.split(b"\n\n") if e]
+    tokens, revisions = stream_count(b"", events_[:3])  # three text events, no usage (include_usage only)
+    assert tokens == 3 and revisions[-1] == (3, True)
+    assert stream_count(COMPLETION_SSE)[0] == 3  # the final usage event is no token
