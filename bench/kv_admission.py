@@ -469,7 +469,7 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         pool = ReplicaPool([sim])
         replica = pool.replicas[0]
         replica.healthy = True
-        replica.kv_blocks_total = args.num_blocks
+        replica.num_gpu_blocks = args.num_blocks
         replica.model, replica.runtime_version = "sim-model", "model_sim"  # as the pool identifies `holdback sim`
         loaded = parse_config(f"replicas: [{sim}]\nsaturation: {{maxConcurrency: 1024}}\n"
                               f"admission: {{enabled: {str(admission).lower()}, tokenizer: {tokenizer}}}\n", "bench")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
-from gateway.config import ConfigError, load_config
+from gateway.config import UPSTREAM_KEY_ENV, ConfigError, load_config
 from gateway.flow_process import FlowServer, listening_socket
 from gateway.log import configure_logging, log_event
 from holdback.env_flags import flags_from_env
@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
     p.add_argument("--replicas", help="comma-separated replica base URLs; overrides `replicas` in the config")
+    p.add_argument("--upstream-api-key", default=None, help=(
+        "the key vLLM replicas were started with (`vllm serve --api-key`), sent on every call to them; "
+        "overrides `upstream.apiKey` (prefer the variable: a flag is visible in the process list)"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--workers", type=int, default=1, help=(
         "relay processes (default 1: one process does everything). With N > 1, one flow-control process "
@@ -108,12 +111,14 @@ def _calibrate(argv: list[str]) -> int:
     p.add_argument("--replica", required=True, help="replica base URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--gpu", required=True, help="GPU SKU the replica runs on, e.g. H100-80GB (recorded)")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
+    p.add_argument("--api-key", default=os.environ.get(UPSTREAM_KEY_ENV),
+                   help=f"the replica's `--api-key`, if it was started with one (default: ${UPSTREAM_KEY_ENV})")
     p.add_argument("--probe-tokens", type=int, default=512,
                    help="prompt tokens of the probe request that measures the safety factor (0: no probe; the "
                         "replica should be idle) (default %(default)s)")
     args = p.parse_args(argv)
     try:
-        profile = measure(args.replica, args.gpu, args.probe_tokens)
+        profile = measure(args.replica, args.gpu, args.probe_tokens, api_key=args.api_key)
     except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
         print(f"cannot calibrate {args.replica}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -135,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         parser.error(f"--workers must be at least 1 (got {args.workers}); 1 runs the gateway as one process")
     configure_logging(args.log_level)
+    if args.upstream_api_key:
+        # The config reads the key from this variable, on start and on every SIGHUP reload.
+        os.environ[UPSTREAM_KEY_ENV] = args.upstream_api_key
     try:
         loaded = load_config(args.config)
     except ConfigError as exc:

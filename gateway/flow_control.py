@@ -469,10 +469,8 @@ class FlowController:
         return self.admission.occupancy(replica) / self.admission.pool_tokens(replica)
 
     def _demand(self, req: FlowRequest) -> Demand:
-        # getattr: FlowRequest is gaining `sequences` and `limit_param` (gateway/request.py, filled by the proxy
-        # from its TokenCount); until then every request is one sequence whose limit is clamped, never refused.
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
-                      sequences=getattr(req, "sequences", 1), limit_param=getattr(req, "limit_param", None))
+                      sequences=req.sequences, limit_param=req.limit_param)
 
     def _reject_kv(self, req: FlowRequest, decision: Decision, band: PriorityBand) -> Outcome:
         assert decision.reason is not None
@@ -745,8 +743,9 @@ class FlowController:
             "replicas": [
                 {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
                  "limit": cfg.saturation.maxConcurrency * (1 + cfg.saturation.headroom),
-                 "kv_usage": r.kv_usage, "waiting": r.waiting, "running": r.running,
-                 "model": r.model, "refused": r.refused,
+                 "kv_usage": r.kv_usage, "kv_usage_max": r.kv_usage_max, "waiting": r.waiting,
+                 "running": r.running, "model": r.model, "model_root": r.model_root,
+                 "max_model_len": r.max_model_len, "refused": r.refused, "unauthorized": r.unauthorized,
                  "metrics_age_s": round(now - r.metrics_at, 3) if r.metrics_at else None}
                 for r in self.pool.replicas
             ],

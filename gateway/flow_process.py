@@ -132,10 +132,10 @@ class RelayLink:
 
     def _submit(self, rid: int, request_id: str, objective: str, priority: int, fairness_id: str, tenant: str,
                 arrived: float, expires_at: float, deadline: float, prompt_tokens: int, max_new_tokens: int,
-                resumable: bool) -> None:
+                resumable: bool, limit_param: str | None, sequences: int) -> None:
         req = FlowRequest(request_id, objective, priority, fairness_id, tenant, arrived, expires_at=expires_at,
                           deadline=deadline, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                          resumable=resumable)
+                          resumable=resumable, limit_param=limit_param, sequences=sequences)
         req.task = _Eviction(self, rid, req)  # type: ignore[assignment]
         self.requests[rid] = req
         if self.controller.submit(req) is Outcome.QUEUED:

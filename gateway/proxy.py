@@ -99,6 +99,7 @@ class Proxy:
         replica = min(healthy, key=lambda r: r.in_flight) if healthy else None
         count = await self.counter.count(doc, path, self.session, replica)
         req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
+        req.limit_param, req.sequences = count.limit_param, count.sequences
         return None
 
     # -- routes ---------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class RemoteFlowController:
         self._requests[rid] = req
         self.channel.send(("submit", rid, req.request_id, req.objective, req.priority, req.fairness_id,
                            req.tenant, req.arrived, req.expires_at, req.deadline, req.prompt_tokens,
-                           req.max_new_tokens, req.resumable))
+                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:

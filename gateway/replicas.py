@@ -78,15 +78,6 @@ class Replica:
     def serves_no_embeddings(self) -> bool:
         return self.no_embeddings_model is not None and self.no_embeddings_model == (self.model or "")
 
-    # The pool's old name, until flow_control.py and admission.py read `num_gpu_blocks`.
-    @property
-    def kv_blocks_total(self) -> int | None:
-        return self.num_gpu_blocks
-
-    @kv_blocks_total.setter
-    def kv_blocks_total(self, blocks: int | None) -> None:
-        self.num_gpu_blocks = blocks
-
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The vLLM gauges we use, summed over their label sets, and the KV pool of `vllm:cache_config_info`.

@@ -42,6 +42,10 @@ class FlowRequest:
     # caller can resume it (the resumable header), and the ledger's reservation once dispatched.
     prompt_tokens: int = 0
     max_new_tokens: int = 0
+    # The body field the output limit came from (None: vLLM's default applies) and the sequences generated
+    # (n, or best_of when larger): each sequence holds its own KV.
+    limit_param: str | None = None
+    sequences: int = 1
     traffic_class: str = "interactive"
     resumable: bool = False
     streaming_started: bool = False

@@ -271,6 +271,12 @@ def test_context_limits_reject_with_400(stack):
             assert r.status_code == 400 and r.headers["x-llm-d-request-dropped-reason"] == "rejected-context-length"
             message = r.json()["error"]["message"]
             assert "maximum context length is 16000 tokens" in message and "16000 input tokens" in message
+            # An explicit limit over the context is vLLM's 400 too, answered by the gateway: the proxy tells flow
+            # control which field the limit came from (a default limit is clamped instead).
+            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(100),
+                                                           "max_tokens": 16001}, headers=hdr("realtime"))
+            assert r.status_code == 400 and r.headers["x-llm-d-request-dropped-reason"] == "rejected-context-length"
+            assert "max_tokens=16001" in r.json()["error"]["message"]
             r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(400),
                                                            "max_tokens": 101}, headers=hdr("realtime", "short"))
             assert r.status_code == 400 and "maxContextTokens of tenant 'short': limit 500" in r.json()["error"]["message"]

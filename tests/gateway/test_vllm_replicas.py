@@ -70,11 +70,9 @@ def test_the_simulators_cache_info_without_kv_tokens_gives_blocks_times_block_si
     assert (values["num_gpu_blocks"], values["block_size"], values["kv_cache_size_tokens"]) == (1000, 16, 16000)
 
 
-def test_the_pools_old_name_reads_and_sets_num_gpu_blocks():
+def test_a_replica_knows_no_pool_until_it_reports_one():
     r = Replica("http://r")
     assert (r.num_gpu_blocks, r.kv_cache_size_tokens, r.kv_block_size, r.kv_usage_max) == (None,) * 4
-    r.kv_blocks_total = 1000  # flow_control.py and admission.py still read it by this name
-    assert r.num_gpu_blocks == 1000 == r.kv_blocks_total
 
 
 # -- a replica that answers as vLLM 0.32.0 does, and the gateway in this process ---------------------------------
