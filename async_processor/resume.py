@@ -2,7 +2,8 @@
 it, and what each attempt kept and recomputed.
 
 A resumable request (one choice, no logprobs, no tools, a text prompt) is sent streamed; when its stream is
-cut, the attempt keeps what it carried so far (a `Partial` in `attempts.partial_output`, all attempts' output).
+cut, the attempt keeps what it carried so far (a `Partial`: all attempts' output, its text in
+`attempts.partial_output`, reasoning and token ids in `attempts.partial_state`).
 The next attempt continues it: `/v1/completions` with the prompt and output so far as token ids (vLLM's
 `return_token_ids`), or prompt + text so far when the server sent no ids; `/v1/chat/completions` with the
 partial answer as a final assistant message and vLLM's `continue_final_message: true`,
@@ -160,16 +161,11 @@ def headers(dispatch: Dispatch, plan: Plan, gateway_key: str | None, resume: boo
 
 # --- what a cut attempt keeps ------------------------------------------------------------------------------
 
-# `attempts.partial_output` is a text column: the answer's text so far. When an attempt kept more than text
-# (reasoning, the token ids), it holds a JSON object that opens with this key instead, so the column carries
-# both without a migration. An answer whose own text opens with it would be misread; that is not worth a column.
-_PARTIAL_KEY = "holdback_partial"
-_PARTIAL_OPENING = '{"%s":1,' % _PARTIAL_KEY
-
 
 @dataclass(frozen=True)
 class Partial:
-    """What a cut attempt keeps for the next one, all attempts' output so far (`attempts.partial_output`)."""
+    """What a cut attempt keeps for the next one, all attempts' output so far: the answer's text
+    (`attempts.partial_output`, only ever text) and what else continuing it needs (`attempts.partial_state`)."""
 
     text: str
     reasoning: str = ""
@@ -179,37 +175,33 @@ class Partial:
     # character not yet whole): resumed from the ids they would break that character, so they are generated again.
     untold: int = 0
 
-    def stored(self) -> str:
-        if not self.reasoning and not self.reasoning_fields and self.context_ids is None:
-            return self.text
-        doc: dict = {_PARTIAL_KEY: 1, "text": self.text}
+    def state(self) -> dict | None:
+        """The `partial_state` column's value: None when the text is all there is."""
+        state: dict = {}
         if self.reasoning or self.reasoning_fields:
-            doc.update(reasoning=self.reasoning, reasoning_fields=list(self.reasoning_fields))
+            state.update(reasoning=self.reasoning, reasoning_fields=list(self.reasoning_fields))
         if self.context_ids is not None:
-            doc.update(context_ids=list(self.context_ids), untold=self.untold)
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+            state.update(context_ids=list(self.context_ids), untold=self.untold)
+        return state or None
 
     @classmethod
-    def read(cls, stored: str) -> "Partial":
-        if stored.startswith(_PARTIAL_OPENING):
-            try:
-                doc = json.loads(stored)
-            except ValueError:
-                doc = None
-            if isinstance(doc, dict) and isinstance(doc.get("text"), str):
-                ids, fields, untold = doc.get("context_ids"), doc.get("reasoning_fields"), doc.get("untold")
-                ids_ok = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                return cls(doc["text"], str(doc.get("reasoning") or ""),
-                           tuple(f for f in fields if f in REASONING_FIELDS) if isinstance(fields, list) else (),
-                           tuple(ids) if ids_ok else None, untold if ids_ok and isinstance(untold, int) else 0)
-        return cls(stored)
+    def read(cls, text: str, state: object) -> "Partial":
+        """The columns read back; whatever in `state` is malformed is left out (a resume by text, not a crash)."""
+        if not isinstance(state, dict):
+            return cls(text)
+        ids, fields, untold = state.get("context_ids"), state.get("reasoning_fields"), state.get("untold")
+        ids_ok = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        return cls(text, str(state.get("reasoning") or ""),
+                   tuple(f for f in fields if f in REASONING_FIELDS) if isinstance(fields, list) else (),
+                   tuple(ids) if ids_ok else None, untold if ids_ok and isinstance(untold, int) else 0)
 
 
 # --- the database side --------------------------------------------------------------------------------
 
 _attempts = Attempt.__table__
 _LATEST_CUT = (
-    select(_attempts.c.partial_output, _attempts.c.tokens_kept, _attempts.c.input_tokens, _attempts.c.output_tokens)
+    select(_attempts.c.partial_output, _attempts.c.partial_state, _attempts.c.tokens_kept, _attempts.c.input_tokens,
+           _attempts.c.output_tokens)
     .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"),
            _attempts.c.partial_output.is_not(None))
     .order_by(_attempts.c.number.desc()).limit(1)
@@ -233,8 +225,8 @@ def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, 
     cut = conn.execute(_LATEST_CUT, params).one_or_none()
     if cut is None:
         return opened, Progress(earlier=earlier)
-    stored, kept, cut_prompt, cut_output = cut
-    partial = Partial.read(stored)
+    text, state, kept, cut_prompt, cut_output = cut
+    partial = Partial.read(text, state)
     return opened, Progress(partial.text, max(0, kept + cut_output - partial.untold), cut_prompt + cut_output,
                             earlier, partial.reasoning, partial.reasoning_fields, partial.context_ids)
 
@@ -260,8 +252,11 @@ def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
         if a.prompt_token_ids is not None and a.token_ids is not None:
             untold = a.untold_tokens
             context = (*a.prompt_token_ids, *a.token_ids[:len(a.token_ids) - untold])
-        partial = Partial(before.text + a.text, before.reasoning + a.reasoning, fields, context, untold).stored()
-    return AttemptFigures(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, partial)
+        partial = Partial(before.text + a.text, before.reasoning + a.reasoning, fields, context, untold)
+    if partial is None:
+        return AttemptFigures(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, None)
+    return AttemptFigures(a.prompt_tokens, a.completion_tokens, a.cached_tokens, kept, recomputed, partial.text,
+                          partial.state())
 
 
 def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:

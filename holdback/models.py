@@ -245,9 +245,13 @@ class Attempt(Base):
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Resume after eviction (async_processor.resume): prompt tokens served from the prefix cache, the
-    # output so far when a stream was cut (all attempts' text, so the next attempt continues from it),
-    # output tokens carried in from earlier attempts, and earlier work this attempt had to compute again.
+    # output so far when a stream was cut (every attempt's answer text, so the next attempt continues from
+    # it; only text), what else that output needs to continue (reasoning, token ids: a JSON object, NULL
+    # when the text is all there is; migration 0008), output tokens carried in from earlier attempts, and
+    # earlier work this attempt had to compute again.
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     partial_output: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # none_as_null: Python None is SQL NULL, not the JSON text 'null'.
+    partial_state: Mapped[dict | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     tokens_kept: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     tokens_recomputed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

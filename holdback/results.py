@@ -107,7 +107,8 @@ class AttemptFigures:
     cached: int
     kept: int  # output tokens carried in from earlier attempts
     recomputed: int  # earlier attempts' work (prompt + output) computed again by this one
-    partial: str | None  # all attempts' text so far, when this attempt's stream was cut
+    partial: str | None  # the answer's text so far (every attempt's), when this attempt's stream was cut
+    partial_state: dict | None = None  # what else continuing that text needs (reasoning, token ids), if anything
 
 
 def end_attempt(
@@ -132,7 +133,8 @@ def end_attempt(
         session.connection().execute(_END_ATTEMPT, params)
         return
     params.update(input_tokens=figures.prompt, output_tokens=figures.output, cached_tokens=figures.cached,
-                  partial_output=figures.partial, tokens_kept=figures.kept, tokens_recomputed=figures.recomputed)
+                  partial_output=figures.partial, partial_state=figures.partial_state, tokens_kept=figures.kept,
+                  tokens_recomputed=figures.recomputed)
     session.connection().execute(_END_STREAMED_ATTEMPT, params)
 
 
@@ -144,8 +146,8 @@ _END_ATTEMPT = (
 )
 _END_STREAMED_ATTEMPT = (
     update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
-    .values(**{name: bindparam(name) for name in (*_END_COLUMNS, "cached_tokens", "partial_output", "tokens_kept",
-                                                  "tokens_recomputed")})
+    .values(**{name: bindparam(name) for name in (*_END_COLUMNS, "cached_tokens", "partial_output", "partial_state",
+                                                  "tokens_kept", "tokens_recomputed")})
 )
 
 

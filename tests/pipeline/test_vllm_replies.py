@@ -2,10 +2,12 @@
 streams derived from them where vLLM needs a server we cannot start here (an abort, token ids, reasoning).
 
 A failed stream (an error event with an integer `code`, then [DONE]) is a budgeted server error that keeps its
-output; `finish_reason: "abort"` is an eviction that resumes; completions resume from token ids; the assembled
+output; `finish_reason: "abort"` is an eviction that resumes; completions resume from token ids; what a cut
+keeps is its text in `partial_output` (whatever that text says) and the rest in `partial_state`; the assembled
 body has no chunk-head nulls and has the fingerprint and the reasoning; tokens are counted from usage, then
 ids; both spellings of the objective and fairness headers go out; a stream that breaks after output retries off
-the budget. Plain functions, a SQLite file and an in-process socket server: no process is started.
+the budget. Plain functions, a SQLite file and an in-process socket server: no process is started, except by the
+two tests on the suite's backend (its JSON column, and migration 0008 over rows written before it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from alembic import command
+from sqlalchemy import inspect, select, text
 
 from async_processor.resume import (Partial, Plan, Progress, attempt_tokens, open_attempt, plan_attempt,
                                     record_attempt, resumable, streamed_reply)
@@ -25,7 +29,7 @@ from holdback.contract import is_eviction, is_no_endpoints
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.dispatch import Dispatch, Disposition, Reply, RetryPolicy, classify, request_headers
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, Tenant
-from holdback.schema import upgrade
+from holdback.schema import alembic_config, upgrade
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm"
 CHAT = "/v1/chat/completions"
@@ -83,7 +87,7 @@ def test_a_stream_vllm_failed_is_the_requests_own_server_error_and_keeps_its_out
     sent = StreamedReply(reply, a, cut=True)
     assert streamed_reply(plan, sent) is reply, "never a success"
     figures = attempt_tokens(plan, sent)
-    assert (figures.partial, figures.output, figures.prompt) == (" 514vict", 147, 9)
+    assert (figures.partial, figures.partial_state, figures.output, figures.prompt) == (" 514vict", None, 147, 9)
 
 
 @pytest.mark.parametrize("code, status", [(503, 500), (502, 500), (400, 500), (None, 500), ("boom", 500),
@@ -239,7 +243,7 @@ def test_a_cut_completion_resumes_from_the_prompt_and_output_ids_and_keeps_vllms
     a = fold(first)
     assert a.token_ids == [301, 231, 232, 302] and a.prompt_token_ids == PROMPT_IDS and a.completion_tokens == 4
     figures = attempt_tokens(Plan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
-    kept = Partial.read(figures.partial)
+    kept = Partial.read(figures.partial, figures.partial_state)
     assert kept.text == " st\ufffd 810" and kept.context_ids == (*PROMPT_IDS, 301, 231, 232, 302)
 
     body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 10, "truncate_prompt_tokens": 100}
@@ -260,7 +264,7 @@ def test_ids_whose_character_vllm_had_not_streamed_yet_are_generated_again():
     a = fold(completion_with_ids([(" st", [301]), ("", [228]), ("", [189])]))
     assert a.untold_tokens == 2
     figures = attempt_tokens(Plan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
-    kept = Partial.read(figures.partial)
+    kept = Partial.read(figures.partial, figures.partial_state)
     assert (kept.text, kept.context_ids, kept.untold) == (" st", (*PROMPT_IDS, 301), 2)
 
 
@@ -269,10 +273,120 @@ def test_the_ids_survive_the_database_and_drop_untold_tokens_from_the_count(db):
     stream = completion_with_ids([(" st", [301]), (" 810", [302]), ("", [228])])
     _, rec = one_attempt(db, row_id, cut(fold(stream)))
     assert rec.disposition is Disposition.retry and not rec.outcome.transient, "a bare cut after output"
+    with db() as s:
+        attempt = s.query(Attempt).filter_by(request_id=row_id).one()
+        assert attempt.partial_output == " st 810", "the text column holds only the text"
+        assert attempt.partial_state == {"context_ids": [*PROMPT_IDS, 301, 302], "untold": 1}
     with transaction(db) as s:
         _, progress = open_attempt(s, row_id, "w-test")
     assert progress.context_ids == (*PROMPT_IDS, 301, 302) and progress.text == " st 810"
     assert progress.tokens == 2, "three tokens came, the last one's text had not"
+
+
+# An answer may say anything, the opening of the combined value rows held before migration 0008 included.
+OLD_OPENING = '{"holdback_partial":1,'
+LOOKALIKE = OLD_OPENING + '"text":"not this","context_ids":[7]}'
+
+
+def chat_saying(opening: str) -> list[dict | str]:
+    """aborted_chat() whose answer opens with `opening`."""
+    out = aborted_chat()
+    first = next(c for e in out[1:] for c in choices_of(e) if c["delta"].get("content"))
+    first["delta"]["content"] = opening + first["delta"]["content"]
+    return out
+
+
+def test_an_answer_that_opens_like_the_old_combined_value_is_kept_and_resumed_as_text(db):
+    assert Partial.read(LOOKALIKE, None) == Partial(LOOKALIKE)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    row_id = new_row(db, CHAT, body)
+    one_attempt(db, row_id, cut(fold(chat_saying(LOOKALIKE))))
+    with db() as s:
+        attempt = s.query(Attempt).filter_by(request_id=row_id).one()
+        assert (attempt.partial_output, attempt.partial_state) == (LOOKALIKE + "ps{ 670wh", None)
+    plan, _ = one_attempt(db, row_id, done(fold(payloads("chat_stream.sse"))))
+    assert plan.resumed and json.loads(plan.body)["messages"][-1]["content"] == LOOKALIKE + "ps{ 670wh"
+
+
+@pytest.fixture
+def suite_db(backend):
+    """The suite's backend: PostgreSQL under HOLDBACK_TEST_BACKEND=services (its JSON type), else SQLite."""
+    engine = make_engine(backend.database_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+def test_text_and_state_round_trip_on_the_suites_backend(suite_db):
+    db = suite_db
+    with_ids = new_row(db, COMPLETIONS, {"model": "tiny", "prompt": "Once upon", "max_tokens": 10})
+    one_attempt(db, with_ids, cut(fold(completion_with_ids([(OLD_OPENING + "\u00e9", [301]), ("", [228])]))))
+    text_only = new_row(db, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    one_attempt(db, text_only, cut(fold(chat_saying(LOOKALIKE))))
+    with db() as s:
+        kept = dict(s.execute(select(Attempt.request_id, Attempt.partial_state)).all())
+        no_state = s.scalars(select(Attempt.request_id).where(Attempt.partial_state.is_(None))).all()
+    assert kept[with_ids] == {"context_ids": [*PROMPT_IDS, 301], "untold": 1}
+    assert no_state == [text_only], "nothing beyond text is SQL NULL, not JSON null"
+    with transaction(db) as s:
+        _, progress = open_attempt(s, with_ids, "w-test")
+    assert (progress.text, progress.context_ids, progress.tokens) == (OLD_OPENING + "\u00e9", (*PROMPT_IDS, 301), 1)
+    with transaction(db) as s:
+        _, progress = open_attempt(s, text_only, "w-test")
+    assert (progress.text, progress.context_ids) == (LOOKALIKE + "ps{ 670wh", None)
+
+
+def _migrate(engine, fn, revision: str) -> None:
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        fn(cfg, revision)
+
+
+def test_migration_0008_splits_the_rows_written_before_it_and_its_downgrade_joins_them_again(backend):
+    engine = make_engine(backend.database_url)
+    db = make_sessionmaker(engine)
+    ids = {"holdback_partial": 1, "text": " st 810", "context_ids": [*PROMPT_IDS, 301, 302], "untold": 1}
+    thought = {"holdback_partial": 1, "text": "", "reasoning": "ps{", "reasoning_fields": ["reasoning"]}
+    old = {  # partial_output as the code before 0008 wrote it
+        "ids": json.dumps(ids, separators=(",", ":")),
+        "reasoning": json.dumps(thought, separators=(",", ":")),
+        "text": "plain",
+        "cut lookalike": OLD_OPENING + '"text":"half',  # not JSON: that code read it as text too
+        "lookalike without text": OLD_OPENING + '"context_ids":[1]}',
+        "none": None,
+    }
+    try:
+        _migrate(engine, command.downgrade, "0007")
+        rows = {name: new_row(db, COMPLETIONS, {"model": "tiny", "prompt": "Once upon", "max_tokens": 10})
+                for name in old}
+        with transaction(db) as s:
+            for name, row_id in rows.items():
+                s.execute(text("INSERT INTO attempts (request_id, batch_id, number, started_at, evicted, input_tokens,"
+                               " output_tokens, partial_output) SELECT id, batch_id, 1, 0, false, 3, 2, :partial"
+                               " FROM request_rows WHERE id = :r"), {"r": row_id, "partial": old[name]})
+                s.execute(text("UPDATE request_rows SET attempts = 1, status = 'retry_wait' WHERE id = :r"),
+                          {"r": row_id})
+        _migrate(engine, command.upgrade, "head")
+        with db() as s:
+            stored = {row_id: (partial, state) for row_id, partial, state in
+                      s.execute(select(Attempt.request_id, Attempt.partial_output, Attempt.partial_state))}
+        assert {name: stored[row_id] for name, row_id in rows.items()} == {
+            "ids": (" st 810", {"context_ids": [*PROMPT_IDS, 301, 302], "untold": 1}),
+            "reasoning": ("", {"reasoning": "ps{", "reasoning_fields": ["reasoning"]}),
+            "text": ("plain", None), "cut lookalike": (old["cut lookalike"], None),
+            "lookalike without text": (old["lookalike without text"], None), "none": (None, None)}
+        with transaction(db) as s:
+            _, progress = open_attempt(s, rows["ids"], "w-test")
+        assert (progress.text, progress.context_ids, progress.tokens) == (" st 810", (*PROMPT_IDS, 301, 302), 1)
+
+        _migrate(engine, command.downgrade, "0007")
+        with engine.connect() as conn:
+            assert "partial_state" not in {c["name"] for c in inspect(conn).get_columns("attempts")}
+            back = dict(conn.execute(text("SELECT request_id, partial_output FROM attempts WHERE number = 1")).all())
+        assert {name: back[row_id] for name, row_id in rows.items()} == old
+    finally:
+        _migrate(engine, command.upgrade, "head")
+        engine.dispose()
 
 
 def test_a_completion_with_stop_strings_resumes_by_text():
@@ -362,7 +476,9 @@ def test_a_cut_while_only_reasoning_came_restarts_and_one_after_the_answer_began
     _, rec = one_attempt(db, row_id, cut(fold(reasoning_chat("reasoning", finish=False))))
     assert rec.disposition is Disposition.retry
     with db() as s:
-        assert Partial.read(s.query(Attempt).filter_by(request_id=row_id).one().partial_output).reasoning == "ps{"
+        attempt = s.query(Attempt).filter_by(request_id=row_id).one()
+        assert (attempt.partial_output, attempt.partial_state) == ("", {"reasoning": "ps{",
+                                                                       "reasoning_fields": ["reasoning"]})
     # Only reasoning so far: continuing the answer would drop it, so the request starts over.
     plan, _ = one_attempt(db, row_id, cut(fold(reasoning_chat("reasoning", thoughts=2)[:4])))
     assert not plan.resumed and json.loads(plan.body)["messages"] == body["messages"]
