@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from async_processor import log
 from async_processor.metrics import WorkerMetrics
 from holdback.contract import DROP_REASON_HEADER, circuit_key
-from holdback.dispatch import is_path_failure
+from holdback.attempts import is_path_failure
 
 PROBE_PATH = "/v1/models"  # answered by the gateway (503 with no healthy replica) and by vLLM itself
 PROBE_TIMEOUT = 5.0

@@ -18,7 +18,7 @@ from async_processor.metrics import WorkerMetrics
 from async_processor.registration import WorkerNameTaken
 from holdback.broker import resolve_redis_url
 from holdback.contract import requests_queue_name, worker_name
-from holdback.dispatch import Jitter, RetryPolicy
+from holdback.attempts import Jitter, RetryPolicy
 from holdback.env_flags import flags_from_env
 from holdback.settings import Settings
 

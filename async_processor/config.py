@@ -12,7 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from holdback.contract import cancel_channel
-from holdback.dispatch import Jitter, RetryPolicy
+from holdback.attempts import Jitter, RetryPolicy
 
 
 class WorkerSettings(BaseSettings):

@@ -16,9 +16,8 @@ from functools import cache
 import aiohttp
 from rq import Retry
 
-from async_processor.attempt import InFlight, Runtime, run_attempt
 from async_processor.config import WorkerSettings
-from holdback.dispatch import Disposition, Jitter, RetryPolicy, Skip
+from holdback.attempts import Disposition, InFlight, Jitter, RetryPolicy, Runtime, Skip, run_attempt
 from holdback.settings import Settings
 
 # The database row bounds retries (deadline, transient budget); RQ's own count must never stop them.

@@ -18,15 +18,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from async_processor import log
-from async_processor.attempt import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from async_processor.circuit import GatewayCircuit
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
 from async_processor.queue import Claim, Finish, RequestQueue
 from async_processor.registration import Registration
 from holdback import tracing
+from holdback.attempts import BATCH_CONTEXTS, AttemptResult, Disposition, InFlight, Runtime, Skip, run_attempt
 from holdback.contract import pause_key
-from holdback.dispatch import Disposition, Skip
 from holdback.models import RequestStatus
 from holdback.probes import Heartbeat
 

@@ -139,7 +139,7 @@ class Processor:
         self._lease_renewed: dict[str, float] = {}
         self.sync: SyncDispatcher | None = None
         if self.config.dispatch == "sync":
-            from holdback.dispatch import RetryPolicy
+            from holdback.attempts import RetryPolicy
 
             self.sync = SyncDispatcher(
                 self.factory, gateway_url=settings.gateway_url, gateway_key=settings.gateway_key,

@@ -21,9 +21,9 @@ from collections import OrderedDict, deque
 import aiohttp
 from sqlalchemy.orm import Session, sessionmaker
 
-from async_processor.attempt import InFlight, Runtime, run_attempt
 from batch_processor.metrics import ProcessorMetrics
-from holdback import dispatch
+from holdback.attempts import InFlight, Runtime, run_attempt
+from holdback import attempts
 from holdback.logs import log_event
 from holdback.models import AttemptOutcome
 
@@ -64,7 +64,7 @@ class SyncDispatcher:
         gateway_key: str | None,
         worker_name: str,
         max_concurrency: int,
-        policy: dispatch.RetryPolicy = dispatch.RetryPolicy(),
+        policy: attempts.RetryPolicy = attempts.RetryPolicy(),
         request_timeout: float = 600.0,
         metrics: ProcessorMetrics | None = None,
         db_lanes: int = 2,

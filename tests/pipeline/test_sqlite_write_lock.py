@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from async_processor import attempt
-from async_processor.attempt import DatabaseLane, begin_immediate, make_worker_engine
+from holdback.attempts import runner as attempt
+from holdback.attempts.runner import DatabaseLane, begin_immediate, make_worker_engine
 from holdback.db import make_sessionmaker
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from async_processor.resume import Plan, Progress, plan_attempt, resumable, streamed_reply
-from async_processor.stream import StreamAssembly, StreamedReply, TokenSums, _cut_reply, summed_usage
-from holdback.dispatch import Dispatch, classify
+from holdback.attempts.resume import Plan, Progress, plan_attempt, resumable, streamed_reply
+from holdback.attempts.stream import StreamAssembly, StreamedReply, TokenSums, _cut_reply, summed_usage
+from holdback.attempts.transactions import Dispatch, classify
 from holdback.models import AttemptOutcome
 
 CHAT = "/v1/chat/completions"

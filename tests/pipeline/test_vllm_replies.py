@@ -22,12 +22,12 @@ import pytest
 from alembic import command
 from sqlalchemy import inspect, select, text
 
-from async_processor.resume import (Partial, Plan, Progress, attempt_tokens, open_attempt, plan_attempt,
+from holdback.attempts.resume import (Partial, Plan, Progress, attempt_tokens, open_attempt, plan_attempt,
                                     record_attempt, resumable, streamed_reply)
-from async_processor.stream import StreamAssembly, StreamedReply, _cut_reply, send_streamed
+from holdback.attempts.stream import StreamAssembly, StreamedReply, _cut_reply, send_streamed
 from holdback.contract import is_eviction, is_no_endpoints
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.dispatch import Dispatch, Disposition, Reply, RetryPolicy, classify, request_headers
+from holdback.attempts.transactions import Dispatch, Disposition, Reply, RetryPolicy, classify, request_headers
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, Tenant
 from holdback.schema import alembic_config, upgrade
 

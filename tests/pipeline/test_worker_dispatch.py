@@ -6,7 +6,7 @@ import time
 import pytest
 
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.dispatch import (
+from holdback.attempts.transactions import (
     DEADLINE_HEADER,
     Disposition,
     Jitter,

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from async_processor.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
+from holdback.attempts.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
 from holdback.contract import RESUMABLE_HEADER
-from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
+from holdback.attempts.transactions import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
 from holdback.models import Attempt
 from holdback.results import AttemptFigures
 

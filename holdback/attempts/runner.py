@@ -27,11 +27,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from async_processor import resume
-from async_processor.stream import send_streamed, transport_reply
+from holdback.attempts import resume
+from holdback.attempts.stream import send_streamed, transport_reply
 from holdback import tracing
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.dispatch import Dispatch, Recorded, Reply, RetryPolicy, Skip
+from holdback.attempts.transactions import Dispatch, Recorded, Reply, RetryPolicy, Skip
 from holdback.results import deferred_batch_counts
 
 T = TypeVar("T")

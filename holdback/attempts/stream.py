@@ -19,7 +19,7 @@ import aiohttp
 
 from holdback import tracing
 from holdback.contract import DROP_REASON_HEADER, DropReason, is_eviction
-from holdback.dispatch import PATH_STATUSES, Reply
+from holdback.attempts.transactions import PATH_STATUSES, Reply
 
 _CHUNK_OBJECTS = {"chat.completion.chunk": "chat.completion", "text_completion": "text_completion"}
 # Top-level fields of a chunk that describe the stream, not the answer: vLLM's head chunk carries
