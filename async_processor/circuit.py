@@ -2,7 +2,7 @@
 
 One Redis key, `<namespace>:circuit:gateway`, holds why the circuit opened; while it exists every worker's
 claim loop waits (requests already in flight carry on). Any worker that sees a failing path
-(`holdback.dispatch.is_path_failure`) probes the gateway with `GET /v1/models` and its key; if the probe
+(`holdback.attempts.is_path_failure`) probes the gateway with `GET /v1/models` and its key; if the probe
 fails as well, it opens the circuit. While open, one worker at a time (lock `<key>:probe`) probes every
 interval, and the first answer that is not a path failure deletes the key. A failing probe renews the key's
 TTL, so a circuit whose workers all died closes by itself.

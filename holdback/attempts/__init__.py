@@ -9,18 +9,9 @@ This module is the public surface callers import; tests may reach into the modul
 """
 
 from holdback.attempts.runner import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
-from holdback.attempts.transactions import (
-    Dispatch,
-    Disposition,
-    Jitter,
-    Outcome,
-    Recorded,
-    Reply,
-    RetryPolicy,
-    Skip,
-    classify,
-    is_path_failure,
-)
+from holdback.attempts.outcomes import Outcome, Reply, classify, is_path_failure
+from holdback.attempts.retry import Jitter, RetryPolicy
+from holdback.attempts.transactions import Dispatch, Disposition, Recorded, Skip
 
 __all__ = [
     "BATCH_CONTEXTS",

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
+from holdback.attempts.outcomes import Reply
+from holdback.attempts.retry import RetryPolicy
 from holdback.attempts.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
+from holdback.attempts.transactions import Dispatch, Recorded, Skip, begin, record_outcome
 from holdback.contract import RESUMABLE_HEADER
-from holdback.attempts.transactions import Dispatch, Recorded, Reply, RetryPolicy, Skip, begin, record_outcome
 from holdback.models import Attempt
 from holdback.results import AttemptFigures
 
@@ -214,7 +216,7 @@ _SUMS = (
 
 
 def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, Progress] | Skip:
-    """`holdback.dispatch.begin`, plus the progress of earlier attempts when the request can resume."""
+    """`transactions.begin`, plus the progress of earlier attempts when the request can resume."""
     opened = begin(session, row_id, worker)
     if isinstance(opened, Skip) or opened.attempt == 1 or not resumable(opened.url, json.loads(opened.body)):
         return opened if isinstance(opened, Skip) else (opened, Progress())
@@ -270,5 +272,5 @@ def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:
 
 def record_attempt(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy,
                    tokens: AttemptFigures | None) -> Recorded:
-    """`holdback.dispatch.record_outcome`, with this attempt's own token figures on its attempt row."""
+    """`transactions.record_outcome`, with this attempt's own token figures on its attempt row."""
     return record_outcome(session, dispatch, reply, policy, figures=tokens)

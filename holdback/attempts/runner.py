@@ -2,162 +2,38 @@
 
 The one attempt runner of holdback: the asyncio worker runs many of these at once, `async_processor.job.run_request`
 runs one for a plain RQ worker, and the processor's sync mode (`batch_processor.sync_dispatch`) runs its
-requests with it too — the same sends, the same mapping of a failed send (`transport_reply`), the same
-recording of what an answer means for the row (`holdback.dispatch.record_outcome`). Database work is two transactions (`holdback.dispatch.begin`, then
-`record_outcome`, each wrapped by `async_processor.resume` to read and write what a resumed request needs),
-each run on a database lane thread because SQLAlchemy's engine is synchronous. Resumable requests are sent
-streamed (`async_processor.stream`), the rest as they are.
+requests with it too — the same sends (`holdback.attempts.send`), the same mapping of a failed send
+(`transport_reply`), the same recording of what an answer means for the row
+(`holdback.attempts.transactions.record_outcome`). Database work is two transactions (`transactions.begin`, then
+`record_outcome`, each wrapped by `holdback.attempts.resume` to read and write what a resumed request needs),
+each run on a database lane (`holdback.attempts.lanes`) because SQLAlchemy's engine is synchronous. Resumable
+requests are sent streamed (`holdback.attempts.stream`), the rest as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import sqlite3
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-from sqlalchemy import Engine, event
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from holdback.attempts import resume
-from holdback.attempts.stream import send_streamed, transport_reply
 from holdback import tracing
-from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.attempts.transactions import Dispatch, Recorded, Reply, RetryPolicy, Skip
-from holdback.results import deferred_batch_counts
+from holdback.attempts import resume
+from holdback.attempts.lanes import DatabaseLane
+from holdback.attempts.outcomes import Reply
+from holdback.attempts.retry import RetryPolicy
+from holdback.attempts.send import send, send_streamed
+from holdback.attempts.transactions import Dispatch, Recorded, Skip
+from holdback.attempts.write_lock import make_worker_engine
+from holdback.db import make_sessionmaker
 
 T = TypeVar("T")
 # Each batch's trace context, read once per batch by this process (only while tracing is on).
 BATCH_CONTEXTS = tracing.BatchContexts()
-
-
-# SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50, 100 ms between tries for the
-# write lock, so a worker process whose first try failed idles for tens of ms after the other process's
-# group commit (a few ms) has released it: with two processes, each lane slept a quarter of its time. The
-# worker asks for the lock itself instead, every WRITE_LOCK_POLL_MIN doubling to WRITE_LOCK_POLL_MAX.
-WRITE_LOCK_POLL_MIN = 0.0002
-WRITE_LOCK_POLL_MAX = 0.002
-WRITE_LOCK_TIMEOUT = 30.0  # as holdback.db's busy timeout: then "database is locked", as before
-
-
-def make_worker_engine(url: str, pool_size: int) -> Engine:
-    """holdback's engine; on SQLite every transaction starts with BEGIN IMMEDIATE.
-
-    Both of an attempt's transactions read, then write. SQLite's default deferred BEGIN would fail such a
-    transaction at once with "database is locked" when another process wrote in between (WAL snapshot);
-    taking the write lock up front makes it wait for the lock instead (`begin_immediate`).
-    """
-    engine = make_engine(url, pool_size=pool_size)
-    if engine.dialect.name == "sqlite":
-
-        @event.listens_for(engine, "connect")
-        def _autocommit_driver(dbapi_conn, _record):  # noqa: ANN001
-            dbapi_conn.isolation_level = None  # let SQLAlchemy's BEGIN below be the only one
-            # No sleeping busy handler: a locked BEGIN fails at once and begin_immediate polls. Inside the
-            # transaction WAL needs no other lock; a rare busy there fails the group, whose calls the lane
-            # retries one by one.
-            dbapi_conn.execute("PRAGMA busy_timeout=0")
-
-        @event.listens_for(engine, "begin")
-        def _begin_immediate(conn):  # noqa: ANN001
-            try:
-                begin_immediate(conn.connection.driver_connection, WRITE_LOCK_TIMEOUT)
-            except sqlite3.Error as exc:  # as SQLAlchemy raises it from a statement: the lane retries these
-                raise OperationalError("BEGIN IMMEDIATE", None, exc) from exc
-
-    return engine
-
-
-def begin_immediate(dbapi_conn: sqlite3.Connection, timeout: float) -> None:
-    """BEGIN IMMEDIATE on a connection without a busy handler, polling with a short backoff while another
-    process holds the write lock, so the lock is taken within a couple of ms of its release."""
-    deadline = time.monotonic() + timeout
-    pause = WRITE_LOCK_POLL_MIN
-    while True:
-        try:
-            dbapi_conn.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, WRITE_LOCK_POLL_MAX)
-
-
-class DatabaseLane:
-    """One thread that runs database work in groups: every call queued while the thread was busy shares the
-    next transaction (group commit), so N attempts cost one BEGIN/COMMIT instead of N.
-
-    The group's batch counter updates are applied once per batch at its end (`deferred_batch_counts`), so
-    the hot batch row is locked only for the commit. If a group's transaction fails, each call of it runs
-    again alone in its own transaction (retried while
-    the database is busy or away), so one bad call never fails the others.
-    """
-
-    def __init__(self, sessions: sessionmaker[Session], name: str, max_group: int = 64):
-        self.sessions = sessions
-        self.max_group = max_group
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
-        future: Future = Future()
-        self._queue.put((fn, args, future))
-        return future
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            group = [item]
-            while len(group) < self.max_group:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)  # finish this group, then stop
-                    break
-                group.append(more)
-            group = [g for g in group if g[2].set_running_or_notify_cancel()]
-            if group:
-                self._run_group(group)
-
-    def _run_group(self, group: list) -> None:
-        try:
-            with transaction(self.sessions) as session, deferred_batch_counts(session):
-                results = [fn(session, *args) for fn, args, _ in group]
-        except Exception:  # noqa: BLE001 - every call is retried alone below, with its own error
-            for fn, args, future in group:
-                self._run_alone(fn, args, future)
-            return
-        for (_, _, future), result in zip(group, results):
-            future.set_result(result)
-
-    def _run_alone(self, fn: Callable, args: tuple, future: Future) -> None:
-        try:
-            for attempt in Retrying(stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.05, max=2.0),
-                                    retry=retry_if_exception_type(OperationalError), reraise=True):
-                with attempt, transaction(self.sessions) as session, deferred_batch_counts(session):
-                    result = fn(session, *args)
-        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
 
 
 @dataclass
@@ -232,20 +108,6 @@ class AttemptResult:
     dispatch: Dispatch | None = None
     recorded: Recorded | None = None
     seconds: float = 0.0  # time spent on the gateway request
-
-
-async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gateway_key: str | None,
-               timeout: float) -> Reply:
-    """POST the row's body to the gateway; every failure to get a complete answer is a transport error."""
-    try:
-        async with http.post(url, data=dispatch.body.encode(), headers=tracing.inject(dispatch.headers(gateway_key)),
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            body = await resp.read()
-            return Reply(resp.status, resp.headers, body)
-    except aiohttp.ClientPayloadError as exc:
-        return Reply.transport_error(f"truncated answer: {exc}")
-    except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-        return transport_reply(exc, timeout)
 
 
 async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,

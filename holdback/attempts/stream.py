@@ -1,6 +1,6 @@
-"""A streamed batch request: read the event stream as vLLM writes it (and our gateway relays it) and assemble
+"""Stream assembly: fold the event stream as vLLM writes it (and our gateway relays it) into
 the body a non-streamed request would have returned, or, when the stream did not complete (evicted, aborted,
-failed, broken), what it carried so far.
+failed, broken), what it carried so far. The send itself is `holdback.attempts.send`'s.
 
 The assembled body has the non-streamed shape (`chat.completion` / `text_completion`, one choice with the
 whole text and reasoning, `finish_reason` and `stop_reason` of the last chunk, the `usage` chunk's usage, every
@@ -10,16 +10,11 @@ a plain one. One choice only: requests with `n > 1` never stream.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from holdback import tracing
+from holdback.attempts.outcomes import PATH_STATUSES, Reply
 from holdback.contract import DROP_REASON_HEADER, DropReason, is_eviction
-from holdback.attempts.transactions import PATH_STATUSES, Reply
 
 _CHUNK_OBJECTS = {"chat.completion.chunk": "chat.completion", "text_completion": "text_completion"}
 # Top-level fields of a chunk that describe the stream, not the answer: vLLM's head chunk carries
@@ -206,18 +201,6 @@ def summed_usage(last: dict, earlier: TokenSums | None) -> dict:
     return usage
 
 
-def transport_reply(exc: BaseException, timeout: float) -> Reply:
-    """The Reply for a send that got no complete answer; one mapping for the streamed and the plain send.
-
-    A refused or unresolvable connection is a failing path (the request never left), not a failing request.
-    """
-    if isinstance(exc, asyncio.TimeoutError):
-        return Reply.transport_error(f"no complete answer within {timeout:g}s")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return Reply.transport_error(f"{type(exc).__name__}: {exc}", unreachable=True)
-    return Reply.transport_error(f"{type(exc).__name__}: {exc}")
-
-
 @dataclass(frozen=True)
 class StreamedReply:
     reply: Reply  # 2xx only when the stream completed; the caller assembles the body from `assembly`
@@ -226,37 +209,7 @@ class StreamedReply:
     events: bool = True  # False: the answer was not an event stream (an error, or a server that ignored stream)
 
 
-async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                        timeout: float) -> StreamedReply:
-    """POST a `stream: true` body and fold its events; a non-2xx answer comes back as it is."""
-    assembly = StreamAssembly()
-    try:
-        async with http.post(url, data=body, headers=tracing.inject(headers),
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status >= 300 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return StreamedReply(Reply(resp.status, resp.headers, await resp.read()), assembly, cut=False,
-                                     events=False)
-            async for line in resp.content:
-                if line.startswith(b"data:"):
-                    assembly.feed(line[5:].strip())
-            if assembly.complete:
-                return StreamedReply(Reply(resp.status, resp.headers), assembly, cut=False)
-            return StreamedReply(_cut_reply(resp.headers, assembly), assembly, cut=True)
-    except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-        # The connection broke (or our timeout ended it). After output that is how an llm-d eviction reaches
-        # us, and the next attempt goes on from the output: `cut_after_output` keeps it off the budget.
-        if isinstance(exc, aiohttp.ClientPayloadError):
-            reply = Reply.transport_error(f"stream cut after {assembly.content_chunks} chunks: {exc}")
-        else:
-            reply = transport_reply(exc, timeout)
-        reply = dataclasses.replace(reply, cut_after_output=assembly.carried_output)
-    except ValueError as exc:
-        # An event that is not JSON: the server's doing and likely to repeat, so it spends the budget.
-        reply = Reply.transport_error(f"unreadable event after {assembly.content_chunks} chunks: {exc}")
-    return StreamedReply(reply, assembly, cut=bool(assembly.head), events=bool(assembly.head))
-
-
-def _cut_reply(headers, assembly: StreamAssembly) -> Reply:
+def cut_reply(headers, assembly: StreamAssembly) -> Reply:
     """The Reply of a stream that began and did not complete, as its end says.
 
     The gateway's eviction notice (an error event with code `evicted`) and vLLM's `finish_reason: "abort"`

@@ -1,45 +1,25 @@
-"""How one batch request goes to the gateway and what its answer means.
+"""The two transactions of an attempt: `begin` opens it, and `record_outcome` closes it as exactly one of:
+a final result (through `holdback.results`' compare-and-set), a retry, or a row left for the batch's expiry.
 
-Shared by the async workers and the processor's sync mode: the request headers, the outcome class of
-an answer, the retry backoff, and the two transactions of an attempt — `begin` opens it, and
-`record_outcome` closes it as exactly one of: a final result (through `holdback.results`' compare-and-set),
-a retry, or a row left for the batch's expiry. Callers do the HTTP themselves and own the transactions.
-
-Outcome classes: 2xx → success; 429 with any drop reason → retry with backoff
-until the batch deadline, never counted against a budget; a failing path (gateway unreachable, 502/503,
-no replica) → the same, never budgeted: an outage costs time, not results; a stream that broke after it
-carried output (how an llm-d eviction reaches us: a bare reset) → the same, resuming from that output;
-other 5xx (a failed stream's error event too) and transport errors → retry within a budget of transient
-failures, then fail; other 4xx → final failure whose response goes to the error file.
+Callers do the HTTP themselves (`holdback.attempts.runner` for the async workers and the sync mode) and own
+the transactions.
 """
 
 from __future__ import annotations
 
-import email.utils
 import enum
 import json
-import math
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from holdback.contract import (
-    BATCH_OBJECTIVE,
-    DEADLINE_HEADER,
-    DROP_REASON_HEADER,
-    FAIRNESS_HEADER,
-    FAIRNESS_HEADER_ALIASES,
-    OBJECTIVE_HEADER,
-    OBJECTIVE_HEADER_ALIASES,
-    REPLICA_HEADERS,
-    REQUEST_ID_HEADER,
-    is_eviction,
-    is_no_endpoints,
-)
+from holdback.attempts.headers import request_headers
+from holdback.attempts.outcomes import Outcome, Reply, classify
+from holdback.attempts.retry import RetryPolicy
 from holdback.models import (
     REQUEST_TERMINAL_VALUES,
     Attempt,
@@ -50,186 +30,6 @@ from holdback.models import (
 )
 from holdback.results import (AttemptFigures, FinalResult, Usage, begin_attempt, end_attempt, record_final,
                               schedule_retry)
-
-# A proxy's own "nobody behind me answered" statuses: the path failed, not the request.
-PATH_STATUSES = frozenset({502, 503})
-
-
-def request_headers(
-    request_id: str,
-    tenant_id: str,
-    deadline: float | None,
-    gateway_key: str | None = None,
-    objective: str = BATCH_OBJECTIVE,
-) -> dict[str, str]:
-    """The headers of every attempt: objective, fairness id, the row id (stable across attempts), deadline, key.
-
-    Objective and fairness id go in llm-d's spelling and in the Gateway API Inference Extension's, so that
-    every gateway in front of the replicas (ours, llm-d's, the extension's endpoint picker) reads them."""
-    headers = {"content-type": "application/json"}
-    for name in (OBJECTIVE_HEADER, *OBJECTIVE_HEADER_ALIASES):
-        headers[name] = objective
-    for name in (FAIRNESS_HEADER, *FAIRNESS_HEADER_ALIASES):
-        headers[name] = tenant_id
-    headers[REQUEST_ID_HEADER] = request_id
-    if deadline is not None:
-        headers[DEADLINE_HEADER] = str(int(deadline))
-    if gateway_key:
-        headers["authorization"] = f"Bearer {gateway_key}"
-    return headers
-
-
-# --- outcome classes ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The class of one attempt's answer; `kind` is what the Attempt row records."""
-
-    kind: AttemptOutcome
-    status: int | None = None
-    drop_reason: str | None = None
-    retry_after: float | None = None  # seconds the server asked us to wait, if it did
-    path_failure: bool = False  # the way to a replica failed (see `is_path_failure`), not this request
-    # A stream broke after it carried output with no word why. Behind llm-d an eviction looks exactly like this
-    # (no 429, no event), and the retry resumes from the output, so it is not budgeted. A replica that crashes
-    # on this request every time would loop: each such retry has made progress of its own, and the batch's
-    # deadline ends the loop (the row is then closed with the batch, never retried past it).
-    cut_after_output: bool = False
-
-    @property
-    def evicted(self) -> bool:
-        return self.kind is AttemptOutcome.evicted
-
-    @property
-    def transient(self) -> bool:
-        """5xx and transport errors the request may have caused: retried within the transient-failure budget."""
-        return (self.kind in (AttemptOutcome.server_error, AttemptOutcome.transport_error)
-                and not self.path_failure and not self.cut_after_output)
-
-    @property
-    def shed(self) -> bool:
-        """429 from the gateway (evicted or rejected): retried until the deadline, never budgeted."""
-        return self.kind in (AttemptOutcome.evicted, AttemptOutcome.rejected)
-
-
-def is_path_failure(status: int | None, drop_reason: str | None = None, *, unreachable: bool = False) -> bool:
-    """True when the answer says the way to a replica is down rather than anything about the request:
-    no connection could be opened (`unreachable`), a 502/503 (the gateway or a proxy found nobody to
-    answer), or a drop reason of the `rejected-no-endpoints` family (no healthy replica). Such a request
-    never reached a model, so retrying it later costs time only; the workers' circuit breaker uses the same test."""
-    if status is None:
-        return unreachable
-    return status in PATH_STATUSES or is_no_endpoints(drop_reason)
-
-
-def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None,
-             unreachable: bool = False, cut_after_output: bool = False) -> Outcome:
-    """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error),
-    `unreachable` that not even a connection was made, `cut_after_output` that a stream broke after it
-    carried output."""
-    headers = headers or {}
-    drop_reason = _header(headers, DROP_REASON_HEADER)
-    retry_after = parse_retry_after(_header(headers, "retry-after"), now=now)
-    path = is_path_failure(status, drop_reason, unreachable=unreachable)
-    if status is None:
-        return Outcome(AttemptOutcome.transport_error, path_failure=path, cut_after_output=cut_after_output)
-    if 200 <= status < 300:
-        return Outcome(AttemptOutcome.success, status)
-    if status == 429:
-        kind = AttemptOutcome.evicted if is_eviction(drop_reason) else AttemptOutcome.rejected
-        return Outcome(kind, status, drop_reason, retry_after)
-    if 400 <= status < 500:
-        return Outcome(AttemptOutcome.client_error, status, drop_reason)
-    # 5xx, and anything else a proxy might answer (1xx/3xx): transient, or a failing path.
-    return Outcome(AttemptOutcome.server_error, status, drop_reason, retry_after, path_failure=path)
-
-
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """`Retry-After` as seconds from now: delta-seconds or an HTTP date; None if absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if not math.isfinite(seconds):
-        return None
-    return max(0.0, seconds)
-
-
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        # Plain dicts are case-sensitive; multidicts and httpx headers are not.
-        lowered = name.lower()
-        for key, v in headers.items():
-            if key.lower() == lowered:
-                return v
-    return value
-
-
-# --- backoff ------------------------------------------------------------------------------------------
-
-
-class Jitter(str, enum.Enum):
-    full = "full"  # uniform in [0, x)
-    equal = "equal"  # uniform in [x/2, x): never retries sooner than half the step
-
-
-def backoff(
-    attempt: int,
-    retry_after: float | None = None,
-    *,
-    base: float = 2.0,
-    cap: float = 60.0,
-    jitter: Jitter | str = Jitter.equal,
-    rand: Callable[[], float] = random.random,
-) -> float:
-    """Seconds to wait after failed attempt number `attempt` (1-based): base doubling to cap, jittered.
-
-    A server's `Retry-After` is a floor: we never come back sooner than it asked.
-    """
-    step = min(cap, base * (2 ** max(0, attempt - 1)))
-    if Jitter(jitter) is Jitter.full:
-        delay = step * rand()
-    else:
-        delay = step / 2 + (step / 2) * rand()
-    if retry_after is not None:
-        delay = max(delay, retry_after)
-    return delay
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How retries are paced and bounded; defaults: 2 s doubling to 60 s with jitter, 5 transient failures."""
-
-    base: float = 2.0
-    cap: float = 60.0
-    jitter: Jitter = Jitter.equal
-    transient_budget: int = 5  # the row fails on its N-th transient failure (5xx or transport error)
-    # A row whose batch is past its deadline (or being cancelled) waits this long for the processor to
-    # close it before its job looks again.
-    closing_recheck: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.base <= 0 or self.cap < self.base:
-            raise ValueError(f"backoff needs 0 < base <= cap, got base={self.base} cap={self.cap}")
-        if self.transient_budget < 1:
-            raise ValueError(f"transient_budget must be at least 1, got {self.transient_budget}")
-        if self.closing_recheck <= 0:
-            raise ValueError(f"closing_recheck must be positive, got {self.closing_recheck}")
-
-    def delay(self, attempt: int, retry_after: float | None = None, rand: Callable[[], float] = random.random) -> float:
-        return backoff(attempt, retry_after, base=self.base, cap=self.cap, jitter=self.jitter, rand=rand)
-
 
 # --- the attempt's first transaction --------------------------------------------------------------------
 
@@ -305,35 +105,6 @@ def begin(session: Session, row_id: str, worker: str, *, now: float | None = Non
 
 
 # --- the attempt's second transaction -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    """What one attempt got back: an HTTP answer, a transport error, or an abort by us."""
-
-    status: int | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    body: bytes | None = None
-    error: str | None = None  # transport error, what a stream's error event said, or why we aborted
-    aborted: bool = False  # we closed the connection: the batch was cancelled or expired
-    unreachable: bool = False  # no connection could be opened: the request never left
-    cut_after_output: bool = False  # a stream broke after it carried output (see `Outcome.cut_after_output`)
-
-    @classmethod
-    def transport_error(cls, error: str, *, unreachable: bool = False, cut_after_output: bool = False) -> "Reply":
-        return cls(error=error, unreachable=unreachable, cut_after_output=cut_after_output)
-
-    @classmethod
-    def cancelled(cls, reason: str = "batch cancelled or expired") -> "Reply":
-        return cls(error=reason, aborted=True)
-
-    @property
-    def replica(self) -> str | None:
-        for name in REPLICA_HEADERS:
-            value = _header(self.headers, name)
-            if value:
-                return value[:256]
-        return None
 
 
 class Disposition(str, enum.Enum):

@@ -13,12 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from holdback.attempts.runner import InFlight, Runtime, run_attempt
+from holdback.attempts import InFlight, RetryPolicy, Runtime, run_attempt
 from batch_processor.sync_dispatch import SyncDispatcher
 from bench.readiness import free_port
 from holdback.contract import DROP_REASON_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.attempts.transactions import RetryPolicy
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from tests.support import poll
 

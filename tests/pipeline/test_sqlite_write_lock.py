@@ -11,8 +11,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from holdback.attempts import runner as attempt
-from holdback.attempts.runner import DatabaseLane, begin_immediate, make_worker_engine
+from holdback.attempts import write_lock
+from holdback.attempts.lanes import DatabaseLane
+from holdback.attempts.write_lock import begin_immediate, make_worker_engine
 from holdback.db import make_sessionmaker
 
 
@@ -81,7 +82,7 @@ def test_the_worker_engine_has_no_busy_handler_and_reports_a_lock_timeout_as_sql
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 0
         holder = _connect(db_file)
         holder.execute("BEGIN IMMEDIATE")
-        monkeypatch.setattr(attempt, "WRITE_LOCK_TIMEOUT", 0.1)
+        monkeypatch.setattr(write_lock, "WRITE_LOCK_TIMEOUT", 0.1)
         with pytest.raises(OperationalError, match="database is locked"), engine.begin() as conn:
             conn.execute(text("UPDATE counter SET n = n + 1"))
         holder.execute("COMMIT")

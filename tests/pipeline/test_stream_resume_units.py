@@ -8,8 +8,9 @@ import json
 import pytest
 
 from holdback.attempts.resume import Plan, Progress, plan_attempt, resumable, streamed_reply
-from holdback.attempts.stream import StreamAssembly, StreamedReply, TokenSums, _cut_reply, summed_usage
-from holdback.attempts.transactions import Dispatch, classify
+from holdback.attempts.outcomes import classify
+from holdback.attempts.stream import StreamAssembly, StreamedReply, TokenSums, cut_reply, summed_usage
+from holdback.attempts.transactions import Dispatch
 from holdback.models import AttemptOutcome
 
 CHAT = "/v1/chat/completions"
@@ -95,13 +96,13 @@ def test_the_assembled_body_has_the_non_streamed_shape_and_summed_usage():
 def test_a_cut_stream_is_an_eviction_or_a_transport_error_and_keeps_what_it_carried():
     chunk = {**HEAD, "choices": [{"index": 0, "text": " the", "finish_reason": None}]}
     evicted = events(chunk, {"error": {"message": "evicted", "type": "rate_limit_error", "code": "evicted"}})
-    reply = _cut_reply({"x-sim-replica": "0", "Content-Type": "text/event-stream"}, evicted)
+    reply = cut_reply({"x-sim-replica": "0", "Content-Type": "text/event-stream"}, evicted)
     outcome = classify(reply.status, reply.headers)
     assert outcome.kind is AttemptOutcome.evicted and reply.replica == "0"
     assert evicted.text == " the" and not evicted.complete and evicted.completion_tokens == 1
 
     broken = events(chunk)  # no [DONE], no error event: the connection just ended
-    reply = _cut_reply({}, broken)
+    reply = cut_reply({}, broken)
     assert classify(reply.status, reply.headers).kind is AttemptOutcome.transport_error
     assert "after 1 chunks" in reply.error
     plan = Plan(streamed=True, resumed=False, body=b"{}")

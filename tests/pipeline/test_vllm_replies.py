@@ -24,10 +24,14 @@ from sqlalchemy import inspect, select, text
 
 from holdback.attempts.resume import (Partial, Plan, Progress, attempt_tokens, open_attempt, plan_attempt,
                                     record_attempt, resumable, streamed_reply)
-from holdback.attempts.stream import StreamAssembly, StreamedReply, _cut_reply, send_streamed
+from holdback.attempts.send import send_streamed
+from holdback.attempts.stream import StreamAssembly, StreamedReply, cut_reply
 from holdback.contract import is_eviction, is_no_endpoints
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.attempts.transactions import Dispatch, Disposition, Reply, RetryPolicy, classify, request_headers
+from holdback.attempts.headers import request_headers
+from holdback.attempts.outcomes import Reply, classify
+from holdback.attempts.retry import RetryPolicy
+from holdback.attempts.transactions import Dispatch, Disposition
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, Tenant
 from holdback.schema import alembic_config, upgrade
 
@@ -77,7 +81,7 @@ def test_drop_reason_families_take_any_value_and_an_int_code_is_never_an_evictio
 def test_a_stream_vllm_failed_is_the_requests_own_server_error_and_keeps_its_output():
     a = fold(payloads("chat_stream_engine_error.sse"))
     assert a.done and a.error["code"] == 500 and not a.complete, "the error event, then [DONE]: not complete"
-    reply = _cut_reply({"x-holdback-replica": "r0", "Content-Type": "text/event-stream"}, a)
+    reply = cut_reply({"x-holdback-replica": "r0", "Content-Type": "text/event-stream"}, a)
     outcome = classify(reply.status, reply.headers)
     assert (outcome.kind, outcome.status, outcome.transient, outcome.path_failure) == (
         AttemptOutcome.server_error, 500, True, False)
@@ -95,14 +99,14 @@ def test_a_stream_vllm_failed_is_the_requests_own_server_error_and_keeps_its_out
 def test_a_failed_streams_status_is_vllms_own_server_error_else_500(code, status):
     # The stream had begun: whatever the code, the way to the replica worked and the request was taken.
     a = fold([*payloads("chat_stream_engine_error.sse")[:2], {"error": {"message": "x", "code": code}}])
-    reply = _cut_reply({}, a)
+    reply = cut_reply({}, a)
     assert reply.status == status and classify(reply.status, reply.headers).transient
 
 
 def test_the_gateways_eviction_notice_is_still_an_eviction():
     head = payloads("chat_stream.sse")[:2]
     a = fold([*head, {"error": {"message": "evicted", "type": "rate_limit_error", "param": None, "code": "evicted"}}])
-    reply = _cut_reply({}, a)
+    reply = cut_reply({}, a)
     outcome = classify(reply.status, reply.headers)
     assert outcome.evicted and not outcome.transient and outcome.drop_reason == "evicted"
 
@@ -145,7 +149,7 @@ def one_attempt(db, row_id: str, sent: StreamedReply, policy=RetryPolicy(base=0.
 
 
 def cut(a: StreamAssembly) -> StreamedReply:
-    return StreamedReply(_cut_reply({}, a), a, cut=True)
+    return StreamedReply(cut_reply({}, a), a, cut=True)
 
 
 def done(a: StreamAssembly) -> StreamedReply:
@@ -185,7 +189,7 @@ def aborted_chat() -> list[dict | str]:
 def test_a_stream_vllm_aborted_is_an_eviction_never_a_success():
     a = fold(aborted_chat())
     assert a.done and a.aborted and not a.complete
-    reply = _cut_reply({"x-holdback-replica": "r1"}, a)
+    reply = cut_reply({"x-holdback-replica": "r1"}, a)
     outcome = classify(reply.status, reply.headers)
     assert outcome.evicted and not outcome.transient and reply.replica == "r1" and "abort" in reply.error
     assert streamed_reply(Plan(True, False, b"{}"), StreamedReply(reply, a, cut=True)) is reply

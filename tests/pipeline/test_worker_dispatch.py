@@ -5,21 +5,12 @@ import time
 
 import pytest
 
+from holdback.attempts.headers import request_headers
+from holdback.attempts.outcomes import Reply, classify, parse_retry_after
+from holdback.attempts.retry import Jitter, RetryPolicy, backoff
+from holdback.attempts.transactions import Disposition, Skip, begin, record_outcome
+from holdback.contract import DEADLINE_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.attempts.transactions import (
-    DEADLINE_HEADER,
-    Disposition,
-    Jitter,
-    Reply,
-    RetryPolicy,
-    Skip,
-    backoff,
-    begin,
-    classify,
-    parse_retry_after,
-    record_outcome,
-    request_headers,
-)
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, RequestStatus, Tenant
 from holdback.results import output_line
 

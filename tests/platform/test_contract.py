@@ -10,7 +10,7 @@ import pytest
 
 from holdback import contract
 from holdback.contract import DropReason, is_eviction, is_no_endpoints
-from holdback.attempts.transactions import classify
+from holdback.attempts import classify
 from holdback.models import AttemptOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
