@@ -26,7 +26,7 @@ import httpx
 
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
 from bench.gates import NOT_CAPACITY, capacity_refused, served_ttfts
-from bench.report import percentile
+from bench.stats import percentile
 from bench.stack import Stack, StackSpec, series_labels
 from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
 from bench.traffic import stream_chat

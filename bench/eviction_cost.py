@@ -53,8 +53,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.intervals import pooled_quantile_ratio, quantile_interval
-from bench.report import figures, percentile
+from bench.report import figures
+from bench.stats import Estimate, decide, percentile, pooled_quantile_ratio, quantile_interval, ratio_of_runs
 from bench.stack import Stack
 from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
                          with_overrides)
@@ -215,17 +215,17 @@ def round_ratios(arms: dict[str, ArmFigures]) -> dict[str, float | None]:
 
 
 def ttft_verdict(arms: dict[str, ArmFigures], candidate: str, baseline: str) -> str:
-    """p95 TTFT of `candidate` no worse than `baseline`: decided only when the intervals do not overlap."""
+    """p95 TTFT of `candidate` no worse than `baseline`: decided only when the intervals do not overlap (the
+    widest ratio they allow is on one side of 1)."""
     a, b = arms.get(candidate), arms.get(baseline)
     if a is None or b is None:
         return f"not run ({candidate if a is None else baseline} is not in this round)"
     if None in (a.p95_ttft_lo_ms, a.p95_ttft_hi_ms, b.p95_ttft_lo_ms, b.p95_ttft_hi_ms):
         return "undecided (too few requests)"
-    if a.p95_ttft_hi_ms <= b.p95_ttft_lo_ms:
-        return "met (better, intervals apart)"
-    if a.p95_ttft_lo_ms > b.p95_ttft_hi_ms:
-        return "not met (worse, intervals apart)"
-    return "undecided (intervals overlap)"
+    ratio = ratio_of_runs(Estimate(a.p95_ttft_ms, a.p95_ttft_lo_ms, a.p95_ttft_hi_ms),
+                          Estimate(b.p95_ttft_ms, b.p95_ttft_lo_ms, b.p95_ttft_hi_ms))
+    return {"met": "met (better, intervals apart)", "missed": "not met (worse, intervals apart)"}.get(
+        decide(ratio, 1.0, at_least=False), "undecided (intervals overlap)")
 
 
 def _ttfts(record: dict) -> list[float]:
@@ -235,14 +235,13 @@ def _ttfts(record: dict) -> list[float]:
 def non_inferiority(estimate: tuple[float, float, float] | None, margin: float = TTFT_MARGIN) -> str:
     if estimate is None:
         return "undecided (fewer than two rounds with both arms)"
-    _, lo, hi = estimate
-    if hi < 1.0:
+    est = Estimate(*estimate)
+    decided = decide(est, margin, at_least=False)
+    if decided == "met" and est.hi < 1.0:
         return "met (better: the whole interval is below 1)"
-    if hi <= margin:
-        return f"met (no worse: the interval's upper end is at most {margin})"
-    if lo > margin:
-        return f"not met (worse: the whole interval is above {margin})"
-    return f"undecided (the interval straddles {margin})"
+    return {"met": f"met (no worse: the interval's upper end is at most {margin})",
+            "missed": f"not met (worse: the whole interval is above {margin})"}.get(
+        decided, f"undecided (the interval straddles {margin})")
 
 
 def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path, first_round: int = 0) -> dict:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from bench.report import histogram_quantile, percentile
+from bench.stats import Estimate, decide, histogram_quantile, percentile, quantile_interval
 
 RELEASE_GATE_S = 2.0
 EVICTED_COMPLETE_GATE = 0.99
 RELEASE_METRIC = "holdback_gateway_kv_release_seconds"
 PAUSED_LEVELS = ("pause-batch", "evict")
 BATCH_PRIORITY = "-10"  # the batch band of the drills' gateway config
-PAUSE_MIN_S = 3.0
-NOT_CAPACITY = ("quota", "context", "cancel")  # the caller's own limits, or the caller gone: not a full gateway  # the shortest stretch of no batch dispatch, with batch waiting, that counts as a pause
+PAUSE_MIN_S = 3.0  # the shortest stretch of no batch dispatch, with batch waiting, that counts as a pause
+NOT_CAPACITY = ("quota", "context", "cancel")  # the caller's own limits, or the caller gone: not a full gateway
 
 
 @dataclass
@@ -37,28 +37,17 @@ class Gate:
         return asdict(self)
 
 
-def quantile_interval(values: list[float], q: float, z: float = 1.96) -> tuple[float | None, float | None]:
-    """Distribution-free ~95% interval of the q-quantile: order statistics around rank n*q (binomial normal approx)."""
-    n = len(values)
-    if n == 0:
-        return None, None
-    ordered = sorted(values)
-    half = z * math.sqrt(n * q * (1 - q))
-    lo = max(0, math.floor(n * q - half) - 1)
-    hi = min(n - 1, math.ceil(n * q + half))
-    return ordered[lo], ordered[hi]
-
-
 def tail_verdict(values: list[float], q: float, limit: float) -> tuple[float | None, str, str]:
-    """(estimate, status, 'p95 X ms [lo, hi], decided|undecided')."""
+    """(estimate, status, 'p95 X ms [lo, hi], decided|undecided'): the gate passes on the point estimate; it is
+    decided when the interval lies on one side of the limit."""
     est = percentile(values, q)
-    lo, hi = quantile_interval(values, q)
     if est is None:
         return None, "fail", "no samples"
+    lo, hi = quantile_interval(values, q)
     status = "pass" if est <= limit else "fail"
-    decided = (hi is not None and hi <= limit) or (lo is not None and lo > limit)
-    text = (f"p{int(q * 100)} {est * 1000:.0f} ms [{lo * 1000:.0f}, {hi * 1000:.0f}] n={len(values)}, "
-            f"{'decided' if decided else 'undecided'}")
+    decided = decide(Estimate(est, lo, hi), limit, at_least=False) in ("met", "missed")
+    interval = f"[{lo * 1000:.0f}, {hi * 1000:.0f}]" if lo is not None else "[no interval under 20 samples]"
+    text = f"p{int(q * 100)} {est * 1000:.0f} ms {interval} n={len(values)}, {'decided' if decided else 'undecided'}"
     return est, status, text
 
 

@@ -36,6 +36,7 @@ from aiohttp import web
 
 from holdback.contract import DROP_REASON_HEADER, OBJECTIVE_HEADER, QUEUE_MS_HEADER, is_eviction
 from bench.readiness import free_port, wait_http
+from bench.stats import histogram_bound, percentile
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -130,11 +131,10 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float) -> d
                         errors += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    latencies.sort()
     n = len(latencies)
     return {"requests": n, "errors": errors, "rps": n / duration,
-            "p50_ms": latencies[n // 2] * 1000 if n else None,
-            "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000 if n else None}
+            "p50_ms": percentile(latencies, 0.5) * 1000 if n else None,
+            "p99_ms": percentile(latencies, 0.99) * 1000 if n else None}
 
 
 def run_load(url: str, concurrency: int, duration: float, warmup: float) -> dict:
@@ -223,21 +223,6 @@ def overhead(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
 
 
 # -- phase 2: eviction release latency -------------------------------------------------------------------------
-def _histogram_quantile(metrics_text: str, name: str, q: float) -> tuple[float | None, int]:
-    buckets: list[tuple[float, float]] = []
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None, 0
-    total = buckets[-1][1]
-    for le, count in buckets:
-        if count >= q * total:
-            return le, int(total)
-    return None, int(total)
-
-
 async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
     """Blocked realtime arrivals, each evicting batch. With KV admission on, also every eviction's decision ->
     upstream closed and decision -> capacity released in the ledger (/admin/state `kv.recent_releases`, exact
@@ -294,14 +279,11 @@ async def _eviction_trials(gw: str, batch_slots: int, trials: int) -> dict:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
         metrics = (await client.get("/metrics")).text
-    queue_ms.sort()
-    client_ms.sort()
-    n = len(queue_ms)
-    p99_conf, confirmations = _histogram_quantile(metrics, "holdback_gateway_eviction_confirmation_seconds", 0.99)
-    return {"trials": trials, "blocked_trials": n, "evicted_batch_responses": evicted,
-            "arrival_to_dispatch_ms": {"p50": queue_ms[n // 2], "p99": queue_ms[min(n - 1, int(n * 0.99))],
-                                       "max": queue_ms[-1]},
-            "realtime_client_latency_ms": {"p50": client_ms[n // 2], "p99": client_ms[min(n - 1, int(n * 0.99))]},
+    p99_conf, confirmations = histogram_bound(metrics, "holdback_gateway_eviction_confirmation_seconds", 0.99)
+    return {"trials": trials, "blocked_trials": len(queue_ms), "evicted_batch_responses": evicted,
+            "arrival_to_dispatch_ms": {"p50": percentile(queue_ms, 0.5), "p99": percentile(queue_ms, 0.99),
+                                       "max": max(queue_ms)},
+            "realtime_client_latency_ms": {"p50": percentile(client_ms, 0.5), "p99": percentile(client_ms, 0.99)},
             "confirmation_p99_bucket_ms": p99_conf * 1000 if p99_conf is not None else None,
             "confirmations": confirmations,
             "upstream_closed_after_eviction_s": [closed for closed, _released in releases.values()],

@@ -38,9 +38,9 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from bench.eviction_cost import quantile_interval
 from bench.gateway_overhead import Children, eviction, holdback
 from bench.readiness import free_port, wait_http
+from bench.stats import Estimate, decide, percentile, quantile_interval, ratio_of_runs
 
 PY = sys.executable
 _EVENT = b"data: {"
@@ -149,8 +149,7 @@ def run_streams(url: str, streams: int, tokens: int) -> dict:
 
 
 def _p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]
+    return percentile(values, 0.95)
 
 
 def _cpu(proc: psutil.Process, fields: slice = slice(0, 2)) -> float:
@@ -187,14 +186,14 @@ def _verdict(gw: list[float], direct: list[float], goal: float) -> dict:
     out = {"gateway_p95_ms": _p95(gw) * 1000, "direct_p95_ms": _p95(direct) * 1000,
            "gateway_interval_ms": [g_lo * 1000, g_hi * 1000] if g_lo is not None else None,
            "direct_interval_ms": [d_lo * 1000, d_hi * 1000] if d_lo is not None else None}
-    if g_lo is None or d_lo is None or not d_lo:
+    # The widest ratio the two intervals allow, against the goal.
+    ratio = ratio_of_runs(Estimate(_p95(gw), g_lo, g_hi), Estimate(_p95(direct), d_lo, d_hi))
+    if ratio.lo is None:
         out["goal"] = "undecided (too few samples)"
-    elif g_hi <= goal * d_lo:
-        out["goal"] = f"met (even the interval ends are within {goal}x)"
-    elif g_lo > goal * d_hi:
-        out["goal"] = f"not met (the interval ends are apart by more than {goal}x)"
     else:
-        out["goal"] = "undecided (the intervals straddle the goal)"
+        out["goal"] = {"met": f"met (even the interval ends are within {goal}x)",
+                       "missed": f"not met (the interval ends are apart by more than {goal}x)"}.get(
+            decide(ratio, goal, at_least=False), "undecided (the intervals straddle the goal)")
     return out
 
 
@@ -204,16 +203,15 @@ def _release_verdict(seconds: list[float], goal_ms: float) -> dict:
         return {"evictions": 0, "goal": "undecided (no eviction recorded)"}
     ms = sorted(x * 1000 for x in seconds)
     lo, hi = quantile_interval(ms, 0.99)
-    out = {"evictions": len(ms), "p50_ms": ms[len(ms) // 2], "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+    p99 = percentile(ms, 0.99)
+    out = {"evictions": len(ms), "p50_ms": percentile(ms, 0.5), "p99_ms": p99,
            "max_ms": ms[-1], "p99_interval_ms": [lo, hi] if lo is not None else None, "goal_ms": goal_ms}
     if lo is None:
         out["goal"] = "undecided (too few evictions)"
-    elif hi <= goal_ms:
-        out["goal"] = "met (the interval ends within the goal)"
-    elif lo > goal_ms:
-        out["goal"] = "not met (the interval starts above the goal)"
     else:
-        out["goal"] = "undecided (the interval straddles the goal)"
+        out["goal"] = {"met": "met (the interval ends within the goal)",
+                       "missed": "not met (the interval starts above the goal)"}.get(
+            decide(Estimate(p99, lo, hi), goal_ms, at_least=False), "undecided (the interval straddles the goal)")
     return out
 
 

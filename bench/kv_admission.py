@@ -49,6 +49,7 @@ import aiohttp
 from holdback.contract import DROP_REASON_HEADER, FAIRNESS_HEADER, OBJECTIVE_HEADER
 from bench.gateway_overhead import Children, holdback
 from bench.readiness import free_port, free_port_block, wait_http
+from bench.stats import Estimate, bootstrap_percentile, decide, histogram_bound, percentile, quantile_upper_bound
 
 WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx", "yz")
 
@@ -103,39 +104,21 @@ def start_sims(children: Children, tmp: Path, name: str, n: int, *args: str) -> 
     return urls
 
 
-# -- statistics -----------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+def tail(values: list[float], q: float, min_n: int, seed: int) -> Estimate:
+    """The q-quantile of `values` with its bootstrap interval (none under `min_n` values)."""
+    return bootstrap_percentile(values, q, seed=seed) if len(values) >= min_n else Estimate(percentile(values, q))
 
 
-def bootstrap(values: list[float], q: float, seed: int, n: int = 1000) -> tuple[float, float]:
-    rng = random.Random(seed)
-    est = sorted(percentile([rng.choice(values) for _ in values], q) for _ in range(n))
-    return est[int(0.025 * n)], est[int(0.975 * n) - 1]
+def interval(est: Estimate, scale: float = 1.0, digits: int = 2) -> list[float]:
+    """[lo, hi] scaled and rounded, NaN without an interval."""
+    if est.lo is None or est.hi is None:
+        return [float("nan")] * 2
+    return [round(est.lo * scale, digits), round(est.hi * scale, digits)]
 
 
-def quantile_upper_bound(values: list[float], q: float, confidence: float = 0.95) -> float | None:
-    """A distribution-free one-sided upper confidence bound for the q-quantile: the smallest order statistic
-    X(k) with P(Binomial(n, q) <= k - 1) >= confidence; None when n is too small for one (q = 0.99 at 95 %
-    needs n >= 299)."""
-    s = sorted(values)
-    n = len(s)
-    tail, term = 0.0, q ** n  # P(Binomial(n, q) = n); summed downwards, P(Bin >= j) stays accurate
-    for j in range(n, 0, -1):
-        if tail + term > 1 - confidence:
-            return s[j] if j < n else None  # X(j + 1): P(Bin >= j + 1) <= 1 - confidence
-        tail += term
-        term *= j / (n - j + 1) * (1 - q) / q
-    return s[0]
-
-
-def verdict(low: float, high: float, goal: float) -> str:
-    if high <= goal:
-        return "met"
-    if low > goal:
-        return "missed"
-    return "undecided"
+def over_rounds(values: list[float]) -> Estimate:
+    """The median of per-round figures, with their range as its interval."""
+    return Estimate(statistics.median(values), min(values), max(values), len(values), "range over rounds")
 
 
 # -- the load phase -------------------------------------------------------------------------------------------
@@ -276,18 +259,6 @@ def preemptions(urls: list[str]) -> float:
     return total
 
 
-def histogram_p99(metrics: str, name: str, label: str) -> tuple[float | None, int]:
-    buckets = []
-    for line in metrics.splitlines():
-        if line.startswith(name + "_bucket") and label in line:
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None, 0
-    total = buckets[-1][1]
-    return next(le for le, c in buckets if c >= 0.99 * total), int(total)
-
-
 async def load(gw: str, args: argparse.Namespace, admission: bool, seed: int) -> Tally:
     tally = Tally()
     stop = asyncio.Event()
@@ -326,25 +297,24 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
         tally = asyncio.run(load(gw, args, on, args.seed))
         pre = preemptions(sims) - before
         metrics = httpx.get(gw + "/metrics", timeout=5).text
-        low, high = bootstrap(tally.ttft, 0.95, args.seed) if len(tally.ttft) >= 20 else (float("nan"),) * 2
+        ttft = tail(tally.ttft, 0.95, 20, args.seed)
         res = {"completed": tally.completed, "failed": tally.failed, "failures": tally.failures,
                "rejected": tally.rejected, "preemptions": pre,
                "realtime_ttft_ms": {"n": len(tally.ttft),
                                     "p50": round(percentile(tally.ttft, 0.5) * 1000, 1) if tally.ttft else None,
                                     "p95": round(percentile(tally.ttft, 0.95) * 1000, 1) if tally.ttft else None,
-                                    "p95_ci95": [round(low * 1000, 1), round(high * 1000, 1)],
-                                    "goal_900ms": verdict(low, high, 0.9)}}
+                                    "p95_ci95": interval(ttft, 1000, 1),
+                                    "goal_900ms": decide(ttft, 0.9, at_least=False)}}
         if on:
             rel, seen = tally.release_ms, tally.release_seen_ms
-            rl, rh = bootstrap(rel, 0.99, args.seed) if len(rel) >= 10 else (float("nan"),) * 2
-            sl, sh = bootstrap(seen, 0.99, args.seed) if len(seen) >= 10 else (float("nan"),) * 2
-            p99_gw, n_gw = histogram_p99(metrics, "holdback_gateway_kv_release_seconds", 'cause="cancel"')
+            rel_p99, seen_p99 = tail(rel, 0.99, 10, args.seed), tail(seen, 0.99, 10, args.seed)
+            p99_gw, n_gw = histogram_bound(metrics, "holdback_gateway_kv_release_seconds", 0.99, 'cause="cancel"')
             res["max_tenant_share"] = {"value": round(tally.max_share, 4), "samples": tally.share_samples,
                                        "goal_0.15": "met" if tally.max_share <= 0.15 + 1e-9 else "missed"}
             res["release_after_cancel_ms"] = {
                 "n": len(rel), "p50": round(percentile(rel, 0.5), 2) if rel else None,
                 "p99": round(percentile(rel, 0.99), 2) if rel else None,
-                "p99_ci95": [round(rl, 2), round(rh, 2)], "goal_50ms": verdict(rl, rh, 50.0),
+                "p99_ci95": interval(rel_p99), "goal_50ms": decide(rel_p99, 50.0, at_least=False),
                 "max": round(max(rel), 2) if rel else None, "over_50ms": sum(1 for r in rel if r > 50.0),
                 "p99_upper_bound_95": _rounded(quantile_upper_bound(rel, 0.99)),
                 "polled_upper_bound": {
@@ -353,7 +323,7 @@ def load_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                     "poll_round_trip_ms_p99": round(percentile(tally.poll_rtt_ms, 0.99), 2) if seen else None,
                     "p50": round(percentile(seen, 0.5), 2) if seen else None,
                     "p99": round(percentile(seen, 0.99), 2) if seen else None,
-                    "p99_ci95": [round(sl, 2), round(sh, 2)], "goal_50ms": verdict(sl, sh, 50.0)},
+                    "p99_ci95": interval(seen_p99), "goal_50ms": decide(seen_p99, 50.0, at_least=False)},
                 "gateway_histogram_p99_le_s": p99_gw, "gateway_histogram_n": n_gw}
             res["tokenizer"] = httpx.get(gw + "/admin/state", timeout=5).json()["kv"]["tokenizer"]
         out[mode] = res
@@ -418,14 +388,14 @@ def overhead_phase(args: argparse.Namespace, children: Children, tmp: Path) -> d
                     f"{k} {v[-1]:.3f} ms" for k, v in added.items()), file=sys.stderr, flush=True)
         out = {}
         for kind, v in added.items():
-            low, high = bootstrap(paired[kind], 0.5, args.seed)
+            turns = bootstrap_percentile(paired[kind], 0.5, seed=args.seed)
             out[kind] = {"median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
                          "max_ms": round(max(v), 3), "per_round": [round(x, 3) for x in v],
-                         "goal_1ms": verdict(min(v), max(v), 1.0),
+                         "goal_1ms": decide(over_rounds(v), 1.0, at_least=False),
                          "paired_turns": {"n": len(paired[kind]),
                                           "median_ms": round(statistics.median(paired[kind]), 3),
-                                          "ci95": [round(low, 3), round(high, 3)],
-                                          "goal_1ms": verdict(low, high, 1.0)}}
+                                          "ci95": interval(turns, digits=3),
+                                          "goal_1ms": decide(turns, 1.0, at_least=False)}}
             if kind.startswith("control"):  # nothing is added there: no goal, only the noise it shows
                 del out[kind]["goal_1ms"], out[kind]["paired_turns"]["goal_1ms"]
         return out
@@ -456,10 +426,10 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     """The admission path's own cost, in process: off vs on (the default `auto`, replica /tokenize, a
     tokenizer.json)."""
     from gateway.config import parse_config
-    from gateway.flow_control import FlowController
+    from gateway.flow.controller import FlowController
     from gateway.metrics import GatewayMetrics
     from gateway.replicas import ReplicaPool
-    from gateway.request import FlowRequest
+    from gateway.flow.request import FlowRequest
     from gateway.tokenization import PromptCounter
 
     [sim] = start_sims(children, tmp, "sim-path", 1, "--zero-latency")
@@ -518,7 +488,7 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
                     added[kind].append(statistics.median(samples["on"]) - statistics.median(samples["off"]))
         return {kind: {"median_ms": round(statistics.median(v), 4), "min_ms": round(min(v), 4),
                        "max_ms": round(max(v), 4), "per_round": [round(x, 4) for x in v],
-                       "goal_1ms": verdict(min(v), max(v), 1.0)} for kind, v in added.items()}
+                       "goal_1ms": decide(over_rounds(v), 1.0, at_least=False)} for kind, v in added.items()}
 
     try:
         return asyncio.run(run())

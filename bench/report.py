@@ -12,8 +12,8 @@ import random
 import statistics
 from pathlib import Path
 
-from bench.intervals import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Estimate, bootstrap_median, quantile_interval,
-                             ratio_of_runs, verdict)
+from bench.stats import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Estimate, bootstrap_median, central_95,
+                         histogram_quantile, percentile, quantile_interval, ratio_of_runs, verdict)
 from bench.stack import metric_sum
 
 # The published medians of the study this benchmark reproduces.
@@ -42,17 +42,6 @@ SWEEP = [("reserve_25_evict", 25), ("holdback_50_evict", 50), ("reserve_75_evict
 EVICTION_COST = ("evict_newest_restart", "evict_cost_resume", "evict_newest_restart_cache", "evict_cost_resume_cache")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    if k == lo or ordered[hi] == ordered[lo]:
-        return ordered[lo]  # also keeps an infinite value (a request that never got its token) infinite
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def _completed_at(samples: list[dict], t: float) -> float | None:
     """Completed count at time t, interpolated between the two samples around it."""
     pts = [(s["t"], s["completed"]) for s in samples if "completed" in s]
@@ -66,34 +55,6 @@ def _completed_at(samples: list[dict], t: float) -> float | None:
         return before[-1][1]
     (t0, c0), (t1, c1) = before[-1], after[0]
     return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
-
-
-def histogram_quantile(metrics: dict[str, float], name: str, q: float, **labels: str) -> float | None:
-    """The q-quantile of a Prometheus histogram's buckets summed over the series whose labels match `labels`."""
-    buckets = []
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for key, value in metrics.items():
-        if key.startswith(f"{name}_bucket{{") and all(w in key for w in want):
-            le = key.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((math.inf if le == "+Inf" else float(le), value))
-    if not buckets:
-        return None
-    merged: dict[float, float] = {}
-    for le, v in buckets:
-        merged[le] = merged.get(le, 0.0) + v
-    ordered = sorted(merged.items())
-    total = ordered[-1][1]
-    if total <= 0:
-        return None
-    rank = q * total
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in ordered:
-        if c >= rank:
-            if math.isinf(le):
-                return prev_le
-            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0)
-        prev_le, prev_c = le, c
-    return prev_le
 
 
 def figures(record: dict) -> dict:
@@ -308,14 +269,6 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return my - slope * mx, slope
 
 
-def _central_95(values) -> tuple[float | None, float | None]:  # noqa: ANN001
-    """The 2.5th and 97.5th percentiles of bootstrap draws, as bench.intervals takes them."""
-    ordered = sorted(values)
-    if not ordered:
-        return None, None
-    return ordered[int(0.025 * (len(ordered) - 1))], ordered[int(math.ceil(0.975 * (len(ordered) - 1)))]
-
-
 def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
     """Realtime p95 TTFT against the batch places held (the gateway's batch band in flight, mean over the window),
     a least-squares line over the realtime-only and fixed-reserve runs, with a bootstrap interval for its slope
@@ -337,9 +290,9 @@ def occupancy_cost(run_figs: list[dict], bound: float = 1.05) -> dict | None:
 
     rng = random.Random(BOOTSTRAP_SEED)
     draws = [d for d in (_line(rng.choices(points, k=len(points))) for _ in range(BOOTSTRAP_SAMPLES)) if d is not None]
-    slope_lo, slope_hi = _central_95(b for _, b in draws)
+    slope_lo, slope_hi = central_95(b for _, b in draws)
     # A draw whose line does not rise never reaches the bound: it counts as unbounded places.
-    at_lo, at_hi = _central_95(math.inf if (c := crossing(a, b)) is None else c for a, b in draws)
+    at_lo, at_hi = central_95(math.inf if (c := crossing(a, b)) is None else c for a, b in draws)
     per_place = _median([f["batch_completions"] / f["batch_in_flight_mean"] for f in run_figs
                          if f["scenario"] in FIXED_RESERVE_RUNS and f.get("batch_completions")
                          and f.get("batch_in_flight_mean")])

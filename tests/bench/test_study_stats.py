@@ -6,9 +6,9 @@ import json
 import pytest
 
 from bench import study
-from bench.intervals import Estimate, bootstrap_median, quantile_interval, ratio_of_runs, verdict
-from bench.report import (adaptive_differences, differences, figures, goals, histogram_quantile, occupancy_cost,
-                          paired_ratio, run_harvest, summarize)
+from bench.report import (adaptive_differences, differences, figures, goals, occupancy_cost, paired_ratio, run_harvest,
+                          summarize)
+from bench.stats import Estimate, bootstrap_median, histogram_quantile, quantile_interval, ratio_of_runs, verdict
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 
 

@@ -3,7 +3,7 @@
 import random
 
 from bench.eviction_cost import TTFT_MARGIN, non_inferiority
-from bench.intervals import pooled_quantile_ratio
+from bench.stats import pooled_quantile_ratio
 
 
 def pooled_p95_ratio(rounds):  # noqa: ANN001, ANN201

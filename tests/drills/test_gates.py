@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.gates import batch_pause_gate, evaluate, kill_gate, oom_gate, quantile_interval, tenant_share_gate, tail_verdict, ttft_gate
+from bench.gates import batch_pause_gate, evaluate, kill_gate, oom_gate, tail_verdict, tenant_share_gate, ttft_gate
+from bench.stats import quantile_interval
 
 PLAN = {"sim_args": ["--num-blocks", "100", "--block-size", "16"]}
 
