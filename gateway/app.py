@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.classification import ClassificationError, Classifier
 from gateway.config import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
-from gateway.flow_control import FlowController
+from gateway.flow.controller import FlowController
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy

@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
 from gateway.config import UPSTREAM_KEY_ENV, ConfigError, load_config
-from gateway.flow_process import FlowServer, listening_socket
+from gateway.relays.flow_process import FlowServer, listening_socket
 from gateway.log import configure_logging, log_event
 from holdback.env_flags import flags_from_env
 

@@ -115,7 +115,7 @@ class UsageLimit(_Model):
 
 
 class Eviction(_Model):
-    # Victim order by name from the registry in gateway/victims.py; `none` is the no-op evictor.
+    # Victim order by name from the registry in gateway/policies/victims.py; `none` is the no-op evictor.
     policy: str = "newest-first"
     # Kept for older configs: `enabled: false` means `policy: none`.
     enabled: bool = True
@@ -126,7 +126,7 @@ class Eviction(_Model):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from gateway.victims import POLICIES  # the registry lives beside the policies
+        from gateway.policies.victims import POLICIES  # the registry lives beside the policies
         if name not in POLICIES:
             raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
         return name
@@ -219,7 +219,7 @@ class Admission(_Model):
 
 
 class Picker(_Model):
-    # Replica scorer by name (gateway/picker.py): least-loaded | kv-headroom.
+    # Replica scorer by name (gateway/policies/picker.py): least-loaded | kv-headroom.
     policy: Literal["least-loaded", "kv-headroom"] = "least-loaded"
     inFlightWeight: float = Field(default=1.0, ge=0)
     kvUsageWeight: float = Field(default=1.0, ge=0)

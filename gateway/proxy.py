@@ -14,7 +14,7 @@ refuses the connection, dies with the request or refuses the gateway's key is ta
 to another one (flow control moves its slot and KV reservation); a request that reached a replica which died
 is sent once more, no further.
 `controller` is the FlowController in one process, or in a relay of `--workers N` the RemoteFlowController
-that asks the flow-control process (gateway/remote_flow.py): the same calls, so this is the one relay path.
+that asks the flow-control process (gateway/relays/remote_flow.py): the same calls, so this is the one relay path.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from multidict import CIMultiDict
 
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
-from gateway.flow_control import FlowController, Outcome
-from gateway.kv_ledger import Reservation
+from gateway.flow.controller import FlowController, Outcome
+from gateway.flow.ledger import Reservation
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.request import DropReason, FlowRequest, Status
+from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.replicas import UNAUTHORIZED, Replica
 from gateway.responses import drop_response, embeddings_not_served, error_response, evicted_sse_event
 from gateway.tokenization import PromptCounter

@@ -2,13 +2,13 @@
 
 import pytest
 
-from gateway.admission import Demand, KvAdmission, Outcome
+from gateway.policies.admission import Demand, KvAdmission, Outcome
 from gateway.calibration import Profile
 from gateway.config import Admission, ConfigError, Quota, parse_config
-from gateway.kv_ledger import KvLedger
+from gateway.flow.ledger import KvLedger
 from gateway.replicas import Replica
-from gateway.flow_control import Outcome as FlowOutcome
-from gateway.request import DropReason
+from gateway.flow.controller import Outcome as FlowOutcome
+from gateway.flow.request import DropReason
 from tests.gateway.test_flow_control import controller, req, run
 
 
@@ -245,7 +245,7 @@ def test_config_rejects_watermarks_without_room_for_one_cycle_of_growth():
 
 
 def test_token_seconds_window_forgets_old_tenants():
-    from gateway.kv_ledger import TokenSecondsMeter
+    from gateway.flow.ledger import TokenSecondsMeter
     meter = TokenSecondsMeter(window=10)
     meter.add("gone", 100, now=1.0)
     meter.add("here", 50, now=5.0)

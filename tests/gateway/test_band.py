@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from gateway.band import PriorityBand
-from gateway.ordering import EarliestDeadline, ordering_policy
-from gateway.fairness import fairness_policy
-from gateway.request import FlowRequest, Status
+from gateway.flow.band import PriorityBand
+from gateway.policies.ordering import EarliestDeadline, ordering_policy
+from gateway.policies.fairness import fairness_policy
+from gateway.flow.request import FlowRequest, Status
 
 
 def make(seq, fid="t", deadline=math.inf, expires=math.inf):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway.eviction import BandDemand, Evictor
-from gateway.request import FlowRequest
+from gateway.flow.eviction import BandDemand, Evictor
+from gateway.flow.request import FlowRequest
 
 
 def inflight(name, priority, dispatched_at):
@@ -81,7 +81,7 @@ def test_capacity_on_loan_comes_back_in_one_decision():
 
 
 def test_borrowed_requests_count_only_bands_below_the_demand():
-    from gateway.eviction import borrowed_requests
+    from gateway.flow.eviction import borrowed_requests
 
     bands = [BandDemand(100, 1.0, 0, 30, 0.0), BandDemand(0, 0.75, 0, 10, 0.1), BandDemand(-10, 0.5, 0, 30, 0.25)]
     # credit 1/48: band 0's floor allows 4 (holds 10: 6 borrowed), band -10's allows 12 (holds 30: 18).
@@ -138,7 +138,7 @@ def test_unconfirmed_victims_time_out_and_reopen_the_gate():
 
 
 def test_the_none_policy_never_evicts_and_policies_see_read_only_views():
-    from gateway.victims import NoEviction, VictimCandidate, victim_policy
+    from gateway.policies.victims import NoEviction, VictimCandidate, victim_policy
 
     e = Evictor(policy=NoEviction())
     e.track(inflight("b", -10, 1.0))
@@ -163,7 +163,7 @@ def test_the_none_policy_never_evicts_and_policies_see_read_only_views():
 
 
 def test_kv_excess_takes_victims_on_that_replica_until_their_reservations_cover_it():
-    from gateway.kv_ledger import KvLedger
+    from gateway.flow.ledger import KvLedger
 
     ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
     here, there = object(), object()
@@ -183,7 +183,7 @@ def test_kv_excess_takes_victims_on_that_replica_until_their_reservations_cover_
 
 
 def test_each_named_policy_orders_the_same_pool_its_own_way():
-    from gateway.victims import POLICIES, VictimCandidate, victim_policy
+    from gateway.policies.victims import POLICIES, VictimCandidate, victim_policy
 
     def cand(name, priority, started_at, *, streaming, resumable, output):
         return VictimCandidate(
@@ -213,7 +213,7 @@ def test_each_named_policy_orders_the_same_pool_its_own_way():
 def test_the_configured_policy_picks_the_controllers_victim(name, victim):
     import asyncio
 
-    from gateway.request import DropReason
+    from gateway.flow.request import DropReason
     from tests.gateway.test_flow_control import controller, req
 
     async def main():

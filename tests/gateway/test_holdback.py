@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.holdback import PriorityHoldbackPolicy, StaticPolicy, band_ceilings, holdback_policy
+from gateway.policies.holdback import PriorityHoldbackPolicy, StaticPolicy, band_ceilings, holdback_policy
 
 
 def test_rank_domain_spaces_ceilings_evenly_from_max_to_min():

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from gateway.request import DropReason
-from gateway.reserve import AdaptiveReservePolicy, DemandForecast, ReserveSettings
+from gateway.flow.request import DropReason
+from gateway.policies.reserve import AdaptiveReservePolicy, DemandForecast, ReserveSettings
 from tests.gateway.test_flow_control import controller, req
 
 ADAPTIVE = "usageLimit: {policy: adaptive-reserve, minCeiling: 0.25, adaptive: {margin: 0.1, halfLifeSeconds: 2, " \

@@ -3,7 +3,7 @@
 import pytest
 
 from gateway.replicas import Replica
-from gateway.saturation import ConcurrencyDetector, UtilizationDetector, saturation_detector
+from gateway.policies.saturation import ConcurrencyDetector, UtilizationDetector, saturation_detector
 
 
 def rep(in_flight=0, **kw):

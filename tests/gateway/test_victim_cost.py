@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.victim_cost import CostRankedPolicy
-from gateway.victims import VictimCandidate, VictimPolicy
+from gateway.policies.victim_cost import CostRankedPolicy
+from gateway.policies.victims import VictimCandidate, VictimPolicy
 
 NOW = 1000.0
 BASE = VictimCandidate(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import heapq
 
-from gateway.fairness import FairnessPolicy, fairness_policy
-from gateway.ordering import OrderingPolicy, ordering_policy
-from gateway.request import FlowRequest, Status
+from gateway.policies.fairness import FairnessPolicy, fairness_policy
+from gateway.policies.ordering import OrderingPolicy, ordering_policy
+from gateway.flow.request import FlowRequest, Status
 
 
 class FlowQueue:

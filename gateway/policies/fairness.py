@@ -10,7 +10,7 @@ import bisect
 from typing import TYPE_CHECKING, Mapping, Protocol
 
 if TYPE_CHECKING:
-    from gateway.band import FlowQueue
+    from gateway.flow.band import FlowQueue
 
 
 class FairnessPolicy(Protocol):

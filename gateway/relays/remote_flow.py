@@ -17,13 +17,13 @@ import logging
 import time
 from typing import Callable
 
-from gateway.channel import Channel
+from gateway.relays.channel import Channel
 from gateway.config import LoadedConfig
-from gateway.flow_control import Outcome
-from gateway.kv_ledger import KvLedger, Reservation
+from gateway.flow.controller import Outcome
+from gateway.flow.ledger import KvLedger, Reservation
 from gateway.log import log_event
 from gateway.replicas import Replica
-from gateway.request import DropReason, FlowRequest, Status
+from gateway.flow.request import DropReason, FlowRequest, Status
 
 logger = logging.getLogger("gateway.relay")
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from gateway.victims import VictimCandidate
+from gateway.policies.victims import VictimCandidate
 
 # A decoded token costs a whole engine step shared by the running batch; a prefilled token is one of
 # thousands in a step. Weighing a lost decode token as this many prefill tokens keeps restart (which

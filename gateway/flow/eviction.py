@@ -3,13 +3,13 @@
 The `Evictor` tracks dispatched sheddable requests and decides, never acts: the flow controller asks it for
 victims when a dispatch cycle hits a head-of-line block, then cancels each victim's proxy task, which answers
 the caller 429 `evicted` and closes the upstream connection so the replica aborts the request.
-Victim order comes from the configured `VictimPolicy` (gateway/victims.py), which sees read-only views.
+Victim order comes from the configured `VictimPolicy` (gateway/policies/victims.py), which sees read-only views.
 Two triggers: a blocked band (saturation sizing below) and a replica whose KV occupancy reached the hard
 watermark (`decide_kv`: victims on that replica until their reservations cover the excess).
 Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
 n = max(1, ceil((deficit − pending) / credit), queued requests of the demand band), at most `maxPerDecision`,
 victims strictly below the demand — or, when the bands below hold capacity on loan, at most what they borrowed:
-a band's floor is the ceiling it keeps at any demand (gateway/holdback.py), and requests it runs beyond
+a band's floor is the ceiling it keeps at any demand (gateway/policies/holdback.py), and requests it runs beyond
 floor ÷ credit were dispatched on the understanding that a higher band takes them back when it needs them, so
 the whole loan comes back in one decision instead of `maxPerDecision` at a time.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from gateway.request import FlowRequest
-from gateway.victims import NewestFirst, VictimCandidate, VictimPolicy
+from gateway.flow.request import FlowRequest
+from gateway.policies.victims import NewestFirst, VictimCandidate, VictimPolicy
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 A band dispatches only while pool saturation is below its ceiling, so lower bands stop earlier as the pool
 fills and the rest stays reserved for higher ones. `static` and `priority-holdback` ceilings depend only on
-the band list, so they are computed once per config; `adaptive-reserve` (gateway/reserve.py) follows demand
+the band list, so they are computed once per config; `adaptive-reserve` (gateway/policies/reserve.py) follows demand
 and the flow controller recomputes them as it observes. Explicit per-band `ceiling` overrides win.
 A band's floor is the ceiling it keeps at any demand: the same as its ceiling for the fixed policies,
 `minCeiling` for bands below the adaptive reserve's line. What a band holds above its floor is borrowed,
-and the evictor takes it back in one decision (gateway/eviction.py).
+and the evictor takes it back in one decision (gateway/flow/eviction.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from gateway.config import UsageLimit
-from gateway.reserve import AdaptiveReservePolicy, ReserveSettings
+from gateway.policies.reserve import AdaptiveReservePolicy, ReserveSettings
 
 
 class HoldbackPolicy(Protocol):

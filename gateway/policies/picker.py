@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from gateway.replicas import Replica
-from gateway.saturation import SaturationDetector
+from gateway.policies.saturation import SaturationDetector
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 
 It runs the gateway's `Proxy` unchanged (classification, prompt counting, the byte relay with headers held
 until the first body chunk, the 429 and SSE error answers) with a `RemoteFlowController` in place of the
-FlowController, so flow control's decisions come from the one flow-control process (gateway/flow_process.py).
+FlowController, so flow control's decisions come from the one flow-control process (gateway/relays/flow_process.py).
 /admin/state, /admin/rollback and /metrics are answered by flow control for the whole gateway; a relay keeps
 only its own counters and histograms (TTFT, prompt counts, upstream errors), which flow control collects.
 A relay exits when its channel to flow control closes; flow control starts another in its place.
 
-    python -m gateway.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`)
+    python -m gateway.relays.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`)
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from aiohttp import web
 
 from gateway.app import (gateway_app, readiness, refuse_admin, rollback_request, until_stopped,
                          upstream_session)
-from gateway.channel import Channel, ChannelClosed
+from gateway.relays.channel import Channel, ChannelClosed
 from gateway.log import configure_logging, log_event
 from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
-from gateway.remote_flow import RemoteFlowController
+from gateway.relays.remote_flow import RemoteFlowController
 from gateway.responses import error_response
 from gateway.upstream import UpstreamPool
 
@@ -171,7 +171,7 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway.relay", description=(
+    p = argparse.ArgumentParser(prog="python -m gateway.relays.relay", description=(
         "A relay process of `holdback gateway --workers N` (started by it, not by hand)."))
     p.add_argument("--fd", type=int, required=True, help="the inherited listening socket's file descriptor")
     p.add_argument("--channel", required=True, help="the flow-control process's Unix socket")

@@ -26,22 +26,22 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from gateway.admission import LEVELS, Decision, Demand, KvAdmission, reported_pool_tokens
-from gateway.admission import Outcome as KvOutcome
-from gateway.band import PriorityBand
+from gateway.policies.admission import LEVELS, Decision, Demand, KvAdmission, reported_pool_tokens
+from gateway.policies.admission import Outcome as KvOutcome
+from gateway.flow.band import PriorityBand
 from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
-from gateway.eviction import BandDemand, Evictor, plain_view
-from gateway.kv_ledger import KvLedger, Reservation
-from gateway.holdback import band_ceilings, configured_policy
+from gateway.flow.eviction import BandDemand, Evictor, plain_view
+from gateway.flow.ledger import KvLedger, Reservation
+from gateway.policies.holdback import band_ceilings, configured_policy
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.picker import EndpointPicker
+from gateway.policies.picker import EndpointPicker
 from gateway.replicas import Replica, ReplicaPool
-from gateway.request import DropReason, FlowRequest, Status
-from gateway.saturation import SaturationDetector, saturation_detector
+from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.policies.saturation import SaturationDetector, saturation_detector
 from gateway.tokenization import load_local_tokenizer
-from gateway.victims import VictimCandidate, victim_policy
+from gateway.policies.victims import VictimCandidate, victim_policy
 
 logger = logging.getLogger("gateway.flow")
 
@@ -68,7 +68,7 @@ class FlowController:
         self.bands: dict[int, PriorityBand] = {}
         self.bands_desc: list[PriorityBand] = []
         self.ceilings: dict[int, float] = {}
-        # The ceiling each band keeps at any demand; what it holds above it is on loan (see gateway/eviction.py).
+        # The ceiling each band keeps at any demand; what it holds above it is on loan (see gateway/flow/eviction.py).
         self.floors: dict[int, float] = {}
         self.evictor = Evictor(view=self._victim_view)
         self.admission: KvAdmission | None = None
@@ -344,7 +344,7 @@ class FlowController:
     async def reassign(self, req: FlowRequest) -> Replica | None:
         """Move a dispatched request whose replica refused the connection to another replica, if any.
         A coroutine (that never awaits, so the move is one step of the single writer) because a relay's
-        controller must ask the flow-control process for the answer (gateway/remote_flow.py)."""
+        controller must ask the flow-control process for the answer (gateway/relays/remote_flow.py)."""
         if req.status is not Status.DISPATCHED or req.slot_released:
             return None
         old: Replica = req.replica  # type: ignore[assignment]

@@ -68,7 +68,7 @@ def _lazy(module: str, attr: str) -> Callable[[], VictimPolicy]:
 POLICIES: dict[str, Callable[[], VictimPolicy]] = {
     "none": NoEviction,
     "newest-first": NewestFirst,
-    "cost-ranked": _lazy("gateway.victim_cost", "CostRankedPolicy"),
+    "cost-ranked": _lazy("gateway.policies.victim_cost", "CostRankedPolicy"),
 }
 
 

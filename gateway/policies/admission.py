@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from gateway.config import Admission, Quota
-from gateway.kv_ledger import KvLedger
+from gateway.flow.ledger import KvLedger
 from gateway.replicas import Replica
-from gateway.request import DropReason
+from gateway.flow.request import DropReason
 
 if TYPE_CHECKING:
     from gateway.calibration import Profile

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.request import FlowRequest
+from gateway.flow.request import FlowRequest
 
 
 class OrderingPolicy(Protocol):

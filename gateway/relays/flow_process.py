@@ -1,11 +1,11 @@
 """The flow-control process of `holdback gateway --workers N`: the single writer, and the parent of N relays.
 
-It binds the listening socket once and hands it to N relay processes (gateway/relay.py) that inherit it, so
+It binds the listening socket once and hands it to N relay processes (gateway/relays/relay.py) that inherit it, so
 every relay accepts from the same queue: a relay that dies leaves no accepted-but-unserved connections behind
 (with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections would be reset),
 and its replacement serves on the same socket without binding again. This process never accepts on it.
 It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves the relays
-over a Unix socket (gateway/channel.py) and answers their messages by calling that FlowController exactly as
+over a Unix socket (gateway/relays/channel.py) and answers their messages by calling that FlowController exactly as
 the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
 are withdrawn, dispatched ones finished as disconnects, so no reservation or in-flight count outlives it.
 """
@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Awaitable
 
 from gateway.app import Gateway
-from gateway.channel import Channel
+from gateway.relays.channel import Channel
 from gateway.config import ConfigError
-from gateway.flow_control import Outcome
+from gateway.flow.controller import Outcome
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
-from gateway.request import FlowRequest, Status
+from gateway.flow.request import FlowRequest, Status
 
 logger = logging.getLogger("gateway.flow")
 
@@ -302,7 +302,7 @@ class FlowServer:
         while not self._stopping:
             started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.relay", "--fd", str(self.sock.fileno()), "--channel",
+                sys.executable, "-m", "gateway.relays.relay", "--fd", str(self.sock.fileno()), "--channel",
                 self.channel_path, "--index", str(index), "--log-level", self.log_level,
                 pass_fds=(self.sock.fileno(),))
             self._relays[index] = proc
