@@ -1,17 +1,19 @@
 """Priority bands and their per-flow queues.
 
 A band holds every queued request of one priority, one queue per fairness id (a flow). The band's fairness
-policy picks a flow, the ordering policy orders each flow's queue. Removal is lazy: a withdrawn or expired
-request stays in its heap until it reaches the top, but the counts change at once.
+policy picks a flow, the ordering policy orders each flow's queue; both read the band, its queues and their
+requests through the views of gateway/flow/views.py, which `PriorityBand` and `FlowQueue` satisfy as they are.
+Removal is lazy: a withdrawn or expired request stays in its heap until it reaches the top, but the counts
+change at once.
 """
 
 from __future__ import annotations
 
 import heapq
 
+from gateway.flow.request import FlowRequest, Status
 from gateway.policies.fairness import FairnessPolicy, fairness_policy
 from gateway.policies.ordering import OrderingPolicy, ordering_policy
-from gateway.flow.request import FlowRequest, Status
 
 
 class FlowQueue:
@@ -90,10 +92,10 @@ class PriorityBand:
         """The request the band would dispatch next, chosen by fairness then ordering."""
         if not self.queued:
             return None
-        flow = self.fairness.pick(self.flows)
-        if flow is None:
+        picked = self.fairness.pick(self)  # reads the band through its view; names the flow
+        if picked is None:
             return None
-        head = flow.head()
+        head = self.flows[picked.fairness_id].head()
         return head[1] if head else None
 
     def pop(self, req: FlowRequest) -> None:

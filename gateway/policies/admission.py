@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from gateway.config import Admission, Quota
-from gateway.flow.ledger import KvLedger
-from gateway.replicas import Replica
-from gateway.flow.request import DropReason
+from gateway.flow.views import LedgerView, ReplicaView
+from holdback.contract import DropReason
 
 if TYPE_CHECKING:
     from gateway.calibration import Profile
@@ -78,10 +77,10 @@ class Decision:
     reason: DropReason | None = None
     message: str = ""
     # RUN: the replicas the request fits on.
-    replicas: tuple[Replica, ...] = ()
+    replicas: tuple[ReplicaView, ...] = ()
 
 
-def reported_pool_tokens(replica: Replica, block_size: int) -> int | None:
+def reported_pool_tokens(replica: ReplicaView, block_size: int) -> int | None:
     """The KV pool the replica reports, in tokens (None: it reports none): kv_cache_size_tokens, else
     num_gpu_blocks × its block size, both of the whole replica (every data-parallel engine)."""
     if replica.kv_cache_size_tokens:
@@ -90,7 +89,7 @@ def reported_pool_tokens(replica: Replica, block_size: int) -> int | None:
 
 
 class KvAdmission:
-    def __init__(self, cfg: Admission, ledger: KvLedger, profile: Profile | None = None):
+    def __init__(self, cfg: Admission, ledger: LedgerView, profile: Profile | None = None):
         self.cfg = cfg
         self.ledger = ledger
         # A replica's own vllm:cache_config_info wins; then the calibration profile; then the config.
@@ -101,18 +100,18 @@ class KvAdmission:
         self.queue_deadline = cfg.queueDeadlineMs / 1000.0
 
     # -- capacity ---------------------------------------------------------------------------------------------
-    def block_size(self, replica: Replica) -> int:
+    def block_size(self, replica: ReplicaView) -> int:
         return replica.kv_block_size or self.profile_block_size or self.cfg.blockTokens
 
-    def pool_tokens(self, replica: Replica) -> int:
+    def pool_tokens(self, replica: ReplicaView) -> int:
         return reported_pool_tokens(replica, self.block_size(replica)) or self.default_pool_tokens
 
-    def occupancy(self, replica: Replica) -> float:
+    def occupancy(self, replica: ReplicaView) -> float:
         """KV tokens taken on the replica: the larger of what it reports and what we reserved there."""
         scraped = (replica.kv_usage or 0.0) * self.pool_tokens(replica)
         return max(scraped, float(self.ledger.kv_tokens_on(replica.url)))
 
-    def level(self, replica: Replica) -> str:
+    def level(self, replica: ReplicaView) -> str:
         share = self.occupancy(replica) / self.pool_tokens(replica)
         cfg = self.cfg
         if share >= cfg.hardWatermark:
@@ -123,20 +122,20 @@ class KvAdmission:
             return "admission"
         return "normal"
 
-    def context_limit(self, replicas: Sequence[Replica]) -> int | None:
+    def context_limit(self, replicas: Sequence[ReplicaView]) -> int | None:
         if self.cfg.maxContextTokens:
             return self.cfg.maxContextTokens
         known = [r.max_model_len for r in replicas if r.max_model_len]
         return min(known) if known else None
 
-    def within_context(self, d: Demand, replicas: Sequence[Replica]) -> Demand:
+    def within_context(self, d: Demand, replicas: Sequence[ReplicaView]) -> Demand:
         """The demand as vLLM runs it: an output limit past the context's end is clamped to it."""
         limit = self.context_limit(replicas)
         if limit is None or d.context_tokens <= limit:
             return d
         return dataclasses.replace(d, max_new_tokens=max(0, limit - d.prompt_tokens))
 
-    def kv_tokens(self, d: Demand, replica: Replica) -> int:
+    def kv_tokens(self, d: Demand, replica: ReplicaView) -> int:
         """The reservation `d` takes on `replica` (d within the context), in KV tokens."""
         return self.ledger.kv_tokens_for(d.prompt_tokens, d.output_tokens, self.block_size(replica))
 
@@ -151,7 +150,7 @@ class KvAdmission:
             cap = min(cap, cfg.admissionWatermark)
         return cap
 
-    def fits(self, d: Demand, kv_tokens: int, replica: Replica, soft_over: bool = False) -> bool:
+    def fits(self, d: Demand, kv_tokens: int, replica: ReplicaView, soft_over: bool = False) -> bool:
         pool = self.pool_tokens(replica)
         if self.occupancy(replica) + kv_tokens > self._cap(d, soft_over) * pool:
             return False
@@ -168,7 +167,7 @@ class KvAdmission:
             out.append((f"class {d.traffic_class!r}", cls))
         return out
 
-    def _context_rejection(self, d: Demand, replicas: Sequence[Replica]) -> Decision | None:
+    def _context_rejection(self, d: Demand, replicas: Sequence[ReplicaView]) -> Decision | None:
         """What vLLM would answer 400 (retrying cannot help), then the quotas' maxContextTokens (on `d` within
         the context)."""
         limit = self.context_limit(replicas)
@@ -224,7 +223,7 @@ class KvAdmission:
         return max(0.0, share / self.cfg.tenantSoftShare - 1.0)
 
     # -- the decision -----------------------------------------------------------------------------------------
-    def decide(self, d: Demand, healthy: Sequence[Replica], now: float) -> Decision:
+    def decide(self, d: Demand, healthy: Sequence[ReplicaView], now: float) -> Decision:
         if not healthy:
             return Decision(Outcome.RUN)  # the no-endpoint path answers; nothing to measure
         rejected = self._context_rejection(d, healthy)

@@ -2,21 +2,21 @@
 
 `global-strict` treats the band as one queue: the flow whose head sorts first wins, so there is no tenant
 isolation. `round-robin` gives each non-empty flow one dispatch turn in the order of their ids.
+A policy reads the band through its read-only view (gateway/flow/views.py) and names the queue to take from.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from gateway.flow.band import FlowQueue
+from gateway.flow.views import BandView, QueueView
 
 
 class FairnessPolicy(Protocol):
     name: str
 
-    def pick(self, flows: Mapping[str, "FlowQueue"]) -> "FlowQueue | None": ...
+    def pick(self, band: BandView) -> QueueView | None: ...
 
     def dispatched(self, fairness_id: str) -> None: ...
 
@@ -26,9 +26,9 @@ class GlobalStrict:
 
     name = "global-strict"
 
-    def pick(self, flows: Mapping[str, "FlowQueue"]) -> "FlowQueue | None":
+    def pick(self, band: BandView) -> QueueView | None:
         best, best_key = None, None
-        for flow in flows.values():
+        for flow in band.flows.values():
             head = flow.head()
             if head is not None and (best_key is None or head[0] < best_key):
                 best, best_key = flow, head[0]
@@ -46,7 +46,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def pick(self, flows: Mapping[str, "FlowQueue"]) -> "FlowQueue | None":
+    def pick(self, band: BandView) -> QueueView | None:
+        flows = band.flows
         ids = sorted(fid for fid, flow in flows.items() if flow.head() is not None)
         if not ids:
             return None

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.flow.request import FlowRequest
+from gateway.flow.views import RequestView
 
 
 class OrderingPolicy(Protocol):
     name: str
 
-    def key(self, req: FlowRequest) -> tuple: ...
+    def key(self, req: RequestView) -> tuple: ...
 
 
 class FCFS:
@@ -23,7 +23,7 @@ class FCFS:
 
     name = "fcfs"
 
-    def key(self, req: FlowRequest) -> tuple:
+    def key(self, req: RequestView) -> tuple:
         return (req.place, req.seq)
 
 
@@ -32,7 +32,7 @@ class EarliestDeadline:
 
     name = "edf"
 
-    def key(self, req: FlowRequest) -> tuple:
+    def key(self, req: RequestView) -> tuple:
         return (min(req.deadline, req.expires_at), req.place, req.seq)
 
 

@@ -1,5 +1,5 @@
 """Endpoint picking after dispatch: filter replicas that are down, over their limit or without KV room, then let
-the configured scorer (`picker.policy`) rank read-only `ReplicaView`s; lowest score wins, ties rotate.
+the configured scorer (`picker.policy`) rank each replica's `ReplicaLoad`; lowest score wins, ties rotate.
 
 `least-loaded`: inFlightWeight × in-flight ÷ maxConcurrency + kvUsageWeight × KV occupancy.
 `kv-headroom`: KV occupancy first (the most free blocks wins), in-flight ÷ maxConcurrency to break ties.
@@ -10,15 +10,18 @@ when admission is off).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
-from gateway.replicas import Replica
+from gateway.flow.views import ReplicaView
 from gateway.policies.saturation import SaturationDetector
+
+# The picker returns one of the replicas it was given, as the caller's own type.
+R = TypeVar("R", bound=ReplicaView)
 
 
 @dataclass(frozen=True)
-class ReplicaView:
-    """What a scorer may know about one replica."""
+class ReplicaLoad:
+    """What a scorer may know about one replica: its load."""
 
     url: str
     in_flight: int
@@ -29,7 +32,7 @@ class ReplicaView:
 class ReplicaScorer(Protocol):
     name: str
 
-    def score(self, view: ReplicaView) -> float: ...
+    def score(self, view: ReplicaLoad) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class LeastLoaded:
     kv_usage_weight: float = 1.0
     name: str = "least-loaded"
 
-    def score(self, view: ReplicaView) -> float:
+    def score(self, view: ReplicaLoad) -> float:
         return (self.in_flight_weight * view.in_flight / view.max_concurrency
                 + self.kv_usage_weight * view.kv_occupancy)
 
@@ -47,7 +50,7 @@ class LeastLoaded:
 class KvHeadroom:
     name: str = "kv-headroom"
 
-    def score(self, view: ReplicaView) -> float:
+    def score(self, view: ReplicaLoad) -> float:
         return view.kv_occupancy + 1e-3 * view.in_flight / view.max_concurrency
 
 
@@ -59,17 +62,17 @@ SCORERS: dict[str, Callable[[float, float], ReplicaScorer]] = {
 
 class EndpointPicker:
     def __init__(self, *, max_concurrency: int, in_flight_weight: float = 1.0, kv_usage_weight: float = 1.0,
-                 policy: str = "least-loaded", occupancy: Callable[[Replica], float] | None = None):
+                 policy: str = "least-loaded", occupancy: Callable[[ReplicaView], float] | None = None):
         self.max_concurrency = max_concurrency
         self.scorer = SCORERS[policy](in_flight_weight, kv_usage_weight)
         self.occupancy = occupancy or (lambda r: r.kv_usage or 0.0)
         self._turn = 0
 
-    def view(self, replica: Replica) -> ReplicaView:
-        return ReplicaView(replica.url, replica.in_flight, self.max_concurrency, self.occupancy(replica))
+    def load(self, replica: ReplicaView) -> ReplicaLoad:
+        return ReplicaLoad(replica.url, replica.in_flight, self.max_concurrency, self.occupancy(replica))
 
-    def pick(self, replicas: Sequence[Replica], detector: SaturationDetector, now: float,
-             fits: Callable[[Replica], bool] | None = None, prefer: str | None = None) -> Replica | None:
+    def pick(self, replicas: Sequence[R], detector: SaturationDetector, now: float,
+             fits: Callable[[R], bool] | None = None, prefer: str | None = None) -> R | None:
         """The best replica with room; `prefer` (a replica url) wins whenever it has room and fits: the retry of
         an evicted request goes back to where its prefix is cached, as a prefix-aware scorer would send it."""
         n = len(replicas)
@@ -87,7 +90,7 @@ class EndpointPicker:
                 continue
             if fits is not None and not fits(r):
                 continue
-            s = self.scorer.score(self.view(r))
+            s = self.scorer.score(self.load(r))
             if best is None or s < best_score:
                 best, best_score = r, s
         return best

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol
 
-from gateway.replicas import Replica
+from gateway.flow.views import ReplicaView
 
 
 class SaturationDetector(Protocol):
@@ -23,13 +23,13 @@ class SaturationDetector(Protocol):
     # it is chosen (its connection closes within milliseconds); False: wait for the replica to show it.
     release_on_decision: bool
 
-    def saturation(self, replicas: Iterable[Replica], now: float) -> float: ...
+    def saturation(self, replicas: Iterable[ReplicaView], now: float) -> float: ...
 
-    def has_room(self, replica: Replica, now: float) -> bool: ...
+    def has_room(self, replica: ReplicaView, now: float) -> bool: ...
 
-    def replica_score(self, replica: Replica, now: float) -> float: ...
+    def replica_score(self, replica: ReplicaView, now: float) -> float: ...
 
-    def stale_count(self, replicas: Iterable[Replica], now: float) -> int: ...
+    def stale_count(self, replicas: Iterable[ReplicaView], now: float) -> int: ...
 
 
 class ConcurrencyDetector:
@@ -45,7 +45,7 @@ class ConcurrencyDetector:
         # Headroom only raises the per-replica filter limit; pool saturation ignores it.
         self.replica_limit = max_concurrency * (1.0 + headroom)
 
-    def saturation(self, replicas: Iterable[Replica], now: float) -> float:
+    def saturation(self, replicas: Iterable[ReplicaView], now: float) -> float:
         total, n = 0, 0
         for r in replicas:
             total += r.in_flight
@@ -54,13 +54,13 @@ class ConcurrencyDetector:
             return 1.0
         return total / (n * self.max_concurrency)
 
-    def replica_score(self, replica: Replica, now: float) -> float:
+    def replica_score(self, replica: ReplicaView, now: float) -> float:
         return replica.in_flight / self.max_concurrency
 
-    def has_room(self, replica: Replica, now: float) -> bool:
+    def has_room(self, replica: ReplicaView, now: float) -> bool:
         return replica.in_flight < self.replica_limit
 
-    def stale_count(self, replicas: Iterable[Replica], now: float) -> int:
+    def stale_count(self, replicas: Iterable[ReplicaView], now: float) -> int:
         return 0
 
 
@@ -81,7 +81,7 @@ class UtilizationDetector:
         # Evicted work shows in the scraped numbers only after the next scrape.
         self.confirmation_grace = scrape_interval + 0.05
 
-    def replica_score(self, replica: Replica, now: float) -> float:
+    def replica_score(self, replica: ReplicaView, now: float) -> float:
         if not replica.metrics_fresh(now, self.staleness):
             return replica.in_flight / self.max_concurrency
         score = max((replica.waiting or 0.0) / self.queue_depth_threshold,
@@ -90,16 +90,16 @@ class UtilizationDetector:
         # concurrency slot so a burst between two scrapes cannot overshoot.
         return score + (replica.dispatches - replica.dispatches_at_scrape) / self.max_concurrency
 
-    def saturation(self, replicas: Iterable[Replica], now: float) -> float:
+    def saturation(self, replicas: Iterable[ReplicaView], now: float) -> float:
         scores = [self.replica_score(r, now) for r in replicas]
         if not scores:
             return 1.0
         return sum(scores) / len(scores)
 
-    def has_room(self, replica: Replica, now: float) -> bool:
+    def has_room(self, replica: ReplicaView, now: float) -> bool:
         return self.replica_score(replica, now) < self.limit
 
-    def stale_count(self, replicas: Iterable[Replica], now: float) -> int:
+    def stale_count(self, replicas: Iterable[ReplicaView], now: float) -> int:
         return sum(1 for r in replicas if not r.metrics_fresh(now, self.staleness))
 
 

@@ -46,4 +46,4 @@ def test_scorers_by_name_see_kv_occupancy_including_reservations():
     assert least.pick([a, b], d, 0) is a          # 0 + 0.5 < 0.75 + 0.2
     headroom = EndpointPicker(max_concurrency=4, policy="kv-headroom", occupancy=lambda r: occupancy[r.url])
     assert headroom.pick([a, b], d, 0) is b       # most free KV blocks wins
-    assert headroom.view(a).kv_occupancy == 0.5
+    assert headroom.load(a).kv_occupancy == 0.5
