@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from holdback.supervisor import _first_line
+from holdback.cli.up import _first_line
 
 
 def test_the_sample_line_names_the_served_model():

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from holdback.demo import GatewayView, RealtimeTraffic, _parser, histogram_quantile, quantile, ttft_buckets
+from holdback.cli.demo import GatewayView, RealtimeTraffic, _parser, histogram_quantile, quantile, ttft_buckets
 from holdback.settings import Settings
 
 
@@ -101,8 +101,8 @@ def test_every_demo_option_shows_its_default():
 
 
 def test_the_sample_batch_uses_the_example_chat_lines(tmp_path):
-    from holdback.demo import sample_batch
-    from holdback.supervisor import EXAMPLE_REQUESTS
+    from holdback.cli.demo import sample_batch
+    from holdback.cli.up import EXAMPLE_REQUESTS
 
     chats = [json.loads(x)["body"]["messages"] for x in EXAMPLE_REQUESTS.read_text().splitlines()
              if json.loads(x)["url"] == "/v1/chat/completions"]

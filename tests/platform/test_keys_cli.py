@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from holdback import keys_cli
+from holdback.cli import keys as keys_cli
 from tests.api.conftest import serve
 
 

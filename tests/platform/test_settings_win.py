@@ -15,15 +15,15 @@ from batch_processor.cli import _parser as processor_parser
 from gateway.cli import _parser as gateway_parser
 from holdback.db import make_engine, make_sessionmaker
 from holdback.env_flags import flag_env_name, flags_from_env
-from holdback.instance_lock import LOCK_FILE, AlreadyRunning, InstanceLock, holder_pid
+from holdback.cli.instance_lock import LOCK_FILE, AlreadyRunning, InstanceLock, holder_pid
 from holdback.schema import upgrade
 from holdback.settings import Settings
-from holdback.supervisor import LOCAL_KEYS, _parser as up_parser, local_keys
+from holdback.cli.up import LOCAL_KEYS, _parser as up_parser, local_keys
 from model_sim.cli import build_parser as sim_parser
 
 
 def _demo_parser():
-    from holdback.demo import _parser
+    from holdback.cli.demo import _parser
 
     return _parser(Settings())
 

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from holdback.instance_lock import InstanceLock
-from holdback.supervisor import Child, Supervisor
+from holdback.cli.instance_lock import InstanceLock
+from holdback.cli.up import Child, Supervisor
 from tests.deploy.dashboard_names import dashboard_expressions, exported_names, rule_expressions, unknown_names
 from tests.support import REPO, free_port, free_ports, poll, wait_http
 

@@ -29,14 +29,14 @@ import httpx
 from holdback.broker import ensure_embedded_redis, stop_embedded_redis
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.env_flags import flags_from_env
-from holdback.instance_lock import AlreadyRunning, InstanceLock
-from holdback.listeners import descendants, listener_pids, port_free
+from holdback.cli.instance_lock import AlreadyRunning, InstanceLock
+from holdback.cli.listeners import descendants, listener_pids, port_free
 from holdback.schema import upgrade
 from holdback.settings import Settings
 from holdback.tenancy import create_key
 
 LOCAL_KEYS = "local-keys.json"
-EXAMPLE_REQUESTS = Path(__file__).resolve().parent.parent / "examples" / "requests.jsonl"
+EXAMPLE_REQUESTS = Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

@@ -26,7 +26,7 @@ from holdback.contract import OBJECTIVE_HEADER, REALTIME_OBJECTIVE
 from holdback.env_flags import flags_from_env
 from holdback.progress import Progress
 from holdback.settings import Settings
-from holdback.supervisor import EXAMPLE_REQUESTS, LOCAL_KEYS
+from holdback.cli.up import EXAMPLE_REQUESTS, LOCAL_KEYS
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 TTFT_METRIC = "holdback_gateway_ttft_seconds"

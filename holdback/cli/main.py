@@ -12,16 +12,16 @@ import sys
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("holdback.supervisor", "run the whole platform on this machine (what `make up` runs)"),
+    "up": ("holdback.cli.up", "run the whole platform on this machine (what `make up` runs)"),
     "api": ("batch_api.cli", "serve the OpenAI-compatible Batch and Files API and the dashboard"),
-    "db": ("holdback.db_cli", "database schema: `holdback db upgrade`"),
-    "keys": ("holdback.keys_cli", "API keys: `holdback keys create --tenant NAME`, `list`, `revoke KEY_ID`"),
-    "files": ("holdback.files_cli", "file retention: `holdback files gc` deletes expired files once"),
+    "db": ("holdback.cli.db", "database schema: `holdback db upgrade`"),
+    "keys": ("holdback.cli.keys", "API keys: `holdback keys create --tenant NAME`, `list`, `revoke KEY_ID`"),
+    "files": ("holdback.cli.files", "file retention: `holdback files gc` deletes expired files once"),
     "processor": ("batch_processor.cli", "claim, validate, expand, enqueue, finalize, cancel and expire batches"),
     "worker": ("async_processor.cli", "send queued batch requests through the gateway (`-n` concurrency)"),
     "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),
     "sim": ("model_sim.cli", "vLLM-compatible model server simulator replicas"),
-    "demo": ("holdback.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
+    "demo": ("holdback.cli.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
     "bench": ("bench.cli", "benchmarks: `holdback bench study` reproduces the seed study"),
 }
 # Commands that are a platform process: each reports its spans as service `holdback-<command>` (holdback.tracing).
