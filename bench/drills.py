@@ -27,10 +27,10 @@ import httpx
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER, REQUEST_ID_HEADER
 from bench.gates import NOT_CAPACITY, capacity_refused, served_ttfts
 from bench.stats import percentile
-from bench.stack import Stack, StackSpec, series_labels
-from bench.study import _admin_rows as admin_rows, _wait_evicted_done as wait_evicted_done  # the study's read-outs
-from bench.traffic import stream_chat
-from bench.workload import RequestSpec, Shapes, Workload
+from bench.lib.prometheus import series_labels
+from bench.lib.stack import Stack, StackSpec
+from bench.lib.traffic import stream_chat
+from bench.lib.workload import RequestSpec, Shapes, Workload
 
 log = logging.getLogger("bench.drills")
 
@@ -542,7 +542,7 @@ class DrillRun:
             try:
                 asyncio.run(self._timeline(stack, model, sampler, good))
                 until = time.monotonic() + p.drain_s
-                self.record["evicted_all_done"] = all(wait_evicted_done(stack, b, max(1.0, until - time.monotonic()))
+                self.record["evicted_all_done"] = all(stack.wait_evicted_done(b, max(1.0, until - time.monotonic()))
                                                       for b in batch_ids)
             finally:
                 sampler.stop()
@@ -553,7 +553,7 @@ class DrillRun:
                                              for i, s in zip(alive, states)}
             self.record["gateway_metrics"] = self._gateway_metrics(stack)
             self.record["gateway_state"] = stack.gateway_state()
-            self.record["rows"] = [r for b in batch_ids for r in admin_rows(stack, b)]
+            self.record["rows"] = [r for b in batch_ids for r in stack.batch_rows(b)]
             self.record["batches_final"] = [client.batches.retrieve(b).model_dump() for b in batch_ids]
             for b in batch_ids:
                 if client.batches.retrieve(b).status not in ("completed", "failed", "cancelled", "expired"):

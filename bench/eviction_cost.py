@@ -55,7 +55,7 @@ import httpx
 
 from bench.report import figures
 from bench.stats import Estimate, decide, percentile, pooled_quantile_ratio, quantile_interval, ratio_of_runs
-from bench.stack import Stack
+from bench.lib.stack import Stack
 from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
                          with_overrides)
 from gateway.config import Eviction

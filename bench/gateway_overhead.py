@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,10 +33,10 @@ import aiohttp
 from aiohttp import web
 
 from holdback.contract import DROP_REASON_HEADER, OBJECTIVE_HEADER, QUEUE_MS_HEADER, is_eviction
-from bench.readiness import free_port, wait_http
+from bench.lib.processes import Children, holdback
+from bench.lib.readiness import free_port, wait_http
 from bench.stats import histogram_bound, percentile
 
-REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
@@ -141,32 +139,6 @@ def run_load(url: str, concurrency: int, duration: float, warmup: float) -> dict
     out = subprocess.run([PY, __file__, "--load", url, "--concurrency", str(concurrency), "--duration",
                           str(duration), "--warmup", str(warmup)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
-
-
-# -- process helpers -------------------------------------------------------------------------------------------
-class Children:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-
-
-def holdback(*args: str) -> list[str]:
-    return [PY, "-m", "holdback.cli", *args]
 
 
 # -- phase 1: overhead -----------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from bench.gateway_overhead import Children, eviction, holdback
-from bench.readiness import free_port, wait_http
+from bench.gateway_overhead import eviction
+from bench.lib.processes import Children, holdback
+from bench.lib.readiness import free_port, wait_http
 from bench.stats import Estimate, decide, percentile, quantile_interval, ratio_of_runs
 
 PY = sys.executable

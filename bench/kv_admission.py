@@ -47,8 +47,7 @@ from pathlib import Path
 import aiohttp
 
 from holdback.contract import DROP_REASON_HEADER, FAIRNESS_HEADER, OBJECTIVE_HEADER
-from bench.gateway_overhead import Children, holdback
-from bench.readiness import free_port, free_port_block, wait_http
+from bench.lib.processes import Children, start_gateway, start_sims
 from bench.stats import Estimate, bootstrap_percentile, decide, histogram_bound, percentile, quantile_upper_bound
 
 WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx", "yz")
@@ -81,27 +80,6 @@ def wait_in_process_tokenizer(gw: str, timeout: float = 60.0) -> dict:
 def prompt(rng: random.Random, tokens: int) -> str:
     """`tokens` simulator tokens (one per word), random so prefixes are not shared."""
     return " ".join(rng.choice(WORDS) + str(rng.randrange(10)) for _ in range(tokens))
-
-
-def start_gateway(children: Children, tmp: Path, name: str, replicas: list[str], config: str) -> str:
-    port = free_port()
-    path = tmp / f"{name}.yaml"
-    path.write_text(config)
-    p = children.start(holdback("gateway", "--config", str(path), "--port", str(port), "--replicas",
-                                ",".join(replicas), "--log-level", "WARNING"), tmp / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p, what=name)
-    return url
-
-
-def start_sims(children: Children, tmp: Path, name: str, n: int, *args: str) -> list[str]:
-    port = free_port_block(n)
-    p = children.start(holdback("sim", "--port", str(port), "--replicas", str(n), "--log-level", "WARNING",
-                                *args), tmp / f"{name}.log")
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
-    for url in urls:
-        wait_http(url + "/health", p, what=name)
-    return urls
 
 
 def tail(values: list[float], q: float, min_n: int, seed: int) -> Estimate:

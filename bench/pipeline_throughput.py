@@ -17,7 +17,7 @@
    worker process, ours and RQ's, leads its own session (as `holdback worker --processes` starts them), so
    Linux's per-session CPU share (autogroup) treats both sides alike.
    Goals: ours ÷ SimpleWorker ≥ 1.0 at each P; ours ×2 ÷ ×1 ≥ 1.8; worker CPU per job ≤ 1.5× RQ's.
-   Under every run a line says how many cores each component used meanwhile (bench/process_cpu.py: the
+   Under every run a line says how many cores each component used meanwhile (bench/lib/process_cpu.py: the
    worker processes, a supervisor, gateway, simulator, redis-server, the PostgreSQL backends of the bench's
    database, this script), the machine's busy cores no sampled process explains (other users) and its idle
    cores: which component, or the machine, was the limit. `--json` keeps them per run.
@@ -52,8 +52,8 @@ import psutil
 import redis
 from rq import Queue
 
-from bench.process_cpu import CpuSampler
-from bench.readiness import free_port, wait_http
+from bench.lib.process_cpu import CpuSampler
+from bench.lib.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

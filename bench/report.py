@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.stats import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Estimate, bootstrap_median, central_95,
                          histogram_quantile, percentile, quantile_interval, ratio_of_runs, verdict)
-from bench.stack import metric_sum
+from bench.lib.prometheus import metric_sum
 
 # The published medians of the study this benchmark reproduces.
 SEED = {

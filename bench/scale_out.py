@@ -2,7 +2,7 @@
 
 Each round runs one batch of --lines requests twice, in alternating order: on "multi-host" (two API
 servers, two processors, N worker processes, each in its own network namespace when the machine allows,
-see bench/hosts.py) and on "one host" (one API server, one processor and the same N worker processes
+see bench/lib/hosts.py) and on "one host" (one API server, one processor and the same N worker processes
 with the same concurrency, all on loopback). Both use the machine's PostgreSQL and Redis and an S3
 server. Throughput is requests per second from the batch's creation to the moment it reads completed;
 the figure is the median of the per-round ratios multi-host / one host.
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cluster import POSTGRES_URL, REDIS_URL, Cluster, ClusterSpec
+from bench.lib.cluster import POSTGRES_URL, REDIS_URL, Cluster, ClusterSpec
 
 
 def run_once(spec: ClusterSpec, lines: int, log_dir: Path) -> dict:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.readiness import free_port
+from bench.lib.readiness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,6 @@ import io
 import json
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -26,9 +25,9 @@ from typing import Callable
 
 import httpx
 
-from bench.stack import Stack, StackSpec, metric_sum
+from bench.lib.stack import Stack, StackSpec
+from bench.lib.traffic import prompt_text, run_realtime, schedule
 from holdback.progress import Progress
-from bench.traffic import prompt_text, run_realtime, schedule
 
 
 @dataclass(frozen=True)
@@ -215,33 +214,6 @@ def batch_file(w: Workload, model: str, seed: int) -> bytes:
     return out.getvalue().encode()
 
 
-def _admin_rows(stack: Stack, batch_id: str) -> list[dict]:
-    rows: list[dict] = []
-    after = None
-    headers = {"Authorization": f"Bearer {stack.admin_key}"}
-    while True:
-        params = {"limit": 1000, **({"after": after} if after else {})}
-        page = httpx.get(f"{stack.api_url}/admin/batches/{batch_id}/requests", params=params, headers=headers,
-                         timeout=30).json()
-        rows.extend(page["data"])
-        if not page.get("has_more") or not page["data"]:
-            return rows
-        after = page["data"][-1]["id"]
-
-
-def _wait_evicted_done(stack: Stack, batch_id: str, timeout: float) -> bool:
-    """Wait until every request that was evicted has a final result (its retry completed)."""
-    deadline = time.monotonic() + timeout
-    headers = {"Authorization": f"Bearer {stack.admin_key}"}
-    while time.monotonic() < deadline:
-        page = httpx.get(f"{stack.api_url}/admin/batches/{batch_id}/requests",
-                         params={"evicted": "true", "unfinished": "true", "limit": 1}, headers=headers, timeout=30).json()
-        if not page["data"]:
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Path, log=print,  # noqa: ANN001
             collect: Callable[[Stack, list[dict]], dict] | None = None) -> dict:
     """One run; `collect(stack, rows)` adds its own read-outs while the stack is up (before the cancel)."""
@@ -290,7 +262,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
                             "window_s": w.window_s, "traffic_done": (t_end - sampler.t0) if sampler else t_end - t_rt}
         record["evicted_all_done"] = None
         if batch_id:
-            record["evicted_all_done"] = _wait_evicted_done(stack, batch_id, w.retry_wait_s)
+            record["evicted_all_done"] = stack.wait_evicted_done(batch_id, w.retry_wait_s)
         # Read before the cancel below: its aborts must not count as eviction recompute.
         record["sim_metrics"] = stack.sim_metrics()
         record["gateway_metrics"] = {k: v for k, v in stack.gateway_metrics().items() if k.startswith("holdback_gateway")}
@@ -299,7 +271,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
             sampler.stop()
             record["samples"] = sampler.samples
         if batch_id:
-            record["rows"] = _admin_rows(stack, batch_id)
+            record["rows"] = stack.batch_rows(batch_id)
             if collect is not None:
                 record["collected"] = collect(stack, record["rows"])
             client.batches.cancel(batch_id)

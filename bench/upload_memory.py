@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.readiness import free_port, wait_http
-from bench.s3_server import S3Server
+from bench.lib.readiness import free_port, wait_http
+from bench.lib.s3_server import S3Server
 
 MiB = 1024 * 1024
 

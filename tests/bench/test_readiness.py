@@ -14,7 +14,7 @@ from pathlib import Path
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from pathlib import Path
-    from bench.readiness import Started
+    from bench.lib.readiness import Started
 
     class Sleeper(Started):
         def start(self):

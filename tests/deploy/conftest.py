@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from bench.s3_server import S3Server
+from bench.lib.s3_server import S3Server
 from tests.conftest import POSTGRES_URL
 
 

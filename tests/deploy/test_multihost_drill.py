@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from bench.cluster import Cluster, ClusterSpec
+from bench.lib.cluster import Cluster, ClusterSpec
 from tests.conftest import BACKEND, POSTGRES_URL, REDIS_URL
 
 LINES = 5_000

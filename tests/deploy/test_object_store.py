@@ -9,7 +9,7 @@ import os
 import httpx
 import pytest
 
-from bench.s3_server import S3Server
+from bench.lib.s3_server import S3Server
 from holdback.object_store import MiB, S3FileStore
 from holdback.settings import Settings
 from holdback.storage import FileTooLarge, LocalFileStore, open_file_store

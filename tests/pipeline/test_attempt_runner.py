@@ -15,11 +15,10 @@ from aiohttp import web
 
 from holdback.attempts import InFlight, RetryPolicy, Runtime, run_attempt
 from batch_processor.sync_dispatch import SyncDispatcher
-from bench.readiness import free_port
 from holdback.contract import DROP_REASON_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
-from tests.support import poll
+from tests.support import free_port, poll
 
 TIMEOUT = 1.0
 # case -> (row status, attempt outcome, evictions, transient failures) after one attempt

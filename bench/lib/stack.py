@@ -14,15 +14,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml
 
-from bench.readiness import Started, free_port_block, wait_http
+from bench.lib.prometheus import parse_prometheus
+from bench.lib.readiness import Started, free_port_block, wait_http
 
-STUDY_GATEWAY_CONFIG = Path(__file__).with_name("gateway-study.yaml")
+# The study's base gateway config (request-count control only), beside the study.
+STUDY_GATEWAY_CONFIG = Path(__file__).resolve().parents[1] / "gateway-study.yaml"
 
 
 @dataclass
@@ -192,39 +195,30 @@ class Stack(Started):
         return [httpx.get(f"{self.replica_urls[i]}/admin/state", params=params, timeout=5).json()
                 for i in (range(self.spec.replicas) if replicas is None else replicas)]
 
+    def batch_rows(self, batch_id: str) -> list[dict]:
+        """Every request row of a batch, as the Batch API's admin route pages them."""
+        rows: list[dict] = []
+        after = None
+        while True:
+            params = {"limit": 1000, **({"after": after} if after else {})}
+            page = httpx.get(f"{self.api_url}/admin/batches/{batch_id}/requests", params=params,
+                             headers=self.admin_headers, timeout=30).json()
+            rows.extend(page["data"])
+            if not page.get("has_more") or not page["data"]:
+                return rows
+            after = page["data"][-1]["id"]
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Flat {'name{labels}': value} of a Prometheus text exposition."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        try:
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def series_labels(key: str) -> dict[str, str]:
-    """The labels of one `name{a="x",b="y"}` key of `parse_prometheus`."""
-    if "{" not in key:
-        return {}
-    pairs = (part.split("=", 1) for part in key[key.index("{") + 1:-1].split(","))
-    return {k: v.strip('"') for k, v in pairs}
-
-
-def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric over every series whose labels include `labels`."""
-    total = 0.0
-    for key, value in metrics.items():
-        base = key.split("{", 1)[0]
-        if base != name:
-            continue
-        if all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
+    def wait_evicted_done(self, batch_id: str, timeout: float) -> bool:
+        """Wait until every request of the batch that was evicted has a final result (its retry completed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            page = httpx.get(f"{self.api_url}/admin/batches/{batch_id}/requests",
+                             params={"evicted": "true", "unfinished": "true", "limit": 1}, headers=self.admin_headers,
+                             timeout=30).json()
+            if not page["data"]:
+                return True
+            time.sleep(0.5)
+        return False
 
 
 def _merge(base: dict, over: dict) -> dict:

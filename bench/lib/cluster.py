@@ -1,5 +1,5 @@
 """The Compose topology without containers: PostgreSQL, Redis and an S3 server shared by API servers,
-processors and worker processes, each on its own host (see bench/hosts.py), plus a gateway and
+processors and worker processes, each on its own host (see bench/lib/hosts.py), plus a gateway and
 simulated replicas. Used by the multi-host drill test and by bench/scale_out.py.
 
 Nothing is shared on disk: each process has its own data dir, so files must travel through S3.
@@ -27,9 +27,9 @@ from rq.job import Job
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from bench.hosts import HostNetwork
-from bench.readiness import Started, free_port, wait_http
-from bench.s3_server import S3Server
+from bench.lib.hosts import HostNetwork
+from bench.lib.readiness import Started, free_port, wait_http
+from bench.lib.s3_server import S3Server
 
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"

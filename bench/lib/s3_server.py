@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import boto3
 from botocore.config import Config
 
-from bench.readiness import free_port, wait_http
+from bench.lib.readiness import free_port, wait_http
 
 ACCESS_KEY = "holdback-test"
 SECRET_KEY = "holdback-test-secret"
