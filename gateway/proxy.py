@@ -13,8 +13,9 @@ event) so the ledger's reservation follows the response. Until the first byte of
 refuses the connection, dies with the request or refuses the gateway's key is taken out and the request moves
 to another one (flow control moves its slot and KV reservation); a request that reached a replica which died
 is sent once more, no further.
-`controller` is the FlowController in one process, or in a relay of `--workers N` the RemoteFlowController
-that asks the flow-control process (gateway/relays/remote_flow.py): the same calls, so this is the one relay path.
+`controller` is any `FlowControl` (gateway/flow/interface.py): the FlowController in one process, or in a relay of
+`--workers N` the RemoteFlowController that asks the flow-control process: the same calls, so this is the one
+relay path.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from multidict import CIMultiDict
 
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
-from gateway.flow.controller import FlowController, Outcome
+from gateway.flow.interface import FlowControl, Outcome
 from gateway.flow.ledger import Reservation
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
@@ -65,7 +66,7 @@ def _request_id(headers) -> str:
 
 
 class Proxy:
-    def __init__(self, controller: FlowController, metrics: GatewayMetrics):
+    def __init__(self, controller: FlowControl, metrics: GatewayMetrics):
         self.controller = controller
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None  # /v1/models and the prompt counter's calls
@@ -87,7 +88,7 @@ class Proxy:
         self.metrics.child(self.metrics.prompt_counts, source).inc()
 
     def _count_fallback(self) -> None:
-        self.controller.tokenizer_fallbacks += 1
+        self.controller.count_tokenizer_fallback()
         self.metrics.tokenizer_fallbacks.inc()
 
     async def _count_tokens(self, req: FlowRequest, doc: object, path: str) -> web.Response | None:
@@ -137,7 +138,7 @@ class Proxy:
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                           resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1")
-        if controller.admission is not None:
+        if controller.admission_enabled:
             refused = await self._count_tokens(req, doc, request.path)
             if refused is not None:
                 return refused
@@ -426,7 +427,7 @@ class _TokenCount:
 
     __slots__ = ("controller", "req", "res", "ledger", "tokens", "due", "usage")
 
-    def __init__(self, controller: FlowController, req: FlowRequest, res: Reservation):
+    def __init__(self, controller: FlowControl, req: FlowRequest, res: Reservation):
         self.controller, self.req, self.res = controller, req, res
         self.ledger = controller.ledger
         self.tokens = 0

@@ -17,7 +17,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import enum
 import heapq
 import itertools
 import logging
@@ -32,6 +31,7 @@ from gateway.flow.band import PriorityBand
 from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
 from gateway.flow.eviction import BandDemand, Evictor, plain_view
+from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger, Reservation
 from gateway.policies.holdback import band_ceilings, configured_policy
 from gateway.log import log_event
@@ -51,12 +51,6 @@ RECENT_RELEASES = 32
 # Evicted requests whose place in line is kept for their retry; the oldest is forgotten past this many (a retry
 # that never came back, or came back to another gateway).
 EVICTED_PLACES = 100_000
-
-
-class Outcome(enum.Enum):
-    DISPATCHED = "dispatched"
-    QUEUED = "queued"
-    REJECTED = "rejected"
 
 
 class FlowController:
@@ -379,6 +373,13 @@ class FlowController:
     def started_streaming(self, req: FlowRequest) -> None:
         """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
         req.streaming_started = True
+
+    @property
+    def admission_enabled(self) -> bool:
+        return self.admission is not None
+
+    def count_tokenizer_fallback(self) -> None:
+        self.tokenizer_fallbacks += 1
 
     def count_mid_stream_eviction(self) -> None:
         self.evictions["mid_stream"] += 1

@@ -73,7 +73,7 @@ class Relay:
     def _configure(self, loaded, ledger: dict) -> None:
         if self.controller is None:
             self.controller = RemoteFlowController(self.channel, loaded, ledger, self._replicas)
-            self.proxy = Proxy(self.controller, self.metrics)  # type: ignore[arg-type]
+            self.proxy = Proxy(self.controller, self.metrics)
             self.configured.set_result(None)
         else:
             self.controller.configure(loaded, ledger)

@@ -1,4 +1,4 @@
-"""The relay's flow controller: the FlowController interface the proxy calls, answered by the flow-control process.
+"""The relay's flow control: the `FlowControl` interface the proxy calls, answered by the flow-control process.
 
 A relay (`holdback gateway --workers N`) runs the same `Proxy` as the single-process gateway; its controller
 is this client. Every decision (admission, queueing, ceilings, the replica, eviction) is made by the one
@@ -19,7 +19,7 @@ from typing import Callable
 
 from gateway.relays.channel import Channel
 from gateway.config import LoadedConfig
-from gateway.flow.controller import Outcome
+from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger, Reservation
 from gateway.log import log_event
 from gateway.replicas import Replica
@@ -62,6 +62,8 @@ class RelayPool:
 
 
 class RemoteFlowController:
+    """`FlowControl` for a relay: every call goes over the channel to the one FlowController."""
+
     def __init__(self, channel: Channel, loaded: LoadedConfig, ledger: dict, replicas: list[dict]):
         self.channel = channel
         self.pool = RelayPool(channel)
@@ -75,21 +77,18 @@ class RemoteFlowController:
 
     def configure(self, loaded: LoadedConfig, ledger: dict) -> None:
         self.loaded = loaded
-        # The proxy only asks whether admission is on (then it counts prompts); flow control applies it.
-        self.admission = loaded.config.admission if loaded.config.admission.enabled else None
         self.ledger.configure(**ledger)
 
-    # The proxy counts a fallback with `tokenizer_fallbacks += 1`: each increment is sent to flow control,
-    # which keeps the gateway's count (for /admin/state).
+    # -- the FlowControl interface (gateway/flow/interface.py) ----------------------------------------------
     @property
-    def tokenizer_fallbacks(self) -> int:
-        return 0
+    def admission_enabled(self) -> bool:
+        # The proxy only asks whether admission is on (then it counts prompts); flow control applies it.
+        return self.loaded.config.admission.enabled
 
-    @tokenizer_fallbacks.setter
-    def tokenizer_fallbacks(self, value: int) -> None:
-        self.channel.send(("fallbacks", value))
+    def count_tokenizer_fallback(self) -> None:
+        # Flow control keeps the gateway's count (for /admin/state).
+        self.channel.send(("fallbacks", 1))
 
-    # -- the FlowController interface the proxy uses --------------------------------------------------------
     def submit(self, req: FlowRequest) -> Outcome:
         req.seq = rid = next(self._ids)
         req.status = Status.QUEUED
