@@ -8,9 +8,9 @@ import logging
 import time
 from pathlib import Path
 
-from bench import drill_report
 from bench.drills import DRILLS, PLANS, run_drills
-from bench.report import render
+from bench.report import drills as drill_report
+from bench.report.study import render
 from bench.study import FULL, QUICK, SCENARIOS, StudyMismatch, run_study, with_overrides
 
 

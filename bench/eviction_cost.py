@@ -53,7 +53,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.report import figures
+from bench.report.figures import figures
 from bench.stats import Estimate, decide, percentile, pooled_quantile_ratio, quantile_interval, ratio_of_runs
 from bench.lib.stack import Stack
 from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
@@ -157,7 +157,7 @@ class ArmFigures:
     # Mean batch requests in flight at the gateway over the realtime window (from the run's samples): how much
     # of the pool batch used.
     batch_in_flight_mean: float | None = None
-    # Diagnostic: p95 over the realtime requests sent after the opening burst drained (bench.report's figure).
+    # Diagnostic: p95 over the realtime requests sent after the opening burst drained (the study report's, bench.report.figures).
     p95_ttft_after_burst_ms: float | None = None
 
 

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from bench import study
-from bench.report import (adaptive_differences, differences, figures, goals, occupancy_cost, paired_ratio, run_harvest,
-                          summarize)
+from bench.report.differences import adaptive_differences, differences
+from bench.report.figures import figures, run_harvest
+from bench.report.summary import goals, occupancy_cost, paired_ratio, summarize
 from bench.stats import Estimate, bootstrap_median, histogram_quantile, quantile_interval, ratio_of_runs, verdict
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
 

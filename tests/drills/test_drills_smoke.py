@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from bench import drill_report
+from bench.report import drills as drill_report
 from bench.drills import SMOKE, run_drills
 
 
