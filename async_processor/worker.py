@@ -229,7 +229,7 @@ class AsyncWorker:
             log.event(logging.INFO, "batch_closing", request_id=row_id, recheck_in=self.rt.policy.closing_recheck)
             await self.queue.finish(claim, Finish.schedule, wake)
             return
-        d, rec = result.dispatch, result.recorded
+        d, rec = result.attempt, result.recorded
         outcome = rec.outcome
         m.attempts.labels(outcome.kind.value).inc()
         m.attempt_seconds.labels(outcome.kind.value).observe(result.seconds)
@@ -237,7 +237,7 @@ class AsyncWorker:
             m.evictions.inc()
         if outcome.path_failure:
             self.circuit.suspect(self.http, f"{outcome.kind.value} {outcome.status or ''}".strip())
-        fields = dict(batch_id=d.batch_id, request_id=row_id, custom_id=d.custom_id, attempt=d.attempt,
+        fields = dict(batch_id=d.batch_id, request_id=row_id, custom_id=d.custom_id, attempt=d.number,
                       outcome=outcome.kind.value, status=outcome.status, drop_reason=outcome.drop_reason,
                       seconds=result.seconds)
         if tracing.enabled():  # the outcome is logged after the attempt's span: name the batch's trace

@@ -180,7 +180,7 @@ class SyncDispatcher:
     def _finished(self, task: asyncio.Task) -> None:
         job = self._running.pop(task)
         with self._lock:
-            self._held.discard(job.row_id)
+            self._held.discard(job.request_id)
         self._wake.set()
 
     async def _run_one(self, job: InFlight) -> None:
@@ -190,7 +190,7 @@ class SyncDispatcher:
         except Exception:
             # The row stays where the failure left it; reconciliation requeues it once it looks abandoned.
             log_event(log, "sync_attempt_failed", logging.ERROR, exc_info=True, batch_id=job.batch_id,
-                      request_id=job.row_id)
+                      request_id=job.request_id)
             return
         if result.recorded is None:
             return  # final already, or its batch is closing: nothing was sent
@@ -200,7 +200,7 @@ class SyncDispatcher:
             self.aimd.on_success()
         elif outcome.shed or kind is AttemptOutcome.server_error:
             if self.aimd.on_overload(sent_at):
-                log_event(log, "sync_concurrency_halved", batch_id=job.batch_id, request_id=job.row_id,
+                log_event(log, "sync_concurrency_halved", batch_id=job.batch_id, request_id=job.request_id,
                           limit=self.aimd.limit, status=outcome.status)
         if self.metrics is not None:
             self.metrics.sync_requests.labels(kind.value).inc()

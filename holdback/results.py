@@ -1,10 +1,10 @@
-"""Result recording: attempts, retries, and the one compare-and-set that makes a request final.
+"""Result recording: attempts' ends, retries, and the one compare-and-set that makes a request final.
 
-Both dispatch paths (async workers and the processor's sync mode) record through these functions,
-so a duplicate delivery, a worker killed after recording, or a retry racing a late answer can
-never produce a second final result: the terminal UPDATE matches only a non-terminal row, and the
-batch counters move in the same transaction as the row that won. The row's status moves themselves are
-`holdback.lifecycle`'s.
+Both hand-off paths (async workers and the processor's sync mode) record through these functions, by way of
+`holdback.attempts` (which opens the attempts), so a duplicate delivery, a worker killed after recording, or a
+retry racing a late answer can never produce a second final result: the terminal UPDATE matches only a
+non-terminal row, and the batch counters move in the same transaction as the row that won. The row's status
+moves themselves are `holdback.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from holdback import lifecycle
@@ -55,47 +55,7 @@ class FinalResult:
     usage: Usage = Usage()
 
 
-@dataclass(frozen=True)
-class OpenedAttempt:
-    """An attempt just opened, with what sending it needs from its row (read by the same statement)."""
-
-    id: int
-    number: int
-    request_id: str
-    batch_id: str
-    tenant_id: str
-    custom_id: str
-    url: str
-    body: str
-    transient_failures: int
-    started_at: float
-    deadline: float | None  # the batch's expires_at
-
-
 _attempts = Attempt.__table__
-_INSERT_ATTEMPT = (
-    insert(_attempts)
-    .values(request_id=bindparam("row_id"), batch_id=bindparam("batch_id"), number=bindparam("number"),
-            worker=bindparam("worker"), started_at=bindparam("now"), evicted=False, input_tokens=0,
-            output_tokens=0)
-    .returning(_attempts.c.id)
-)
-
-
-def begin_attempt(session: Session, row_id: str, worker: str, *, open_batch_only: bool = False,
-                  now: float | None = None) -> OpenedAttempt | None:
-    """Mark the row running and open its next attempt (two statements); None if the row is already final
-    or gone — or, with `open_batch_only`, if its batch is closing or past its deadline."""
-    now = time.time() if now is None else now
-    conn = session.connection()
-    row = lifecycle.claim(conn, row_id, now, open_batch_only=open_batch_only)
-    if row is None:
-        return None
-    number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
-    attempt_id = conn.execute(_INSERT_ATTEMPT, {"row_id": row_id, "batch_id": batch_id, "number": number,
-                                                "worker": worker, "now": now}).scalar_one()
-    return OpenedAttempt(attempt_id, number, row_id, batch_id, tenant_id, custom_id, url, body, transient_failures,
-                         now, deadline)
 
 
 @dataclass(frozen=True)

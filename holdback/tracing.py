@@ -172,16 +172,16 @@ async def in_span(awaitable: Awaitable[T], name: str, *, parent: str | None, kin
         return result
 
 
-async def traced_attempt(sending: Awaitable[T], dispatch: Any, contexts: "BatchContexts",
+async def traced_attempt(sending: Awaitable[T], attempt: Any, contexts: "BatchContexts",
                          load: Callable[[str], Awaitable[str | None]]) -> T:
     """One attempt's send in an `attempt` span, a child of its batch's stored context (`load(batch_id)` reads
     it when `contexts` does not know it yet); the send injects `traceparent` from this span."""
-    known, parent = contexts.cached(dispatch.batch_id)
+    known, parent = contexts.cached(attempt.batch_id)
     if not known:
-        parent = await load(dispatch.batch_id)
+        parent = await load(attempt.batch_id)
     return await in_span(
         sending, "attempt", parent=parent, kind="client",
-        attributes={"request_id": dispatch.row_id, "batch_id": dispatch.batch_id, "attempt": dispatch.attempt},
+        attributes={"request_id": attempt.request_id, "batch_id": attempt.batch_id, "attempt": attempt.number},
         describe=lambda sent: {"http.response.status_code": getattr(getattr(sent, "reply", sent), "status", None)})
 
 

@@ -11,15 +11,15 @@ This module is the public surface callers import; tests may reach into the modul
 from holdback.attempts.runner import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from holdback.attempts.outcomes import Outcome, Reply, classify, is_path_failure
 from holdback.attempts.retry import Jitter, RetryPolicy
-from holdback.attempts.transactions import Dispatch, Disposition, Recorded, Skip
+from holdback.attempts.transactions import Disposition, OpenAttempt, Recorded, Skip
 
 __all__ = [
     "BATCH_CONTEXTS",
     "AttemptResult",
-    "Dispatch",
     "Disposition",
     "InFlight",
     "Jitter",
+    "OpenAttempt",
     "Outcome",
     "Recorded",
     "Reply",

@@ -8,7 +8,8 @@ The next attempt continues it: `/v1/completions` with the prompt and output so f
 `return_token_ids`), or prompt + text so far when the server sent no ids; `/v1/chat/completions` with the
 partial answer as a final assistant message and vLLM's `continue_final_message: true`,
 `add_generation_prompt: false`; the output limits shrink by what was produced. Other requests are sent as
-they are and restart.
+they are and restart. What earlier attempts left (a `Carryover`) is read when the attempt opens
+(`holdback.attempts.transactions.open_attempt`).
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-
-from sqlalchemy import bindparam, func, select
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING
 
 from holdback.attempts.outcomes import Reply
-from holdback.attempts.retry import RetryPolicy
 from holdback.attempts.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
-from holdback.attempts.transactions import Dispatch, Recorded, Skip, begin, record_outcome
 from holdback.contract import RESUMABLE_HEADER
-from holdback.models import Attempt
 from holdback.results import AttemptFigures
+
+if TYPE_CHECKING:  # the open attempt's module reads a carryover from the database: it imports this one
+    from holdback.attempts.transactions import OpenAttempt
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -62,7 +61,7 @@ def resumable(url: str, body: dict) -> bool:
 
 
 @dataclass(frozen=True)
-class Progress:
+class Carryover:
     """What the request's earlier attempts left: the latest cut stream's output and the usage so far."""
 
     text: str = ""
@@ -76,46 +75,49 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How this attempt is sent."""
+class SendPlan:
+    """How this attempt goes on the wire: streamed or as it is, resumed or not, and the body sent.
+
+    Apart from `OpenAttempt` because it is made outside the open transaction, from the attempt and the
+    runtime's resume switch; the stream arithmetic (`attempt_tokens`, `streamed_reply`) needs only this."""
 
     streamed: bool
-    resumed: bool  # continues `progress.text`
+    resumed: bool  # continues `carryover.text`
     body: bytes
-    progress: Progress = Progress()
+    carryover: Carryover = Carryover()
 
 
-def plan_attempt(dispatch: Dispatch, progress: Progress, resume: bool) -> Plan:
-    """How to send this attempt; a resumed plan's `progress` is what it continues (see `_resume_point`)."""
-    body = json.loads(dispatch.body)
-    if not resumable(dispatch.url, body):
-        return Plan(False, False, dispatch.body.encode(), progress)
-    point = _resume_point(dispatch.url, body, progress) if resume and progress.tokens > 0 else None
-    resumed = point is not None and _continue(dispatch.url, body, point)
+def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool) -> SendPlan:
+    """How to send this attempt; a resumed plan's `carryover` is what it continues (see `_resume_point`)."""
+    body = json.loads(attempt.body)
+    if not resumable(attempt.url, body):
+        return SendPlan(False, False, attempt.body.encode(), carryover)
+    point = _resume_point(attempt.url, body, carryover) if resume and carryover.tokens > 0 else None
+    resumed = point is not None and _continue(attempt.url, body, point)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    if dispatch.url == COMPLETIONS:
+    if attempt.url == COMPLETIONS:
         body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
-    return Plan(True, resumed, json.dumps(body).encode(), point if resumed else progress)
+    return SendPlan(True, resumed, json.dumps(body).encode(), point if resumed else carryover)
 
 
-def _resume_point(url: str, body: dict, progress: Progress) -> Progress | None:
+def _resume_point(url: str, body: dict, carryover: Carryover) -> Carryover | None:
     """What a resume continues; None when the request should restart instead."""
-    if url == COMPLETIONS and progress.context_ids and _text_keeps_up_with_ids(body):
-        return progress
+    if url == COMPLETIONS and carryover.context_ids and _text_keeps_up_with_ids(body):
+        return carryover
     # Resuming by text tokenizes the kept text again. A trailing U+FFFD is a character whose bytes were cut
     # (or were never valid UTF-8): tokenized again it is the replacement character itself, not the bytes the
     # model produced, and the model would go on after a character it never wrote. Those characters are given
     # up and generated again. Each came from at least one token, so the tokens kept drop by one per
     # character: the count may stay a little high (a character of several tokens), which only lowers the
     # resumed output limit, so the caller's limit is never passed.
-    text = progress.text.rstrip(REPLACEMENT_CHARACTER)
+    text = carryover.text.rstrip(REPLACEMENT_CHARACTER)
     if not text:
         # No answer text yet (only reasoning, or only broken characters): continuing the answer would drop the
         # reasoning that was to lead it, so the request starts over.
         return None
-    broken = len(progress.text) - len(text)
-    return dataclasses.replace(progress, text=text, tokens=max(0, progress.tokens - broken), context_ids=None)
+    broken = len(carryover.text) - len(text)
+    return dataclasses.replace(carryover, text=text, tokens=max(0, carryover.tokens - broken), context_ids=None)
 
 
 def _text_keeps_up_with_ids(body: dict) -> bool:
@@ -125,37 +127,37 @@ def _text_keeps_up_with_ids(body: dict) -> bool:
     return not body.get("stop") or bool(body.get("include_stop_str_in_output"))
 
 
-def _continue(url: str, body: dict, progress: Progress) -> bool:
-    """Rewrite `body` to continue `progress.text`; False (body untouched) when the limits are used up."""
+def _continue(url: str, body: dict, carryover: Carryover) -> bool:
+    """Rewrite `body` to continue `carryover.text`; False (body untouched) when the limits are used up."""
     limits = {k: body[k] for k in _LIMITS[url] if isinstance(body.get(k), int)}
-    if any(v - progress.tokens < 1 for v in limits.values()):
+    if any(v - carryover.tokens < 1 for v in limits.values()):
         return False  # the cut stream had produced everything: nothing to continue, so restart
     for k, v in limits.items():
-        body[k] = v - progress.tokens
+        body[k] = v - carryover.tokens
     if isinstance(body.get("min_tokens"), int):
-        body["min_tokens"] = max(0, body["min_tokens"] - progress.tokens)
+        body["min_tokens"] = max(0, body["min_tokens"] - carryover.tokens)
     if url == COMPLETIONS:
-        if progress.context_ids:
+        if carryover.context_ids:
             # vLLM takes a list of ints as the prompt's token ids. Those ids are the prompt as it was already
             # truncated, so truncating them again would cut into the prompt a second time.
-            body["prompt"] = list(progress.context_ids)
+            body["prompt"] = list(carryover.context_ids)
             body.pop("truncate_prompt_tokens", None)
             return True
         prompt = body["prompt"]
-        body["prompt"] = (prompt[0] if isinstance(prompt, list) else prompt) + progress.text
+        body["prompt"] = (prompt[0] if isinstance(prompt, list) else prompt) + carryover.text
         return True
     messages = list(body["messages"])
     if body.get("continue_final_message"):
         last = messages[-1]
-        messages[-1] = {**last, "content": last["content"] + progress.text}
+        messages[-1] = {**last, "content": last["content"] + carryover.text}
     else:
-        messages.append({"role": "assistant", "content": progress.text})
+        messages.append({"role": "assistant", "content": carryover.text})
     body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
     return True
 
 
-def headers(dispatch: Dispatch, plan: Plan, gateway_key: str | None, resume: bool) -> dict[str, str]:
-    out = dispatch.headers(gateway_key)
+def send_headers(attempt: OpenAttempt, plan: SendPlan, gateway_key: str | None, resume: bool) -> dict[str, str]:
+    out = attempt.headers(gateway_key)
     if plan.streamed and resume:
         out[RESUMABLE_HEADER] = "1"  # the gateway's victim policy prefers what can resume
     return out
@@ -172,7 +174,7 @@ class Partial:
     text: str
     reasoning: str = ""
     reasoning_fields: tuple[str, ...] = ()
-    context_ids: tuple[int, ...] | None = None  # see `Progress.context_ids`
+    context_ids: tuple[int, ...] | None = None  # see `Carryover.context_ids`
     # Output tokens left out of `context_ids` because vLLM had not streamed their text yet (the bytes of a
     # character not yet whole): resumed from the ids they would break that character, so they are generated again.
     untold: int = 0
@@ -198,55 +200,20 @@ class Partial:
                    tuple(ids) if ids_ok else None, untold if ids_ok and isinstance(untold, int) else 0)
 
 
-# --- the database side --------------------------------------------------------------------------------
-
-_attempts = Attempt.__table__
-_LATEST_CUT = (
-    select(_attempts.c.partial_output, _attempts.c.partial_state, _attempts.c.tokens_kept, _attempts.c.input_tokens,
-           _attempts.c.output_tokens)
-    .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"),
-           _attempts.c.partial_output.is_not(None))
-    .order_by(_attempts.c.number.desc()).limit(1)
-)
-_SUMS = (
-    select(func.coalesce(func.sum(_attempts.c.input_tokens), 0), func.coalesce(func.sum(_attempts.c.output_tokens), 0),
-           func.coalesce(func.sum(_attempts.c.cached_tokens), 0))
-    .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"))
-)
-
-
-def open_attempt(session: Session, row_id: str, worker: str) -> tuple[Dispatch, Progress] | Skip:
-    """`transactions.begin`, plus the progress of earlier attempts when the request can resume."""
-    opened = begin(session, row_id, worker)
-    if isinstance(opened, Skip) or opened.attempt == 1 or not resumable(opened.url, json.loads(opened.body)):
-        return opened if isinstance(opened, Skip) else (opened, Progress())
-    params = {"row_id": row_id, "number": opened.attempt}
-    conn = session.connection()
-    prompt, output, cached = conn.execute(_SUMS, params).one()
-    earlier = TokenSums(int(prompt), int(output), int(cached))
-    cut = conn.execute(_LATEST_CUT, params).one_or_none()
-    if cut is None:
-        return opened, Progress(earlier=earlier)
-    text, state, kept, cut_prompt, cut_output = cut
-    partial = Partial.read(text, state)
-    return opened, Progress(partial.text, max(0, kept + cut_output - partial.untold), cut_prompt + cut_output,
-                            earlier, partial.reasoning, partial.reasoning_fields, partial.context_ids)
-
-
-def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
+def attempt_tokens(plan: SendPlan, sent: StreamedReply) -> AttemptFigures | None:
     """None when no event stream came back: `record_outcome` reads the usage of a plain answer itself."""
     if not sent.events:
         return None
     a: StreamAssembly = sent.assembly
-    progress = plan.progress
-    kept = progress.tokens if plan.resumed else 0
+    carryover = plan.carryover
+    kept = carryover.tokens if plan.resumed else 0
     redone = max(0, a.prompt_tokens - a.cached_tokens)
     if not plan.resumed:
-        redone += min(a.completion_tokens, progress.tokens)  # a restart decodes the lost output again
-    recomputed = min(progress.computed, redone)
+        redone += min(a.completion_tokens, carryover.tokens)  # a restart decodes the lost output again
+    recomputed = min(carryover.computed, redone)
     partial = None
     if sent.cut and a.carried_output:
-        before = progress if plan.resumed else Progress()
+        before = carryover if plan.resumed else Carryover()
         fields = tuple(f for f in REASONING_FIELDS if f in before.reasoning_fields or f in a.reasoning_fields)
         # The ids of the prompt as vLLM saw it and of what it generated: whether this attempt was sent by ids,
         # by text or afresh, they are exactly what the model had when the stream was cut.
@@ -261,16 +228,10 @@ def attempt_tokens(plan: Plan, sent: StreamedReply) -> AttemptFigures | None:
                           partial.state())
 
 
-def streamed_reply(plan: Plan, sent: StreamedReply) -> Reply:
+def streamed_reply(plan: SendPlan, sent: StreamedReply) -> Reply:
     """The Reply `record_outcome` classifies: a completed stream carries the assembled non-streamed body."""
     if not sent.events or sent.cut or sent.reply.status is None or sent.reply.status >= 300:
         return sent.reply
-    kept = plan.progress if plan.resumed else Progress(earlier=plan.progress.earlier)
+    kept = plan.carryover if plan.resumed else Carryover(earlier=plan.carryover.earlier)
     body = sent.assembly.body(kept.text, kept.earlier, kept.reasoning, kept.reasoning_fields)
     return Reply(sent.reply.status, sent.reply.headers, json.dumps(body).encode())
-
-
-def record_attempt(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy,
-                   tokens: AttemptFigures | None) -> Recorded:
-    """`transactions.record_outcome`, with this attempt's own token figures on its attempt row."""
-    return record_outcome(session, dispatch, reply, policy, figures=tokens)

@@ -1,13 +1,13 @@
 """One attempt of one request row: open it in the database, send it through the gateway, record the answer.
 
 The one attempt runner of holdback: the asyncio worker runs many of these at once, `async_processor.job.run_request`
-runs one for a plain RQ worker, and the processor's sync mode (`batch_processor.sync_dispatch`) runs its
+runs one for a plain RQ worker, and the processor's sync mode (`batch_processor.sync_handoff`) runs its
 requests with it too — the same sends (`holdback.attempts.send`), the same mapping of a failed send
-(`transport_reply`), the same recording of what an answer means for the row
-(`holdback.attempts.transactions.record_outcome`). Database work is two transactions (`transactions.begin`, then
-`record_outcome`, each wrapped by `holdback.attempts.resume` to read and write what a resumed request needs),
-each run on a database lane (`holdback.attempts.lanes`) because SQLAlchemy's engine is synchronous. Resumable
-requests are sent streamed (`holdback.attempts.stream`), the rest as they are.
+(`transport_reply`), the same recording of what an answer means for the row. Database work is two
+transactions (`transactions.open_attempt`, which also reads what a resumed request continues, then
+`transactions.record_attempt`), each run on a database lane (`holdback.attempts.lanes`) because SQLAlchemy's
+engine is synchronous. Resumable requests are sent streamed (`holdback.attempts.resume` plans them,
+`holdback.attempts.stream` folds their events), the rest as they are.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import aiohttp
 from sqlalchemy.orm import Session, sessionmaker
 
 from holdback import tracing
-from holdback.attempts import resume
 from holdback.attempts.lanes import DatabaseLane
 from holdback.attempts.outcomes import Reply
+from holdback.attempts.resume import attempt_tokens, plan_attempt, send_headers, streamed_reply
 from holdback.attempts.retry import RetryPolicy
-from holdback.attempts.send import send, send_streamed
-from holdback.attempts.transactions import Dispatch, Recorded, Skip
+from holdback.attempts.send import send_plain, send_streamed
+from holdback.attempts.transactions import OpenAttempt, Recorded, Skip, open_attempt, record_attempt
 from holdback.attempts.write_lock import make_worker_engine
 from holdback.db import make_sessionmaker
 
@@ -84,10 +84,10 @@ class Runtime:
 class InFlight:
     """One job in flight in this process: what a batch cancel needs to abort it."""
 
-    __slots__ = ("row_id", "batch_id", "send_task", "abort_reason", "started")
+    __slots__ = ("request_id", "batch_id", "send_task", "abort_reason", "started")
 
-    def __init__(self, row_id: str):
-        self.row_id = row_id
+    def __init__(self, request_id: str):
+        self.request_id = request_id
         self.batch_id: str | None = None  # known once the attempt is open
         self.send_task: asyncio.Task | None = None
         self.abort_reason: str | None = None
@@ -105,33 +105,32 @@ class InFlight:
 @dataclass(frozen=True)
 class AttemptResult:
     skip: Skip | None = None
-    dispatch: Dispatch | None = None
+    attempt: OpenAttempt | None = None
     recorded: Recorded | None = None
     seconds: float = 0.0  # time spent on the gateway request
 
 
 async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
                       cancelled_batch: Callable[[str], bool] = lambda _batch_id: False) -> AttemptResult:
-    """Begin, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises."""
-    opened = await rt.db(resume.open_attempt, job.row_id, rt.worker_name)
-    if isinstance(opened, Skip):
-        return AttemptResult(skip=opened)
-    dispatch, progress = opened
-    plan = resume.plan_attempt(dispatch, progress, rt.resume)
-    job.batch_id = dispatch.batch_id
+    """Open, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises."""
+    attempt = await rt.db(open_attempt, job.request_id, rt.worker_name)
+    if isinstance(attempt, Skip):
+        return AttemptResult(skip=attempt)
+    plan = plan_attempt(attempt, attempt.carryover, rt.resume)
+    job.batch_id = attempt.batch_id
     started = time.monotonic()
     tokens = None
-    if cancelled_batch(dispatch.batch_id):
+    if cancelled_batch(attempt.batch_id):
         # The cancel was published while this attempt was opening: do not send it at all.
         reply = Reply.cancelled("batch cancelled or expired before the request was sent")
     else:
-        url = rt.gateway_url + dispatch.url
+        url = rt.gateway_url + attempt.url
         sending = (
-            send_streamed(http, url, plan.body, resume.headers(dispatch, plan, rt.gateway_key, rt.resume),
+            send_streamed(http, url, plan.body, send_headers(attempt, plan, rt.gateway_key, rt.resume),
                           rt.request_timeout) if plan.streamed
-            else send(http, url, dispatch, rt.gateway_key, rt.request_timeout))
+            else send_plain(http, url, attempt, rt.gateway_key, rt.request_timeout))
         if tracing.enabled():
-            sending = tracing.traced_attempt(sending, dispatch, BATCH_CONTEXTS,
+            sending = tracing.traced_attempt(sending, attempt, BATCH_CONTEXTS,
                                              lambda batch_id: rt.db(BATCH_CONTEXTS.load, batch_id))
         job.send_task = asyncio.ensure_future(sending)
         try:
@@ -144,7 +143,7 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
         if isinstance(sent, Reply):
             reply = sent
         else:
-            reply, tokens = resume.streamed_reply(plan, sent), resume.attempt_tokens(plan, sent)
+            reply, tokens = streamed_reply(plan, sent), attempt_tokens(plan, sent)
     seconds = time.monotonic() - started
-    recorded = await rt.db(resume.record_attempt, dispatch, reply, rt.policy, tokens)
-    return AttemptResult(dispatch=dispatch, recorded=recorded, seconds=seconds)
+    recorded = await rt.db(record_attempt, attempt, reply, rt.policy, tokens)
+    return AttemptResult(attempt=attempt, recorded=recorded, seconds=seconds)

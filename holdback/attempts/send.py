@@ -11,14 +11,14 @@ import aiohttp
 from holdback import tracing
 from holdback.attempts.outcomes import Reply
 from holdback.attempts.stream import StreamAssembly, StreamedReply, cut_reply
-from holdback.attempts.transactions import Dispatch
+from holdback.attempts.transactions import OpenAttempt
 
 
-async def send(http: aiohttp.ClientSession, url: str, dispatch: Dispatch, gateway_key: str | None,
-               timeout: float) -> Reply:
+async def send_plain(http: aiohttp.ClientSession, url: str, attempt: OpenAttempt, gateway_key: str | None,
+                     timeout: float) -> Reply:
     """POST the row's body to the gateway; every failure to get a complete answer is a transport error."""
     try:
-        async with http.post(url, data=dispatch.body.encode(), headers=tracing.inject(dispatch.headers(gateway_key)),
+        async with http.post(url, data=attempt.body.encode(), headers=tracing.inject(attempt.headers(gateway_key)),
                              timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
             return Reply(resp.status, resp.headers, body)

@@ -1,4 +1,4 @@
-"""The two transactions of an attempt: `begin` opens it, and `record_outcome` closes it as exactly one of:
+"""The two transactions of an attempt: `open_attempt` opens it, and `record_outcome` closes it as exactly one of:
 a final result (through `holdback.results`' compare-and-set), a retry, or a row left for the batch's expiry.
 
 Callers do the HTTP themselves (`holdback.attempts.runner` for the async workers and the sync mode) and own
@@ -7,6 +7,7 @@ the transactions.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import random
@@ -14,12 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from holdback import lifecycle
 from holdback.attempts.headers import request_headers
 from holdback.attempts.outcomes import Outcome, Reply, classify
+from holdback.attempts.resume import Carryover, Partial, resumable
 from holdback.attempts.retry import RetryPolicy
+from holdback.attempts.stream import TokenSums
 from holdback.models import (
     REQUEST_TERMINAL_VALUES,
     Attempt,
@@ -28,17 +33,17 @@ from holdback.models import (
     RequestRow,
     RequestStatus,
 )
-from holdback.results import (AttemptFigures, FinalResult, Usage, begin_attempt, end_attempt, record_final,
-                              schedule_retry)
+from holdback.results import AttemptFigures, FinalResult, Usage, end_attempt, record_final, schedule_retry
 
 # --- the attempt's first transaction --------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Dispatch:
-    """One open attempt: everything needed to send it and to record its answer."""
+class OpenAttempt:
+    """One open attempt of one request row: what sending it and recording its answer need from the row (read
+    by the statement that opened it), and what the row's earlier attempts left for it to continue."""
 
-    row_id: str
+    request_id: str
     batch_id: str
     tenant_id: str
     custom_id: str
@@ -46,22 +51,32 @@ class Dispatch:
     body: str
     deadline: float | None  # the batch's expires_at
     attempt_id: int
-    attempt: int  # 1-based attempt number
+    number: int  # 1-based attempt number
     transient_failures: int  # before this attempt
+    carryover: Carryover = Carryover()  # read by `open_attempt` for a resumable request's later attempts
 
     def headers(self, gateway_key: str | None = None) -> dict[str, str]:
-        return request_headers(self.row_id, self.tenant_id, self.deadline, gateway_key)
+        return request_headers(self.request_id, self.tenant_id, self.deadline, gateway_key)
 
 
 class Skip(str, enum.Enum):
-    """Why `begin` opened no attempt."""
+    """Why `open_attempt` opened no attempt."""
 
     final = "final"  # the row is final or gone: drop the delivery
     closing = "closing"  # its batch is past its deadline or being cancelled: the processor will close it
 
 
 # Hot-path statements, built once (Core, bound parameters): every attempt runs them.
+# The request id binds as `row_id`: SQLAlchemy reserves a column's own name (`attempts.request_id`) for the
+# values of an INSERT or UPDATE of its table.
 _rows, _batches, _attempts = RequestRow.__table__, Batch.__table__, Attempt.__table__
+_INSERT_ATTEMPT = (
+    insert(_attempts)
+    .values(request_id=bindparam("row_id"), batch_id=bindparam("batch_id"), number=bindparam("number"),
+            worker=bindparam("worker"), started_at=bindparam("now"), evicted=False, input_tokens=0,
+            output_tokens=0)
+    .returning(_attempts.c.id)
+)
 _LOOKUP = (
     select(_rows.c.status)
     .select_from(_rows.join(_batches, _batches.c.id == _rows.c.batch_id))
@@ -74,6 +89,18 @@ _CLOSE_SUPERSEDED = (
     .values(ended_at=bindparam("closed_at"), outcome=AttemptOutcome.abandoned.value,
             error="superseded by a later delivery")
 )
+_LATEST_CUT = (
+    select(_attempts.c.partial_output, _attempts.c.partial_state, _attempts.c.tokens_kept, _attempts.c.input_tokens,
+           _attempts.c.output_tokens)
+    .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"),
+           _attempts.c.partial_output.is_not(None))
+    .order_by(_attempts.c.number.desc()).limit(1)
+)
+_SUMS = (
+    select(func.coalesce(func.sum(_attempts.c.input_tokens), 0), func.coalesce(func.sum(_attempts.c.output_tokens), 0),
+           func.coalesce(func.sum(_attempts.c.cached_tokens), 0))
+    .where(_attempts.c.request_id == bindparam("row_id"), _attempts.c.number < bindparam("number"))
+)
 _ROW_STATUS = select(_rows.c.status).where(_rows.c.id == bindparam("row_id"))
 _COUNT_TRANSIENT = (
     update(_rows).where(_rows.c.id == bindparam("row_id"))
@@ -81,27 +108,57 @@ _COUNT_TRANSIENT = (
 )
 
 
-def begin(session: Session, row_id: str, worker: str, *, now: float | None = None) -> Dispatch | Skip:
-    """Open the row's next attempt (row → running), unless the row is final or its batch is closing.
+def begin_attempt(session: Session, request_id: str, worker: str, *, open_batch_only: bool = False,
+                  now: float | None = None) -> OpenAttempt | None:
+    """Mark the row running and open its next attempt (two statements); None if the row is already final
+    or gone — or, with `open_batch_only`, if its batch is closing or past its deadline."""
+    now = time.time() if now is None else now
+    conn = session.connection()
+    row = lifecycle.claim(conn, request_id, now, open_batch_only=open_batch_only)
+    if row is None:
+        return None
+    number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
+    attempt_id = conn.execute(_INSERT_ATTEMPT, {"row_id": request_id, "batch_id": batch_id, "number": number,
+                                                "worker": worker, "now": now}).scalar_one()
+    return OpenAttempt(request_id, batch_id, tenant_id, custom_id, url, body, deadline, attempt_id, number,
+                       transient_failures)
+
+
+def open_attempt(session: Session, request_id: str, worker: str, *, now: float | None = None) -> OpenAttempt | Skip:
+    """Open the row's next attempt (row → running), unless the row is final or its batch is closing; a later
+    attempt of a resumable request carries what the earlier ones left (`OpenAttempt.carryover`).
 
     A first attempt costs two statements: the row's move (which also checks the batch and returns its
     deadline) and the attempt's INSERT; why nothing opened is looked up only when nothing did.
     """
     now = time.time() if now is None else now
     conn = session.connection()
-    attempt = begin_attempt(session, row_id, worker, open_batch_only=True, now=now)
+    attempt = begin_attempt(session, request_id, worker, open_batch_only=True, now=now)
     if attempt is None:
-        found = conn.execute(_LOOKUP, {"row_id": row_id}).one_or_none()
+        found = conn.execute(_LOOKUP, {"row_id": request_id}).one_or_none()
         return Skip.final if found is None or found[0] in REQUEST_TERMINAL_VALUES else Skip.closing
-    if attempt.number > 1:
-        # An earlier delivery's attempt may still be open: its worker died (or is a racing duplicate, whose
-        # own end_attempt will overwrite this). Close it so the history stays truthful.
-        conn.execute(_CLOSE_SUPERSEDED, {"row_id": row_id, "new_number": attempt.number, "closed_at": now})
-    return Dispatch(
-        row_id=row_id, batch_id=attempt.batch_id, tenant_id=attempt.tenant_id, custom_id=attempt.custom_id,
-        url=attempt.url, body=attempt.body, deadline=attempt.deadline, attempt_id=attempt.id, attempt=attempt.number,
-        transient_failures=attempt.transient_failures,
-    )
+    if attempt.number == 1:
+        return attempt
+    # An earlier delivery's attempt may still be open: its worker died (or is a racing duplicate, whose
+    # own end_attempt will overwrite this). Close it so the history stays truthful.
+    conn.execute(_CLOSE_SUPERSEDED, {"row_id": request_id, "new_number": attempt.number, "closed_at": now})
+    if not resumable(attempt.url, json.loads(attempt.body)):
+        return attempt
+    return dataclasses.replace(attempt, carryover=_carryover(conn, request_id, attempt.number))
+
+
+def _carryover(conn: Connection, request_id: str, number: int) -> Carryover:
+    """What attempt `number`'s predecessors left: the latest cut stream's output and the usage so far."""
+    params = {"row_id": request_id, "number": number}
+    prompt, output, cached = conn.execute(_SUMS, params).one()
+    earlier = TokenSums(int(prompt), int(output), int(cached))
+    cut = conn.execute(_LATEST_CUT, params).one_or_none()
+    if cut is None:
+        return Carryover(earlier=earlier)
+    text, state, kept, cut_prompt, cut_output = cut
+    partial = Partial.read(text, state)
+    return Carryover(partial.text, max(0, kept + cut_output - partial.untold), cut_prompt + cut_output,
+                     earlier, partial.reasoning, partial.reasoning_fields, partial.context_ids)
 
 
 # --- the attempt's second transaction -------------------------------------------------------------------
@@ -130,7 +187,7 @@ class Recorded:
 
 def record_outcome(
     session: Session,
-    dispatch: Dispatch,
+    attempt: OpenAttempt,
     reply: Reply,
     policy: RetryPolicy,
     *,
@@ -143,7 +200,7 @@ def record_outcome(
     `figures`: a streamed attempt's own token figures, written on its attempt row by the same UPDATE."""
     now = time.time() if now is None else now
     if reply.aborted:
-        return _record_abort(session, dispatch, reply, policy, now, figures)
+        return _record_abort(session, attempt, reply, policy, now, figures)
 
     outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable,
                        cut_after_output=reply.cut_after_output)
@@ -164,31 +221,31 @@ def record_outcome(
             usage = Usage.from_body(body)
 
     end_attempt(
-        session, dispatch.attempt_id, outcome.kind.value, status_code=outcome.status, replica=reply.replica,
+        session, attempt.attempt_id, outcome.kind.value, status_code=outcome.status, replica=reply.replica,
         drop_reason=outcome.drop_reason, evicted=outcome.evicted, usage=usage,
         error=error if outcome.kind is not AttemptOutcome.success else None, figures=figures,
     )
 
     if outcome.kind is AttemptOutcome.success:
-        return _final(session, dispatch, outcome, FinalResult(RequestStatus.succeeded, outcome.status, body,
-                                                               usage=usage), usage)
+        return _final(session, attempt, outcome, FinalResult(RequestStatus.succeeded, outcome.status, body,
+                                                              usage=usage), usage)
     if outcome.kind is AttemptOutcome.client_error:
-        return _final(session, dispatch, outcome, FinalResult(RequestStatus.failed, outcome.status, body))
-    if outcome.transient and dispatch.transient_failures + 1 >= policy.transient_budget:
-        session.connection().execute(_COUNT_TRANSIENT, {"row_id": dispatch.row_id})
+        return _final(session, attempt, outcome, FinalResult(RequestStatus.failed, outcome.status, body))
+    if outcome.transient and attempt.transient_failures + 1 >= policy.transient_budget:
+        session.connection().execute(_COUNT_TRANSIENT, {"row_id": attempt.request_id})
         code = outcome.kind.value  # server_error | transport_error
         what = f"HTTP {outcome.status}" if outcome.status else (error or "no answer")
-        message = (f"gave up after {dispatch.transient_failures + 1} transient failures "
+        message = (f"gave up after {attempt.transient_failures + 1} transient failures "
                    f"(budget {policy.transient_budget}); last: {what}")
-        return _final(session, dispatch, outcome, FinalResult(
+        return _final(session, attempt, outcome, FinalResult(
             RequestStatus.failed, outcome.status, body if outcome.status else None,
             error_code=code, error_message=message))
-    return _retry(session, dispatch, outcome, policy, now, rand)
+    return _retry(session, attempt, outcome, policy, now, rand)
 
 
-def _final(session: Session, dispatch: Dispatch, outcome: Outcome, result: FinalResult,
+def _final(session: Session, attempt: OpenAttempt, outcome: Outcome, result: FinalResult,
            usage: Usage = Usage()) -> Recorded:
-    if record_final(session, dispatch.row_id, result):
+    if record_final(session, attempt.request_id, result):
         return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
                         reason=None if result.status is RequestStatus.succeeded else failure_reason(result))
     return Recorded(Disposition.duplicate, outcome)
@@ -208,15 +265,15 @@ def failure_reason(result: FinalResult) -> str:
     return f"HTTP {result.response_status}: {message or 'no error message in the response'}"
 
 
-def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: RetryPolicy, now: float,
+def _retry(session: Session, attempt: OpenAttempt, outcome: Outcome, policy: RetryPolicy, now: float,
            rand: Callable[[], float]) -> Recorded:
-    delay = policy.delay(dispatch.attempt, outcome.retry_after, rand)
+    delay = policy.delay(attempt.number, outcome.retry_after, rand)
     next_at = now + delay
-    closing = dispatch.deadline is not None and next_at >= dispatch.deadline
+    closing = attempt.deadline is not None and next_at >= attempt.deadline
     if closing:
         # Never past the deadline, and never failed for it: the row waits for the batch's expiry.
-        next_at = dispatch.deadline
-    parked = schedule_retry(session, dispatch.row_id, next_at, evicted=outcome.evicted, transient=outcome.transient)
+        next_at = attempt.deadline
+    parked = schedule_retry(session, attempt.request_id, next_at, evicted=outcome.evicted, transient=outcome.transient)
     if not parked:
         return Recorded(Disposition.duplicate, outcome)
     if closing:
@@ -224,14 +281,20 @@ def _retry(session: Session, dispatch: Dispatch, outcome: Outcome, policy: Retry
     return Recorded(Disposition.retry, outcome, wake_at=next_at, delay=delay)
 
 
-def _record_abort(session: Session, dispatch: Dispatch, reply: Reply, policy: RetryPolicy, now: float,
+def _record_abort(session: Session, attempt: OpenAttempt, reply: Reply, policy: RetryPolicy, now: float,
                   figures: AttemptFigures | None) -> Recorded:
     outcome = Outcome(AttemptOutcome.cancelled)
-    end_attempt(session, dispatch.attempt_id, outcome.kind.value, error=reply.error, figures=figures)
-    status = session.connection().execute(_ROW_STATUS, {"row_id": dispatch.row_id}).scalar()
+    end_attempt(session, attempt.attempt_id, outcome.kind.value, error=reply.error, figures=figures)
+    status = session.connection().execute(_ROW_STATUS, {"row_id": attempt.request_id}).scalar()
     if status is None or status in REQUEST_TERMINAL_VALUES:
         return Recorded(Disposition.cancelled, outcome)
     # Aborted although nobody closed the row: park it rather than strand it.
     wake_at = now + policy.closing_recheck
-    schedule_retry(session, dispatch.row_id, wake_at, evicted=False, transient=False)
+    schedule_retry(session, attempt.request_id, wake_at, evicted=False, transient=False)
     return Recorded(Disposition.closing, outcome, wake_at=wake_at)
+
+
+def record_attempt(session: Session, attempt: OpenAttempt, reply: Reply, policy: RetryPolicy,
+                   figures: AttemptFigures | None) -> Recorded:
+    """`record_outcome` with this attempt's own token figures on its attempt row (positional, for a lane)."""
+    return record_outcome(session, attempt, reply, policy, figures=figures)

@@ -8,10 +8,11 @@ from rq import Queue
 from sqlalchemy import select
 
 from batch_processor.fairness import BatchWindow, RoundRobin, tenant_window
+from holdback.attempts.transactions import begin_attempt
 from holdback.contract import JOB_FUNCTION
 from holdback.db import transaction
 from holdback.models import Attempt, RequestRow
-from holdback.results import begin_attempt, schedule_retry
+from holdback.results import schedule_retry
 from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
 

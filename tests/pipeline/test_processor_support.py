@@ -16,9 +16,10 @@ from sqlalchemy import select
 
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.processor import Processor, ProcessorConfig
+from holdback.attempts.transactions import begin_attempt
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, File, RequestRow, RequestStatus, new_id
-from holdback.results import FinalResult, Usage, begin_attempt, record_final
+from holdback.results import FinalResult, Usage, record_final
 from holdback.storage import open_file_store
 from holdback.tenancy import get_or_create_tenant
 

@@ -2,12 +2,12 @@
 
 import json
 
+from holdback.attempts.transactions import begin_attempt
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, RequestRow, RequestStatus, Tenant
 from holdback.results import (
     FinalResult,
     Usage,
-    begin_attempt,
     close_unfinished,
     count_unfinished,
     deferred_batch_counts,

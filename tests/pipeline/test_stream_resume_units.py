@@ -7,19 +7,19 @@ import json
 
 import pytest
 
-from holdback.attempts.resume import Plan, Progress, plan_attempt, resumable, streamed_reply
+from holdback.attempts.resume import Carryover, SendPlan, plan_attempt, resumable, streamed_reply
 from holdback.attempts.outcomes import classify
 from holdback.attempts.stream import StreamAssembly, StreamedReply, TokenSums, cut_reply, summed_usage
-from holdback.attempts.transactions import Dispatch
+from holdback.attempts.transactions import OpenAttempt
 from holdback.models import AttemptOutcome
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-def dispatch(url: str, body: dict) -> Dispatch:
-    return Dispatch(row_id="r1", batch_id="b1", tenant_id="t1", custom_id="c1", url=url, body=json.dumps(body),
-                    deadline=None, attempt_id=1, attempt=2, transient_failures=0)
+def an_attempt(url: str, body: dict) -> OpenAttempt:
+    return OpenAttempt(request_id="r1", batch_id="b1", tenant_id="t1", custom_id="c1", url=url, body=json.dumps(body),
+                       deadline=None, attempt_id=1, number=2, transient_failures=0)
 
 
 @pytest.mark.parametrize("url, body, expected", [
@@ -41,7 +41,7 @@ def test_which_requests_resume(url, body, expected):
 
 def test_a_chat_resume_continues_the_final_message_and_shrinks_the_limits():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 20, "min_tokens": 3}
-    plan = plan_attempt(dispatch(CHAT, body), Progress(text=" the of and", tokens=3), resume=True)
+    plan = plan_attempt(an_attempt(CHAT, body), Carryover(text=" the of and", tokens=3), resume=True)
     sent = json.loads(plan.body)
     assert plan.streamed and plan.resumed
     assert sent["messages"][-1] == {"role": "assistant", "content": " the of and"}
@@ -53,14 +53,14 @@ def test_a_chat_resume_continues_the_final_message_and_shrinks_the_limits():
 def test_a_caller_continuing_its_own_message_gets_the_text_appended_to_it():
     body = {"messages": [{"role": "assistant", "content": "Once"}], "continue_final_message": True,
             "add_generation_prompt": False, "max_tokens": 10}
-    sent = json.loads(plan_attempt(dispatch(CHAT, body), Progress(text=" the", tokens=1), resume=True).body)
+    sent = json.loads(plan_attempt(an_attempt(CHAT, body), Carryover(text=" the", tokens=1), resume=True).body)
     assert sent["messages"] == [{"role": "assistant", "content": "Once the"}] and sent["max_tokens"] == 9
 
 
 def test_nothing_left_to_continue_or_resume_off_means_restart():
     body = {"prompt": "hi", "max_tokens": 3}
-    used_up = plan_attempt(dispatch(COMPLETIONS, body), Progress(text=" the of and", tokens=3), resume=True)
-    off = plan_attempt(dispatch(COMPLETIONS, body), Progress(text=" the", tokens=1), resume=False)
+    used_up = plan_attempt(an_attempt(COMPLETIONS, body), Carryover(text=" the of and", tokens=3), resume=True)
+    off = plan_attempt(an_attempt(COMPLETIONS, body), Carryover(text=" the", tokens=1), resume=False)
     for plan in (used_up, off):
         assert plan.streamed and not plan.resumed
         assert json.loads(plan.body)["prompt"] == "hi" and json.loads(plan.body)["max_tokens"] == 3
@@ -105,5 +105,5 @@ def test_a_cut_stream_is_an_eviction_or_a_transport_error_and_keeps_what_it_carr
     reply = cut_reply({}, broken)
     assert classify(reply.status, reply.headers).kind is AttemptOutcome.transport_error
     assert "after 1 chunks" in reply.error
-    plan = Plan(streamed=True, resumed=False, body=b"{}")
+    plan = SendPlan(streamed=True, resumed=False, body=b"{}")
     assert streamed_reply(plan, StreamedReply(reply, broken, cut=True)) is reply, "a cut stream is never a success"

@@ -22,8 +22,8 @@ import pytest
 from alembic import command
 from sqlalchemy import inspect, select, text
 
-from holdback.attempts.resume import (Partial, Plan, Progress, attempt_tokens, open_attempt, plan_attempt,
-                                    record_attempt, resumable, streamed_reply)
+from holdback.attempts.resume import (Carryover, Partial, SendPlan, attempt_tokens, plan_attempt, resumable,
+                                      streamed_reply)
 from holdback.attempts.send import send_streamed
 from holdback.attempts.stream import StreamAssembly, StreamedReply, cut_reply
 from holdback.contract import is_eviction, is_no_endpoints
@@ -31,7 +31,7 @@ from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.attempts.headers import request_headers
 from holdback.attempts.outcomes import Reply, classify
 from holdback.attempts.retry import RetryPolicy
-from holdback.attempts.transactions import Dispatch, Disposition
+from holdback.attempts.transactions import Disposition, OpenAttempt, open_attempt, record_attempt
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, Tenant
 from holdback.schema import alembic_config, upgrade
 
@@ -64,9 +64,9 @@ def fold(items: list[bytes | dict | str]) -> StreamAssembly:
     return a
 
 
-def dispatch(url: str, body: dict, attempt: int = 2) -> Dispatch:
-    return Dispatch(row_id="r1", batch_id="b1", tenant_id="t1", custom_id="c1", url=url, body=json.dumps(body),
-                    deadline=None, attempt_id=1, attempt=attempt, transient_failures=0)
+def an_attempt(url: str, body: dict, number: int = 2) -> OpenAttempt:
+    return OpenAttempt(request_id="r1", batch_id="b1", tenant_id="t1", custom_id="c1", url=url, body=json.dumps(body),
+                       deadline=None, attempt_id=1, number=number, transient_failures=0)
 
 
 # --- 1. a stream vLLM failed -------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_a_stream_vllm_failed_is_the_requests_own_server_error_and_keeps_its_out
         AttemptOutcome.server_error, 500, True, False)
     assert ENGINE_MESSAGE in reply.error and reply.replica == "r0"
     assert json.loads(reply.body)["error"]["message"] == ENGINE_MESSAGE
-    plan = Plan(streamed=True, resumed=False, body=b"{}")
+    plan = SendPlan(streamed=True, resumed=False, body=b"{}")
     sent = StreamedReply(reply, a, cut=True)
     assert streamed_reply(plan, sent) is reply, "never a success"
     figures = attempt_tokens(plan, sent)
@@ -141,10 +141,10 @@ def new_row(db, url: str, body: dict) -> str:
 def one_attempt(db, row_id: str, sent: StreamedReply, policy=RetryPolicy(base=0.1, cap=1.0)):
     """Open an attempt, plan it, take `sent` as what came back, record it: (plan, recorded)."""
     with transaction(db) as s:
-        dispatch_, progress = open_attempt(s, row_id, "w-test")
-    plan = plan_attempt(dispatch_, progress, resume=True)
+        opened = open_attempt(s, row_id, "w-test")
+    plan = plan_attempt(opened, opened.carryover, resume=True)
     with transaction(db) as s:
-        recorded = record_attempt(s, dispatch_, streamed_reply(plan, sent), policy, attempt_tokens(plan, sent))
+        recorded = record_attempt(s, opened, streamed_reply(plan, sent), policy, attempt_tokens(plan, sent))
     return plan, recorded
 
 
@@ -192,7 +192,7 @@ def test_a_stream_vllm_aborted_is_an_eviction_never_a_success():
     reply = cut_reply({"x-holdback-replica": "r1"}, a)
     outcome = classify(reply.status, reply.headers)
     assert outcome.evicted and not outcome.transient and reply.replica == "r1" and "abort" in reply.error
-    assert streamed_reply(Plan(True, False, b"{}"), StreamedReply(reply, a, cut=True)) is reply
+    assert streamed_reply(SendPlan(True, False, b"{}"), StreamedReply(reply, a, cut=True)) is reply
 
 
 def test_an_aborted_stream_spends_no_budget_and_the_retry_resumes(db):
@@ -233,9 +233,10 @@ def completion_with_ids(texts_and_ids: list[tuple[str, list[int]]], finish: str 
 
 
 def test_completions_ask_for_token_ids_and_the_real_nulls_mean_none_came():
-    plan = plan_attempt(dispatch(COMPLETIONS, {"prompt": "hi", "max_tokens": 5}, attempt=1), Progress(), True)
+    plan = plan_attempt(an_attempt(COMPLETIONS, {"prompt": "hi", "max_tokens": 5}, number=1), Carryover(), True)
     assert json.loads(plan.body)["return_token_ids"] is True
-    chat = plan_attempt(dispatch(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, attempt=1), Progress(), True)
+    chat = plan_attempt(an_attempt(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, number=1), Carryover(),
+                        True)
     assert "return_token_ids" not in json.loads(chat.body), "chat resumes by text"
     a = fold(payloads("completion_stream.sse"))  # vLLM's own `token_ids: null`: not asked for
     assert a.token_ids is None and a.prompt_token_ids is None
@@ -246,13 +247,13 @@ def test_a_cut_completion_resumes_from_the_prompt_and_output_ids_and_keeps_vllms
     first = completion_with_ids([(" st", [301]), ("\ufffd", [231, 232]), (" 810", [302])])
     a = fold(first)
     assert a.token_ids == [301, 231, 232, 302] and a.prompt_token_ids == PROMPT_IDS and a.completion_tokens == 4
-    figures = attempt_tokens(Plan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
+    figures = attempt_tokens(SendPlan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
     kept = Partial.read(figures.partial, figures.partial_state)
     assert kept.text == " st\ufffd 810" and kept.context_ids == (*PROMPT_IDS, 301, 231, 232, 302)
 
     body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 10, "truncate_prompt_tokens": 100}
-    progress = Progress(kept.text, 4, 7, context_ids=kept.context_ids)
-    plan = plan_attempt(dispatch(COMPLETIONS, body), progress, resume=True)
+    progress = Carryover(kept.text, 4, 7, context_ids=kept.context_ids)
+    plan = plan_attempt(an_attempt(COMPLETIONS, body), progress, resume=True)
     sent = json.loads(plan.body)
     assert plan.resumed and sent["prompt"] == [*PROMPT_IDS, 301, 231, 232, 302] and sent["max_tokens"] == 6
     assert "truncate_prompt_tokens" not in sent, "the ids are the prompt as already truncated"
@@ -267,7 +268,7 @@ def test_ids_whose_character_vllm_had_not_streamed_yet_are_generated_again():
     # character would break at the seam, so it is left out and its token counted as not kept.
     a = fold(completion_with_ids([(" st", [301]), ("", [228]), ("", [189])]))
     assert a.untold_tokens == 2
-    figures = attempt_tokens(Plan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
+    figures = attempt_tokens(SendPlan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
     kept = Partial.read(figures.partial, figures.partial_state)
     assert (kept.text, kept.context_ids, kept.untold) == (" st", (*PROMPT_IDS, 301), 2)
 
@@ -282,7 +283,7 @@ def test_the_ids_survive_the_database_and_drop_untold_tokens_from_the_count(db):
         assert attempt.partial_output == " st 810", "the text column holds only the text"
         assert attempt.partial_state == {"context_ids": [*PROMPT_IDS, 301, 302], "untold": 1}
     with transaction(db) as s:
-        _, progress = open_attempt(s, row_id, "w-test")
+        progress = open_attempt(s, row_id, "w-test").carryover
     assert progress.context_ids == (*PROMPT_IDS, 301, 302) and progress.text == " st 810"
     assert progress.tokens == 2, "three tokens came, the last one's text had not"
 
@@ -332,10 +333,10 @@ def test_text_and_state_round_trip_on_the_suites_backend(suite_db):
     assert kept[with_ids] == {"context_ids": [*PROMPT_IDS, 301], "untold": 1}
     assert no_state == [text_only], "nothing beyond text is SQL NULL, not JSON null"
     with transaction(db) as s:
-        _, progress = open_attempt(s, with_ids, "w-test")
+        progress = open_attempt(s, with_ids, "w-test").carryover
     assert (progress.text, progress.context_ids, progress.tokens) == (OLD_OPENING + "\u00e9", (*PROMPT_IDS, 301), 1)
     with transaction(db) as s:
-        _, progress = open_attempt(s, text_only, "w-test")
+        progress = open_attempt(s, text_only, "w-test").carryover
     assert (progress.text, progress.context_ids) == (LOOKALIKE + "ps{ 670wh", None)
 
 
@@ -380,7 +381,7 @@ def test_migration_0008_splits_the_rows_written_before_it_and_its_downgrade_join
             "text": ("plain", None), "cut lookalike": (old["cut lookalike"], None),
             "lookalike without text": (old["lookalike without text"], None), "none": (None, None)}
         with transaction(db) as s:
-            _, progress = open_attempt(s, rows["ids"], "w-test")
+            progress = open_attempt(s, rows["ids"], "w-test").carryover
         assert (progress.text, progress.context_ids, progress.tokens) == (" st 810", (*PROMPT_IDS, 301, 302), 1)
 
         _migrate(engine, command.downgrade, "0007")
@@ -395,28 +396,28 @@ def test_migration_0008_splits_the_rows_written_before_it_and_its_downgrade_join
 
 def test_a_completion_with_stop_strings_resumes_by_text():
     # vLLM holds the last characters back while a stop string could still match: the ids run ahead of the text.
-    progress = Progress(" st 810", 2, 5, context_ids=(*PROMPT_IDS, 301, 302))
-    plan = plan_attempt(dispatch(COMPLETIONS, {"prompt": "Once", "max_tokens": 10, "stop": ["\n\n"]}), progress, True)
+    progress = Carryover(" st 810", 2, 5, context_ids=(*PROMPT_IDS, 301, 302))
+    plan = plan_attempt(an_attempt(COMPLETIONS, {"prompt": "Once", "max_tokens": 10, "stop": ["\n\n"]}), progress, True)
     assert plan.resumed and json.loads(plan.body)["prompt"] == "Once st 810"
-    kept = plan_attempt(dispatch(COMPLETIONS, {"prompt": "Once", "max_tokens": 10, "stop": ["\n\n"],
+    kept = plan_attempt(an_attempt(COMPLETIONS, {"prompt": "Once", "max_tokens": 10, "stop": ["\n\n"],
                                                "include_stop_str_in_output": True}), progress, True)
     assert json.loads(kept.body)["prompt"] == [*PROMPT_IDS, 301, 302]
 
 
 def test_without_ids_a_completion_resumes_by_text_without_its_broken_characters():
-    progress = Progress(" st\ufffd\ufffd", 4, 7)  # no ids: the server did not send them
-    plan = plan_attempt(dispatch(COMPLETIONS, {"prompt": "Once", "max_tokens": 10}), progress, True)
+    progress = Carryover(" st\ufffd\ufffd", 4, 7)  # no ids: the server did not send them
+    plan = plan_attempt(an_attempt(COMPLETIONS, {"prompt": "Once", "max_tokens": 10}), progress, True)
     sent = json.loads(plan.body)
     assert plan.resumed and sent["prompt"] == "Once st" and sent["max_tokens"] == 8
-    assert plan.progress.text == " st", "the assembled text continues from what was resumed"
+    assert plan.carryover.text == " st", "the assembled text continues from what was resumed"
 
 
 def test_a_chat_resume_gives_up_a_trailing_broken_character_and_restarts_when_nothing_is_left():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
-    plan = plan_attempt(dispatch(CHAT, body), Progress("ok \ufffd", 3, 12), True)
+    plan = plan_attempt(an_attempt(CHAT, body), Carryover("ok \ufffd", 3, 12), True)
     sent = json.loads(plan.body)
     assert plan.resumed and sent["messages"][-1]["content"] == "ok " and sent["max_tokens"] == 18
-    broken_only = plan_attempt(dispatch(CHAT, body), Progress("\ufffd", 2, 11), True)
+    broken_only = plan_attempt(an_attempt(CHAT, body), Carryover("\ufffd", 2, 11), True)
     assert not broken_only.resumed and json.loads(broken_only.body)["messages"] == body["messages"]
 
 

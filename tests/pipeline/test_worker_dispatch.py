@@ -1,4 +1,4 @@
-"""holdback.dispatch: outcome classes, backoff, and the two transactions of an attempt on a real database."""
+"""holdback.attempts: outcome classes, backoff, and the two transactions of an attempt on a real database."""
 
 import json
 import time
@@ -8,7 +8,7 @@ import pytest
 from holdback.attempts.headers import request_headers
 from holdback.attempts.outcomes import Reply, classify, parse_retry_after
 from holdback.attempts.retry import Jitter, RetryPolicy, backoff
-from holdback.attempts.transactions import Disposition, Skip, begin, record_outcome
+from holdback.attempts.transactions import Disposition, Skip, open_attempt, record_outcome
 from holdback.contract import DEADLINE_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, AttemptOutcome, Batch, RequestRow, RequestStatus, Tenant
@@ -80,7 +80,7 @@ def _rows(factory, n=1, expires_in=3600.0):
 
 def _attempt(factory, row_id, reply, policy=RetryPolicy(base=0.1, cap=1.0), now=None):
     with transaction(factory) as s:
-        d = begin(s, row_id, "w-test")
+        d = open_attempt(s, row_id, "w-test")
         assert not isinstance(d, Skip), d
     with transaction(factory) as s:
         return d, record_outcome(s, d, reply, policy, now=now)
@@ -89,10 +89,10 @@ def _attempt(factory, row_id, reply, policy=RetryPolicy(base=0.1, cap=1.0), now=
 def test_success_records_usage_and_a_second_delivery_is_a_counted_duplicate(db):
     batch_id, (row_id,) = _rows(db)
     with transaction(db) as s:
-        first = begin(s, row_id, "w1")
+        first = open_attempt(s, row_id, "w1")
     with transaction(db) as s:
-        second = begin(s, row_id, "w2")  # a duplicate delivery while the first is still out
-    assert (first.attempt, second.attempt) == (1, 2)
+        second = open_attempt(s, row_id, "w2")  # a duplicate delivery while the first is still out
+    assert (first.number, second.number) == (1, 2)
     with transaction(db) as s:
         rec = record_outcome(s, second, Reply(200, {"x-sim-replica": "r0"}, OK_BODY), RetryPolicy())
     with transaction(db) as s:
@@ -100,7 +100,7 @@ def test_success_records_usage_and_a_second_delivery_is_a_counted_duplicate(db):
     assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.succeeded
     assert late.disposition is Disposition.duplicate
     with transaction(db) as s:
-        assert begin(s, row_id, "w3") is Skip.final
+        assert open_attempt(s, row_id, "w3") is Skip.final
     with db() as s:
         row, batch = s.get(RequestRow, row_id), s.get(Batch, batch_id)
         assert (row.status, row.input_tokens, row.output_tokens, row.duplicates) == ("succeeded", 7, 3, 1)
@@ -213,14 +213,14 @@ def test_retry_that_would_land_past_the_deadline_is_left_for_expiry(db):
 def test_begin_skips_batches_past_deadline_or_cancelling(db):
     batch_id, (row_id,) = _rows(db, expires_in=-1.0)
     with transaction(db) as s:
-        assert begin(s, row_id, "w") is Skip.closing
+        assert open_attempt(s, row_id, "w") is Skip.closing
     batch_id, (row_id,) = _rows(db)
     with transaction(db) as s:
         s.get(Batch, batch_id).status = "cancelling"
     with transaction(db) as s:
-        assert begin(s, row_id, "w") is Skip.closing
+        assert open_attempt(s, row_id, "w") is Skip.closing
     with transaction(db) as s:
-        assert begin(s, "batch_req_missing", "w") is Skip.final
+        assert open_attempt(s, "batch_req_missing", "w") is Skip.final
 
 
 def test_abort_after_the_processor_closed_the_row_is_cancelled(db):
@@ -228,7 +228,7 @@ def test_abort_after_the_processor_closed_the_row_is_cancelled(db):
 
     batch_id, (row_id,) = _rows(db)
     with transaction(db) as s:
-        d = begin(s, row_id, "w")
+        d = open_attempt(s, row_id, "w")
     with transaction(db) as s:
         close_unfinished(s, batch_id, RequestStatus.cancelled, "batch_cancelled", "cancelled")
     with transaction(db) as s:
@@ -242,7 +242,7 @@ def test_abort_after_the_processor_closed_the_row_is_cancelled(db):
 def test_a_later_delivery_closes_the_dead_workers_open_attempt(db):
     _, (row_id,) = _rows(db)
     with transaction(db) as s:
-        begin(s, row_id, "dead-worker")
+        open_attempt(s, row_id, "dead-worker")
     _attempt(db, row_id, Reply(200, {}, OK_BODY))
     with db() as s:
         first = s.query(Attempt).filter_by(request_id=row_id, number=1).one()
@@ -258,7 +258,7 @@ def test_a_streamed_attempts_figures_are_written_by_the_update_that_ends_it(db):
 
     _, (row_id,) = _rows(db)
     with transaction(db) as s:
-        d = begin(s, row_id, "w-test")
+        d = open_attempt(s, row_id, "w-test")
     statements: list[str] = []
     engine = db.kw["bind"]
     listener = lambda _c, _cur, statement, *_a: statements.append(statement)  # noqa: E731
