@@ -8,7 +8,8 @@ import logging
 import time
 from pathlib import Path
 
-from bench.drills import DRILLS, PLANS, run_drills
+from bench.drills.plan import DRILLS, PLANS
+from bench.drills.run import run_drills
 from bench.report import drills as drill_report
 from bench.report.study import render
 from bench.study import FULL, QUICK, SCENARIOS, StudyMismatch, run_study, with_overrides

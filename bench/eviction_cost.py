@@ -35,8 +35,8 @@ kept, the simulator's computed-then-aborted tokens, and realtime p95 TTFT with a
 interval. Ratios are taken within a round and reported as the median over rounds. `--report DIR` recomputes
 everything from the raw records a run left in DIR/raw (also after an interrupted run).
 
-The victim policy is chosen with the gateway's `eviction.policy`; a gateway without that key runs every
-eviction arm with its built-in newest-first order, and the report says so (`policy applied: no`).
+The victim policy is chosen with the gateway's `eviction.policy`; records of an eviction arm that named none
+(runs on a gateway before that key) ran newest-first, and the report says so (`policy selectable: no`).
 
     python -m bench.eviction_cost --rounds 1 --window 60
 """
@@ -53,12 +53,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.lib.stack import Stack
 from bench.report.figures import figures
 from bench.stats import Estimate, decide, percentile, pooled_quantile_ratio, quantile_interval, ratio_of_runs
-from bench.lib.stack import Stack
 from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
                          with_overrides)
-from gateway.config import Eviction
+
 
 def _arm(study_name: str, name: str, title: str, **changes) -> Scenario:  # noqa: ANN003
     """One arm: a study scenario (the same gateway, simulator and worker settings) under this bench's name."""
@@ -118,11 +118,6 @@ TTFT_MARGIN = 1.05
 TTFT_PAIRS = (("cost_resume_on", "newest_restart_on"), ("cost_resume_on", "newest_restart_off"),
               ("cost_resume_on", "newest_restart_lent_on"), ("cost_resume_on_cap60", "newest_restart_on"),
               ("cost_resume_offload", "newest_restart_offload"), ("cost_resume_offload", "newest_restart_off"))
-
-
-def gateway_takes_policy() -> bool:
-    """Whether this tree's gateway config has `eviction.policy` (the victim-policy registry)."""
-    return "policy" in Eviction.model_fields
 
 
 def attempt_tokens(stack: Stack, rows: list[dict]) -> dict:
@@ -246,15 +241,11 @@ def non_inferiority(estimate: tuple[float, float, float] | None, margin: float =
 
 def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path, first_round: int = 0) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    takes_policy = gateway_takes_policy()
     for r in range(first_round, first_round + rounds):
         for name in (arm_names if r % 2 == 0 else arm_names[::-1]):
-            scenario = ARMS[name]
-            if not takes_policy:
-                scenario = replace(scenario, eviction_policy=None)
             print(f"round {r + 1}/{first_round + rounds}: {name}", file=sys.stderr, flush=True)
-            run_one(scenario, w, r, seed + r, out_dir, collect=attempt_tokens)
-    return summarize(out_dir, {"workload": asdict(w), "seed": seed, "policy_selectable": takes_policy})
+            run_one(ARMS[name], w, r, seed + r, out_dir, collect=attempt_tokens)
+    return summarize(out_dir, {"workload": asdict(w), "seed": seed})
 
 
 def summarize(out_dir: Path, meta: dict | None = None) -> dict:

@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from bench.gates import Gate, evaluate, levels
+from bench.drills.gates import Gate, evaluate, levels
 
 WATERMARKS = (("admission", "admissionWatermark", 0.82), ("pause batch", "batchPauseWatermark", 0.88),
               ("hard", "hardWatermark", 0.92))

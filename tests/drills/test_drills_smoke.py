@@ -12,7 +12,8 @@ import logging
 import pytest
 
 from bench.report import drills as drill_report
-from bench.drills import SMOKE, run_drills
+from bench.drills.plan import SMOKE
+from bench.drills.run import run_drills
 
 
 @pytest.mark.e2e

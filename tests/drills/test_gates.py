@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gates import batch_pause_gate, evaluate, kill_gate, oom_gate, tail_verdict, tenant_share_gate, ttft_gate
+from bench.drills.gates import batch_pause_gate, evaluate, kill_gate, oom_gate, tail_verdict, tenant_share_gate, ttft_gate
 from bench.stats import quantile_interval
 
 PLAN = {"sim_args": ["--num-blocks", "100", "--block-size", "16"]}
