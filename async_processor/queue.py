@@ -1,7 +1,8 @@
 """The request queue in RQ's own Redis structures, as an asyncio worker with many jobs in flight uses it.
 
-Keys come from RQ's classes (`rq:queue:<name>`, `rq:job:<id>`, `rq:wip:<name>` = StartedJobRegistry,
-`rq:scheduled:<name>`, `rq:failed:<name>`, `rq:execution:<job>:<exec>`, `rq:worker:<name>:executions`),
+Keys are RQ's layout, read from RQ in `holdback.jobs` (`rq:queue:<name>`, `rq:job:<id>`, `rq:wip:<name>` =
+StartedJobRegistry, `rq:scheduled:<name>`, `rq:failed:<name>`, `rq:execution:<job>:<exec>`,
+`rq:worker:<name>:executions`); this module keeps only the claim scripts that move jobs between them,
 so `rq info`, RQ's registries and the dashboard count queued/started/scheduled/failed jobs as usual.
 Every change of a job's place is one Lua script, so a job is always in exactly one of: the queue, the
 started registry (with a live execution), the scheduled registry, the failed registry, or deleted —
@@ -18,18 +19,9 @@ import zlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, ExecutionRegistry
-from rq.job import Job
-from rq.queue import Queue
-from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
-from rq.results import Result
-from rq.defaults import RQ_KEY_PREFIX
-from rq.utils import now as rq_now, utcformat
 
-JOB_PREFIX = Job.redis_job_namespace_prefix  # rq:job:
-EXECUTION_PREFIX = f"{RQ_KEY_PREFIX}:execution:"
-EXECUTIONS_REGISTRY_PREFIX = ExecutionRegistry.key_template.format("")  # rq:executions:
-RESULTS_PREFIX = Result.get_key("")  # rq:results:
+from holdback import jobs
+from holdback.jobs import EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, JOB_PREFIX, RESULTS_PREFIX
 
 # Pop up to N job ids and start an execution for each, as RQ's prepare_execution + prepare_job_execution do.
 _CLAIM = """
@@ -183,12 +175,12 @@ class RequestQueue:
         self.worker_name = worker_name
         self.ttl = ttl
         self.failure_ttl = failure_ttl
-        self.key = Queue.redis_queue_namespace_prefix + queue_name
-        self.started_key = StartedJobRegistry.key_template.format(queue_name)
-        self.scheduled_key = ScheduledJobRegistry.key_template.format(queue_name)
-        self.failed_key = FailedJobRegistry.key_template.format(queue_name)
-        self.worker_key = f"{RQ_KEY_PREFIX}:worker:{worker_name}"
-        self.executions_key = WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name)
+        self.key = jobs.queue_key(queue_name)
+        self.started_key = jobs.started_key(queue_name)
+        self.scheduled_key = jobs.scheduled_key(queue_name)
+        self.failed_key = jobs.failed_key(queue_name)
+        self.worker_key = jobs.worker_key(worker_name)
+        self.executions_key = jobs.worker_executions_key(worker_name)
         self._claim = redis.register_script(_CLAIM)
         self._finish = redis.register_script(_FINISH)
         self._move_due = redis.register_script(_MOVE_DUE)
@@ -200,7 +192,7 @@ class RequestQueue:
         execution_ids = [uuid.uuid4().hex for _ in range(n)]
         raw = await self._claim(
             keys=[self.key, self.started_key, self.executions_key],
-            args=[n, now + self.ttl, now, utcformat(rq_now()), self.worker_name, self.ttl, JOB_PREFIX,
+            args=[n, now + self.ttl, now, jobs.timestamp(), self.worker_name, self.ttl, JOB_PREFIX,
                   EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, *execution_ids],
         )
         missing = int(raw[-1])
@@ -220,7 +212,7 @@ class RequestQueue:
         await self._finish(
             keys=[self.started_key, self.executions_key, self.worker_key, self.key, self.scheduled_key,
                   self.failed_key],
-            args=[claim.job_id, claim.execution_id, mode, repr(when or now), utcformat(rq_now()), JOB_PREFIX,
+            args=[claim.job_id, claim.execution_id, mode, repr(when or now), jobs.timestamp(), JOB_PREFIX,
                   EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, RESULTS_PREFIX,
                   "successful_job_count" if succeeded else "failed_job_count", repr(max(0.0, now - claim.claimed_at)),
                   self.failure_ttl, exc_string, self.worker_name],
@@ -244,13 +236,13 @@ class RequestQueue:
     async def move_due(self, limit: int = 1000) -> int:
         """Move scheduled jobs whose time has come to the queue; returns how many were moved."""
         return int(await self._move_due(
-            keys=[self.scheduled_key, self.key], args=[repr(time.time()), limit, JOB_PREFIX, utcformat(rq_now())]))
+            keys=[self.scheduled_key, self.key], args=[repr(time.time()), limit, JOB_PREFIX, jobs.timestamp()]))
 
     async def requeue_abandoned(self) -> list[str]:
         """Put jobs whose executions stopped heart-beating (their worker died) back on the queue."""
         ids = await self._requeue_abandoned(
             keys=[self.started_key, self.key],
-            args=[repr(time.time()), JOB_PREFIX, EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, utcformat(rq_now())])
+            args=[repr(time.time()), JOB_PREFIX, EXECUTION_PREFIX, EXECUTIONS_REGISTRY_PREFIX, jobs.timestamp()])
         return [x.decode() if isinstance(x, bytes) else x for x in ids]
 
     async def depth(self) -> dict[str, int]:

@@ -8,13 +8,9 @@ import socket
 import sys
 
 import redis.asyncio as aioredis
-from rq import worker_registration
-from rq.scheduler import SCHEDULER_KEY_TEMPLATE, RQScheduler
-from rq.scripts import ACQUIRE_OR_REFRESH_LOCK_SCRIPT, RELEASE_LOCK_SCRIPT
-from rq.utils import now as rq_now, utcformat
-from rq.version import VERSION as RQ_VERSION
 
 from async_processor.queue import RequestQueue
+from holdback import jobs
 
 
 class WorkerNameTaken(RuntimeError):
@@ -29,24 +25,24 @@ class Registration:
         self.key = queue.worker_key
         self.concurrency = concurrency
         self.ttl = ttl
-        self.birth = utcformat(rq_now())
+        self.birth = jobs.timestamp()
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
         self.state = "starting"
-        self._lock_script = redis.register_script(ACQUIRE_OR_REFRESH_LOCK_SCRIPT)
-        self._release_script = redis.register_script(RELEASE_LOCK_SCRIPT)
-        self.lock_key = RQScheduler.get_locking_key(queue.name)
-        self.scheduler_key = SCHEDULER_KEY_TEMPLATE % self.name
+        self._lock_script = redis.register_script(jobs.SCHEDULER_LOCK_SCRIPT)
+        self._release_script = redis.register_script(jobs.SCHEDULER_RELEASE_SCRIPT)
+        self.lock_key = jobs.scheduler_lock_key(queue.name)
+        self.scheduler_key = jobs.scheduler_key(self.name)
 
     def _hash(self, in_flight: int) -> dict[str, str | int]:
         return {
             "birth": self.birth,
-            "last_heartbeat": utcformat(rq_now()),
+            "last_heartbeat": jobs.timestamp(),
             "queues": self.queue.name,
             "pid": self.pid,
             "hostname": self.hostname,
             "ip_address": "unknown",
-            "version": RQ_VERSION,
+            "version": jobs.RQ_VERSION,
             "python_version": sys.version,
             "state": self.state,
             "concurrency": self.concurrency,
@@ -73,14 +69,14 @@ class Registration:
     async def _write(self, pipe, in_flight: int) -> None:
         pipe.hset(self.key, mapping=self._hash(in_flight))
         pipe.expire(self.key, self.ttl + 60)
-        pipe.sadd(worker_registration.REDIS_WORKER_KEYS, self.key)
-        pipe.sadd(worker_registration.WORKERS_BY_QUEUE_KEY % self.queue.name, self.key)
+        pipe.sadd(jobs.WORKERS_KEY, self.key)
+        pipe.sadd(jobs.workers_by_queue_key(self.queue.name), self.key)
 
     async def register_death(self) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.srem(worker_registration.REDIS_WORKER_KEYS, self.key)
-            pipe.srem(worker_registration.WORKERS_BY_QUEUE_KEY % self.queue.name, self.key)
-            pipe.hset(self.key, "death", utcformat(rq_now()))
+            pipe.srem(jobs.WORKERS_KEY, self.key)
+            pipe.srem(jobs.workers_by_queue_key(self.queue.name), self.key)
+            pipe.hset(self.key, "death", jobs.timestamp())
             pipe.expire(self.key, 60)
             pipe.delete(self.queue.executions_key)
             await pipe.execute()
@@ -94,7 +90,7 @@ class Registration:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.scheduler_key, mapping={
                     "name": self.name, "hostname": self.hostname, "pid": str(self.pid), "queues": self.queue.name,
-                    "created_at": self.birth, "last_heartbeat": utcformat(rq_now())})
+                    "created_at": self.birth, "last_heartbeat": jobs.timestamp()})
                 pipe.expire(self.scheduler_key, ttl)
                 await pipe.execute()
             return True

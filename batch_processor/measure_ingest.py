@@ -27,7 +27,6 @@ import time
 import uuid
 from pathlib import Path
 
-from rq.job import Job
 from sqlalchemy import Engine, delete, select
 
 from batch_processor.ingest import ROW_COLUMNS
@@ -35,6 +34,7 @@ from batch_processor.processor import Processor, ProcessorConfig
 from batch_processor.validation import InputValidator
 from holdback.broker import connect, stop_embedded_redis
 from holdback.db import make_engine, make_sessionmaker, transaction
+from holdback.jobs import delete_jobs
 from holdback.models import Batch, File, RequestRow, new_id
 from holdback.schema import upgrade
 from holdback.settings import Settings
@@ -121,8 +121,7 @@ def _drop_batch(factory, redis, queue_key: str, batch_id: str) -> None:
     redis.delete(queue_key)
     with factory() as s:
         ids = list(s.scalars(select(RequestRow.id).where(RequestRow.batch_id == batch_id)))
-    for start in range(0, len(ids), 1000):
-        redis.delete(*(Job.key_for(i) for i in ids[start:start + 1000]))
+    delete_jobs(redis, ids)
     with transaction(factory) as s:
         s.execute(delete(RequestRow).where(RequestRow.batch_id == batch_id))
         s.execute(delete(Batch).where(Batch.id == batch_id))

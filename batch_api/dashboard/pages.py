@@ -2,7 +2,8 @@
 
 Pages render their fragments inline on first load; each live region then re-fetches its fragment
 (`/dashboard/fragments/...`) on a timer and whenever an action answers with `HX-Trigger: refresh`.
-Actions reuse the operator API's functions (`batch_api.admin`) and answer with a flash message.
+Actions reuse the operator API's functions (`batch_api.admin`, `admin_queries`, `queues`) and answer with a
+flash message.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from batch_api import admin
+from batch_api import admin, admin_queries, queues
 from batch_api.auth import ContextDep, SessionDep, is_admin_key
 from batch_api.context import ApiContext
 from batch_api.dashboard import charts
@@ -204,7 +205,7 @@ def _batch_rows(session: Session, status: str | None, after: str | None) -> tupl
         found, has_more = list_batches(session, None, limit=BATCHES_PER_PAGE, after=after, status=status)
     except ApiError:
         found, has_more = list_batches(session, None, limit=BATCHES_PER_PAGE, after=None, status=status)
-    names = admin.tenant_names(session, (b.tenant_id for b in found))
+    names = admin_queries.tenant_names(session, (b.tenant_id for b in found))
     return [_batch_view(b, names.get(b.tenant_id, b.tenant_id)) for b in found], has_more
 
 
@@ -242,7 +243,7 @@ def batches_fragment(request: Request, session: SessionCookie, db: SessionDep, s
 @router.post("/batches/{batch_id}/cancel")
 def cancel_batch(request: Request, batch_id: str, _session: CheckedPost, db: SessionDep) -> HTMLResponse:
     try:
-        before = admin.any_batch(db, batch_id).status
+        before = admin_queries.any_batch(db, batch_id).status
         after = admin.cancel_any_batch(batch_id, db)["status"]
     except ApiError as exc:
         return flash(request, exc.message, ok=False, status_code=exc.status)
@@ -290,11 +291,11 @@ def attempts_fragment(request: Request, row_id: str, session: SessionCookie, db:
     row = db.get(RequestRow, row_id)
     if row is None:
         return render(request, "_gone.html", session, message=f"Request '{row_id}' no longer exists.")
-    return render(request, "_attempts.html", session, row=row, attempts=admin.attempts_of(db, row.id))
+    return render(request, "_attempts.html", session, row=row, attempts=admin_queries.attempts_of(db, row.id))
 
 
 def _batch_summary(db: Session, batch: Batch) -> dict:
-    names = admin.tenant_names(db, [batch.tenant_id])
+    names = admin_queries.tenant_names(db, [batch.tenant_id])
     by_status = {
         status: {"rows": rows, "evictions": int(evictions or 0), "attempts": int(attempts or 0)}
         for status, rows, evictions, attempts in db.execute(
@@ -305,11 +306,11 @@ def _batch_summary(db: Session, batch: Batch) -> dict:
     order = [s.value for s in RequestStatus]
     return {
         "view": _batch_view(batch, names.get(batch.tenant_id, batch.tenant_id)),
-        "api": admin.admin_batch(batch),
+        "api": admin_queries.admin_batch(batch),
         "row_counts": [(s, by_status[s]["rows"]) for s in order if s in by_status],
         "evictions": sum(v["evictions"] for v in by_status.values()),
         "attempts": sum(v["attempts"] for v in by_status.values()),
-        "errors": list((admin.admin_batch(batch)["errors"] or {}).get("data") or []),
+        "errors": list((admin_queries.admin_batch(batch)["errors"] or {}).get("data") or []),
     }
 
 
@@ -321,11 +322,11 @@ def _request_filters(status: str | None, evicted: str | None, after: str | None)
 def _request_table(db: Session, batch_id: str, filters: dict) -> dict:
     evicted = {"yes": True, "no": False}.get(filters["evicted"] or "")
     try:
-        rows, has_more = admin.request_page(db, batch_id, limit=REQUESTS_PER_PAGE, after=filters["after"],
+        rows, has_more = admin_queries.request_page(db, batch_id, limit=REQUESTS_PER_PAGE, after=filters["after"],
                                             status=filters["status"], evicted=evicted)
     except ApiError:
         filters = {**filters, "after": None}
-        rows, has_more = admin.request_page(db, batch_id, limit=REQUESTS_PER_PAGE, status=filters["status"],
+        rows, has_more = admin_queries.request_page(db, batch_id, limit=REQUESTS_PER_PAGE, status=filters["status"],
                                             evicted=evicted)
     return {"requests": rows, "requests_more": has_more, "filters": filters}
 
@@ -339,9 +340,9 @@ def download(file_id: str, _session: SessionCookie, context: ContextDep, db: Ses
 
 
 def _queues(context: ApiContext, db: Session) -> dict:
-    connection = admin.queue_redis(context)
-    names = admin.queue_names(connection, context.settings.redis_namespace)
-    workers = admin.workers(connection, names)
+    connection = queues.queue_redis(context)
+    names = queues.queue_names(connection, context.settings.redis_namespace)
+    workers = queues.workers(connection, names)
     # What each worker is doing, by batch: its in-flight job ids are request row ids.
     job_ids = {job for w in workers for job in w["current_jobs"]}
     batch_of = dict(db.execute(select(RequestRow.id, RequestRow.batch_id).where(RequestRow.id.in_(job_ids))).all()) \
@@ -354,7 +355,7 @@ def _queues(context: ApiContext, db: Session) -> dict:
                 per_batch[batch_id] = per_batch.get(batch_id, 0) + 1
         w["batches"] = sorted(per_batch.items(), key=lambda item: -item[1])
     return {
-        "queues": [admin.queue_counts(connection, context.settings.redis_namespace, n) for n in names],
+        "queues": [queues.queue_counts(connection, context.settings.redis_namespace, n) for n in names],
         "workers": workers,
         "requests_queue": requests_queue_name(context.settings.redis_namespace),
     }
@@ -373,7 +374,7 @@ def queues_fragment(request: Request, session: SessionCookie, context: ContextDe
 @router.post("/queues/{name}/pause")
 def pause_queue(request: Request, name: str, _session: CheckedPost, context: ContextDep) -> HTMLResponse:
     try:
-        result = admin.set_queue_paused(context, name, True)
+        result = queues.set_queue_paused(context, name, True)
     except ApiError as exc:
         return flash(request, exc.message, ok=False, status_code=exc.status)
     if not result["changed"]:
@@ -385,7 +386,7 @@ def pause_queue(request: Request, name: str, _session: CheckedPost, context: Con
 @router.post("/queues/{name}/resume")
 def resume_queue(request: Request, name: str, _session: CheckedPost, context: ContextDep) -> HTMLResponse:
     try:
-        result = admin.set_queue_paused(context, name, False)
+        result = queues.set_queue_paused(context, name, False)
     except ApiError as exc:
         return flash(request, exc.message, ok=False, status_code=exc.status)
     if not result["changed"]:
@@ -397,9 +398,9 @@ def resume_queue(request: Request, name: str, _session: CheckedPost, context: Co
 def retry_failed(request: Request, name: str, _session: CheckedPost, context: ContextDep,
                  db: SessionDep) -> HTMLResponse:
     try:
-        connection = admin.queue_redis(context)
-        admin.known_queue(connection, context.settings.redis_namespace, name)
-        result = admin.retry_failed(connection, db, name)
+        connection = queues.queue_redis(context)
+        queues.known_queue(connection, context.settings.redis_namespace, name)
+        result = queues.retry_failed(connection, db, name)
     except ApiError as exc:
         return flash(request, exc.message, ok=False, status_code=exc.status)
     log_event(log, "queue.retry_failed", **{k: v for k, v in result.items() if k != "object"})
