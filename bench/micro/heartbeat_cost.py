@@ -6,7 +6,7 @@ Runs the worker's own heartbeat and scheduler loops (`AsyncWorker._heartbeat_loo
 (total_commands_processed, less our own INFO calls), Redis CPU from `INFO cpu`, worker CPU from this
 process's CPU time. Reported: per-setting medians and the median of per-round ratios (new / baseline).
 
-    .venv/bin/python bench/heartbeat_cost.py --rounds 3 --seconds 30 --in-flight 64
+    .venv/bin/python bench/micro/heartbeat_cost.py --rounds 3 --seconds 30 --in-flight 64
 """
 
 from __future__ import annotations
