@@ -1,5 +1,5 @@
-"""The study's statistics and bookkeeping, on hand-made records: intervals, verdicts, goals, harvest, the
-blocked-arrival histogram read-out and resuming a stopped full run."""
+"""The study's figures and bookkeeping, on hand-made records: goals, harvest, the places batch held, the
+differences from the seed, the occupancy line and resuming a stopped full run."""
 
 import json
 
@@ -9,37 +9,7 @@ from bench import study
 from bench.report.differences import adaptive_differences, differences
 from bench.report.figures import figures, run_harvest
 from bench.report.summary import goals, occupancy_cost, paired_ratio, summarize
-from bench.stats import Estimate, bootstrap_median, histogram_quantile, quantile_interval, ratio_of_runs, verdict
 from bench.study import QUICK, SCENARIOS, StudyMismatch, recorded_runs, run_study
-
-
-def test_verdict_is_decided_only_when_the_interval_is_on_one_side():
-    assert verdict(Estimate(1.0, 0.98, 1.04, 3, "b"), 1.05, at_least=False) == "met"
-    assert verdict(Estimate(1.2, 1.1, 1.3, 3, "b"), 1.05, at_least=False) == "missed"
-    assert verdict(Estimate(1.04, 1.0, 1.1, 3, "b"), 1.05, at_least=False).startswith("undecided")
-    assert verdict(Estimate(1.5, 1.31, 1.7, 3, "b"), 1.3, at_least=True) == "met"
-    assert verdict(Estimate(1.2, 1.1, 1.29, 3, "b"), 1.3, at_least=True) == "missed"
-    one = verdict(Estimate(1.5, None, None, 1, "one repeat"), 1.3, at_least=True)
-    assert one.startswith("undecided") and "meets" in one
-    assert verdict(Estimate(None), 1.3, at_least=True) == "not measured"
-
-
-def test_bootstrap_median_spans_the_repeats_and_is_reproducible():
-    est = bootstrap_median([10.0, 12.0, 30.0])
-    assert est.value == 12.0 and est.n == 3
-    assert 10.0 <= est.lo <= 12.0 <= est.hi <= 30.0 and est.lo < est.hi
-    assert bootstrap_median([10.0, 12.0, 30.0]) == est
-    single = bootstrap_median([7.0, None])
-    assert single.value == 7.0 and single.lo is None and single.method == "one repeat"
-
-
-def test_order_statistic_interval_brackets_the_p95_and_ratio_of_runs_is_the_widest():
-    values = [float(i) for i in range(1, 281)]
-    lo, hi = quantile_interval(values, 0.95)
-    assert lo < 266 < hi and hi - lo <= 16  # about ±7 ranks
-    assert quantile_interval(values[:10], 0.95) == (None, None)
-    r = ratio_of_runs(Estimate(200.0, 180.0, 220.0), Estimate(100.0, 90.0, 110.0))
-    assert r.value == 2.0 and r.lo == pytest.approx(180 / 110) and r.hi == pytest.approx(220 / 90)
 
 
 def fig(scenario, repeat, **kw):
@@ -75,17 +45,6 @@ def test_an_evicted_request_left_unfinished_misses_the_retry_goal():
                 batch_completions=10)]
     judged = {g["goal"]: g for g in goals(summarize(runs), runs)}
     assert judged["retries"]["verdict"] == "missed"
-
-
-def test_histogram_quantile_reads_only_the_asked_band():
-    name = "holdback_gateway_blocked_release_seconds"
-    metrics = {f'{name}_bucket{{band="100",le="0.01"}}': 0.0, f'{name}_bucket{{band="100",le="0.1"}}': 10.0,
-               f'{name}_bucket{{band="100",le="+Inf"}}': 10.0,
-               f'{name}_bucket{{band="0",le="0.01"}}': 10.0, f'{name}_bucket{{band="0",le="0.1"}}': 10.0,
-               f'{name}_bucket{{band="0",le="+Inf"}}': 10.0}
-    assert 0.01 < histogram_quantile(metrics, name, 0.5, band="100") <= 0.1
-    assert histogram_quantile(metrics, name, 0.5, band="0") <= 0.01
-    assert histogram_quantile(metrics, name, 0.5, band="-10") is None
 
 
 def record(name, repeat, w=QUICK, seed=7):
