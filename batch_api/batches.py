@@ -24,7 +24,6 @@ from holdback.models import Batch, BatchStatus, now
 router = APIRouter(tags=["batches"], route_class=TenantRoute, responses=TENANT_ERRORS)
 log = logging.getLogger("batch_api.batches")
 
-CANCELLABLE = (BatchStatus.validating, BatchStatus.in_progress)
 ALREADY_CANCELLING = (BatchStatus.cancelling.value, BatchStatus.cancelled.value)
 
 
@@ -82,11 +81,7 @@ def retrieve_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dic
 def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     batch = get_batch(session, tenant.id, batch_id)
     # Compare-and-set on the status: the processor may move the batch at the same moment.
-    moved = session.execute(
-        lifecycle.batch_update(CANCELLABLE, BatchStatus.cancelling)
-        .where(Batch.id == batch.id)
-        .values(cancelling_at=now())
-    ).rowcount
+    moved = lifecycle.request_cancel(session, batch.id, now())
     session.commit()
     session.refresh(batch)
     if moved:

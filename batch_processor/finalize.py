@@ -35,12 +35,6 @@ READ_CHUNK = 2000
 DEFAULT_OUTPUT_TTL = DEFAULT_FILE_TTL  # OpenAI keeps batch output files 30 days unless asked otherwise
 ERROR_STATUSES = (RequestStatus.failed, RequestStatus.expired, RequestStatus.cancelled)
 
-_TIMESTAMP = {
-    BatchStatus.completed: "completed_at",
-    BatchStatus.cancelled: "cancelled_at",
-    BatchStatus.expired: "expired_at",
-}
-
 _LINE_COLUMNS = (RequestRow.id, RequestRow.line, RequestRow.custom_id, RequestRow.response_status,
                  RequestRow.response_body, RequestRow.error_code, RequestRow.error_message)
 
@@ -75,12 +69,7 @@ def begin_finalizing(factory: sessionmaker[Session], batch_id: str, owner: str |
     with transaction(factory) as session:
         if count_unfinished(session, batch_id):
             return False
-        return session.execute(
-            lifecycle.batch_update((BatchStatus.in_progress,), BatchStatus.finalizing)
-            .where(Batch.id == batch_id, held_by(owner))
-            .values(finalizing_at=int(time.time()))
-            .execution_options(synchronize_session=False)
-        ).rowcount == 1
+        return lifecycle.begin_finalizing(session, batch_id, int(time.time()), held_by(owner))
 
 
 def finalize_batch(
@@ -124,16 +113,11 @@ def finalize_batch(
                         bytes=size, created_at=now, expires_at=now + ttl, status="processed", storage_key=file_id,
                     ))
             session.flush()
-            moved = session.execute(
-                lifecycle.batch_update(from_statuses, to_status)
-                .where(Batch.id == batch_id, held_by(owner))
-                .values(**{_TIMESTAMP[to_status]: now},
-                        output_file_id=output_id if output[0] else None,
-                        error_file_id=error_id if errors[0] else None,
-                        claimed_by=None, lease_until=None)
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            if moved != 1:
+            moved = lifecycle.close_batch(session, to_status, from_statuses, batch_id, now, held_by(owner),
+                                          output_file_id=output_id if output[0] else None,
+                                          error_file_id=error_id if errors[0] else None,
+                                          claimed_by=None, lease_until=None)
+            if not moved:
                 raise _Superseded()
     except _Superseded:
         return None

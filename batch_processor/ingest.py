@@ -96,14 +96,8 @@ def expand_batch(
             if errors:
                 raise _InvalidInput()
             now = time.time()
-            moved = session.execute(
-                lifecycle.batch_update((BatchStatus.validating,), BatchStatus.in_progress)
-                .where(Batch.id == batch_id, held_by(owner))
-                .values(in_progress_at=int(now), total=validator.count,
-                        model=validator.model, expires_at=expires_at)
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            if moved != 1:
+            if not lifecycle.start_batch(session, batch_id, int(now), held_by(owner), total=validator.count,
+                                         model=validator.model, expires_at=expires_at):
                 raise _LostRace()
     except _InvalidInput:
         return fail_batch(factory, batch_id, owner, validator.errors, started)
@@ -182,14 +176,9 @@ def fail_batch(factory: sessionmaker[Session], batch_id: str, owner: str | None,
     started = time.perf_counter() if started is None else started
     entries = [e.as_dict() for e in errors]
     with transaction(factory) as session:
-        moved = session.execute(
-            lifecycle.batch_update((BatchStatus.validating,), BatchStatus.failed)
-            .where(Batch.id == batch_id, held_by(owner))
-            .values(failed_at=int(time.time()), errors=entries,
-                    claimed_by=None, lease_until=None)
-            .execution_options(synchronize_session=False)
-        ).rowcount
-    if moved != 1:
+        moved = lifecycle.fail_batch(session, batch_id, int(time.time()), held_by(owner), errors=entries,
+                                     claimed_by=None, lease_until=None)
+    if not moved:
         return IngestResult(batch_id, "skipped")
     log_event(log, "batch_failed_validation", logging.WARNING, batch_id=batch_id, errors=len(entries),
               first_code=entries[0]["code"], first_line=entries[0]["line"])

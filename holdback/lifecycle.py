@@ -18,8 +18,12 @@ retry's job runs while its row is `retry_wait`, a second delivery finds it `runn
 requeued by reconciliation. The final moves are the compare-and-set of `holdback.results`: whichever comes
 first wins, the others match nothing.
 
-The batch's own statuses have their table too (`BATCH_TRANSITIONS`); every batch status change is a
-`batch_update`, checked against it when the statement is built.
+The batch's own statuses have their named moves too (`BATCH_MOVES`, each setting its `*_at` stamp), and
+`BATCH_TRANSITIONS` is the table they make; every batch status change is `move_batch` with one of them:
+
+    validating ─start─▶ in_progress ─begin_finalizing─▶ finalizing ─complete─▶ completed
+    validating ─fail─▶ failed        validating | in_progress ─request_cancel─▶ cancelling ─cancel─▶ cancelled
+    validating | in_progress ─expire─▶ expired
 """
 
 from __future__ import annotations
@@ -236,13 +240,41 @@ def close_unfinished(session: Session, batch_id: str, target: RequestStatus, cod
 # --- the batch's statuses -----------------------------------------------------------------------------------
 
 _B = BatchStatus
-BATCH_TRANSITIONS: dict[BatchStatus, frozenset[BatchStatus]] = {
-    _B.validating: frozenset({_B.in_progress, _B.failed, _B.cancelling, _B.expired}),
-    _B.in_progress: frozenset({_B.finalizing, _B.cancelling, _B.expired}),
-    _B.finalizing: frozenset({_B.completed}),
-    _B.cancelling: frozenset({_B.cancelled}),
-    _B.failed: frozenset(), _B.completed: frozenset(), _B.expired: frozenset(), _B.cancelled: frozenset(),
-}
+
+
+@dataclass(frozen=True)
+class BatchMove:
+    name: str
+    sources: frozenset[BatchStatus]
+    target: BatchStatus
+    stamp: str  # the `*_at` column the move sets (unix seconds)
+
+
+BATCH_START = BatchMove("start", frozenset({_B.validating}), _B.in_progress, "in_progress_at")  # expanded into rows
+BATCH_FAIL = BatchMove("fail", frozenset({_B.validating}), _B.failed, "failed_at")  # invalid input
+BATCH_BEGIN_FINALIZING = BatchMove("begin_finalizing", frozenset({_B.in_progress}), _B.finalizing, "finalizing_at")
+BATCH_COMPLETE = BatchMove("complete", frozenset({_B.finalizing}), _B.completed, "completed_at")
+BATCH_REQUEST_CANCEL = BatchMove("request_cancel", frozenset({_B.validating, _B.in_progress}), _B.cancelling,
+                                 "cancelling_at")  # the API asks; the processor closes the rows
+BATCH_CANCEL = BatchMove("cancel", frozenset({_B.cancelling}), _B.cancelled, "cancelled_at")
+BATCH_EXPIRE = BatchMove("expire", frozenset({_B.validating, _B.in_progress}), _B.expired, "expired_at")
+
+BATCH_MOVES: tuple[BatchMove, ...] = (BATCH_START, BATCH_FAIL, BATCH_BEGIN_FINALIZING, BATCH_COMPLETE,
+                                      BATCH_REQUEST_CANCEL, BATCH_CANCEL, BATCH_EXPIRE)
+
+
+def _batch_table(moves: Iterable[BatchMove]) -> dict[BatchStatus, frozenset[BatchStatus]]:
+    targets: dict[BatchStatus, set[BatchStatus]] = {s: set() for s in BatchStatus}
+    for move in moves:
+        for source in move.sources:
+            targets[source].add(move.target)
+    return {s: frozenset(t) for s, t in targets.items()}
+
+
+# status -> the statuses a batch in it may move to; final statuses move nowhere.
+BATCH_TRANSITIONS: dict[BatchStatus, frozenset[BatchStatus]] = _batch_table(BATCH_MOVES)
+# The move finalization ends a batch with, by the status it ends in.
+_BATCH_CLOSE = {m.target: m for m in (BATCH_COMPLETE, BATCH_CANCEL, BATCH_EXPIRE)}
 
 
 def batch_sources(sources: Iterable[BatchStatus], target: BatchStatus) -> tuple[str, ...]:
@@ -260,3 +292,53 @@ def batch_sources(sources: Iterable[BatchStatus], target: BatchStatus) -> tuple[
 def batch_update(sources: Iterable[BatchStatus], target: BatchStatus):
     """`UPDATE batches SET status = <target> WHERE status IN (<sources>)`, checked against the table."""
     return update(_batches).where(_batches.c.status.in_(batch_sources(sources, target))).values(status=target.value)
+
+
+def closing_move(target: BatchStatus) -> BatchMove:
+    """The move that closes a batch with `target` once its files are written: complete, cancel or expire."""
+    move = _BATCH_CLOSE.get(BatchStatus(target))
+    if move is None:
+        raise IllegalTransition(f"{BatchStatus(target).value} is not a status finalization ends a batch in; "
+                                "use completed, cancelled or expired")
+    return move
+
+
+def move_batch(session: Session, move: BatchMove, batch_id: str, now: int, *where,
+               sources: Iterable[BatchStatus] | None = None, **values) -> bool:
+    """One batch move: from its sources (or these of them) to its target, setting its stamp to `now` and `values`,
+    while every clause in `where` holds. False if the batch was in none of them (or `where` failed): a race the
+    caller learns from, never a move the table does not allow."""
+    statement = (
+        batch_update(move.sources if sources is None else sources, move.target)
+        .where(_batches.c.id == batch_id, *where)
+        .values(**{move.stamp: now}, **values)
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(statement).rowcount == 1
+
+
+def start_batch(session: Session, batch_id: str, now: int, *where, **values) -> bool:
+    """validating → in_progress: every line was valid and its rows are in."""
+    return move_batch(session, BATCH_START, batch_id, now, *where, **values)
+
+
+def fail_batch(session: Session, batch_id: str, now: int, *where, **values) -> bool:
+    """validating → failed: the input is invalid (`values` carries the errors)."""
+    return move_batch(session, BATCH_FAIL, batch_id, now, *where, **values)
+
+
+def begin_finalizing(session: Session, batch_id: str, now: int, *where) -> bool:
+    """in_progress → finalizing: every row is final."""
+    return move_batch(session, BATCH_BEGIN_FINALIZING, batch_id, now, *where)
+
+
+def request_cancel(session: Session, batch_id: str, now: int) -> bool:
+    """validating | in_progress → cancelling: a tenant or the operator asked to cancel."""
+    return move_batch(session, BATCH_REQUEST_CANCEL, batch_id, now)
+
+
+def close_batch(session: Session, target: BatchStatus, sources: Iterable[BatchStatus], batch_id: str, now: int,
+                *where, **values) -> bool:
+    """finalizing → completed, cancelling → cancelled, or validating | in_progress → expired (`closing_move`),
+    from those of `sources` only, once the batch's files are written (`values` names them)."""
+    return move_batch(session, closing_move(target), batch_id, now, *where, sources=sources, **values)

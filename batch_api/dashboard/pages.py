@@ -41,6 +41,7 @@ from batch_api.dashboard.throttle import LOGIN_ATTEMPTS, LoginThrottle
 from batch_api.errors import ApiError
 from holdback.logs import log_event
 from batch_api.tenant_scope import list_batches
+from holdback import lifecycle
 from holdback.contract import requests_queue_name
 from holdback.models import BATCH_TERMINAL, Batch, BatchStatus, RequestRow, RequestStatus
 
@@ -50,7 +51,7 @@ templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 BATCHES_PER_PAGE = 50
 REQUESTS_PER_PAGE = 50
-CANCELLABLE = {BatchStatus.validating.value, BatchStatus.in_progress.value}
+CANCELLABLE = {s.value for s in lifecycle.BATCH_REQUEST_CANCEL.sources}
 TERMINAL_BATCH = {s.value for s in BATCH_TERMINAL}
 # Series colours in the charts; objectives not listed get the last one.
 OBJECTIVE_COLOURS = {"realtime": "#d9480f", "standard": "#1c7ed6"}

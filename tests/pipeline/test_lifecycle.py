@@ -258,3 +258,33 @@ def test_the_status_write_finder_sees_one():
     assert _status_writes(ast.parse("row.status = RequestStatus.failed.value")) == [1]
     assert _status_writes(ast.parse("update(File).values(status='deleted')")) == []
     assert _status_writes(ast.parse((ROOT / "holdback" / "lifecycle.py").read_text()))  # where they belong
+
+
+def _batch_stamp_writes(tree: ast.AST) -> list[int]:
+    """Lines that set a batch move's `*_at` stamp in some `.values(...)`: the batch moves set their own."""
+    stamps = {move.stamp for move in lifecycle.BATCH_MOVES}
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values"
+            and any(k.arg in stamps for k in node.keywords)]
+
+
+def test_no_module_but_the_lifecycle_stamps_a_batch_move():
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path == ROOT / "holdback" / "lifecycle.py":
+                continue
+            lines = _batch_stamp_writes(ast.parse(path.read_text(encoding="utf-8")))
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert found == {}, f"batch *_at stamps set outside holdback/lifecycle.py; call its batch moves: {found}"
+    assert _batch_stamp_writes(ast.parse("update(Batch).values(cancelling_at=1)")) == [1]
+
+
+def test_every_batch_move_is_in_the_batch_table_and_sets_its_stamp():
+    for move in lifecycle.BATCH_MOVES:
+        assert all(move.target in lifecycle.BATCH_TRANSITIONS[s] for s in move.sources)
+        assert move.stamp == f"{move.target.value}_at" and hasattr(Batch, move.stamp)
+    assert lifecycle.closing_move(BatchStatus.expired) is lifecycle.BATCH_EXPIRE
+    with pytest.raises(IllegalTransition, match="in_progress is not a status finalization ends a batch in"):
+        lifecycle.closing_move(BatchStatus.in_progress)
