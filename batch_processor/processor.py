@@ -2,8 +2,8 @@
 
 A round: renew leases and claim new batches; expand `validating` batches; cancel `cancelling` ones;
 expire those past their window; finalize those whose rows are all final; refill every in_progress
-batch's window in fair order and hand the rows to dispatch (RQ jobs, or the in-process sync
-dispatcher); and every `reconcile_interval`, reconcile the database with Redis. Each step commits
+batch's window in fair order and hand the rows off (`handoff`: RQ jobs, or the in-process sync
+mode); and every `reconcile_interval`, reconcile the database with Redis. Each step commits
 before the next starts, so a processor can die anywhere and the next lease holder carries on.
 """
 
@@ -24,6 +24,7 @@ from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import in_flight_elsewhere, take_due_retries, take_pending, window_counts
 from batch_processor.fairness import QUEUE_ROUNDS, BatchWindow, RoundRobin, jump_ahead, tenant_window
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
+from batch_processor.handoff import Handoff, open_handoff
 from batch_processor.ingest import expand_batch, fail_batch
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
@@ -32,9 +33,9 @@ from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
 from batch_processor.step_errors import StepErrors, describe
-from batch_processor.sync_dispatch import SyncDispatcher
 from batch_processor.validation import LineError
 from holdback import lifecycle
+from holdback.attempts import RetryPolicy
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus
 from holdback.probes import Heartbeat
@@ -46,7 +47,6 @@ from holdback.storage import FileStore, open_file_store
 log = logging.getLogger("batch_processor.processor")
 
 LIVENESS_SECONDS = 300.0  # /healthz fails when the main loop has not turned for this long
-CAPACITY_REFRESH = 5.0  # seconds between reads of the workers' registrations
 
 
 def default_name() -> str:
@@ -65,9 +65,9 @@ class ProcessorConfig:
     claim_per_round: int = 16  # new batches claimed per round, so several processors share the work
     max_batches: int = 1000  # most batches one processor holds
     reconcile_interval: float = 5.0
-    reconcile_grace: float = 30.0  # a queued / due retry row with no job this long is re-dispatched
+    reconcile_grace: float = 30.0  # a queued / due retry row with no job this long is handed off again
     running_grace: float = 30.0  # a running row untouched this long with no live job is abandoned
-    backoff_base: float = 2.0  # sync dispatch retry pacing (holdback.dispatch.RetryPolicy)
+    backoff_base: float = 2.0  # the sync mode's retry pacing (holdback.attempts.RetryPolicy)
     backoff_cap: float = 60.0
     request_timeout: float = 600.0
 
@@ -92,7 +92,7 @@ class Round:
     expanded: list[str] = field(default_factory=list)
     failed_validation: list[str] = field(default_factory=list)
     finished: dict[str, str] = field(default_factory=dict)  # batch id -> terminal status
-    dispatched: list[tuple[str, str]] = field(default_factory=list)
+    handed_off: list[tuple[str, str]] = field(default_factory=list)
     reconciled: dict[str, int] = field(default_factory=dict)
 
 
@@ -132,21 +132,17 @@ class Processor:
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RoundRobin(self.config.window)
         self.step_errors = StepErrors(log)
-        self._capacity: tuple[float, int] = (float("-inf"), 0)  # (read at, workers' total concurrency)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
         self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}
-        self.sync: SyncDispatcher | None = None
-        if self.config.dispatch == "sync":
-            from holdback.attempts import RetryPolicy
-
-            self.sync = SyncDispatcher(
-                self.factory, gateway_url=settings.gateway_url, gateway_key=settings.gateway_key,
-                worker_name=f"{self.config.name}/sync", max_concurrency=self.config.sync_concurrency,
-                policy=RetryPolicy(base=self.config.backoff_base, cap=self.config.backoff_cap),
-                request_timeout=self.config.request_timeout, metrics=self.metrics,
-            )
+        self.handoff: Handoff = open_handoff(
+            self.config.dispatch, self.queue, self.factory, gateway_url=settings.gateway_url,
+            gateway_key=settings.gateway_key, worker_name=f"{self.config.name}/sync",
+            max_concurrency=self.config.sync_concurrency,
+            policy=RetryPolicy(base=self.config.backoff_base, cap=self.config.backoff_cap),
+            request_timeout=self.config.request_timeout, metrics=self.metrics,
+        )
 
     # --- one round ------------------------------------------------------------------------------
 
@@ -295,7 +291,7 @@ class Processor:
         self.metrics.finalize_seconds.observe(result.seconds)
 
     def _advance(self, in_progress: list[_Owned], done: Round) -> None:
-        """Finalize batches with nothing left to run, refill the windows of the others, dispatch."""
+        """Finalize batches with nothing left to run, refill the windows of the others, hand their rows off."""
         if not in_progress:
             self.metrics.rows_in_flight.set(0)
             return
@@ -319,11 +315,11 @@ class Processor:
         open_batches = [b for b in in_progress if b not in idle]
         self.metrics.rows_in_flight.set(sum(counts[b.id].in_flight for b in open_batches))
         window = tenant_window(self.config.window, len({b.tenant_id for b in open_batches}),
-                               self._dispatch_capacity(), self.config.queue_rounds)
+                               self.handoff.capacity(), self.config.queue_rounds)
         steps = self.fair.plan([BatchWindow(b.id, b.tenant_id, counts[b.id].in_flight, counts[b.id].pending)
                                 for b in open_batches], window, elsewhere)
         jobs: list[tuple[str, str]] = []
-        if self.sync is not None:
+        if not self.handoff.schedules_retries:
             # Due retries first: they already waited their backoff, and they count against the window.
             jobs += take_due_retries(self.factory, [b.id for b in open_batches], self.config.name,
                                      limit=self.config.window * max(1, len(open_batches)))
@@ -333,54 +329,30 @@ class Processor:
             held[b.tenant_id] = held.get(b.tenant_id, 0) + counts[b.id].in_flight
         front, back = jump_ahead(jobs, {b.id: b.tenant_id for b in open_batches},
                                  {t for t, n in held.items() if n == 0}, self.fair.chunk)
-        self._dispatch(front, at_front=True)
-        self._dispatch(back)
-        done.dispatched = front + back
+        self._hand_off(front, at_front=True)
+        self._hand_off(back)
+        done.handed_off = front + back
 
-    def _dispatch_capacity(self) -> int:
-        """Requests dispatch can run at once: the sync limit, or the live workers' concurrency (read every
-        CAPACITY_REFRESH seconds; 0 while no worker is registered)."""
-        if self.sync is not None:
-            return self.config.sync_concurrency
-        read_at, capacity = self._capacity
-        if time.monotonic() - read_at >= CAPACITY_REFRESH:
-            capacity = self.queue.worker_capacity()
-            self._capacity = (time.monotonic(), capacity)
-        return capacity
-
-    def _dispatch(self, jobs: list[tuple[str, str]], at_front: bool = False) -> None:
-        if not jobs:
+    def _hand_off(self, rows: list[tuple[str, str]], at_front: bool = False) -> None:
+        if not rows:
             return
-        if self.sync is not None:
-            self.sync.push(jobs)
-        else:
-            self.queue.push(jobs, at_front=at_front)
-        self.metrics.rows_enqueued.labels(self.config.dispatch).inc(len(jobs))
+        self.handoff.push(rows, at_front=at_front)
+        self.metrics.rows_enqueued.labels(self.config.dispatch).inc(len(rows))
 
     def _reconcile(self, batch_ids: list[str], done: Round) -> None:
-        found = reconcile(self.factory, batch_ids, self.live_ids, self.queue.heartbeating_ids,
+        found = reconcile(self.factory, batch_ids, self.handoff.live_ids, self.queue.heartbeating_ids,
                           grace=self.config.reconcile_grace, running_grace=self.config.running_grace)
         for kind, n in found.counts().items():
             if n:
                 self.metrics.reconciled_rows.labels(kind).inc(n)
-        self._dispatch(found.rows)
+        self._hand_off(found.rows)
         done.reconciled = found.counts()
-
-    def live_ids(self) -> set[str]:
-        """Row ids some dispatcher holds: RQ (any worker) and, in sync mode, this process."""
-        live = self.queue.live_ids()
-        if self.sync is not None:
-            live |= self.sync.live_ids()
-        return live
 
     # --- BatchStopper (cancel and expiry) -------------------------------------------------------
 
-    def stop_batch(self, batch_id: str, row_ids: list[str]) -> None:
-        self.queue.remove(row_ids)
-        listeners = self.queue.publish_cancel(batch_id)
-        if self.sync is not None:
-            self.sync.abort_batch(batch_id)
-        log_event(log, "batch_cancel_published", batch_id=batch_id, listeners=listeners, jobs=len(row_ids))
+    def stop_batch(self, batch_id: str, request_ids: list[str]) -> None:
+        listeners = self.handoff.stop(batch_id, request_ids)
+        log_event(log, "batch_cancel_published", batch_id=batch_id, listeners=listeners, jobs=len(request_ids))
 
     def _keepalive(self, batch_id: str):
         """Renew one batch's lease during a long step (finalizing a huge batch), at most every ttl/3."""
@@ -411,12 +383,11 @@ class Processor:
             stop.wait(min(self.config.poll_interval * (2 ** min(failures, 5)), 5.0))
 
     def close(self) -> None:
-        """Clean stop: hand unstarted sync rows back to pending and release every lease."""
-        if self.sync is not None:
-            unstarted = self.sync.close()
-            if unstarted:
-                with transaction(self.factory) as session:
-                    lifecycle.hand_back(session, unstarted)
+        """Clean stop: hand rows the hand-off never started (sync mode) back to pending and release every lease."""
+        unstarted = self.handoff.close()
+        if unstarted:
+            with transaction(self.factory) as session:
+                lifecycle.hand_back(session, unstarted)
         try:
             self.lease.release(self.owned)
         finally:

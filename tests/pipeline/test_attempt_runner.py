@@ -1,4 +1,4 @@
-"""One attempt runner: the async worker's runtime and the processor's sync dispatch map every kind of answer
+"""One attempt runner: the async worker's runtime and the processor's sync mode map every kind of answer
 (success, 4xx, 5xx, a 429 eviction, a failing path, a timeout, an unreachable gateway) to the same row move,
 the same attempt outcome and the same retry counters, streamed and plain sends alike."""
 
@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from holdback.attempts import InFlight, RetryPolicy, Runtime, run_attempt
-from batch_processor.sync_dispatch import SyncDispatcher
+from batch_processor.sync_handoff import SyncHandoff
 from holdback.contract import DROP_REASON_HEADER
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
@@ -138,17 +138,17 @@ def _through_worker(factory, url, batch_rows):
 
 
 def _through_sync(factory, url, batch_rows):
-    sync = SyncDispatcher(factory, gateway_url=url, gateway_key=None, worker_name="p/sync", max_concurrency=8,
-                          policy=POLICY, request_timeout=TIMEOUT)
+    sync = SyncHandoff(factory, gateway_url=url, gateway_key=None, worker_name="p/sync", max_concurrency=8,
+                       policy=POLICY, request_timeout=TIMEOUT)
     try:
         sync.push([(row_id, batch_id) for batch_id, row_id in batch_rows])
-        poll(lambda: sync.in_flight == 0, 30, "sync dispatch to finish every row")
+        poll(lambda: sync.in_flight == 0, 30, "the sync mode to finish every row")
     finally:
         assert sync.close() == []
 
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "plain"])
-def test_worker_and_sync_dispatch_make_the_same_move_for_every_answer(backend, gateway, streamed):
+def test_worker_and_sync_mode_make_the_same_move_for_every_answer(backend, gateway, streamed):
     engine = make_engine(backend.database_url)
     factory = make_sessionmaker(engine)
     url = f"http://127.0.0.1:{gateway.port}"

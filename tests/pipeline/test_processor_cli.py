@@ -1,4 +1,4 @@
-"""`holdback processor` run the operator's way: several at once on one database, sync dispatch
+"""`holdback processor` run the operator's way: several at once on one database, the sync mode
 against the simulator, metrics, and a clean stop on SIGTERM."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_pa
     assert sum(_metric(s, 'holdback_processor_rows_enqueued_total{dispatch="async"}') for s in scrapes) == 120
 
 
-def test_sync_dispatch_completes_a_batch_through_429s(harness: Harness, tmp_path):
+def test_sync_mode_completes_a_batch_through_429s(harness: Harness, tmp_path):
     sim_port = free_port()
     batch_id = harness.submit(jsonl([chat(i, model="sim-model", max_tokens=4) for i in range(40)]))
     env = {**harness.backend.env, "HOLDBACK_GATEWAY_URL": f"http://127.0.0.1:{sim_port}"}

@@ -131,8 +131,7 @@ class Harness:
 
     def close(self) -> None:
         for p in self.processors:
-            if p.sync is not None:
-                p.sync.close(drain_timeout=1)
+            p.handoff.close(drain_timeout=1)
         # RQ's job hashes live under rq:job:<row id>, outside the test namespace: remove ours.
         with self.factory() as s:
             ids = list(s.scalars(select(RequestRow.id)))

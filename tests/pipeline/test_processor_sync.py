@@ -1,4 +1,4 @@
-"""Sync dispatch: the AIMD limit, and a cancel that reaches requests in flight at the simulator."""
+"""The sync mode: the AIMD limit, and a cancel that reaches requests in flight at the simulator."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import httpx
 from sqlalchemy import select
 
-from batch_processor.sync_dispatch import Aimd
+from batch_processor.sync_handoff import Aimd
 from holdback.models import Attempt
 from tests.pipeline.test_processor_support import Harness, chat, jsonl
 from tests.support import Processes, free_port, wait_http
@@ -56,14 +56,14 @@ def test_cancel_aborts_sync_requests_in_flight_at_the_simulator(backend, tmp_pat
             p = harness.processor(dispatch="sync", sync_concurrency=4, window=6)
             p.tick()
             _wait(lambda: _sim_state(sim_url)["running"] == 4, 20, "four requests running at the simulator")
-            assert p.sync.in_flight == 6  # four sent, two waiting for a slot
+            assert p.handoff.in_flight == 6  # four sent, two waiting for a slot
 
             harness.set_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
             assert p.tick().finished == {batch_id: "cancelled"}
 
             _wait(lambda: _sim_state(sim_url)["running"] + _sim_state(sim_url)["waiting"] == 0, 20,
                   "the simulator to abort the requests")
-            _wait(lambda: p.sync.in_flight == 0, 20, "the dispatcher to let go of the batch")
+            _wait(lambda: p.handoff.in_flight == 0, 20, "the sync hand-off to let go of the batch")
             with harness.factory() as s:
                 attempts = list(s.scalars(select(Attempt).where(Attempt.batch_id == batch_id)))
             assert len(attempts) == 4

@@ -1,11 +1,11 @@
-"""Sync dispatch: the processor sends requests to the gateway itself (`--dispatch sync`).
+"""The sync mode's hand-off: the processor sends requests to the gateway itself (`--dispatch sync`).
 
 Requests run on an asyncio loop in a background thread, at most `limit` at a time, where `limit`
 adapts by AIMD between 1 and `--sync-concurrency`: +1 on every success, halved on a 429 or 5xx
 (once per round trip: only an answer to a request sent after the last decrease halves it again).
-Each request is one run of the async workers' attempt runner (`async_processor.attempt.run_attempt`):
+Each request is one run of the attempt runner the async workers use (`holdback.attempts.run_attempt`):
 the same send (streamed and resumable where the request allows it), the same mapping of a failed send,
-and the same recording (`holdback.dispatch`), on database lanes over the processor's own engine. A row
+and the same recording, on database lanes over the processor's own engine. A row
 that must retry goes to `retry_wait` and the processor hands it back when its time has come, so no slot
 is held while it waits.
 """
@@ -19,13 +19,17 @@ import time
 from collections import OrderedDict, deque
 
 import aiohttp
+from typing import TYPE_CHECKING
+
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.metrics import ProcessorMetrics
-from holdback.attempts import InFlight, Runtime, run_attempt
-from holdback import attempts
+from holdback.attempts import InFlight, RetryPolicy, Runtime, run_attempt
 from holdback.logs import log_event
 from holdback.models import AttemptOutcome
+
+if TYPE_CHECKING:  # batch_processor.handoff builds this hand-off: it imports this module
+    from batch_processor.handoff import QueueHandoff
 
 log = logging.getLogger("batch_processor.sync")
 ABORTED_MEMORY = 1024  # batch ids remembered as aborted (for requests whose attempt is opening meanwhile)
@@ -55,7 +59,12 @@ class Aimd:
         return True
 
 
-class SyncDispatcher:
+class SyncHandoff:
+    """The `Handoff` of the sync mode (`batch_processor.handoff`); `queue`, the RQ side beside it, is stopped and
+    read for live ids too (the processor's always is; a test's may be absent)."""
+
+    schedules_retries = False  # the processor hands due retries back: nothing else would wake them
+
     def __init__(
         self,
         factory: sessionmaker[Session],
@@ -64,28 +73,30 @@ class SyncDispatcher:
         gateway_key: str | None,
         worker_name: str,
         max_concurrency: int,
-        policy: attempts.RetryPolicy = attempts.RetryPolicy(),
+        policy: RetryPolicy = RetryPolicy(),
         request_timeout: float = 600.0,
         metrics: ProcessorMetrics | None = None,
         db_lanes: int = 2,
+        queue: QueueHandoff | None = None,
     ):
         self.metrics = metrics
+        self.queue = queue
         self.aimd = Aimd(max_concurrency)
         self.rt = Runtime.over(factory, gateway_url=gateway_url, gateway_key=gateway_key, policy=policy,
                                worker_name=worker_name, request_timeout=request_timeout, db_lanes=db_lanes,
                                owns_engine=False, lane_name="sync-db")
         self._lock = threading.Lock()
-        self._held: set[str] = set()  # row ids waiting here or running: what reconciliation must leave alone
+        self._held: set[str] = set()  # request ids waiting here or running: what reconciliation must leave alone
         self._loop = asyncio.new_event_loop()
         self._waiting: deque[tuple[str, str]] = deque()
         self._running: dict[asyncio.Task, InFlight] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._wake: asyncio.Event | None = None
         self._closing = False
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sync-dispatch", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sync-handoff", daemon=True)
         self._thread.start()
         self._http: aiohttp.ClientSession = self._call(self._make_client())
-        self._main = asyncio.run_coroutine_threadsafe(self._dispatch_loop(), self._loop)
+        self._main = asyncio.run_coroutine_threadsafe(self._send_loop(), self._loop)
 
     async def _make_client(self) -> aiohttp.ClientSession:
         self._wake = asyncio.Event()
@@ -97,24 +108,33 @@ class SyncDispatcher:
 
     # --- called from the processor thread -------------------------------------------------------
 
-    def push(self, jobs: list[tuple[str, str]]) -> int:
+    def push(self, rows: list[tuple[str, str]], at_front: bool = False) -> int:
+        """Take (request id, batch id) pairs to send, in order (`at_front` has no meaning here: they all wait in
+        this process, behind nothing but each other)."""
         with self._lock:
-            self._held.update(row_id for row_id, _ in jobs)
-        self._loop.call_soon_threadsafe(self._accept, list(jobs))
-        return len(jobs)
+            self._held.update(request_id for request_id, _ in rows)
+        self._loop.call_soon_threadsafe(self._accept, list(rows))
+        return len(rows)
 
     def live_ids(self) -> set[str]:
+        live = self.queue.live_ids() if self.queue is not None else set()
         with self._lock:
-            return set(self._held)
+            return live | self._held
 
     @property
     def in_flight(self) -> int:
         with self._lock:
             return len(self._held)
 
-    def abort_batch(self, batch_id: str) -> None:
-        """Drop the batch's waiting rows and abort its running requests (their connections close)."""
+    def capacity(self) -> int:
+        return self.aimd.maximum
+
+    def stop(self, batch_id: str, request_ids: list[str]) -> int:
+        """Stop the batch on the RQ side, then drop its rows waiting here and abort its running requests (their
+        connections close)."""
+        listeners = self.queue.stop(batch_id, request_ids) if self.queue is not None else 0
         self._loop.call_soon_threadsafe(self._abort, batch_id)
+        return listeners
 
     def close(self, drain_timeout: float = 10.0) -> list[str]:
         """Stop: let running requests finish for up to `drain_timeout`, abort the rest; returns the ids
@@ -133,8 +153,8 @@ class SyncDispatcher:
 
     # --- on the loop thread -----------------------------------------------------------------------
 
-    def _accept(self, jobs: list[tuple[str, str]]) -> None:
-        self._waiting.extend(jobs)
+    def _accept(self, rows: list[tuple[str, str]]) -> None:
+        self._waiting.extend(rows)
         self._wake.set()
 
     def _abort(self, batch_id: str) -> None:
@@ -142,7 +162,7 @@ class SyncDispatcher:
         while len(self._aborted) > ABORTED_MEMORY:
             self._aborted.popitem(last=False)
         kept = deque(job for job in self._waiting if job[1] != batch_id)
-        dropped = [row_id for row_id, b in self._waiting if b == batch_id]
+        dropped = [request_id for request_id, b in self._waiting if b == batch_id]
         self._waiting = kept
         with self._lock:
             self._held.difference_update(dropped)
@@ -156,18 +176,18 @@ class SyncDispatcher:
 
     async def _stop_accepting(self) -> list[str]:
         self._closing = True
-        unstarted = [row_id for row_id, _ in self._waiting]
+        unstarted = [request_id for request_id, _ in self._waiting]
         self._waiting.clear()
         with self._lock:
             self._held.difference_update(unstarted)
         self._wake.set()
         return unstarted
 
-    async def _dispatch_loop(self) -> None:
+    async def _send_loop(self) -> None:
         while True:
             while self._waiting and len(self._running) < self.aimd.limit and not self._closing:
-                row_id, batch_id = self._waiting.popleft()
-                job = InFlight(row_id)
+                request_id, batch_id = self._waiting.popleft()
+                job = InFlight(request_id)
                 job.batch_id = batch_id  # known from the plan: a cancel can reach it before its attempt opens
                 task = asyncio.create_task(self._run_one(job))
                 self._running[task] = job
