@@ -118,7 +118,7 @@ class RelayLink:
         elif kind == "mid_stream":
             controller.count_mid_stream_eviction()
         elif kind == "fallbacks":
-            controller.tokenizer_fallbacks += message[1]
+            controller.tally.tokenizer_fallbacks += message[1]
         elif kind in ("mark_down", "mark_unauthorized"):
             replica = next((r for r in self.server.gateway.pool.replicas if r.url == message[1]), None)
             if replica is not None:

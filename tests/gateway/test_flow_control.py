@@ -54,7 +54,7 @@ def test_inline_dispatch_until_the_batch_ceiling_then_queue():
         outcomes = [fc.submit(r) for r in batch]
         assert outcomes == [Outcome.DISPATCHED] * 2 + [Outcome.QUEUED] * 2
         assert fc.bands[-10].in_flight == 2 and fc.bands[-10].queued == 2
-        assert fc.dispatched_total == 2 and fc.bands[-10].dispatched == 2
+        assert fc.tally.dispatched == 2 and fc.bands[-10].dispatched == 2
         assert {b["priority"]: b["dispatched"] for b in fc.snapshot()["bands"]}[-10] == 2
     run(main())
 
@@ -102,7 +102,7 @@ def test_band_queue_limit_rejects_saturated():
         assert fc.submit(req(fc, clock, "batch")) is Outcome.QUEUED
         r = req(fc, clock, "batch")
         assert fc.submit(r) is Outcome.REJECTED and r.drop_reason is DropReason.SATURATED
-        assert fc.rejections["rejected-saturated"] == 1
+        assert fc.tally.rejections["rejected-saturated"] == 1
     run(main())
 
 
@@ -139,9 +139,9 @@ def test_withdrawn_request_leaves_the_queue_at_once():
         fc.submit(stays)
         fc.withdraw(gone)
         assert fc.bands[-10].queued == 1 and fc.bands[-10].queue_sizes() == {"b": 1}
-        assert fc.rejections["rejected-context-cancelled"] == 1
+        assert fc.tally.rejections["rejected-context-cancelled"] == 1
         fc.bands[-10].ceiling_override = None
-        fc.ceilings[-10] = 1.0
+        fc.bands.ceilings[-10] = 1.0
         fc.cycle()
         assert stays.status is Status.DISPATCHED and gone.status is Status.WITHDRAWN
     run(main())
@@ -189,7 +189,7 @@ def test_blocked_realtime_evicts_newest_batch_and_waits_for_confirmation():
         fc.cycle()  # stop-and-wait: nothing new while the first victim is unconfirmed
         assert sum(r.drop_reason is DropReason.EVICTED for r in batch) == 1
         fc.finish(batch[-1])  # the proxy closed the victim's upstream
-        assert fc.evictions == {"issued": 1, "confirmed": 1}
+        assert fc.tally.evictions == {"issued": 1, "confirmed": 1}
         fc.cycle()
         assert rt1.status is Status.DISPATCHED and rt2.status is Status.QUEUED
         clock.t += 0.05  # past the grace
@@ -216,7 +216,7 @@ def test_with_the_concurrency_detector_a_blocked_arrival_takes_its_victims_slot_
         assert batch[-1].task.cancelled() and batch[-2].task.cancelled()
         fc.finish(batch[-1])  # the proxies closed the victims' upstreams: nothing is released twice
         fc.finish(batch[-2])
-        assert fc.evictions == {"issued": 2, "confirmed": 2}
+        assert fc.tally.evictions == {"issued": 2, "confirmed": 2}
         assert fc.in_flight == 4 and sum(r.in_flight for r in fc.pool.replicas) == 4
         for r in batch:
             r.task.cancel()
@@ -304,7 +304,7 @@ def test_eviction_off_means_realtime_waits():
         rt = req(fc, clock, "realtime")
         fc.submit(rt)
         fc.cycle()
-        assert not fc.evictions and rt.status is Status.QUEUED
+        assert not fc.tally.evictions and rt.status is Status.QUEUED
     run(main())
 
 
@@ -315,10 +315,10 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
             fc.submit(req(fc, clock, "batch"))
         waiting = req(fc, clock, "batch")
         fc.submit(waiting)
-        assert fc.ceilings[-10] == pytest.approx(0.5)
+        assert fc.bands.ceilings[-10] == pytest.approx(0.5)
         fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
                                      "usageLimit: {minCeiling: 0.75}", "reloaded"))
-        assert fc.ceilings[-10] == pytest.approx(0.75) and fc.loaded.source == "reloaded"
+        assert fc.bands.ceilings[-10] == pytest.approx(0.75) and fc.loaded.source == "reloaded"
         fc.cycle()
         assert waiting.status is Status.DISPATCHED
     run(main())
@@ -380,7 +380,7 @@ def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
         r = req(fc, clock, "batch", fid="heavy")
         r.prompt_tokens, r.max_new_tokens, r.resumable = 150 * 16, 50 * 16, True
         assert fc.submit(r) is Outcome.DISPATCHED
-        view = fc._victim_view(r, clock())
+        view = fc.eviction.victim_view(r, clock())
         assert (view.resumable, view.reserved_blocks, view.prompt_tokens, view.max_new_tokens) == (
             True, 200, 2400, 800)
         assert view.tenant_over_soft_quota == pytest.approx(1.0)  # 0.2 of the pool against a soft 0.1
@@ -410,7 +410,7 @@ def test_flow_control_metrics_carry_fairness_priority_and_outcome():
         assert (size("a"), size("b")) == (1, 1)
         clock.t += 2.0
         fc.withdraw(gone)
-        fc.ceilings[-10] = 1.0
+        fc.bands.ceilings[-10] = 1.0
         fc.cycle()
         assert waits.status is Status.DISPATCHED
         assert (size("a"), size("b")) == (None, None)  # empty flows are gone from the band

@@ -84,7 +84,7 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
         for r in batch[1:]:
             fc.submit(r)
         fc.cycle()
-        assert fc.ceilings[-10] == pytest.approx(0.9)
+        assert fc.bands.ceilings[-10] == pytest.approx(0.9)
         assert fc.bands[-10].in_flight == 9 and fc.bands[-10].queued == 3
         assert fc.snapshot()["holdback"]["ceilings"]["-10"] == pytest.approx(0.9)
         # Realtime arrives: four requests, one slot free; three queue behind the batch in flight.
@@ -93,7 +93,7 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
             fc.submit(r)
         fc.cycle()
         # Demand 4 of 10 (in flight + queued) + margin: the batch ceiling falls to 0.5.
-        assert fc.ceilings[-10] == pytest.approx(0.5)
+        assert fc.bands.ceilings[-10] == pytest.approx(0.5)
         state = fc.snapshot()["holdback"]
         assert state["policy"] == "adaptive-reserve" and state["forecast"]["forecast"] == pytest.approx(0.4)
         # Batch finishing frees slots for realtime, never for more batch while batch is above its ceiling.
@@ -108,10 +108,10 @@ def test_flow_controller_gates_batch_on_the_followed_ceiling():
         # Realtime gone: the peak holds for the window (5 s), then the ceiling climbs back.
         clock.t += 1.0
         fc.cycle()
-        assert fc.ceilings[-10] == pytest.approx(0.5)
+        assert fc.bands.ceilings[-10] == pytest.approx(0.5)
         clock.t += 30.0
         fc.cycle()
-        assert fc.ceilings[-10] == pytest.approx(0.9)
+        assert fc.bands.ceilings[-10] == pytest.approx(0.9)
         assert fc.bands[-10].in_flight == 6 and fc.bands[-10].queued == 0
     asyncio.run(main())
 
@@ -130,13 +130,13 @@ def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_at_once():
         for r in batch:
             fc.submit(r)
         fc.cycle()
-        assert fc.bands[-10].in_flight == 9 and fc.floors[-10] == pytest.approx(0.25)
+        assert fc.bands[-10].in_flight == 9 and fc.bands.floors[-10] == pytest.approx(0.25)
         rts = [req(fc, clock, "realtime") for _ in range(6)]
         for r in rts:
             fc.submit(r)
         fc.cycle()
         evicted = [r for r in batch if r.drop_reason is DropReason.EVICTED]
-        assert len(evicted) == 5 and fc.evictions["issued"] == 5
+        assert len(evicted) == 5 and fc.tally.evictions["issued"] == 5
         assert evicted == batch[-5:]  # newest first
         assert fc.bands[100].in_flight == 6 and fc.bands[100].queued == 0
         assert fc.bands[-10].in_flight == 4 and fc.in_flight == fc.pool.replicas[0].in_flight == 10
@@ -145,7 +145,7 @@ def test_a_burst_takes_back_what_batch_borrowed_above_the_floor_at_once():
         fc.cycle()
         assert fc.bands[100].in_flight == 6 and fc.bands[-10].in_flight == 4
         assert fc.in_flight == fc.pool.replicas[0].in_flight == 10
-        assert fc.evictions["confirmed"] == 5
+        assert fc.tally.evictions["confirmed"] == 5
     asyncio.run(main())
 
 

@@ -1,0 +1,157 @@
+"""Eviction as flow control carries it out: the two triggers, the Evictor's decision, each victim's eviction.
+
+The triggers are a dispatch cycle stopped at a blocked band (`for_blocked_band`) and a replica whose KV
+occupancy reached the hard watermark (`over_hard_watermark`); the `Evictor` (gateway/flow/eviction.py) sizes the
+decision and the configured victim policy orders the candidates. Evicting a victim keeps its place in line and
+its replica for the retry that comes back with the same request id (the worker's row id), hands its slot on at
+once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
+`evicted` and closes the upstream connection; `finished` confirms it when that connection has closed. All of it
+runs inside the controller's steps: flow control stays the single writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.config import Eviction
+from gateway.flow.eviction import BandDemand, Evictor, plain_view
+from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.log import log_event
+from gateway.policies.saturation import SaturationDetector
+from gateway.policies.victims import VictimCandidate, victim_policy
+from gateway.replicas import Replica
+
+if TYPE_CHECKING:
+    from gateway.flow.band import PriorityBand
+    from gateway.flow.controller import FlowController
+
+logger = logging.getLogger("gateway.flow")
+
+# Evicted requests whose place in line is kept for their retry; the oldest is forgotten past this many (a retry
+# that never came back, or came back to another gateway).
+EVICTED_PLACES = 100_000
+
+
+class EvictionControl:
+    def __init__(self, controller: FlowController):
+        self.fc = controller
+        self.evictor = Evictor(view=self.victim_view)
+        self.enabled = True
+        # An evicted request's retry goes back to the replica its attempt ran on (picker.evictedAffinity).
+        self.affinity = True
+        # (fairness id, request id) -> (the victim's place, the replica it ran on), taken by its retry.
+        self.places: collections.OrderedDict[tuple[str, str], tuple[int, str | None]] = collections.OrderedDict()
+        self._grace_timer: asyncio.TimerHandle | None = None
+
+    def configure(self, ev: Eviction, detector: SaturationDetector, affinity: bool) -> None:
+        evictor = self.evictor
+        evictor.policy = victim_policy(ev.policy_name())
+        self.enabled = ev.policy_name() != "none"
+        evictor.max_per_decision = ev.maxPerDecision
+        evictor.confirmation_timeout = ev.confirmationTimeoutSeconds
+        evictor.grace = ev.graceSeconds if ev.graceSeconds is not None else detector.confirmation_grace
+        evictor.paced = not detector.release_on_decision
+        self.affinity = affinity
+
+    def restore_place(self, req: FlowRequest) -> None:
+        """The retry of an evicted request takes back the victim's place in line and its replica."""
+        req.place, req.affinity = self.places.pop((req.fairness_id, req.request_id), (req.seq, None))
+        if req.place != req.seq:
+            self.fc.tally.places_kept += 1
+
+    def victim_view(self, req: FlowRequest, now: float) -> VictimCandidate:
+        view = plain_view(req, now)
+        admission = self.fc.admission
+        if admission is None:
+            return view
+        total = sum(admission.pool_tokens(r) for r in self.fc.pool.healthy()) or 1
+        return dataclasses.replace(view, tenant_over_soft_quota=admission.soft_over(req.fairness_id, total))
+
+    # -- the triggers ---------------------------------------------------------------------------------------
+    def for_blocked_band(self, saturation: float, blocked: PriorityBand, now: float) -> bool:
+        """Evict for the blocked band; True when the victims' slots are free already (dispatch may go on)."""
+        fc = self.fc
+        bands = [BandDemand(b.priority, fc.bands.ceilings[b.priority], b.queued, b.in_flight,
+                            fc.bands.floors[b.priority]) for b in fc.bands.desc]
+        decision = self.evictor.decide(saturation, bands, blocked.priority, fc.in_flight, now)
+        if decision is None:
+            return False
+        for victim in decision.victims:
+            self.evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
+                       demand_band=decision.demand_priority, saturation=round(saturation, 4),
+                       deficit=round(decision.deficit, 4), victims=len(decision.victims))
+        return fc.detector.release_on_decision
+
+    def over_hard_watermark(self, healthy: list[Replica], now: float) -> None:
+        """Per replica at or above the hard watermark: evict recoverable batch work until under it."""
+        admission = self.fc.admission
+        assert admission is not None
+        # The scraped usage shows the freed blocks only after a scrape: wait that long between decisions.
+        grace = max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
+        for replica in healthy:
+            pool = admission.pool_tokens(replica)
+            excess = admission.occupancy(replica) - admission.cfg.hardWatermark * pool
+            if excess < 0:
+                continue
+            # The evictor counts the victims' blocks, all of this replica's block size.
+            victims = self.evictor.decide_kv(replica, excess / admission.block_size(replica) + 1, grace, now)
+            for victim in victims:
+                self.evict(victim, now, replica=replica.url, trigger="kv-hard-watermark",
+                           occupancy=round(admission.occupancy(replica) / pool, 4))
+            if victims:
+                return
+
+    # -- one victim -----------------------------------------------------------------------------------------
+    def evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
+        victim.drop_reason = DropReason.EVICTED
+        victim.evicted_at = now
+        # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
+        # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
+        places = self.places
+        home = getattr(victim.replica, "url", None) if self.affinity else None
+        places[(victim.fairness_id, victim.request_id)] = (victim.place, home)
+        while len(places) > EVICTED_PLACES:
+            places.popitem(last=False)
+        self.fc.tally.eviction("issued")
+        log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        if self.fc.detector.release_on_decision and victim.status is Status.DISPATCHED:
+            # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
+            # round later, when the cancelled task closes the upstream. The replica runs the victim a few
+            # milliseconds longer; its KV reservation is held until then (released in finish()).
+            self.fc.release_slot(victim)
+        if victim.task is not None:
+            victim.task.cancel()
+
+    def finished(self, req: FlowRequest, evicted: bool, closed: float) -> None:
+        """A dispatched request ended; an evicted one's upstream closed at `closed` (the eviction is confirmed)."""
+        self.evictor.untrack(req)
+        if not evicted:
+            return
+        latency = self.evictor.confirm(req, closed)
+        if latency is not None:
+            self.fc.tally.eviction("confirmed")
+            self.fc.metrics.eviction_confirmation.observe(latency)
+            log_event(logger, logging.INFO, "eviction_confirmed", request_id=req.request_id,
+                      replica=req.replica.url, latency_ms=round(latency * 1000, 2))  # type: ignore[union-attr]
+        if not self.evictor.pending:
+            self._schedule_grace_wake()
+
+    def expire(self, now: float) -> None:
+        """Give up on victims whose upstream did not close within the confirmation timeout."""
+        for late in self.evictor.expire(now):
+            self.fc.tally.eviction("timed_out")
+            log_event(logger, logging.WARNING, "eviction_timed_out", request_id=late.request_id)
+
+    def _schedule_grace_wake(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.fc.wake()
+            return
+        self._grace_timer = loop.call_later(self.evictor.grace + 1e-4, self.fc.wake)

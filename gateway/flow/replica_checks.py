@@ -1,0 +1,50 @@
+"""What flow control checks when a replica says what it serves (and, when it exports it, its KV pool).
+
+A calibration profile holds only for the model and runtime it was measured on: any other replica is refused
+(its estimate would be false headroom) until it matches. And the hard watermark must leave one scheduling cycle
+of growth in the replica's real pool, which the config could only check against the configured one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.calibration import Profile
+from gateway.config import GatewayConfig
+from gateway.log import log_event
+from gateway.policies.admission import KvAdmission, reported_pool_tokens
+from gateway.replicas import Replica
+
+logger = logging.getLogger("gateway.flow")
+
+
+def refuse_unmeasured(profile: Profile, replica: Replica, profile_path: str | None) -> bool:
+    """Refuse `replica` when the profile was not measured on it, accept it again when it was; True when that
+    verdict changed (the replica now takes work, or no longer does)."""
+    reason = profile.mismatch(replica)
+    if reason == replica.refused:
+        return False
+    replica.refused = reason
+    log_event(logger, logging.ERROR if reason else logging.INFO,
+              "calibration_refused" if reason else "calibration_accepted", replica=replica.url,
+              reason=reason, profile=profile_path,
+              hint="run `holdback gateway calibrate` against this replica" if reason else None)
+    return True
+
+
+def warn_short_growth_room(admission: KvAdmission, replica: Replica, cfg: GatewayConfig) -> None:
+    """Log `kv_growth_room_short` when the replica's reported pool leaves less than one scheduling cycle of growth
+    (one block per running sequence) above the hard watermark."""
+    block_size = admission.block_size(replica)
+    pool = reported_pool_tokens(replica, block_size)
+    if not pool:
+        return
+    adm = cfg.admission
+    running = adm.maxRunningSequences or cfg.saturation.maxConcurrency
+    pool_blocks = pool // block_size
+    room = adm.growth_room(pool_blocks)
+    if room < running:
+        # The config passed its check against the configured pool; this replica's real pool is smaller.
+        log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
+                  pool_blocks=pool_blocks, block_size=block_size, room_blocks=room, running_sequences=running,
+                  hint="lower admission.hardWatermark or admission.maxRunningSequences")
