@@ -244,7 +244,7 @@ class Attempt(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # Resume after eviction (async_processor.resume): prompt tokens served from the prefix cache, the
+    # Resume after eviction (holdback.attempts.resume): prompt tokens served from the prefix cache, the
     # output so far when a stream was cut (every attempt's answer text, so the next attempt continues from
     # it; only text), what else that output needs to continue (reasoning, token ids: a JSON object, NULL
     # when the text is all there is; migration 0008), output tokens carried in from earlier attempts, and

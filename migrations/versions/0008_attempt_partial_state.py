@@ -20,7 +20,7 @@ down_revision = '0007'
 branch_labels = None
 depends_on = None
 
-# Frozen here: a migration must not change when async_processor.resume does later.
+# Frozen here: a migration must not change when holdback.attempts.resume does later.
 MARKER_KEY = 'holdback_partial'
 MARKER = '{"%s":1,' % MARKER_KEY
 PAGE = 500  # rows read and rewritten at a time: the attempts table can be large
