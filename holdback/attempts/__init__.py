@@ -8,9 +8,9 @@ does all three on database lanes (`lanes`, with SQLite's write lock taken by `wr
 This module is the public surface callers import; tests may reach into the modules themselves.
 """
 
-from holdback.attempts.runner import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from holdback.attempts.outcomes import Outcome, Reply, classify, is_path_failure
 from holdback.attempts.retry import Jitter, RetryPolicy
+from holdback.attempts.runner import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from holdback.attempts.transactions import Disposition, OpenAttempt, Recorded, Skip
 
 __all__ = [
