@@ -18,10 +18,11 @@ import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from async_processor import log
+from async_processor.log import logger
 from async_processor.metrics import WorkerMetrics
 from holdback.contract import DROP_REASON_HEADER, circuit_key
 from holdback.attempts import is_path_failure
+from holdback.logs import log_event
 
 PROBE_PATH = "/v1/models"  # answered by the gateway (503 with no healthy replica) and by vLLM itself
 PROBE_TIMEOUT = 5.0
@@ -73,12 +74,13 @@ class GatewayCircuit:
         try:
             opened = await self.redis.set(self.key, f"{reason}; probe: {failure}", ex=self.open_ttl, nx=True)
         except RedisError as exc:
-            log.event(logging.WARNING, "circuit_write_failed", worker=self.worker_name, error=str(exc))
+            log_event(logger, "circuit_write_failed", level=logging.WARNING, worker=self.worker_name, error=str(exc))
             return
         self._set_open(True)
         self._checked_at = time.monotonic()
         if opened:
-            log.event(logging.WARNING, "circuit_opened", worker=self.worker_name, reason=reason, probe=failure)
+            log_event(logger, "circuit_opened", level=logging.WARNING, worker=self.worker_name, reason=reason,
+                      probe=failure)
 
     async def probe(self, http: aiohttp.ClientSession) -> str | None:
         """None if the gateway answers as a working path would, else what failed."""
@@ -107,11 +109,12 @@ class GatewayCircuit:
                     if failure is None:
                         await self.redis.delete(self.key)
                         self._set_open(False)
-                        log.event(logging.INFO, "circuit_closed", worker=self.worker_name)
+                        log_event(logger, "circuit_closed", worker=self.worker_name)
                     else:
                         await self.redis.expire(self.key, self.open_ttl)
             except RedisError as exc:
-                log.event(logging.WARNING, "circuit_check_failed", worker=self.worker_name, error=str(exc))
+                log_event(logger, "circuit_check_failed", level=logging.WARNING, worker=self.worker_name,
+                          error=str(exc))
             try:
                 await asyncio.wait_for(closing.wait(), timeout=min(CHECK_INTERVAL, self.probe_interval))
             except asyncio.TimeoutError:

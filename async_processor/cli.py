@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from async_processor import log
+from async_processor.log import configure as configure_logging, logger
 from async_processor.config import WorkerConfig, WorkerSettings
 from async_processor.metrics import WorkerMetrics
 from async_processor.registration import WorkerNameTaken
@@ -20,6 +20,7 @@ from holdback.broker import resolve_redis_url
 from holdback.contract import requests_queue_name, worker_name
 from holdback.attempts import Jitter, RetryPolicy
 from holdback.env_flags import flags_from_env
+from holdback.logs import log_event
 from holdback.settings import Settings
 
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     env = WorkerSettings()
     parser = _parser(env)
     args = parser.parse_args(argv)
-    log.configure(args.log_level)
+    configure_logging(args.log_level)
     for flag, value, minimum in (("--concurrency/-n", args.concurrency, 1), ("--processes", args.processes, 1),
                                  ("--heartbeat-ttl", args.heartbeat_ttl, 3), ("--transient-budget",
                                  args.transient_budget, 1), ("--db-lanes", args.db_lanes, 1)):
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return uvloop.run(worker.run()) if uvloop is not None else asyncio.run(worker.run())
     except WorkerNameTaken as exc:
-        log.event(logging.ERROR, "worker_name_taken", error=str(exc))
+        log_event(logger, "worker_name_taken", level=logging.ERROR, error=str(exc))
         return 2
 
 
@@ -174,7 +175,7 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
     try:
         for i in range(args.processes):
             children[i] = spawn(i)
-        log.event(logging.INFO, "worker_pool_started", processes=args.processes, worker=name)
+        log_event(logger, "worker_pool_started", processes=args.processes, worker=name)
         while True:
             alive = False
             for i, proc in list(children.items()):
@@ -182,7 +183,7 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
                 if code is None:
                     alive = True
                 elif not stopping and not args.burst and code != 0:
-                    log.event(logging.WARNING, "worker_process_died", index=i, exit_code=code)
+                    log_event(logger, "worker_process_died", level=logging.WARNING, index=i, exit_code=code)
                     time.sleep(1.0)
                     children[i] = spawn(i)
                     alive = True

@@ -1,5 +1,6 @@
-"""The worker's structured log events, in the one format every holdback component writes (`holdback.logs`:
-JSON lines with the same field names), with the batch id and request id wherever an event is about a request."""
+"""The worker's logger and its set-up, in the one format every holdback component writes (`holdback.logs`:
+JSON lines with the same field names); events are `holdback.logs.log_event(logger, event, level=..., **fields)`
+with the batch id and request id wherever an event is about a request."""
 
 from __future__ import annotations
 
@@ -8,11 +9,6 @@ import logging
 from holdback import logs
 
 logger = logging.getLogger("async_processor")
-
-
-def event(level: int, name: str, /, *, exc_info: bool = False, **fields: object) -> None:
-    """Log event `name` with its fields; fields that are None are left out."""
-    logs.log_event(logger, name, level, exc_info=exc_info, **fields)
 
 
 def configure(level: str = "INFO") -> None:

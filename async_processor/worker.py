@@ -17,7 +17,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from async_processor import log
+from async_processor.log import logger
 from async_processor.circuit import GatewayCircuit
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
@@ -26,6 +26,7 @@ from async_processor.registration import Registration
 from holdback import tracing
 from holdback.attempts import BATCH_CONTEXTS, AttemptResult, Disposition, InFlight, Runtime, Skip, run_attempt
 from holdback.contract import pause_key
+from holdback.logs import log_event
 from holdback.models import RequestStatus
 from holdback.probes import Heartbeat
 
@@ -56,7 +57,7 @@ class AsyncWorker:
 
     def stop(self) -> None:
         if not self.stopping.is_set():
-            log.event(logging.INFO, "worker_stopping", worker=self.config.name, in_flight=len(self.inflight))
+            log_event(logger, "worker_stopping", worker=self.config.name, in_flight=len(self.inflight))
         self.stopping.set()
         self.slot_freed.set()
 
@@ -80,7 +81,7 @@ class AsyncWorker:
         try:
             await self.registration.register_birth()
             self.redis_failure = None
-            log.event(logging.INFO, "worker_started", worker=cfg.name, queue=cfg.queue_name,
+            log_event(logger, "worker_started", worker=cfg.name, queue=cfg.queue_name,
                       concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
             helpers = [asyncio.create_task(c) for c in (
                 self._heartbeat_loop(), self._scheduler_loop(), self._cancel_listener(), self._depth_loop(),
@@ -103,14 +104,14 @@ class AsyncWorker:
             await self.http.close()
             await self.redis.aclose()
             self.rt.close()
-        log.event(logging.INFO, "worker_stopped", worker=cfg.name)
+        log_event(logger, "worker_stopped", worker=cfg.name)
         return 0
 
     async def _drain(self) -> None:
         """Let in-flight requests finish for drain_timeout; put the rest back on the queue."""
         if not self.tasks:
             return
-        log.event(logging.INFO, "worker_draining", worker=self.config.name, in_flight=len(self.tasks),
+        log_event(logger, "worker_draining", worker=self.config.name, in_flight=len(self.tasks),
                   timeout=self.config.drain_timeout)
         _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.drain_timeout)
         for t in pending:
@@ -137,14 +138,15 @@ class AsyncWorker:
                     continue
                 claims, missing = await self.queue.claim(min(free, cfg.claim_batch))
             except RedisError as exc:
-                log.event(logging.WARNING, "claim_failed", worker=cfg.name, error=f"{type(exc).__name__}: {exc}")
+                log_event(logger, "claim_failed", level=logging.WARNING, worker=cfg.name,
+                          error=f"{type(exc).__name__}: {exc}")
                 await self._sleep(1.0)
                 continue
             if missing:
-                log.event(logging.INFO, "dropped_jobs_without_hash", worker=cfg.name, count=missing)
+                log_event(logger, "dropped_jobs_without_hash", worker=cfg.name, count=missing)
             if not claims:
                 if cfg.burst and not self.tasks:
-                    log.event(logging.INFO, "burst_done", worker=cfg.name)
+                    log_event(logger, "burst_done", worker=cfg.name)
                     return
                 await self._sleep(idle)
                 idle = min(idle * 2, IDLE_POLL_MAX)
@@ -162,7 +164,7 @@ class AsyncWorker:
             self.pause_checked_at = now
             paused = bool(await self.redis.exists(pause_key(self.config.namespace, self.config.queue_name)))
             if paused != self.paused:  # logged on change: from here on this worker claims nothing (or resumes)
-                log.event(logging.INFO, "dispatch_paused" if paused else "dispatch_resumed", worker=self.config.name)
+                log_event(logger, "dispatch_paused" if paused else "dispatch_resumed", worker=self.config.name)
             self.paused = paused
         return self.paused
 
@@ -184,7 +186,7 @@ class AsyncWorker:
         if row_id in self.inflight:
             # The same row is already in flight here: a duplicate delivery; the running one decides.
             self.metrics.duplicates.labels("delivery").inc()
-            log.event(logging.INFO, "duplicate_delivery", request_id=row_id, worker=self.config.name)
+            log_event(logger, "duplicate_delivery", request_id=row_id, worker=self.config.name)
             await _quietly(self.queue.finish(claim, Finish.none))
             return
         job = InFlight(row_id)
@@ -196,11 +198,11 @@ class AsyncWorker:
             # Shutdown after the drain timeout: the job goes back to the front of the queue; the next
             # delivery's begin closes this attempt as abandoned.
             await asyncio.shield(_quietly(self.queue.finish(claim, Finish.requeue)))
-            log.event(logging.INFO, "requeued_on_shutdown", batch_id=job.batch_id, request_id=row_id)
+            log_event(logger, "requeued_on_shutdown", batch_id=job.batch_id, request_id=row_id)
             raise
         except Exception as exc:  # the database or Redis failed beyond its retries
             self.metrics.internal_errors.inc()
-            log.event(logging.ERROR, "job_error", batch_id=job.batch_id, request_id=row_id,
+            log_event(logger, "job_error", level=logging.ERROR, batch_id=job.batch_id, request_id=row_id,
                       error=f"{type(exc).__name__}: {exc}", retry_in=INTERNAL_ERROR_DELAY, exc_info=True)
             await _quietly(self.queue.finish(claim, Finish.schedule, time.time() + INTERNAL_ERROR_DELAY,
                                              succeeded=False))
@@ -213,7 +215,7 @@ class AsyncWorker:
         except RedisError as exc:
             # The row is recorded; the job's execution will expire and be requeued, then dropped as final.
             self.metrics.internal_errors.inc()
-            log.event(logging.WARNING, "finish_failed", batch_id=job.batch_id, request_id=row_id,
+            log_event(logger, "finish_failed", level=logging.WARNING, batch_id=job.batch_id, request_id=row_id,
                       error=f"{type(exc).__name__}: {exc}")
 
     async def _place(self, claim: Claim, job: InFlight, result: AttemptResult) -> None:
@@ -221,12 +223,12 @@ class AsyncWorker:
         m, row_id = self.metrics, claim.job_id
         if result.skip is Skip.final:
             m.duplicates.labels("delivery").inc()
-            log.event(logging.INFO, "already_final", request_id=row_id)
+            log_event(logger, "already_final", request_id=row_id)
             await self.queue.finish(claim, Finish.delete)
             return
         if result.skip is Skip.closing:
             wake = time.time() + self.rt.policy.closing_recheck
-            log.event(logging.INFO, "batch_closing", request_id=row_id, recheck_in=self.rt.policy.closing_recheck)
+            log_event(logger, "batch_closing", request_id=row_id, recheck_in=self.rt.policy.closing_recheck)
             await self.queue.finish(claim, Finish.schedule, wake)
             return
         d, rec = result.attempt, result.recorded
@@ -247,25 +249,25 @@ class AsyncWorker:
         if rec.disposition is Disposition.final:
             m.results.labels(rec.final_status.value).inc()
             failed = rec.final_status is not RequestStatus.succeeded
-            log.event(logging.WARNING if failed else logging.DEBUG, "request_final",
+            log_event(logger, "request_final", level=logging.WARNING if failed else logging.DEBUG,
                       final=rec.final_status.value, **fields)
             await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed,
                                     reason=rec.reason)
         elif rec.disposition is Disposition.duplicate:
             m.duplicates.labels("result").inc()
-            log.event(logging.INFO, "duplicate_result", **fields)
+            log_event(logger, "duplicate_result", **fields)
             await self.queue.finish(claim, Finish.delete)
         elif rec.disposition is Disposition.retry:
             m.retries.labels(outcome.kind.value).inc()
-            log.event(logging.INFO, "retry_scheduled", delay=rec.delay, **fields)
+            log_event(logger, "retry_scheduled", delay=rec.delay, **fields)
             await self.queue.finish(claim, Finish.schedule, rec.wake_at)
         elif rec.disposition is Disposition.closing:
             m.left_for_expiry.inc()
-            log.event(logging.INFO, "left_for_expiry", **fields)
+            log_event(logger, "left_for_expiry", **fields)
             await self.queue.finish(claim, Finish.schedule, rec.wake_at)
         else:  # cancelled
             m.cancelled.inc()
-            log.event(logging.INFO, "request_aborted", reason=job.abort_reason, **fields)
+            log_event(logger, "request_aborted", reason=job.abort_reason, **fields)
             await self.queue.finish(claim, Finish.delete)
 
     # -- cancel ----------------------------------------------------------------------------------------------
@@ -282,7 +284,7 @@ class AsyncWorker:
                 del self.cancelled_batches[b]
         aborted = sum(1 for job in list(self.inflight.values())
                       if job.batch_id == batch_id and job.abort("batch cancelled or expired"))
-        log.event(logging.INFO, "batch_cancel_received", batch_id=batch_id, aborted=aborted, worker=self.config.name)
+        log_event(logger, "batch_cancel_received", batch_id=batch_id, aborted=aborted, worker=self.config.name)
         return aborted
 
     async def _cancel_listener(self) -> None:
@@ -297,7 +299,7 @@ class AsyncWorker:
                         data = message["data"]
                         self.cancel_batch(data.decode() if isinstance(data, bytes) else str(data))
             except RedisError as exc:
-                log.event(logging.WARNING, "cancel_channel_lost", channel=channel, error=str(exc))
+                log_event(logger, "cancel_channel_lost", level=logging.WARNING, channel=channel, error=str(exc))
                 await self._pause(1.0)
             finally:
                 await _quietly(pubsub.aclose())
@@ -317,7 +319,7 @@ class AsyncWorker:
                 self.redis_failure = None
             except RedisError as exc:
                 self.redis_failure = f"heartbeat failed: {exc}"
-                log.event(logging.WARNING, "heartbeat_failed", worker=self.config.name, error=str(exc))
+                log_event(logger, "heartbeat_failed", level=logging.WARNING, worker=self.config.name, error=str(exc))
 
     async def _scheduler_loop(self) -> None:
         cfg = self.config
@@ -330,7 +332,7 @@ class AsyncWorker:
                 if now >= next_lock:
                     held = await self.registration.acquire_scheduler(lock_ttl)
                     if held != self.holds_scheduler:
-                        log.event(logging.INFO, "scheduler_role", worker=cfg.name, held=held)
+                        log_event(logger, "scheduler_role", worker=cfg.name, held=held)
                     self.holds_scheduler = held
                     next_lock = now + refresh
                 if self.holds_scheduler:
@@ -339,9 +341,9 @@ class AsyncWorker:
                         next_maintenance = now + cfg.heartbeat_interval
                         for row_id in await self.queue.requeue_abandoned():
                             self.metrics.requeued_abandoned.inc()
-                            log.event(logging.WARNING, "requeued_abandoned", request_id=row_id)
+                            log_event(logger, "requeued_abandoned", level=logging.WARNING, request_id=row_id)
             except RedisError as exc:
-                log.event(logging.WARNING, "scheduler_failed", worker=cfg.name, error=str(exc))
+                log_event(logger, "scheduler_failed", level=logging.WARNING, worker=cfg.name, error=str(exc))
                 self.holds_scheduler = False
                 await self._pause(1.0)
             await self._pause(cfg.scheduler_interval if self.holds_scheduler else refresh)
@@ -371,4 +373,4 @@ async def _quietly(coro) -> None:
     try:
         await coro
     except (RedisError, OSError) as exc:
-        log.event(logging.WARNING, "cleanup_failed", error=f"{type(exc).__name__}: {exc}")
+        log_event(logger, "cleanup_failed", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")

@@ -180,6 +180,6 @@ def fail_batch(factory: sessionmaker[Session], batch_id: str, owner: str | None,
                                      claimed_by=None, lease_until=None)
     if not moved:
         return IngestResult(batch_id, "skipped")
-    log_event(log, "batch_failed_validation", logging.WARNING, batch_id=batch_id, errors=len(entries),
+    log_event(log, "batch_failed_validation", level=logging.WARNING, batch_id=batch_id, errors=len(entries),
               first_code=entries[0]["code"], first_line=entries[0]["line"])
     return IngestResult(batch_id, BatchStatus.failed.value, errors=entries, seconds=time.perf_counter() - started)

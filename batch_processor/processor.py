@@ -154,7 +154,7 @@ class Processor:
         if now - self._last_renewal >= self.config.lease_seconds / 6:
             held = self.lease.renew(self.owned)
             for batch_id in self.owned - held:
-                log_event(log, "batch_lease_lost", logging.WARNING, batch_id=batch_id, owner=self.config.name)
+                log_event(log, "batch_lease_lost", level=logging.WARNING, batch_id=batch_id, owner=self.config.name)
             self.owned = held
             self._last_renewal = now
             self._lease_renewed = dict.fromkeys(self.owned, now)

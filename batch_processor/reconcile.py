@@ -103,7 +103,7 @@ def reconcile(
                                      retry_stale, now)
         result.abandoned = _requeue_abandoned(session, missing[RequestStatus.running.value], running_stale, now)
     if result.rows:
-        log_event(log, "rows_reconciled", logging.WARNING, **result.counts(),
+        log_event(log, "rows_reconciled", level=logging.WARNING, **result.counts(),
                   batch_ids=sorted({b for _, b in result.rows}))
     return result
 

@@ -50,7 +50,7 @@ class StepErrors:
             self.log.error("batch_step_failed", exc_info=exc, extra={"fields": fields})
             streak.logged_at = now
         elif now - streak.logged_at >= REPEAT_EVERY:
-            log_event(self.log, "batch_step_failing", logging.WARNING, **fields)
+            log_event(self.log, "batch_step_failing", level=logging.WARNING, **fields)
             streak.logged_at = now
         return not platform and status == BatchStatus.validating.value and streak.strikes >= self.max_strikes
 

@@ -209,7 +209,7 @@ class SyncHandoff:
             result = await run_attempt(self.rt, self._http, job, self._aborted.__contains__)
         except Exception:
             # The row stays where the failure left it; reconciliation requeues it once it looks abandoned.
-            log_event(log, "sync_attempt_failed", logging.ERROR, exc_info=True, batch_id=job.batch_id,
+            log_event(log, "sync_attempt_failed", level=logging.ERROR, exc_info=True, batch_id=job.batch_id,
                       request_id=job.request_id)
             return
         if result.recorded is None:

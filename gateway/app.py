@@ -110,7 +110,7 @@ class Gateway:
             # Applying can still refuse it (an unreadable calibration profile) before anything changes.
             self.controller.apply_config(loaded)
         except ConfigError as exc:
-            log_event(logger, logging.ERROR, "config_rejected", error=str(exc), running_digest=running)
+            log_event(logger, "config_rejected", level=logging.ERROR, error=str(exc), running_digest=running)
             return False
         self._applied()
         _log_config("config_reloaded", loaded, previous_digest=running)
@@ -171,7 +171,7 @@ class Gateway:
             raise ConfigError(f"the rolled-back config is not valid: {exc}") from exc
         self.controller.apply_config(target)
         self._applied()
-        log_event(logger, logging.WARNING, "config_rolled_back", from_digest=current.digest,
+        log_event(logger, "config_rolled_back", level=logging.WARNING, from_digest=current.digest,
                   to_digest=previous.digest, applied_digest=target.digest, admission_watermark=watermark)
         return {"from_digest": current.digest, "to_digest": previous.digest, "applied_digest": target.digest,
                 "admissionWatermark": watermark}
@@ -260,10 +260,10 @@ async def rollback_request(classifier: Classifier, request: web.Request) -> floa
 
 def _log_config(event: str, loaded: LoadedConfig, **extra: object) -> None:
     cfg = loaded.config
-    log_event(logger, logging.INFO, event, digest=loaded.digest, source=loaded.source,
+    log_event(logger, event, digest=loaded.digest, source=loaded.source,
               replicas=",".join(cfg.replicas) or "none", detector=cfg.saturation.detector,
               holdback=cfg.usageLimit.policy, eviction=cfg.eviction.enabled, admission=cfg.admission.enabled,
               keys=len(loaded.keys), **extra)
     for env_name in loaded.skipped_key_envs:
-        log_event(logger, logging.WARNING, "key_env_unset", env=env_name,
+        log_event(logger, "key_env_unset", level=logging.WARNING, env=env_name,
                   hint="this key entry is skipped until the variable is set and the config reloaded")

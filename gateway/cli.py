@@ -51,12 +51,12 @@ def _parser() -> argparse.ArgumentParser:
 async def serve_workers(gateway: Gateway, host: str, port: int, workers: int, log_level: str) -> None:
     """One flow-control process (this one) and `workers` relay processes on one listening socket."""
     server = FlowServer(gateway, workers, listening_socket(host, port), log_level)
-    log_event(logger, logging.INFO, "listening", host=host, port=port, workers=workers,
+    log_event(logger, "listening", host=host, port=port, workers=workers,
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await server.run(until_stopped())
     finally:
-        log_event(logger, logging.INFO, "stopping")
+        log_event(logger, "stopping")
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> None:
@@ -66,12 +66,12 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
     await site.start()
     # uvloop (a dependency off Windows) runs the transports and callbacks of every relayed chunk in C;
     # asyncio is the fallback where it does not install. The log says which one runs.
-    log_event(logger, logging.INFO, "listening", host=host, port=port,
+    log_event(logger, "listening", host=host, port=port,
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await until_stopped()
     finally:
-        log_event(logger, logging.INFO, "stopping")
+        log_event(logger, "stopping")
         await runner.cleanup()
 
 
@@ -146,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load_config(args.config)
     except ConfigError as exc:
-        log_event(logger, logging.ERROR, "config_rejected", error=str(exc))
+        log_event(logger, "config_rejected", level=logging.ERROR, error=str(exc))
         return 2
     replicas = [u.strip() for u in args.replicas.split(",") if u.strip()] if args.replicas else None
     try:
         gateway = Gateway(loaded, config_path=args.config, replicas_override=replicas)
     except ConfigError as exc:
-        log_event(logger, logging.ERROR, "config_rejected", error=str(exc))
+        log_event(logger, "config_rejected", level=logging.ERROR, error=str(exc))
         return 2
     try:
         import uvloop

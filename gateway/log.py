@@ -1,16 +1,13 @@
-"""The gateway's structured log events, in the one format every holdback component writes (`holdback.logs`:
-JSON lines with the same field names), with the request id where it applies."""
+"""The gateway's logging set-up, in the one format every holdback component writes (`holdback.logs`: JSON lines
+with the same field names). Events are holdback's one `log_event(logger, event, level=..., **fields)`, re-exported
+here for the gateway's modules, with the request id where it applies."""
 
 from __future__ import annotations
 
-import logging
-
 from holdback import logs
+from holdback.logs import log_event
 
-
-def log_event(logger: logging.Logger, level: int, event: str, **fields: object) -> None:
-    """Log one event with its fields; fields that are None are left out."""
-    logs.log_event(logger, event, level, **fields)
+__all__ = ["configure_logging", "log_event"]
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -125,7 +125,7 @@ class Proxy:
         try:
             cls = self.classifier.classify(headers)
         except ClassificationError as exc:
-            log_event(logger, logging.INFO, "refused", request_id=request_id, status=exc.status, code=exc.code)
+            log_event(logger, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
         controller = self.controller
         if request.path == EMBEDDINGS:
@@ -214,7 +214,7 @@ class Proxy:
             self.controller.pool.mark_down(replica, f"connect: {exc.os_error or exc}")
         elif down:
             self.controller.pool.mark_down(replica, f"closed before answering: {exc}")
-        log_event(logger, logging.WARNING, "upstream_error", request_id=request_id, replica=replica.url,
+        log_event(logger, "upstream_error", level=logging.WARNING, request_id=request_id, replica=replica.url,
                   error=f"{type(exc).__name__}: {exc}")
         return error_response(502, f"The model replica failed: {type(exc).__name__}; retry the request.",
                               "upstream_error", "upstream_error", request_id)
@@ -229,7 +229,7 @@ class Proxy:
             self.controller.finish(req, "error", time.monotonic())
             return failed
         self.metrics.child(self.metrics.upstream_moves, reason).inc()
-        log_event(logger, logging.INFO, "upstream_moved", request_id=req.request_id, replica=old.url,
+        log_event(logger, "upstream_moved", request_id=req.request_id, replica=old.url,
                   to=replica.url, reason=reason)
         return None
 
@@ -334,7 +334,7 @@ class Proxy:
                 if conn.status == 404 and request.path == EMBEDDINGS and _route_not_found(data):
                     # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
                     if not replica.serves_no_embeddings():
-                        log_event(logger, logging.WARNING, "replica_serves_no_embeddings", replica=replica.url,
+                        log_event(logger, "replica_serves_no_embeddings", level=logging.WARNING, replica=replica.url,
                                   model=replica.model, hint="point /v1/embeddings at replicas started with an "
                                   "embedding model")
                     replica.no_embeddings_model = replica.model or ""
@@ -376,7 +376,7 @@ class Proxy:
                 except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
                     conn.close()
                     controller.finish(req, "cancel", time.monotonic())
-                    log_event(logger, logging.INFO, "caller_left_stream", request_id=request_id)
+                    log_event(logger, "caller_left_stream", request_id=request_id)
                     return stream
             controller.finish(req, "end", time.monotonic())
             if not stream.prepared:
@@ -397,7 +397,7 @@ class Proxy:
             controller.finish(req)
             if stream is not None and stream.prepared:
                 controller.count_mid_stream_eviction()
-                log_event(logger, logging.INFO, "evicted_mid_stream", request_id=request_id)
+                log_event(logger, "evicted_mid_stream", request_id=request_id)
                 with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
                     await stream.write(evicted_sse_event())
                     await stream.write_eof()
@@ -410,7 +410,7 @@ class Proxy:
             failed: Replica = req.replica  # type: ignore[assignment]
             if stream is not None and stream.prepared:
                 # Status and part of the body are out; dropping the connection is the only honest signal.
-                log_event(logger, logging.WARNING, "stream_broken", request_id=request_id,
+                log_event(logger, "stream_broken", level=logging.WARNING, request_id=request_id,
                           replica=failed.url, error=f"{type(exc).__name__}: {exc}")
                 raise
             return self._upstream_failure(failed, exc, request_id)

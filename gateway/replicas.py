@@ -179,7 +179,7 @@ class ReplicaPool:
         replica.identified = False  # it may come back restarted, with another model or key
         if replica.healthy:
             replica.healthy = False
-            log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason)
+            log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason)
             self.on_change()
 
     def mark_unauthorized(self, replica: Replica, path: str, status: int) -> None:
@@ -195,7 +195,7 @@ class ReplicaPool:
             reason = f"{path} answered {status}: the replica rejects the key from {source}"
             hint = f"set {source} to the replica's --api-key, then reload the gateway (SIGHUP)"
         if replica.unauthorized != reason:  # once, and again only when a reload changed the key
-            log_event(logger, logging.ERROR, "replica_unauthorized", replica=replica.url, status=status,
+            log_event(logger, "replica_unauthorized", level=logging.ERROR, replica=replica.url, status=status,
                       reason=reason, hint=hint)
         replica.unauthorized = reason
         replica.identified = False
@@ -268,14 +268,14 @@ class ReplicaPool:
                 return
             if not replica.healthy:
                 replica.healthy = True
-                log_event(logger, logging.INFO, "replica_up", replica=replica.url, model=replica.model)
+                log_event(logger, "replica_up", replica=replica.url, model=replica.model)
                 self.on_change()
             return
         replica.failures += 1
         if replica.healthy and (refused or replica.failures >= self.failures_to_down):
             replica.healthy = False
             replica.identified = False
-            log_event(logger, logging.WARNING, "replica_down", replica=replica.url, reason=reason,
+            log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason,
                       failures=replica.failures)
             self.on_change()
 
@@ -295,7 +295,7 @@ class ReplicaPool:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return
         if replica.unauthorized is not None:
-            log_event(logger, logging.INFO, "replica_authorized", replica=replica.url)
+            log_event(logger, "replica_authorized", replica=replica.url)
             replica.unauthorized = None
         models, version = answers
         data = models.get("data") if isinstance(models, dict) else None

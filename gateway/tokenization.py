@@ -218,7 +218,7 @@ def candidates(cfg: Admission, replica: Replica) -> list[InProcess]:
         try:
             out.append(file_tokenizer(path))
         except ConfigError as exc:
-            log_event(logger, logging.WARNING, "tokenizer_file_unusable", replica=replica.url, error=str(exc))
+            log_event(logger, "tokenizer_file_unusable", level=logging.WARNING, replica=replica.url, error=str(exc))
     if replica.runtime_version == "model_sim":
         out.append(simulator_tokenizer())
     return out
@@ -321,7 +321,7 @@ class PromptCounter:
                 agrees, chat = await self._agrees(session, replica.url, candidate)
                 if agrees is None:  # the replica did not answer: no verdict, ask again later
                     self._retry_at[ident] = time.monotonic() + CHECK_RETRY_SECONDS
-                    log_event(logger, logging.INFO, "tokenizer_check_postponed", replica=replica.url,
+                    log_event(logger, "tokenizer_check_postponed", replica=replica.url,
                               retry_in_s=CHECK_RETRY_SECONDS)
                     return
                 if agrees:
@@ -329,10 +329,10 @@ class PromptCounter:
                         candidate.source, candidate.count, chat=False, path=candidate.path)
                     break
             if chosen is None:
-                log_event(logger, logging.INFO, "tokenizer_in_process_unavailable", replica=replica.url,
+                log_event(logger, "tokenizer_in_process_unavailable", replica=replica.url,
                           model=replica.model, counting="replica /tokenize")
             else:
-                log_event(logger, logging.INFO, "tokenizer_in_process", replica=replica.url, model=replica.model,
+                log_event(logger, "tokenizer_in_process", replica=replica.url, model=replica.model,
                           source=chosen.source, path=chosen.path, chat=chosen.chat)
             self._verified[ident] = chosen
         finally:
@@ -348,7 +348,7 @@ class PromptCounter:
                 return None, False
             mine = candidate.count(text, False, {})
             if mine != theirs:
-                log_event(logger, logging.INFO, "tokenizer_candidate_disagrees", replica=url,
+                log_event(logger, "tokenizer_candidate_disagrees", replica=url,
                           source=candidate.source, path=candidate.path, probe=text[:24], local=mine,
                           replica_count=theirs)
                 return False, False
@@ -382,7 +382,7 @@ class PromptCounter:
         ident = self._identity(replica)
         used = self._verified.get(ident)
         self._verified[ident] = None
-        log_event(logger, logging.WARNING, "tokenizer_disagrees", replica=replica.url,
+        log_event(logger, "tokenizer_disagrees", level=logging.WARNING, replica=replica.url,
                   source=used.source if used else None, local=counted, replica_count=theirs,
                   counting="replica /tokenize from now on")
 
@@ -419,11 +419,11 @@ class PromptCounter:
             for doc in docs:
                 async with session.post(url + "/tokenize", json=doc, timeout=timeout) as resp:
                     if resp.status >= 300:
-                        log_event(logger, logging.WARNING, "tokenize_refused", replica=url, status=resp.status)
+                        log_event(logger, "tokenize_refused", level=logging.WARNING, replica=url, status=resp.status)
                         return None
                     answer = await resp.json()
                 total += int(answer["count"])
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
-            log_event(logger, logging.WARNING, "tokenize_failed", replica=url, error=type(exc).__name__)
+            log_event(logger, "tokenize_failed", level=logging.WARNING, replica=url, error=type(exc).__name__)
             return None
         return total

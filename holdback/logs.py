@@ -1,7 +1,8 @@
 """The one log format of every holdback process (API server, processor, workers, gateway, simulator):
 one JSON event per line.
 
-`log_event(log, "batch_expanded", batch_id=..., total=...)` writes
+`log_event(log, "batch_expanded", batch_id=..., total=...)` (`level=logging.WARNING` and `exc_info=True` where
+they apply) writes
 `{"ts":..,"level":"info","logger":"batch_processor.ingest","event":"batch_expanded","batch_id":..,"total":..}`.
 Fields that are None are left out. The same names are used for the same things everywhere: `request_id`,
 `batch_id`, `tenant`, `worker`, `replica`, `error`, and `trace_id` while a span is open (holdback.tracing).
@@ -57,8 +58,10 @@ def configure_json_logging(logger_name: str | None, level: str = "info", adopt: 
         logging.getLogger(name).propagate = True
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, *, exc_info: bool = False,
+def log_event(logger: logging.Logger, event: str, *, level: int = logging.INFO, exc_info: bool = False,
               **fields: object) -> None:
+    """Log `event` with its fields (None ones left out). The one log call of every component: `level` is a keyword,
+    so a call with the level before the event fails at once instead of logging a number as the event."""
     if logger.isEnabledFor(level):
         logger.log(level, event, exc_info=exc_info,
                    extra={"fields": {k: v for k, v in fields.items() if v is not None}})

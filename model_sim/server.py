@@ -109,7 +109,7 @@ async def _errors_middleware(request: web.Request, handler):
             return bare_response(BareError(exc.status, {"detail": exc.reason}))
         return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
     except Exception:
-        log_event(log, "unhandled_error", logging.ERROR, exc_info=True, method=request.method, path=request.path)
+        log_event(log, "unhandled_error", level=logging.ERROR, exc_info=True, method=request.method, path=request.path)
         return error_response(ApiError(500, "Internal error in the simulator; see its log."))
 
 
@@ -287,7 +287,8 @@ class Routes:
             await resp.write_eof()
         except ConnectionResetError:
             # The client left between our checks; the caller's `finally` aborts the requests.
-            log_event(log, "client_disconnected_mid_stream", logging.DEBUG, request_id=streams[0].request.request_id)
+            log_event(log, "client_disconnected_mid_stream", level=logging.DEBUG,
+                      request_id=streams[0].request.request_id)
         return resp
 
     def _cached_tokens(self, req) -> int | None:

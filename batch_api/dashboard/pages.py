@@ -171,13 +171,13 @@ def login(
     throttle = LoginThrottle(connection, namespace)
     wait = throttle.admit(client)
     if wait:
-        log_event(log, "dashboard.login_throttled", logging.WARNING, client=client, retry_after_s=wait)
+        log_event(log, "dashboard.login_throttled", level=logging.WARNING, client=client, retry_after_s=wait)
         return render(request, "login.html", next=safe_next(next), disabled=False, status_code=429,
                       headers={"retry-after": str(wait)},
                       error=f"Too many failed sign-ins from your address ({LOGIN_ATTEMPTS} a minute); "
                             f"try again in {wait} s.")
     if not is_admin_key(context, admin_key.strip()):
-        log_event(log, "dashboard.login_failed", logging.WARNING, client=client)
+        log_event(log, "dashboard.login_failed", level=logging.WARNING, client=client)
         return render(request, "login.html", next=safe_next(next), disabled=False, status_code=401,
                       error="That is not the admin key. Use the value of HOLDBACK_ADMIN_KEY the API server runs with.")
     throttle.succeeded(client)

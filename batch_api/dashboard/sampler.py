@@ -169,7 +169,7 @@ class Sampler:
             if failure is None:
                 log_event(log, "dashboard.sampler_recovered")
             else:
-                log_event(log, "dashboard.sampler_failing", logging.WARNING, error=failure)
+                log_event(log, "dashboard.sampler_failing", level=logging.WARNING, error=failure)
             self.failing = failure
 
 

@@ -223,7 +223,7 @@ class FlowController:
         band.forget(req)
         self.total_queued -= 1
         self.tally.rejection(req, DropReason.CONTEXT_CANCELLED, band.priority, self.clock())
-        log_event(logger, logging.INFO, "withdrawn", request_id=req.request_id, band=req.priority)
+        log_event(logger, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
     def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None,
@@ -414,7 +414,7 @@ class FlowController:
         req.drop_reason = reason
         req.drop_message = message
         self.tally.rejection(req, reason, band.priority, self.clock())
-        log_event(logger, logging.INFO, "rejected", request_id=req.request_id, reason=reason.value,
+        log_event(logger, "rejected", request_id=req.request_id, reason=reason.value,
                   band=band.priority, fairness_id=req.fairness_id, detail=message)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.REJECTED)

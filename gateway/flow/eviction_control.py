@@ -117,7 +117,7 @@ class EvictionControl:
         while len(places) > EVICTED_PLACES:
             places.popitem(last=False)
         self.fc.tally.eviction("issued")
-        log_event(logger, logging.INFO, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        log_event(logger, "evict", request_id=victim.request_id, band=victim.priority, **fields)
         if self.fc.detector.release_on_decision and victim.status is Status.DISPATCHED:
             # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
             # round later, when the cancelled task closes the upstream. The replica runs the victim a few
@@ -135,7 +135,7 @@ class EvictionControl:
         if latency is not None:
             self.fc.tally.eviction("confirmed")
             self.fc.metrics.eviction_confirmation.observe(latency)
-            log_event(logger, logging.INFO, "eviction_confirmed", request_id=req.request_id,
+            log_event(logger, "eviction_confirmed", request_id=req.request_id,
                       replica=req.replica.url, latency_ms=round(latency * 1000, 2))  # type: ignore[union-attr]
         if not self.evictor.pending:
             self._schedule_grace_wake()
@@ -144,7 +144,7 @@ class EvictionControl:
         """Give up on victims whose upstream did not close within the confirmation timeout."""
         for late in self.evictor.expire(now):
             self.fc.tally.eviction("timed_out")
-            log_event(logger, logging.WARNING, "eviction_timed_out", request_id=late.request_id)
+            log_event(logger, "eviction_timed_out", level=logging.WARNING, request_id=late.request_id)
 
     def _schedule_grace_wake(self) -> None:
         if self._grace_timer is not None:

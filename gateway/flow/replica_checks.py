@@ -25,8 +25,8 @@ def refuse_unmeasured(profile: Profile, replica: Replica, profile_path: str | No
     if reason == replica.refused:
         return False
     replica.refused = reason
-    log_event(logger, logging.ERROR if reason else logging.INFO,
-              "calibration_refused" if reason else "calibration_accepted", replica=replica.url,
+    log_event(logger, "calibration_refused" if reason else "calibration_accepted",
+              level=logging.ERROR if reason else logging.INFO, replica=replica.url,
               reason=reason, profile=profile_path,
               hint="run `holdback gateway calibrate` against this replica" if reason else None)
     return True
@@ -45,6 +45,6 @@ def warn_short_growth_room(admission: KvAdmission, replica: Replica, cfg: Gatewa
     room = adm.growth_room(pool_blocks)
     if room < running:
         # The config passed its check against the configured pool; this replica's real pool is smaller.
-        log_event(logger, logging.WARNING, "kv_growth_room_short", replica=replica.url,
+        log_event(logger, "kv_growth_room_short", level=logging.WARNING, replica=replica.url,
                   pool_blocks=pool_blocks, block_size=block_size, room_blocks=room, running_sequences=running,
                   hint="lower admission.hardWatermark or admission.maxRunningSequences")

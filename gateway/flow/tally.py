@@ -64,7 +64,7 @@ class FlowTally:
         if req.waiter is not None:
             m.child(m.queue_wait, band).observe(now - req.arrived)
         if logger.isEnabledFor(logging.DEBUG):
-            log_event(logger, logging.DEBUG, "dispatch", request_id=req.request_id, band=priority,
+            log_event(logger, "dispatch", level=logging.DEBUG, request_id=req.request_id, band=priority,
                       replica=replica, path=path, queue_ms=round((now - req.arrived) * 1000, 2))
 
     def estimated_wait(self, ahead: int, now: float) -> float:

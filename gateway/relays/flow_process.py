@@ -128,7 +128,7 @@ class RelayLink:
         elif kind == "call":
             self.server.call(self, message[1], message[2], *message[3:])
         else:
-            log_event(logger, logging.ERROR, "relay_message_unknown", relay=self.index, kind=kind)
+            log_event(logger, "relay_message_unknown", level=logging.ERROR, relay=self.index, kind=kind)
 
     def _submit(self, rid: int, request_id: str, objective: str, priority: int, fairness_id: str, tenant: str,
                 arrived: float, expires_at: float, deadline: float, prompt_tokens: int, max_new_tokens: int,
@@ -292,7 +292,7 @@ class FlowServer:
             if link.families:
                 self.retired_families.append(link.families)
             released = link.release_all()
-            log_event(logger, logging.WARNING if not self._stopping else logging.INFO, "relay_channel_closed",
+            log_event(logger, "relay_channel_closed", level=logging.WARNING if not self._stopping else logging.INFO,
                       relay=link.index, pid=link.pid, released_requests=released)
 
     # -- relay processes ------------------------------------------------------------------------------------
@@ -306,12 +306,12 @@ class FlowServer:
                 self.channel_path, "--index", str(index), "--log-level", self.log_level,
                 pass_fds=(self.sock.fileno(),))
             self._relays[index] = proc
-            log_event(logger, logging.INFO, "relay_started", relay=index, pid=proc.pid)
+            log_event(logger, "relay_started", relay=index, pid=proc.pid)
             code = await proc.wait()
             if self._stopping:
                 return
             self.restarts += 1
-            log_event(logger, logging.ERROR, "relay_exited", relay=index, pid=proc.pid, returncode=code,
+            log_event(logger, "relay_exited", level=logging.ERROR, relay=index, pid=proc.pid, returncode=code,
                       hint="a new relay takes its place")
             if time.monotonic() - started < _QUICK_EXIT:
                 await asyncio.sleep(pause)

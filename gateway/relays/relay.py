@@ -68,7 +68,7 @@ class Relay:
         elif kind == "call" and message[2] == "collect":
             self.channel.reply(message[1], metric_families(self.metrics.registry))
         else:
-            log_event(logger, logging.ERROR, "flow_message_unknown", kind=kind)
+            log_event(logger, "flow_message_unknown", level=logging.ERROR, kind=kind)
 
     def _configure(self, loaded, ledger: dict) -> None:
         if self.controller is None:
@@ -152,7 +152,7 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     site = web.SockSite(runner, socket.socket(fileno=fd), backlog=1024)
     await site.start()
     reporter = asyncio.create_task(relay.report_tokenizer(), name="tokenizer-report")
-    log_event(logger, logging.INFO, "relay_listening", relay=index, pid=os.getpid(),
+    log_event(logger, "relay_listening", relay=index, pid=os.getpid(),
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     stopped = asyncio.create_task(until_stopped())
     try:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(serve(args.fd, args.channel, args.index))
     except (ConnectionError, FileNotFoundError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
-        log_event(logger, logging.ERROR, "relay_failed", relay=args.index, error=f"{type(exc).__name__}: {exc}")
+        log_event(logger, "relay_failed", level=logging.ERROR, relay=args.index, error=f"{type(exc).__name__}: {exc}")
         return 1
     return 0
 

@@ -179,7 +179,7 @@ class RemoteFlowController:
 
     def lost(self) -> None:
         """Flow control is gone: nothing this relay holds can be decided any more."""
-        log_event(logger, logging.ERROR, "flow_control_lost", requests=len(self._requests))
+        log_event(logger, "flow_control_lost", level=logging.ERROR, requests=len(self._requests))
         for req in list(self._requests.values()):
             if req.task is not None:
                 req.task.cancel()
