@@ -70,9 +70,9 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     tokenizer.json)."""
     from gateway.config import parse_config
     from gateway.flow.controller import FlowController
+    from gateway.flow.request import FlowRequest
     from gateway.metrics import GatewayMetrics
     from gateway.replicas import ReplicaPool
-    from gateway.flow.request import FlowRequest
     from gateway.tokenization import PromptCounter
 
     [sim] = start_sims(children, tmp, "sim-path", 1, "--zero-latency")
