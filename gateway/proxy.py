@@ -9,10 +9,10 @@ caller leaving or its transport draining). Eviction and client disconnects both 
 the handler task: the upstream connection is dropped (never pooled), so the replica aborts the request.
 With KV admission on, the body is parsed and its prompt counted before flow control, and the relay counts
 streamed tokens (vLLM's running `usage.completion_tokens` when the stream carries it, else one per `data: {`
-event) so the ledger's reservation follows the response. Until the first byte of an answer, a replica that
-refuses the connection, dies with the request or refuses the gateway's key is taken out and the request moves
-to another one (flow control moves its slot and KV reservation); a request that reached a replica which died
-is sent once more, no further.
+event, gateway/stream_tokens.py) so the ledger's reservation follows the response. Until the first byte of an
+answer, a replica that refuses the connection, dies with the request or refuses the gateway's key is taken out
+and the request moves to another one (gateway/failover.py). However a forwarded request ends, `_forward` tells
+flow control once, the moment it ended, before the rest of the answer (an eof, the evicted event) goes out.
 `controller` is any `FlowControl` (gateway/flow/interface.py): the FlowController in one process, or in a relay of
 `--workers N` the RemoteFlowController that asks the flow-control process: the same calls, so this is the one
 relay path.
@@ -33,13 +33,15 @@ from multidict import CIMultiDict
 
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
+from gateway.failover import Failover
 from gateway.flow.interface import FlowControl, Outcome
 from gateway.flow.ledger import Reservation
+from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.flow.request import DropReason, FlowRequest, Status
-from gateway.replicas import UNAUTHORIZED, Replica
+from gateway.replicas import Replica
 from gateway.responses import drop_response, embeddings_not_served, error_response, evicted_sse_event
+from gateway.stream_tokens import StreamTokenCount
 from gateway.tokenization import PromptCounter
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
@@ -54,10 +56,6 @@ _HOP_BY_HOP = frozenset({
 })
 # Our own request headers are not forwarded (the gateway key is ours, not the replica's).
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
-_EVENT = b"data: {"
-_FINISHED, _FINISHED_SPACED = b'"finish_reason":"', b'"finish_reason": "'
-# vLLM's running count in each chunk of a stream asked for `stream_options.continuous_usage_stats`.
-_COMPLETION_TOKENS = b'"completion_tokens":'
 EMBEDDINGS = "/v1/embeddings"
 
 
@@ -73,6 +71,7 @@ class Proxy:
         self.upstream: UpstreamPool | None = None  # inference requests (gateway/upstream.py)
         self.classifier = Classifier(controller.loaded)
         self.counter = self._counter()
+        self.failover = Failover(controller, metrics, self._upstream_headers, self._upstream_failure)
 
     def _counter(self) -> PromptCounter:
         counter = PromptCounter(self.controller.loaded.config.admission, self._count_fallback, self._counted)
@@ -144,25 +143,18 @@ class Proxy:
                 return refused
         req.task = asyncio.current_task()
         outcome = controller.submit(req)
-        if outcome is Outcome.REJECTED:
-            return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
         try:
             if outcome is Outcome.QUEUED:
                 outcome = await req.waiter  # type: ignore[misc]
-                if outcome is Outcome.REJECTED:
-                    return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
-            return await self._forward(request, req, body)
-        except asyncio.CancelledError:
-            if req.status is Status.QUEUED:
+        except asyncio.CancelledError as exc:
+            if req.status is Status.QUEUED:  # the caller left while it waited: nothing was dispatched
                 controller.withdraw(req)
                 raise
-            if req.drop_reason is DropReason.EVICTED and req.status is Status.DISPATCHED:
-                # Evicted before the upstream call started: nothing to close.
-                _uncancel()
-                controller.finish(req)
-                return drop_response(DropReason.EVICTED, request_id)
-            controller.finish(req, "disconnect", time.monotonic())
-            raise
+            # Decided meanwhile (dispatched, maybe evicted already): nothing sent yet, it ends as any cancel does.
+            return await self._forward(request, req, body, cancelled=exc)
+        if outcome is Outcome.REJECTED:
+            return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
+        return await self._forward(request, req, body)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request.headers)
@@ -219,232 +211,207 @@ class Proxy:
         return error_response(502, f"The model replica failed: {type(exc).__name__}; retry the request.",
                               "upstream_error", "upstream_error", request_id)
 
-    async def _move(self, req: FlowRequest, reason: str, failed: web.Response) -> web.Response | None:
-        """Nothing of the answer has reached the caller and its replica is out: flow control hands the request to
-        another healthy replica with room, moving its slot and KV reservation; `failed` is the answer (finished)
-        when none is left."""
-        old: Replica = req.replica  # type: ignore[assignment]
-        replica = await self.controller.reassign(req)
-        if replica is None:
-            self.controller.finish(req, "error", time.monotonic())
-            return failed
-        self.metrics.child(self.metrics.upstream_moves, reason).inc()
-        log_event(logger, "upstream_moved", request_id=req.request_id, replica=old.url,
-                  to=replica.url, reason=reason)
-        return None
-
-    async def _exchange(self, request: web.Request, req: FlowRequest, body: bytes) -> UpstreamConnection | web.Response:
-        """Send the request to its replica until the response headers are in: the connection, or the answer when
-        no replica could take it (the request is finished then). Until the first byte of an answer, a failed
-        replica is taken out and the request moves on (`_move`); a request that reached a replica which died is
-        sent once more, no further. Raises the exchange's error (timeout, bad HTTP) with the connection closed."""
-        pool = self.upstream
-        assert pool is not None
-        conn: UpstreamConnection | None = None
-        fresh = False  # the next connection is a new one (the pooled one was closed while idle)
-        resent = False
+    # -- forwarding: the answer, and the one place a request is finished -------------------------------------
+    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes,
+                       cancelled: asyncio.CancelledError | None = None) -> web.StreamResponse:
+        """Send a dispatched request to its replica and relay the answer (`_relay`). Each step records how the
+        request ended; flow control is told here, once, the moment it ended, and then the rest of the answer
+        goes out (`_conclude`): the end of a stream, the evicted answer, or the failure. `cancelled`: the handler
+        was cancelled (evicted, or the caller left) before anything was sent."""
+        fw = _Forwarding(request, req)
         try:
-            while True:
-                replica: Replica = req.replica  # type: ignore[assignment]
-                try:
-                    conn = await pool.open(replica.url, fresh=fresh)
-                except ConnectFailed as exc:
-                    # Nothing reached the replica, so another one may take the request.
-                    failed = await self._move(req, "connect", self._upstream_failure(replica, exc, req.request_id))
-                    if failed is not None:
-                        return failed
-                    fresh = False
-                    continue
-                except asyncio.TimeoutError as exc:
-                    self.controller.finish(req, "error", time.monotonic())
-                    return self._upstream_failure(replica, exc, req.request_id)
-                conn.send(request.method, request.path_qs,
-                          self._upstream_headers(request, req.request_id, replica.url), body)
-                try:
-                    while not conn.status:
-                        await conn.wait()
-                except UpstreamError as exc:
-                    if not conn.unanswered():
-                        raise
-                    stale = conn.stale()
-                    pool.put(conn)
-                    conn = None
-                    fresh = stale
-                    if stale:
-                        # The replica had closed this pooled connection while it was idle and read nothing of
-                        # the request: send it once more on a new connection.
-                        continue
-                    # A new connection closed before one byte of an answer: the replica died with the request.
-                    failed = self._upstream_failure(replica, exc, req.request_id, down=True)
-                    if resent:
-                        self.controller.finish(req, "error", time.monotonic())
-                        return failed
-                    resent = True
-                    failed = await self._move(req, "closed", failed)
-                    if failed is not None:
-                        return failed
-                    continue
-                if conn.status not in UNAUTHORIZED:
-                    return conn
-                # The caller's key is never forwarded: the replica refuses the gateway's own.
-                status = conn.status
-                self.controller.pool.mark_unauthorized(replica, request.path, status)
-                conn.close()
-                pool.put(conn)
-                conn = None
-                self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
-                failed = await self._move(req, "unauthorized", error_response(
-                    502, f"The model replica refused the gateway's own key (HTTP {status}); the gateway's operator "
-                    "must set upstream.apiKey (or upstream.replicaKeys) to the replicas' --api-key.",
-                    "upstream_error", "upstream_unauthorized", req.request_id))
-                if failed is not None:
-                    return failed
-                fresh = False
-        except BaseException:
-            if conn is not None:  # cancelled (eviction, the caller left) or failed: never pooled
-                conn.close()
-                pool.put(conn)
-            raise
+            try:
+                if cancelled is not None:
+                    raise cancelled
+                await self._relay(fw, body)
+            except asyncio.CancelledError as exc:
+                self._cancelled(fw, exc)
+            except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
+                fw.close_upstream()
+                fw.ended("error", time.monotonic(), error=exc)
+            self.controller.finish(req, fw.cause, fw.at)
+            return await self._conclude(fw)
+        finally:
+            if fw.conn is not None:
+                self.upstream.put(fw.conn)  # type: ignore[union-attr]
 
-    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes) -> web.StreamResponse:
-        pool = self.upstream
-        assert pool is not None and req.replica is not None
-        controller = self.controller
-        request_id = req.request_id
-        conn: UpstreamConnection | None = None
-        stream: web.StreamResponse | None = None
-        try:
-            exchanged = await self._exchange(request, req, body)
-            if isinstance(exchanged, web.Response):
-                return exchanged
-            conn = exchanged
-            replica: Replica = req.replica  # type: ignore[assignment]
-            headers = response_headers(conn.headers, _HOP_BY_HOP)
-            headers[REQUEST_ID_HEADER] = request_id
-            headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
-            if req.enqueued_at:  # it waited in a queue
-                headers[QUEUE_MS_HEADER] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
-            content_type = headers.get("Content-Type", "")
-            if not content_type.startswith("text/event-stream") and conn.sized:
-                while not conn.complete:
-                    await conn.wait()
-                data = conn.take()
-                self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
-                controller.finish(req, "end", time.monotonic())
-                if conn.status == 404 and request.path == EMBEDDINGS and _route_not_found(data):
-                    # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
-                    if not replica.serves_no_embeddings():
-                        log_event(logger, "replica_serves_no_embeddings", level=logging.WARNING, replica=replica.url,
-                                  model=replica.model, hint="point /v1/embeddings at replicas started with an "
-                                  "embedding model")
-                    replica.no_embeddings_model = replica.model or ""
-                    return embeddings_not_served(replica, request_id)
-                return web.Response(status=conn.status, body=data, headers=headers)
-            stream = web.StreamResponse(status=conn.status, headers=headers)
-            conn.streaming = True
-            while not conn.pieces and not conn.complete:
-                await conn.wait()
+    async def _relay(self, fw: _Forwarding, body: bytes) -> None:
+        """The exchange, then the answer: read whole when sized and not an event stream, else relayed."""
+        request, req = fw.request, fw.req
+        exchanged = await self.failover.exchange(self.upstream, request, req, body)  # type: ignore[arg-type]
+        if isinstance(exchanged, web.Response):  # no replica could take it
+            fw.ended("error", time.monotonic(), answer=exchanged)
+            return
+        fw.conn = conn = exchanged
+        replica: Replica = req.replica  # type: ignore[assignment]
+        headers = response_headers(conn.headers, _HOP_BY_HOP)
+        headers[REQUEST_ID_HEADER] = req.request_id
+        headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
+        if req.enqueued_at:  # it waited in a queue
+            headers[QUEUE_MS_HEADER] = f"{(req.dispatched_at - req.arrived) * 1000:.2f}"
+        event_stream = headers.get("Content-Type", "").startswith("text/event-stream")
+        if not event_stream and conn.sized:
+            await self._read_whole(fw, headers)
+        else:
+            await self._relay_stream(fw, headers, event_stream)
+
+    async def _read_whole(self, fw: _Forwarding, headers: CIMultiDict) -> None:
+        conn, req = fw.conn, fw.req
+        assert conn is not None
+        while not conn.complete:
+            await conn.wait()
+        data = conn.take()
+        self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
+        fw.ended("end", time.monotonic())
+        replica: Replica = req.replica  # type: ignore[assignment]
+        if conn.status == 404 and fw.request.path == EMBEDDINGS and _route_not_found(data):
+            # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
+            if not replica.serves_no_embeddings():
+                log_event(logger, "replica_serves_no_embeddings", level=logging.WARNING, replica=replica.url,
+                          model=replica.model, hint="point /v1/embeddings at replicas started with an "
+                          "embedding model")
+            replica.no_embeddings_model = replica.model or ""
+            fw.answer = embeddings_not_served(replica, req.request_id)
+        else:
+            fw.answer = web.Response(status=conn.status, body=data, headers=headers)
+
+    async def _relay_stream(self, fw: _Forwarding, headers: CIMultiDict, event_stream: bool) -> None:
+        """Headers go out with the first body chunk (an eviction before it is still a clean 429); then the
+        connection relays the rest by itself."""
+        request, req, conn = fw.request, fw.req, fw.conn
+        assert conn is not None
+        fw.stream = stream = web.StreamResponse(status=conn.status, headers=headers)
+        conn.streaming = True
+        while not conn.pieces and not conn.complete:
+            await conn.wait()
+        chunk = conn.take()
+        if chunk:
+            # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
+            self.metrics.child(self.metrics.ttft, req.objective, "true" if event_stream else "false").observe(
+                time.monotonic() - req.arrived)
+            await stream.prepare(request)
+            self.controller.started_streaming(req)
+            try:
+                await self._relay_body(fw, chunk)
+            except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
+                conn.close()
+                fw.ended("cancel", time.monotonic(), answer=stream)
+                log_event(logger, "caller_left_stream", request_id=req.request_id)
+                return
+        fw.ended("end", time.monotonic())
+
+    async def _relay_body(self, fw: _Forwarding, chunk: bytes) -> None:
+        """The first chunk carries the headers; then the connection relays the rest by itself, waking this task
+        only at the end, on an error, when the caller left or must drain."""
+        request, req, conn, stream = fw.request, fw.req, fw.conn, fw.stream
+        assert conn is not None and stream is not None
+        res = req.reservation if isinstance(req.reservation, Reservation) else None
+        counter = StreamTokenCount(self.controller, req, res).count if res is not None else None
+        while chunk:
+            if counter is not None:
+                counter(chunk)
+            await stream.write(chunk)
             chunk = conn.take()
-            if chunk:
-                # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
-                streamed = "true" if content_type.startswith("text/event-stream") else "false"
-                self.metrics.child(self.metrics.ttft, req.objective, streamed).observe(time.monotonic() - req.arrived)
-                await stream.prepare(request)
-                controller.started_streaming(req)
-                res = req.reservation if isinstance(req.reservation, Reservation) else None
-                counter = _TokenCount(controller, req, res).count if res is not None else None
-                try:
-                    # The first chunk carries the headers; then the connection relays the rest by itself,
-                    # waking this task only at the end, on an error, when the caller left or must drain.
-                    while chunk:
-                        if counter is not None:
-                            counter(chunk)
-                        await stream.write(chunk)
-                        chunk = conn.take()
-                    client = request.transport
-                    if client is None or client.is_closing():
-                        raise ConnectionResetError("the caller closed the connection")
-                    conn.relay(client, request.protocol,
-                               stream.headers.get("Transfer-Encoding", "").lower() == "chunked", counter)
-                    while not conn.complete:
-                        await conn.wait()
-                        if conn.left:
-                            raise ConnectionResetError("the caller closed the connection")
-                        if conn.paused:
-                            await _drained(request)
-                            conn.resume()
-                except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
-                    conn.close()
-                    controller.finish(req, "cancel", time.monotonic())
-                    log_event(logger, "caller_left_stream", request_id=request_id)
-                    return stream
-            controller.finish(req, "end", time.monotonic())
+        client = request.transport
+        if client is None or client.is_closing():
+            raise ConnectionResetError("the caller closed the connection")
+        conn.relay(client, request.protocol, stream.headers.get("Transfer-Encoding", "").lower() == "chunked",
+                   counter)
+        while not conn.complete:
+            await conn.wait()
+            if conn.left:
+                raise ConnectionResetError("the caller closed the connection")
+            if conn.paused:
+                await _drained(request)
+                conn.resume()
+
+    def _cancelled(self, fw: _Forwarding, exc: asyncio.CancelledError) -> None:
+        """The handler was cancelled: the request was evicted, or its caller left."""
+        seen = time.monotonic()
+        fw.close_upstream()
+        req = fw.req
+        if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
+            # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
+            fw.ended("cancel" if req.streaming_started else "disconnect", seen, error=exc)
+            return
+        _uncancel()  # we answer the eviction ourselves
+        fw.evicted = True
+        fw.ended("evict", None)  # flow control times an eviction from its decision
+
+    async def _conclude(self, fw: _Forwarding) -> web.StreamResponse:
+        """Flow control knows the request ended: finish the answer, or end the handler with the error."""
+        if fw.evicted:
+            return await self._evicted(fw)
+        if isinstance(fw.error, asyncio.CancelledError):
+            raise fw.error
+        if fw.error is not None:
+            return self._broken(fw, fw.error)
+        if fw.answer is not None:
+            return fw.answer
+        stream = fw.stream  # relayed whole
+        assert stream is not None
+        try:
             if not stream.prepared:
-                await stream.prepare(request)
+                await stream.prepare(fw.request)
             # The whole answer was relayed; a caller that left before the final chunk is no error.
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
                 await stream.write_eof()
-            return stream
         except asyncio.CancelledError:
-            seen = time.monotonic()
-            if conn is not None:
-                conn.close()
-            if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
-                # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
-                controller.finish(req, "cancel" if req.streaming_started else "disconnect", seen)
-                raise
-            _uncancel()
-            controller.finish(req)
-            if stream is not None and stream.prepared:
-                controller.count_mid_stream_eviction()
-                log_event(logger, "evicted_mid_stream", request_id=request_id)
-                with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
-                    await stream.write(evicted_sse_event())
-                    await stream.write_eof()
-                return stream
-            return drop_response(DropReason.EVICTED, request_id)
-        except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
-            if conn is not None:
-                conn.close()
-            controller.finish(req, "error", time.monotonic())
-            failed: Replica = req.replica  # type: ignore[assignment]
-            if stream is not None and stream.prepared:
-                # Status and part of the body are out; dropping the connection is the only honest signal.
-                log_event(logger, "stream_broken", level=logging.WARNING, request_id=request_id,
-                          replica=failed.url, error=f"{type(exc).__name__}: {exc}")
-                raise
-            return self._upstream_failure(failed, exc, request_id)
-        finally:
-            if conn is not None:
-                pool.put(conn)
+            fw.close_upstream()
+            raise
+        except (UpstreamError, OSError) as exc:
+            fw.close_upstream()
+            return self._broken(fw, exc)
+        return stream
+
+    async def _evicted(self, fw: _Forwarding) -> web.StreamResponse:
+        """429 `evicted` while nothing went out; mid-stream, the SSE evicted event ends the stream."""
+        stream = fw.stream
+        if stream is not None and stream.prepared:
+            self.controller.count_mid_stream_eviction()
+            log_event(logger, "evicted_mid_stream", request_id=fw.req.request_id)
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
+                await stream.write(evicted_sse_event())
+                await stream.write_eof()
+            return stream
+        return drop_response(DropReason.EVICTED, fw.req.request_id)
+
+    def _broken(self, fw: _Forwarding, exc: BaseException) -> web.Response:
+        """The exchange failed: 502 while nothing went out; after the status and part of the body, dropping the
+        connection is the only honest signal."""
+        failed: Replica = fw.req.replica  # type: ignore[assignment]
+        if fw.stream is not None and fw.stream.prepared:
+            log_event(logger, "stream_broken", level=logging.WARNING, request_id=fw.req.request_id,
+                      replica=failed.url, error=f"{type(exc).__name__}: {exc}")
+            raise exc
+        return self._upstream_failure(failed, exc, fw.req.request_id)
 
 
-class _TokenCount:
-    """The KV ledger's view of a relayed stream, revised only when the reservation's blocks change
-    (KvLedger.revision_due) or the generation finished. The tokens are vLLM's own running count when the stream
-    carries one (`usage.completion_tokens` in every chunk: several tokens may come in one event, and a token
-    whose bytes are not yet a whole character comes as an empty one), else one per `data: {` event."""
+class _Forwarding:
+    """One dispatched request on its way: its connection, the caller's stream, and how it ended."""
 
-    __slots__ = ("controller", "req", "res", "ledger", "tokens", "due", "usage")
+    __slots__ = ("request", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted")
 
-    def __init__(self, controller: FlowControl, req: FlowRequest, res: Reservation):
-        self.controller, self.req, self.res = controller, req, res
-        self.ledger = controller.ledger
-        self.tokens = 0
-        self.due = self.ledger.revision_due(res)
-        self.usage = False  # the stream carries usage: events are not counted any more
+    def __init__(self, request: web.Request, req: FlowRequest):
+        self.request, self.req = request, req
+        self.conn: UpstreamConnection | None = None
+        self.stream: web.StreamResponse | None = None
+        # How it ended, for flow control (finish's cause and when it was seen), and what is left to answer.
+        self.cause = "end"
+        self.at: float | None = None
+        self.answer: web.StreamResponse | None = None
+        self.error: BaseException | None = None
+        self.evicted = False
 
-    def count(self, chunk: bytes) -> None:
-        reported = _completion_tokens(chunk)
-        if reported is not None:
-            self.usage = True
-            self.tokens = max(self.tokens, reported)
-        elif not self.usage:
-            self.tokens += chunk.count(_EVENT)
-        done = _FINISHED in chunk or _FINISHED_SPACED in chunk
-        if done or self.tokens >= self.due:
-            self.controller.revise(self.req, self.tokens, done=done)
-            self.due = self.ledger.revision_due(self.res)
+    def ended(self, cause: str, at: float | None, *, answer: web.StreamResponse | None = None,
+              error: BaseException | None = None) -> None:
+        """`cause` and `at` (monotonic; None: flow control times it, an eviction from its decision) for finish."""
+        self.cause, self.at = cause, at
+        self.answer, self.error = answer, error
+
+    def close_upstream(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
 
 async def _drained(request: web.Request) -> None:
@@ -452,22 +419,6 @@ async def _drained(request: web.Request) -> None:
     protocol = request.protocol
     if protocol.writing_paused:
         await protocol._drain_helper()
-
-
-def _completion_tokens(chunk: bytes) -> int | None:
-    """The last `"completion_tokens": N` in `chunk` (None when there is none, or its digits are cut off)."""
-    at = chunk.rfind(_COMPLETION_TOKENS)
-    if at < 0:
-        return None
-    start = at + len(_COMPLETION_TOKENS)
-    while start < len(chunk) and chunk[start] == 0x20:
-        start += 1
-    end = start
-    while end < len(chunk) and 0x30 <= chunk[end] <= 0x39:
-        end += 1
-    if end == start or end == len(chunk):  # no digits, or the number may go on in the next chunk
-        return None
-    return int(chunk[start:end])
 
 
 def _route_not_found(body: bytes) -> bool:

@@ -436,10 +436,10 @@ class _Controller:
 
 
 def stream_count(data: bytes, chunks: list[bytes] | None = None) -> tuple[int, list[tuple[int, bool]]]:
-    from gateway.proxy import _TokenCount
+    from gateway.stream_tokens import StreamTokenCount
 
     controller = _Controller()
-    counter = _TokenCount(controller, None, None)  # type: ignore[arg-type]
+    counter = StreamTokenCount(controller, None, None)  # type: ignore[arg-type]
     for chunk in chunks if chunks is not None else [e + b"\n\n" for e in data.split(b"\n\n") if e]:
         counter.count(chunk)
     return counter.tokens, controller.revisions

@@ -1,0 +1,144 @@
+"""Sending a dispatched request to its replica until the response headers are in, and failing over.
+
+Until the first byte of an answer a failed replica is taken out and the request moves to another healthy one
+with room (flow control's `reassign` moves its slot and its KV reservation): a replica that refuses the
+connection, one that closes a new connection before answering (it died with the request, which is then sent once
+more, no further) and one that answers 401/403 (it refuses the gateway's own key). A pooled connection the
+replica had closed while it sat idle read nothing of the request: it is sent again on a new connection. With no
+replica left the answer is the last failure (502).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.flow.interface import FlowControl
+from gateway.flow.request import FlowRequest
+from gateway.log import log_event
+from gateway.metrics import GatewayMetrics
+from gateway.replicas import UNAUTHORIZED, Replica
+from gateway.responses import error_response
+from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool
+
+logger = logging.getLogger("gateway.proxy")
+
+
+class Failover:
+    def __init__(self, controller: FlowControl, metrics: GatewayMetrics,
+                 headers: Callable[[web.Request, str, str], CIMultiDict],
+                 failure: Callable[..., web.Response]):
+        self.controller = controller
+        self.metrics = metrics
+        # The request headers for a replica (request, request id, replica url), and the proxy's count, log and
+        # answer for a transport failure (replica, exc, request id, down=).
+        self.headers = headers
+        self.failure = failure
+
+    async def exchange(self, pool: UpstreamPool, request: web.Request, req: FlowRequest,
+                       body: bytes) -> UpstreamConnection | web.Response:
+        """The connection with the response headers in, or the answer when no replica could take the request.
+        Raises the exchange's error (timeout, bad HTTP) with the connection closed."""
+        sends = _Sends(pool, request, req, body)
+        while True:
+            sent = await self._send(sends)
+            if sent is not None:
+                return sent
+
+    async def _send(self, s: _Sends) -> UpstreamConnection | web.Response | None:
+        """One send to the request's replica: its connection with the response headers in, the answer when no
+        replica is left, or None to send again (to another replica, or on a new connection)."""
+        req = s.req
+        replica: Replica = req.replica  # type: ignore[assignment]
+        try:
+            conn = await s.pool.open(replica.url, fresh=s.fresh)
+        except ConnectFailed as exc:
+            # Nothing reached the replica, so another one may take the request.
+            s.fresh = False
+            return await self._move(req, "connect", self.failure(replica, exc, req.request_id))
+        except asyncio.TimeoutError as exc:
+            return self.failure(replica, exc, req.request_id)
+        try:
+            conn.send(s.request.method, s.request.path_qs, self.headers(s.request, req.request_id, replica.url),
+                      s.body)
+            lost = await _headers_in(conn)
+        except BaseException:  # cancelled (eviction, the caller left) or failed: never pooled
+            conn.close()
+            s.pool.put(conn)
+            raise
+        if lost is not None:
+            return await self._unanswered(s, conn, lost)
+        if conn.status in UNAUTHORIZED:
+            return await self._refused_key(s, conn)
+        return conn
+
+    async def _unanswered(self, s: _Sends, conn: UpstreamConnection, exc: UpstreamError) -> web.Response | None:
+        """The connection closed before one byte of an answer."""
+        stale = conn.stale()
+        s.pool.put(conn)
+        s.fresh = stale
+        if stale:
+            # The replica had closed this pooled connection while it was idle and read nothing of the request:
+            # send it once more on a new connection.
+            return None
+        # A new connection closed before one byte of an answer: the replica died with the request.
+        failed = self.failure(s.req.replica, exc, s.req.request_id, down=True)
+        if s.resent:
+            return failed
+        s.resent = True
+        return await self._move(s.req, "closed", failed)
+
+    async def _refused_key(self, s: _Sends, conn: UpstreamConnection) -> web.Response | None:
+        """The replica answered 401/403: the caller's key is never forwarded, so it refuses the gateway's own."""
+        replica: Replica = s.req.replica  # type: ignore[assignment]
+        status = conn.status
+        self.controller.pool.mark_unauthorized(replica, s.request.path, status)
+        conn.close()
+        s.pool.put(conn)
+        self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
+        s.fresh = False
+        return await self._move(s.req, "unauthorized", error_response(
+            502, f"The model replica refused the gateway's own key (HTTP {status}); the gateway's operator "
+            "must set upstream.apiKey (or upstream.replicaKeys) to the replicas' --api-key.",
+            "upstream_error", "upstream_unauthorized", s.req.request_id))
+
+    async def _move(self, req: FlowRequest, reason: str, failed: web.Response) -> web.Response | None:
+        """Nothing of the answer has reached the caller and its replica is out: flow control hands the request to
+        another healthy replica with room, moving its slot and KV reservation (None: send it there); `failed` is
+        the answer when none is left."""
+        old: Replica = req.replica  # type: ignore[assignment]
+        replica = await self.controller.reassign(req)
+        if replica is None:
+            return failed
+        self.metrics.child(self.metrics.upstream_moves, reason).inc()
+        log_event(logger, "upstream_moved", request_id=req.request_id, replica=old.url,
+                  to=replica.url, reason=reason)
+        return None
+
+
+class _Sends:
+    """The sends of one request: what to send where, whether the next needs a new connection, whether it was
+    sent once more after its replica died."""
+
+    __slots__ = ("pool", "request", "req", "body", "fresh", "resent")
+
+    def __init__(self, pool: UpstreamPool, request: web.Request, req: FlowRequest, body: bytes):
+        self.pool, self.request, self.req, self.body = pool, request, req, body
+        self.fresh = False  # the next connection is a new one (the pooled one was closed while idle)
+        self.resent = False
+
+
+async def _headers_in(conn: UpstreamConnection) -> UpstreamError | None:
+    """Wait for the response headers; the error when the connection closed before one byte of an answer came."""
+    try:
+        while not conn.status:
+            await conn.wait()
+    except UpstreamError as exc:
+        if conn.unanswered():
+            return exc
+        raise
+    return None
