@@ -34,6 +34,7 @@ import aiohttp
 from gateway.config import Admission, ConfigError
 from gateway.log import log_event
 from gateway.replicas import Replica
+from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, render_chat
 
 logger = logging.getLogger("gateway.tokens")
 
@@ -141,16 +142,13 @@ def file_tokenizer(path: str) -> InProcess:
 
 
 def _simulator_count(prompt: Any, chat: bool, options: Mapping[str, Any]) -> int | None:
-    """The simulator's own count (its chat template, its tokenizer); None for a prompt it would refuse."""
-    from model_sim.errors import ApiError
-    from model_sim.protocol import chat_prompt
-    from model_sim.tokenizer import Tokenizer
-
+    """The simulator's own count (its chat template, its tokenizer: holdback.sim_tokenizer, the code the simulator
+    runs); None for a prompt it would refuse."""
     tokenizer = Tokenizer()
     try:
         if chat:
-            return tokenizer.count(chat_prompt({**options, "messages": prompt}).text)
-    except ApiError:
+            return tokenizer.count(render_chat(prompt, *chat_switches(options)))
+    except ChatTemplateError:
         return None
     return _count_texts(prompt, lambda texts: [tokenizer.count(t) for t in texts])
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import random
 
-from model_sim.tokenizer import piece_to_id
+from holdback.sim_tokenizer import piece_to_id
 
 # Short words so that " word" is one token of the simulator's tokenizer.
 WORDS = (

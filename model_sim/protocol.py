@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat
 from model_sim.errors import ApiError, InvalidRequest, ValidationFailed, error_body, type_for_status
-from model_sim.tokenizer import Tokenizer
-
-CHAT_ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
 # vLLM's VLLM_MAX_N_SEQUENCES default: the most choices one request may ask for.
@@ -66,56 +64,19 @@ class ChatPrompt:
 
 
 def chat_prompt(body: dict) -> ChatPrompt:
-    """Render `messages` with vLLM's `add_generation_prompt` (default true) and `continue_final_message`.
+    """Render `messages` with vLLM's `add_generation_prompt` (default true) and `continue_final_message`, with the
+    simulator's chat template (holdback.sim_tokenizer, which the gateway counts prompts with too).
 
     Continuing the final message leaves it open (no end of turn, no new assistant header), so the
     model writes on in the same message: how an interrupted assistant answer is resumed.
     """
-    add_generation_prompt = _bool_field(body, "add_generation_prompt", True)
-    continue_final = _bool_field(body, "continue_final_message")
-    if continue_final and add_generation_prompt:
-        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to true; "
-                             "send \"add_generation_prompt\": false to continue the final message.",
-                             "continue_final_message")
-    text = render_chat(body.get("messages"), add_generation_prompt, continue_final)
-    continued = _content_text(body["messages"][-1].get("content"), len(body["messages"]) - 1) if continue_final else None
+    try:
+        add_generation_prompt, continue_final = chat_switches(body)
+        text = render_chat(body.get("messages"), add_generation_prompt, continue_final)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(exc.message, exc.param) from None
+    continued = content_text(body["messages"][-1].get("content"), len(body["messages"]) - 1) if continue_final else None
     return ChatPrompt(text, continued)
-
-
-def render_chat(messages, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-    """The simulator's chat template: one `<|role|>` header per message, then the assistant header."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("\"messages\" is required: send a non-empty list of {\"role\", \"content\"} objects.",
-                             "messages")
-    parts = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object with \"role\" and \"content\".", "messages")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}.", "messages")
-        parts.append(f"<|{role}|>\n{_content_text(message.get('content'), i)}\n")
-    if continue_final_message:
-        parts[-1] = parts[-1][:-1]  # the final message stays open
-    elif add_generation_prompt:
-        parts.append("<|assistant|>\n")
-    return "".join(parts)
-
-
-def _content_text(content, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                raise InvalidRequest(
-                    f"messages[{index}].content parts must be {{\"type\": \"text\", \"text\": ...}}; "
-                    "the simulator accepts text only.", "messages")
-        return "\n".join(texts)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts.", "messages")
 
 
 def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:

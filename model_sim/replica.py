@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from holdback.sim_tokenizer import Tokenizer
 from model_sim.config import SimConfig
 from model_sim.engine import Engine
 from model_sim.faults import FaultInjector
@@ -18,7 +19,6 @@ from model_sim.generation import OutputLengthSampler
 from model_sim.kv_usage import KvUsageHistory
 from model_sim.metrics import ReplicaMetrics
 from model_sim.server import build_app
-from model_sim.tokenizer import Tokenizer
 
 
 # What /admin/state shows of the KV usage history unless `history_since` asks for more.

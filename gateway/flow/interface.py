@@ -48,39 +48,30 @@ class FlowControl(Protocol):
     @property
     def loaded(self) -> LoadedConfig:
         """The running config (keys, replica keys, the admission settings the prompt counter follows)."""
-        ...
 
     @property
     def admission_enabled(self) -> bool:
         """KV admission is on: the proxy counts each request's prompt and output limit before `submit`."""
-        ...
 
     def submit(self, req: FlowRequest) -> Outcome:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
-        ...
 
     def withdraw(self, req: FlowRequest) -> None:
         """The caller left while `req` was queued."""
-        ...
 
     def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None) -> None:
         """A dispatched request is over (`cause`: end, cancel, disconnect, evict, error, seen at `event_at`)."""
-        ...
 
     async def reassign(self, req: FlowRequest) -> Replica | None:
         """Move a dispatched request, nothing of whose answer went out, off its failed replica; None: no other."""
-        ...
 
     def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
         """Relayed output so far (`done`: the generation finished)."""
-        ...
 
     def started_streaming(self, req: FlowRequest) -> None:
         """The first body chunk of the answer went out."""
-        ...
 
     def count_mid_stream_eviction(self) -> None: ...
 
     def count_tokenizer_fallback(self) -> None:
         """A prompt was estimated from its characters: nothing could count it."""
-        ...

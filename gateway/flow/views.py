@@ -49,7 +49,6 @@ class QueueView(Protocol):
 
     def head(self) -> tuple[tuple, RequestView] | None:
         """(ordering key, request) of the request this flow would dispatch next; None when it is empty."""
-        ...
 
 
 class BandView(Protocol):

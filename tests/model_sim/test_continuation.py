@@ -9,7 +9,7 @@ import json
 import pytest
 
 from model_sim.generation import WORDS, continuation_offset, output_text
-from model_sim.protocol import render_chat
+from holdback.sim_tokenizer import render_chat
 from tests.model_sim.test_engine_http import prompt_of, sse_events
 
 QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]

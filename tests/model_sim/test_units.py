@@ -12,7 +12,7 @@ from model_sim.engine import Engine, RequestRejected
 from model_sim.generation import OutputLengthMode, OutputLengthSampler, output_text
 from model_sim.request import RequestStatus
 from model_sim.timing import TimingModel
-from model_sim.tokenizer import Tokenizer
+from holdback.sim_tokenizer import Tokenizer
 
 
 def test_step_time_formula_and_defaults():
