@@ -1,7 +1,8 @@
 """The gateway's configuration: one YAML file, validated into typed models, identified by its sha256 digest.
 
-Read once at the edge (`load_config`) and passed in; key values named by `key_env` are resolved here, so
-nothing deeper reads the environment. A bad file raises `ConfigError` with a message that names the key.
+Read once at the edge (`load_config`) and passed in; key values named by `key_env` are resolved here (the key
+entries and their resolution: gateway/keys.py), so nothing deeper reads the environment. A bad file raises
+`ConfigError` with a message that names the key.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.keys import UPSTREAM_KEY_ENV, AdminKey, Anonymous, ApiKey, KeyEntry, ReplicaKey, resolve_keys
 from holdback.contract import BATCH_OBJECTIVE, REALTIME_OBJECTIVE, STANDARD_OBJECTIVE
 
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
@@ -238,24 +240,6 @@ class Metrics(_Model):
     scrapeIntervalSeconds: float = Field(default=0.25, gt=0)
 
 
-# The environment variable `upstream.apiKey_env` names unless set: what a `--upstream-api-key` flag of
-# `holdback gateway` would be read from (holdback.env_flags), so the key never has to be in the file.
-UPSTREAM_KEY_ENV = "HOLDBACK_GATEWAY_UPSTREAM_API_KEY"
-
-
-class ReplicaKey(_Model):
-    """One replica's own key (its vLLM `--api-key`), for `upstream.replicaKeys`."""
-
-    key: str | None = None
-    key_env: str | None = Field(default=None, alias="keyEnv")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ReplicaKey":
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError("an upstream.replicaKeys entry needs exactly one of `key` or `key_env`")
-        return self
-
-
 class Upstream(_Model):
     connectTimeoutSeconds: float = Field(default=5.0, gt=0)
     timeoutSeconds: float = Field(default=0.0, ge=0)
@@ -275,41 +259,6 @@ class Upstream(_Model):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"upstream.replicaKeys: {url!r} must be a replica's http:// or https:// URL")
         return {url.rstrip("/"): key for url, key in keys.items()}
-
-
-class KeyEntry(_Model):
-    key: str | None = None
-    key_env: str | None = Field(default=None, alias="keyEnv")
-    tenant: str
-    objectives: list[str] = ["*"]
-    defaultObjective: str | None = None
-    # Prefix-cache scope (gateway.cache_salt): private to the tenant unless its prompts are public.
-    sharePublicPrompts: bool = False
-    permissionVersion: int = Field(default=1, ge=1)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "KeyEntry":
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError(f"key entry for tenant {self.tenant!r} needs exactly one of `key` or `key_env`")
-        return self
-
-
-class AdminKey(_Model):
-    key: str | None = None
-    key_env: str | None = Field(default=None, alias="keyEnv")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "AdminKey":
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError("an adminKeys entry needs exactly one of `key` or `key_env`")
-        return self
-
-
-class Anonymous(_Model):
-    enabled: bool = True
-    tenant: str = "anonymous"
-    objectives: list[str] = ["*"]
-    defaultObjective: str | None = None
 
 
 class GatewayConfig(_Model):
@@ -424,16 +373,6 @@ class GatewayConfig(_Model):
 
 
 @dataclass(frozen=True)
-class ApiKey:
-    key: str
-    tenant: str
-    objectives: frozenset[str]
-    default_objective: str | None
-    share_public_prompts: bool = False
-    permission_version: int = 1
-
-
-@dataclass(frozen=True)
 class LoadedConfig:
     """A validated config plus where it came from, its digest and its resolved API keys."""
 
@@ -485,41 +424,12 @@ def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -
             f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"{source}: {problems}") from exc
-    keys: list[ApiKey] = []
-    skipped: list[str] = []
-    for entry in config.keys:
-        value = entry.key
-        if entry.key_env is not None:
-            value = env.get(entry.key_env) or None
-            if value is None:
-                skipped.append(entry.key_env)
-                continue
-        keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective,
-                           entry.sharePublicPrompts, entry.permissionVersion))
-    if len({k.key for k in keys}) != len(keys):
+    keys = resolve_keys(config, env)
+    if len({k.key for k in keys.callers}) != len(keys.callers):
         raise ConfigError(f"{source}: two keys entries have the same key value")
-    up = config.upstream
-    upstream_key, upstream_source = up.apiKey, "upstream.apiKey" if up.apiKey else None
-    if up.apiKey_env and env.get(up.apiKey_env):
-        upstream_key, upstream_source = env[up.apiKey_env], f"${up.apiKey_env}"
-    replica_keys = []
-    for url, entry in up.replicaKeys.items():
-        value = entry.key if entry.key_env is None else env.get(entry.key_env) or None
-        if value is None:
-            skipped.append(entry.key_env or "")
-            continue
-        where = f"${entry.key_env}" if entry.key_env else "key"
-        replica_keys.append((url, value, f"upstream.replicaKeys[{url!r}] ({where})"))
-    admin_keys = set()
-    for entry in config.adminKeys:
-        value = entry.key if entry.key_env is None else env.get(entry.key_env) or None
-        if value is None:
-            skipped.append(entry.key_env or "")
-            continue
-        admin_keys.add(value)
     digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    return LoadedConfig(config, digest, source, tuple(keys), upstream_key, tuple(skipped), frozenset(admin_keys),
-                        upstream_source, tuple(replica_keys))
+    return LoadedConfig(config, digest, source, keys.callers, keys.upstream, keys.skipped_envs, keys.admin,
+                        keys.upstream_source, keys.replicas)
 
 
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> LoadedConfig:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import aiohttp
 
-from gateway.config import UPSTREAM_KEY_ENV
+from gateway.keys import UPSTREAM_KEY_ENV
 from gateway.log import log_event
 
 logger = logging.getLogger("gateway.replicas")

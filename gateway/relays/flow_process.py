@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Awaitable
 
 from gateway.app import Gateway
-from gateway.relays.channel import Channel
 from gateway.config import ConfigError
 from gateway.flow.controller import Outcome
+from gateway.flow.request import FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
-from gateway.flow.request import FlowRequest, Status
+from gateway.relays.channel import Channel
 
 logger = logging.getLogger("gateway.flow")
 

@@ -26,10 +26,10 @@ from aiohttp import web
 
 from gateway.app import (gateway_app, readiness, refuse_admin, rollback_request, until_stopped,
                          upstream_session)
-from gateway.relays.channel import Channel, ChannelClosed
 from gateway.log import configure_logging, log_event
 from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
+from gateway.relays.channel import Channel, ChannelClosed
 from gateway.relays.remote_flow import RemoteFlowController
 from gateway.responses import error_response
 from gateway.upstream import UpstreamPool

@@ -17,13 +17,13 @@ import logging
 import time
 from typing import Callable
 
-from gateway.relays.channel import Channel
 from gateway.config import LoadedConfig
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger, Reservation
-from gateway.log import log_event
-from gateway.replicas import Replica
 from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.log import log_event
+from gateway.relays.channel import Channel
+from gateway.replicas import Replica
 
 logger = logging.getLogger("gateway.relay")
 

@@ -2,13 +2,13 @@
 
 import pytest
 
-from gateway.policies.admission import Demand, KvAdmission, Outcome
 from gateway.calibration import Profile
 from gateway.config import Admission, ConfigError, Quota, parse_config
+from gateway.flow.interface import Outcome as FlowOutcome
 from gateway.flow.ledger import KvLedger
-from gateway.replicas import Replica
-from gateway.flow.controller import Outcome as FlowOutcome
 from gateway.flow.request import DropReason
+from gateway.policies.admission import Demand, KvAdmission, Outcome
+from gateway.replicas import Replica
 from tests.gateway.test_flow_control import controller, req, run
 
 

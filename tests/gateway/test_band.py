@@ -5,9 +5,9 @@ import math
 import pytest
 
 from gateway.flow.band import PriorityBand
-from gateway.policies.ordering import EarliestDeadline, ordering_policy
-from gateway.policies.fairness import fairness_policy
 from gateway.flow.request import FlowRequest, Status
+from gateway.policies.fairness import fairness_policy
+from gateway.policies.ordering import EarliestDeadline, ordering_policy
 
 
 def make(seq, fid="t", deadline=math.inf, expires=math.inf):

@@ -9,10 +9,11 @@ import asyncio
 import pytest
 
 from gateway.config import parse_config
-from gateway.flow.controller import FlowController, Outcome
+from gateway.flow.controller import FlowController
+from gateway.flow.interface import Outcome
+from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
-from gateway.flow.request import DropReason, FlowRequest, Status
 
 PRIO = {"realtime": 100, "standard": 0, "batch": -10}
 

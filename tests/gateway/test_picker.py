@@ -1,8 +1,8 @@
 """Endpoint picking: filter down or full replicas, prefer low in-flight and low KV usage."""
 
 from gateway.policies.picker import EndpointPicker
-from gateway.replicas import Replica
 from gateway.policies.saturation import ConcurrencyDetector
+from gateway.replicas import Replica
 
 
 def test_picks_least_loaded_healthy_replica_with_room():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway.replicas import Replica
 from gateway.policies.saturation import ConcurrencyDetector, UtilizationDetector, saturation_detector
+from gateway.replicas import Replica
 
 
 def rep(in_flight=0, **kw):

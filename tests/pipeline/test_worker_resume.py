@@ -15,8 +15,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.responses import drop_response, evicted_sse_event
 from gateway.flow.request import DropReason
+from gateway.responses import drop_response, evicted_sse_event
 from model_sim.generation import output_text
 from holdback.results import output_line
 from tests.pipeline.test_worker_integration import CHAT, ScriptedGateway, stack  # noqa: F401 - the fixture
