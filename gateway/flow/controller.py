@@ -22,8 +22,7 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from gateway.calibration import Profile, load_profile
 from gateway.config import LoadedConfig
@@ -60,8 +59,7 @@ class Verdict(enum.Enum):
     BLOCKED = "blocked"  # its band's ceiling is reached, or no replica has room
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     verdict: Verdict
     replica: Replica | None = None
     kv: Decision | None = None
