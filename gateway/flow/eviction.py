@@ -1,8 +1,8 @@
 """In-flight eviction of sheddable requests (priority < 0) when higher-priority work is blocked.
 
-The `Evictor` tracks dispatched sheddable requests and decides, never acts: the flow controller asks it for
-victims when a dispatch cycle hits a head-of-line block, then cancels each victim's proxy task, which answers
-the caller 429 `evicted` and closes the upstream connection so the replica aborts the request.
+The `Evictor` tracks dispatched sheddable requests and decides, never acts: flow control asks it for victims
+when a dispatch cycle hits a head-of-line block (gateway/flow/eviction_control.py), then cancels each victim's
+proxy task, which answers the caller 429 `evicted` and closes the upstream connection so the replica aborts it.
 Victim order comes from the configured `VictimPolicy` (gateway/policies/victims.py), which sees read-only views.
 Two triggers: a blocked band (saturation sizing below) and a replica whose KV occupancy reached the hard
 watermark (`decide_kv`: victims on that replica until their reservations cover the excess).

@@ -5,8 +5,8 @@ every relay accepts from the same queue: a relay that dies leaves no accepted-bu
 (with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections would be reset),
 and its replacement serves on the same socket without binding again. This process never accepts on it.
 It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves the relays
-over a Unix socket (gateway/relays/channel.py) and answers their messages by calling that FlowController exactly as
-the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
+over a Unix socket (gateway/relays/channel.py) and answers their messages by calling that FlowController exactly
+as the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
 are withdrawn, dispatched ones finished as disconnects, so no reservation or in-flight count outlives it.
 """
 
