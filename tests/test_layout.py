@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 COMPONENTS = ("holdback", "batch_api", "batch_processor", "async_processor", "gateway", "model_sim", "bench",
               "migrations")
 # What the gateway and the simulator may take from the shared library: never the database, models or broker.
-THIN = ("holdback.contract", "holdback.logs", "holdback.tracing", "holdback.probes", "holdback.env_flags")
+THIN = ("holdback.contract", "holdback.logs", "holdback.tracing", "holdback.probes", "holdback.env_flags",
+        "holdback.sim_tokenizer")  # the simulator's tokenizer: pure, so the gateway can count its prompts
 # Outside bench/micro/, a benchmark drives holdback as a user does: HTTP and the CLI, and the contract's names.
 BENCH_PUBLIC = ("holdback.contract", "holdback.progress")  # progress: the CLI's progress lines
 
