@@ -120,10 +120,12 @@ class Processes:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
 
-    def log(self, name: str) -> str:
+    def log(self, name: str, tail: int | None = 4000) -> str:
+        """The logs of the children called `name`: the last `tail` characters of each (None: all of it)."""
         if self.log_dir is None:
             return ""
-        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.log_dir.glob(f"{name}-*.log")))
+        return "\n".join(p.read_text(errors="replace")[-tail if tail else 0:]
+                         for p in sorted(self.log_dir.glob(f"{name}-*.log")))
 
     def close(self, timeout: float = 10.0) -> None:
         """SIGTERM every child at once, then wait for all with one deadline (stopping them one by one

@@ -44,6 +44,7 @@ class ApiServer:
             f"{self.url}/admin/keys",
             json={"tenant": tenant},
             headers={"authorization": f"Bearer {self.settings.admin_key}"},
+            timeout=30,  # a loaded machine can take more than httpx's default 5 s for a fresh process's first call
         )
         assert r.status_code == 201, r.text
         return r.json()["key"]

@@ -37,22 +37,22 @@ def test_a_session_is_shared_by_api_processes_and_ended_by_a_new_admin_key(backe
     second = start_api()  # another API process on the same database and Redis
     client, csrf = signed_in(first)
     token = client.cookies[COOKIE]
-    assert httpx.get(second.url + "/dashboard", cookies={COOKIE: token}).status_code == 200
+    assert httpx.get(second.url + "/dashboard", cookies={COOKIE: token}, timeout=30).status_code == 200
     # Signing out on one process ends the session on the other.
     assert client.post("/dashboard/logout", headers={"x-csrf-token": csrf}).status_code == 204
-    assert httpx.get(second.url + "/dashboard", cookies={COOKIE: token}).status_code == 303
+    assert httpx.get(second.url + "/dashboard", cookies={COOKIE: token}, timeout=30).status_code == 303
 
     client, _ = signed_in(first)
     token = client.cookies[COOKIE]
     rotated = serve(backend.settings(admin_key="hb-admin-rotated-key"))
     try:
-        assert httpx.get(rotated.url + "/dashboard", cookies={COOKIE: token}).status_code == 303
+        assert httpx.get(rotated.url + "/dashboard", cookies={COOKIE: token}, timeout=30).status_code == 303
     finally:
         rotated.stop()
 
 
 def _login(api, key: str) -> httpx.Response:  # noqa: ANN001
-    return httpx.post(api.url + "/dashboard/login", data={"admin_key": key, "next": "/dashboard"})
+    return httpx.post(api.url + "/dashboard/login", data={"admin_key": key, "next": "/dashboard"}, timeout=30)
 
 
 def test_login_is_rate_limited_per_client_across_processes(start_api):

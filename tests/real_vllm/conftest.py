@@ -27,6 +27,10 @@ PYTHON = os.environ.get("HOLDBACK_VLLM_PYTHON", "")
 MODEL = os.environ.get("HOLDBACK_VLLM_MODEL", "")
 SERVED = "tiny"
 CONTEXT = 512
+# float32, not bfloat16: with bfloat16 on a CPU that reports AMX, vLLM 0.32 runs its AMX attention kernel
+# (`cpu_attention_with_kv_cache`), which died with SIGILL on our machines after working for a while on the same
+# one; float32 takes the AVX-512 kernel. The model is tiny, so the cost is nothing.
+DTYPE = os.environ.get("HOLDBACK_VLLM_DTYPE", "float32")
 START_TIMEOUT = float(os.environ.get("HOLDBACK_VLLM_START_TIMEOUT", "300"))
 
 
@@ -64,7 +68,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--served-model-name",
                self.served, "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype",
-               "bfloat16", "--max-model-len", str(CONTEXT), *self.args]
+               DTYPE, "--max-model-len", str(CONTEXT), *self.args]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -127,8 +127,8 @@ def test_kv_ledger_pool_is_vllms_own(stack, vllm):
                 if line.startswith("vllm:cache_config_info"))
     labels = dict(part.split("=", 1) for part in info[info.index("{") + 1:info.index("}")].replace('"', "").split(","))
     kv = poll(lambda: (stack.state().get("kv") or {}).get("replicas", {}).get(vllm.url), 30, "the ledger's pool")
-    assert kv["total_kv_tokens"] == int(labels["kv_cache_size_tokens"]) == 2_097_152
-    assert kv["block_size"] == int(labels["block_size"]) == 128
+    assert kv["total_kv_tokens"] == int(labels["kv_cache_size_tokens"])
+    assert kv["block_size"] == int(labels["block_size"]) == 128, "the CPU build's blocks are 128 tokens, not 16"
     assert kv["total_blocks"] == int(labels["num_gpu_blocks"])
 
 

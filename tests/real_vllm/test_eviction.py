@@ -57,21 +57,21 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
         stop.set()
         traffic.join(120)
         batch = s.wait(batch_id, timeout=400)
+        attempts, rows, out = s.attempts(batch_id), {r.id: r for r in s.rows(batch_id)}, s.lines(batch.output_file_id)
     finally:
         stop.set()
         s.close()
     assert batch.status == "completed" and batch.request_counts.completed == ROWS, batch
     assert answers and set(answers) == {200}, "realtime is never shed"
-    evicted = [a for a in s.attempts(batch_id) if a.evicted]
+    evicted = [a for a in attempts if a.evicted]
     assert evicted
     aborted = poll(lambda: (lambda log: log if all(a.request_id in log for a in evicted) else None)(vllm.aborted()),
                    30, "vLLM to log the aborts", vllm.aborted)
     assert all(a.request_id in aborted for a in evicted), "every eviction aborted its request inside vLLM"
-    out = s.lines(batch.output_file_id)
     resumed = [a for a in evicted if a.partial_output]
     assert resumed, "an evicted chat kept its partial output"
     for attempt in resumed:
-        row = next(r for r in s.rows(batch_id) if r.id == attempt.request_id)
+        row = rows[attempt.request_id]
         text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]
         assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40]), (attempt.partial_output[:80], text[:80])
         usage = out[row.custom_id]["response"]["body"]["usage"]
