@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 # Tests that touch the database or Redis, run once per backend.
-DB_TESTS ?= tests/api tests/pipeline tests/platform tests/deploy/test_object_store.py tests/deploy/test_retention.py \
-	tests/deploy/test_schema.py tests/deploy/test_migration_race.py tests/deploy/test_multihost_drill.py
+DB_TESTS ?= tests/batch_api tests/holdback tests/batch_processor tests/async_processor tests/e2e \
+	tests/deploy/test_object_store.py tests/deploy/test_retention.py tests/deploy/test_schema.py \
+	tests/deploy/test_migration_race.py tests/deploy/test_multihost_drill.py
 # Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
 TEST_WORKERS ?= 2
 
@@ -46,7 +47,7 @@ test-embedded: $(STAMP)
 	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Pass 2: PostgreSQL and the machine's Redis server, the tests that use them. The browser tests run once, in
-# pass 1: the dashboard's queries and actions are covered on PostgreSQL by tests/api/test_admin_dashboard.py.
+# pass 1: the dashboard's queries and actions are covered on PostgreSQL by tests/batch_api/test_admin_dashboard.py.
 test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
 	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \

@@ -19,7 +19,7 @@ as with `json` alone:
   1024) is parsed by `json`, which gives the error or the value it always did;
 - orjson spells floats below 1e-4 differently (`0.00001` for `1e-05`, `1e-8` for `1e-08`): a body whose
   orjson text may hold such a number is re-serialised by `json`.
-`tests/pipeline/test_validation_fast_path.py` checks both paths against each other.
+`tests/batch_processor/test_validation_fast_path.py` checks both paths against each other.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One RQ job per request row (job id = row id, `holdback.contract` names the queue and the job function). RQ's
 private key layout (queue lists, registries, executions, worker sets, the scheduler lock) is read from RQ here
 and nowhere else: the worker's claim scripts (`async_processor.queue`) take their keys from this module too, and
-pyproject pins RQ to the release line `tests/pipeline/test_rq_layout.py` checks that layout against.
+pyproject pins RQ to the release line `tests/async_processor/test_rq_layout.py` checks that layout against.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The PromQL name reader that checks the dashboard (the check itself runs against live `/metrics` pages in
-tests/platform/test_up.py), and the dashboard's coverage of what an operator needs to see."""
+tests/e2e/test_up.py), and the dashboard's coverage of what an operator needs to see."""
 
 from __future__ import annotations
 

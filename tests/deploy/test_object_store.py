@@ -13,8 +13,8 @@ from bench.lib.s3_server import S3Server
 from holdback.object_store import MiB, S3FileStore
 from holdback.settings import Settings
 from holdback.storage import FileTooLarge, LocalFileStore, open_file_store
-from tests.api.conftest import serve
-from tests.pipeline.test_processor_support import Harness, chat, jsonl
+from tests.batch_api.conftest import serve
+from tests.batch_processor.test_processor_support import Harness, chat, jsonl
 
 
 @pytest.fixture

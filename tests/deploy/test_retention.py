@@ -17,8 +17,8 @@ from holdback.models import Batch, File
 from holdback.retention import DEFAULT_FILE_TTL, FileCollector
 from holdback.storage import open_file_store
 from holdback.tenancy import get_or_create_tenant
-from tests.api.conftest import serve
-from tests.pipeline.test_processor_support import chat, jsonl
+from tests.batch_api.conftest import serve
+from tests.batch_processor.test_processor_support import chat, jsonl
 
 
 @pytest.fixture(params=["local", "s3"])

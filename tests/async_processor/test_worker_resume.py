@@ -19,7 +19,7 @@ from gateway.flow.request import DropReason
 from gateway.responses import drop_response, evicted_sse_event
 from model_sim.generation import output_text
 from holdback.results import output_line
-from tests.pipeline.test_worker_integration import CHAT, ScriptedGateway, stack  # noqa: F401 - the fixture
+from tests.async_processor.test_worker_integration import CHAT, ScriptedGateway, stack  # noqa: F401 - the fixture
 
 COMPLETION = {"model": "sim-model", "prompt": "Once upon a time", "max_tokens": 12}
 LONG_CHAT = {**CHAT, "max_tokens": 12}

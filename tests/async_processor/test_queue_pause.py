@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
-from tests.api.conftest import serve
+from tests.batch_api.conftest import serve
 from tests.support import Processes, free_ports, wait_http
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from batch_processor.ingest import expand_batch
-from tests.pipeline.test_processor_support import ENDPOINT, Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import ENDPOINT, Harness, chat, harness, jsonl  # noqa: F401
 
 
 def _ok(i: int) -> dict:

@@ -13,7 +13,7 @@ from holdback.contract import JOB_FUNCTION
 from holdback.db import transaction
 from holdback.models import Attempt, RequestRow
 from holdback.results import schedule_retry
-from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
 
 def _statuses(harness: Harness, batch_id: str) -> dict[str, int]:

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 
 from holdback.contract import circuit_key
 from holdback.models import Attempt, RequestRow
-from tests.pipeline.test_e2e_pipeline import Platform
+from tests.e2e.test_e2e_pipeline import Platform
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from holdback.cli import keys as keys_cli
-from tests.api.conftest import serve
+from tests.batch_api.conftest import serve
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_list_and_revoke_on_the_servers_database_and_the_key_answers_401(backend
 
 
 def test_the_keys_page_lists_keys_and_revokes_with_csrf_and_a_confirmation(backend):
-    from tests.api.test_admin_dashboard import signed_in
+    from tests.batch_api.test_admin_dashboard import signed_in
 
     api = serve(backend.settings())
     try:

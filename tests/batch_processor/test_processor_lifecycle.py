@@ -10,7 +10,7 @@ from batch_processor.finalize import finalize_batch, result_file_id
 from holdback.db import transaction
 from holdback.models import BatchStatus, File, RequestStatus
 from holdback.results import close_unfinished
-from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
 
 def _lines_by_custom_id(harness: Harness, file_id: str | None) -> dict[str, dict]:

@@ -1,7 +1,7 @@
 """The dashboard over plain HTTP: sign-in with the admin key, the session cookie, CSRF on every action,
 pages and fragments rendered from real rows, and the sampler's history in Redis.
 
-The browser tests (tests/platform/test_dashboard_browser.py) drive the same pages in Chromium against the
+The browser tests (tests/e2e/test_dashboard_browser.py) drive the same pages in Chromium against the
 whole stack; these pin the contracts one request at a time.
 """
 
@@ -25,7 +25,7 @@ from batch_api.dashboard.session import SESSION_SECONDS, issue_session, session_
 from holdback.broker import is_paused
 from holdback.contract import requests_queue_name
 from holdback.contract import JOB_FUNCTION
-from tests.api.test_admin_operator_routes import Rows
+from tests.batch_api.test_admin_operator_routes import Rows
 
 
 def signed_in(api) -> tuple[httpx.Client, str]:  # noqa: ANN001

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from tests.api.test_errors import LINE
+from tests.batch_api.test_errors import LINE
 
 # Per operation and mode; 24 operations, so about 450 requests in all (about 30 s on two loaded cores).
 EXAMPLES_PER_OPERATION = 15

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from holdback.models import Attempt
-from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 from tests.support import Processes, free_port, wait_http
 
 

@@ -2,7 +2,7 @@
 
 Each test gets its own server on its own backend (see tests/conftest.py). The server runs in a
 background thread so a test can pick the settings it needs (small upload limits, a dead Redis);
-tests/api/test_cli.py starts it the operator's way, as a `holdback api` subprocess.
+tests/batch_api/test_cli.py starts it the operator's way, as a `holdback api` subprocess.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from holdback.models import Attempt, RequestRow
-from tests.pipeline.test_e2e_pipeline import PROCESSOR_FAST, platform_factory  # noqa: F401
+from tests.e2e.test_e2e_pipeline import PROCESSOR_FAST, platform_factory  # noqa: F401
 from tests.support import chat_lines, submit_batch, wait_batch
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 import batch_processor.processor as processor_module
-from tests.pipeline.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
 DEEP = "[" * 1000 + "]" * 1000
 

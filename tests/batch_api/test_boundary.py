@@ -11,8 +11,8 @@ import io
 import httpx
 import pytest
 
-from tests.api.test_admin_dashboard import signed_in
-from tests.api.test_errors import LINE, assert_error, multipart
+from tests.batch_api.test_admin_dashboard import signed_in
+from tests.batch_api.test_errors import LINE, assert_error, multipart
 from tests.support import free_port
 
 

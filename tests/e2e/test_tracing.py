@@ -11,7 +11,7 @@ import json
 import pytest
 
 from holdback.tracing import TRACE_FILE_ENV, read_spans
-from tests.pipeline.test_e2e_pipeline import Platform
+from tests.e2e.test_e2e_pipeline import Platform
 from tests.support import chat_lines, poll, submit_batch
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from batch_processor.sync_handoff import Aimd
 from holdback.models import Attempt
-from tests.pipeline.test_processor_support import Harness, chat, jsonl
+from tests.batch_processor.test_processor_support import Harness, chat, jsonl
 from tests.support import Processes, free_port, wait_http
 
 

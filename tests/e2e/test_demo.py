@@ -1,6 +1,6 @@
 """`holdback demo` measures right: its realtime client sends a burst at once (it never queues its own
 requests), the gateway's own p95 comes from the gateway's histogram for the demo's streams only, and
-every option shows its default. The demo against a real `holdback up` runs in tests/platform/test_up.py.
+every option shows its default. The demo against a real `holdback up` runs in tests/e2e/test_up.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import re
 
 import httpx
 
-from tests.api.conftest import serve
-from tests.api.test_admin_dashboard import signed_in
+from tests.batch_api.conftest import serve
+from tests.batch_api.test_admin_dashboard import signed_in
 
 COOKIE = "holdback_dashboard"
 
