@@ -22,7 +22,8 @@ COMPONENTS = ("holdback", "batch_api", "batch_processor", "async_processor", "ga
 THIN = ("holdback.contract", "holdback.logs", "holdback.tracing", "holdback.probes", "holdback.env_flags",
         "holdback.sim_tokenizer")  # the simulator's tokenizer: pure, so the gateway can count its prompts
 # Outside bench/micro/, a benchmark drives holdback as a user does: HTTP and the CLI, and the contract's names.
-BENCH_PUBLIC = ("holdback.contract", "holdback.progress")  # progress: the CLI's progress lines
+# progress: the CLI's progress lines; listeners: the CLI's free-port picker, which the tests use too.
+BENCH_PUBLIC = ("holdback.contract", "holdback.progress", "holdback.cli.listeners")
 
 
 @dataclass(frozen=True)

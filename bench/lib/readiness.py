@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -12,33 +10,7 @@ from abc import ABC, abstractmethod
 
 import httpx
 
-
-# Ports for our servers come from below the kernel's ephemeral range (32768-60999 on Linux), so the outgoing
-# connections of everything else on a busy machine cannot take a port between our check and the child's bind.
-_PORT_LOW, _PORT_HIGH = 20000, 32000
-_ports = random.SystemRandom()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(n: int) -> int:
-    """First of n consecutive free ports (the simulator takes --port P for replica 0, P+1 for 1, ...)."""
-    for _ in range(500):
-        base = _ports.randrange(_PORT_LOW, _PORT_HIGH - n)
-        if all(_bindable(p) for p in range(base, base + n)):
-            return base
-    raise RuntimeError(f"no block of {n} free ports in {_PORT_LOW}-{_PORT_HIGH}")
-
-
-def free_port() -> int:
-    return free_port_block(1)
+from holdback.cli.listeners import free_port, free_port_block  # noqa: F401  (bench's readiness API)
 
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0, what: str = "",

@@ -1,11 +1,13 @@
 """Which processes listen on a TCP port, read from /proc on Linux, so `holdback up` can tell its own
 child answering a readiness check from a leftover of an earlier run holding the same port.
 Elsewhere (no /proc) the answers are None and callers fall back to trusting the port check.
+Also free ports to start servers on, for the benchmarks and the tests that start holdback processes.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -81,3 +83,30 @@ def _listening_inodes(port: int) -> set[str] | None:
             if len(cols) > 9 and cols[3] == LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(cols[9])
     return inodes
+
+# Ports for our servers come from below the kernel's ephemeral range (32768-60999 on Linux), so the outgoing
+# connections of everything else on a busy machine cannot take a port between our check and the child's bind.
+_PORT_LOW, _PORT_HIGH = 20000, 32000
+_ports = random.SystemRandom()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int) -> int:
+    """First of n consecutive free ports (the simulator takes --port P for replica 0, P+1 for 1, ...)."""
+    for _ in range(500):
+        base = _ports.randrange(_PORT_LOW, _PORT_HIGH - n)
+        if all(_bindable(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no block of {n} free ports in {_PORT_LOW}-{_PORT_HIGH}")
+
+
+def free_port() -> int:
+    return free_port_block(1)
