@@ -166,7 +166,7 @@ class Finish:
     none = "none"  # only end this execution (another one of the same job is still running)
 
 
-class RequestQueue:
+class ClaimQueue:
     """One RQ queue of request jobs, driven by an asyncio worker named `worker_name`."""
 
     def __init__(self, redis: aioredis.Redis, queue_name: str, worker_name: str, ttl: int, failure_ttl: int):

@@ -9,7 +9,7 @@ import sys
 
 import redis.asyncio as aioredis
 
-from async_processor.queue import RequestQueue
+from async_processor.queue import ClaimQueue
 from holdback import jobs
 
 
@@ -18,7 +18,7 @@ class WorkerNameTaken(RuntimeError):
 
 
 class Registration:
-    def __init__(self, redis: aioredis.Redis, queue: RequestQueue, concurrency: int, ttl: int):
+    def __init__(self, redis: aioredis.Redis, queue: ClaimQueue, concurrency: int, ttl: int):
         self.redis = redis
         self.queue = queue
         self.name = queue.worker_name

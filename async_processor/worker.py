@@ -21,7 +21,7 @@ from async_processor.log import logger
 from async_processor.circuit import GatewayCircuit
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
-from async_processor.queue import Claim, Finish, RequestQueue
+from async_processor.queue import Claim, Finish, ClaimQueue
 from async_processor.registration import Registration
 from holdback import tracing
 from holdback.attempts import BATCH_CONTEXTS, AttemptResult, Disposition, InFlight, Runtime, Skip, run_attempt
@@ -69,7 +69,7 @@ class AsyncWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         self.redis = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=30)
-        self.queue = RequestQueue(self.redis, cfg.queue_name, cfg.name, cfg.heartbeat_ttl, cfg.failure_ttl)
+        self.queue = ClaimQueue(self.redis, cfg.queue_name, cfg.name, cfg.heartbeat_ttl, cfg.failure_ttl)
         self.registration = Registration(self.redis, self.queue, cfg.concurrency, cfg.heartbeat_ttl)
         self.rt = Runtime.build(cfg.database_url, gateway_url=cfg.gateway_url, gateway_key=cfg.gateway_key,
                                 policy=cfg.policy, worker_name=cfg.name, request_timeout=cfg.request_timeout,

@@ -21,7 +21,7 @@ class SchedulingPolicy(str, enum.Enum):
     PRIORITY = "priority"
 
 
-class RequestQueue(Protocol):
+class WaitingQueue(Protocol):
     def add(self, request: Request) -> None: ...
     def prepend(self, request: Request) -> None: ...
     def peek(self) -> Request: ...
@@ -94,5 +94,5 @@ class PriorityQueue:
         return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
 
 
-def make_queue(policy: SchedulingPolicy) -> RequestQueue:
+def make_queue(policy: SchedulingPolicy) -> WaitingQueue:
     return PriorityQueue() if SchedulingPolicy(policy) is SchedulingPolicy.PRIORITY else FcfsQueue()

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from async_processor.config import WorkerConfig
 from async_processor.metrics import WorkerMetrics
-from async_processor.queue import RequestQueue
+from async_processor.queue import ClaimQueue
 from async_processor.registration import Registration
 from async_processor.worker import AsyncWorker
 from holdback.broker import ensure_embedded_redis, stop_embedded_redis
@@ -45,7 +45,7 @@ async def measure(url: str, ttl: int, in_flight: int, seconds: float) -> dict[st
                           gateway_url="http://127.0.0.1:9", gateway_key=None, heartbeat_ttl=ttl)
     worker = AsyncWorker(config, WorkerMetrics(config.name))
     worker.redis = r
-    worker.queue = RequestQueue(r, config.queue_name, name, ttl, config.failure_ttl)
+    worker.queue = ClaimQueue(r, config.queue_name, name, ttl, config.failure_ttl)
     worker.registration = Registration(r, worker.queue, config.concurrency, ttl)
     await worker.registration.register_birth()
     ids = [f"{name}-{i}" for i in range(in_flight)]

@@ -38,8 +38,7 @@ from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.flow.tally import FlowTally
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.policies.admission import Decision, Demand, KvAdmission
-from gateway.policies.admission import Outcome as KvOutcome
+from gateway.policies.admission import Decision, Demand, KvAdmission, KvOutcome
 from gateway.policies.picker import EndpointPicker
 from gateway.policies.saturation import SaturationDetector, saturation_detector
 from gateway.replicas import Replica, ReplicaPool

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from gateway.calibration import Profile
 
 
-class Outcome(enum.Enum):
+class KvOutcome(enum.Enum):
     RUN = "run"
     QUEUE = "queue"
     REJECT = "reject"
@@ -73,7 +73,7 @@ class Demand:
 
 @dataclass(frozen=True)
 class Decision:
-    outcome: Outcome
+    outcome: KvOutcome
     reason: DropReason | None = None
     message: str = ""
     # RUN: the replicas the request fits on.
@@ -174,19 +174,19 @@ class KvAdmission:
         # A generation needs room for one output token; an embedding (no output) may fill the context.
         room = 1 if d.max_new_tokens > 0 else 0
         if limit is not None and d.prompt_tokens + room > limit:
-            return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
+            return Decision(KvOutcome.REJECT, DropReason.CONTEXT_LENGTH,
                             f"This model's maximum context length is {limit} tokens. However, your prompt "
                             f"contains {d.prompt_tokens} input tokens, which "
                             f"{'leaves no room for any output token' if room else 'exceeds this limit'}. Please "
                             f"reduce the length of the input prompt to at most {limit - room} tokens.")
         if limit is not None and d.limit_param is not None and d.max_new_tokens > limit:
-            return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
+            return Decision(KvOutcome.REJECT, DropReason.CONTEXT_LENGTH,
                             f"{d.limit_param}={d.max_new_tokens} cannot be greater than the model's context "
                             f"length of {limit} tokens. Please request fewer output tokens.")
         d = self.within_context(d, replicas)
         for who, quota in self._quotas(d):
             if quota.maxContextTokens and d.context_tokens > quota.maxContextTokens:
-                return Decision(Outcome.REJECT, DropReason.CONTEXT_LENGTH,
+                return Decision(KvOutcome.REJECT, DropReason.CONTEXT_LENGTH,
                                 f"quota maxContextTokens of {who}: limit {quota.maxContextTokens} tokens, this "
                                 f"request needs {d.context_tokens} (prompt {d.prompt_tokens} + max new "
                                 f"{d.max_new_tokens}); shorten the prompt or lower max_tokens.")
@@ -225,7 +225,7 @@ class KvAdmission:
     # -- the decision -----------------------------------------------------------------------------------------
     def decide(self, d: Demand, healthy: Sequence[ReplicaView], now: float) -> Decision:
         if not healthy:
-            return Decision(Outcome.RUN)  # the no-endpoint path answers; nothing to measure
+            return Decision(KvOutcome.RUN)  # the no-endpoint path answers; nothing to measure
         rejected = self._context_rejection(d, healthy)
         if rejected is not None:
             return rejected
@@ -239,7 +239,7 @@ class KvAdmission:
         if need[best.url] > cap * self.pool_tokens(best):
             size, pool = self.block_size(best), self.pool_tokens(best)
             seqs = f" x {d.sequences} sequences" if d.sequences > 1 else ""
-            return Decision(Outcome.REJECT, DropReason.KV_CAPACITY,
+            return Decision(KvOutcome.REJECT, DropReason.KV_CAPACITY,
                             f"this request needs {need[best.url] // size} KV blocks of {size} tokens (prompt "
                             f"{d.prompt_tokens} + max new {d.max_new_tokens} tokens{seqs}) but at most "
                             f"{math.floor(cap * pool / size)} of a replica's {pool // size} blocks may hold it; "
@@ -251,8 +251,8 @@ class KvAdmission:
         soft = self.soft_over(d.fairness_id, total_pool) > 0
         fitting = tuple(r for r in healthy if self.fits(d, need[r.url], r, soft))
         if fitting:
-            return Decision(Outcome.RUN, replicas=fitting)
-        return Decision(Outcome.QUEUE)
+            return Decision(KvOutcome.RUN, replicas=fitting)
+        return Decision(KvOutcome.QUEUE)
 
     def state(self) -> dict:
         cfg = self.cfg
@@ -264,6 +264,6 @@ class KvAdmission:
 
 
 def _quota(name: str, who: str, limit: str, usage: str) -> Decision:
-    return Decision(Outcome.REJECT, DropReason.QUOTA,
+    return Decision(KvOutcome.REJECT, DropReason.QUOTA,
                     f"quota {name} of {who} reached: limit {limit}, usage {usage}; retry after some of its "
                     f"requests finish.")

@@ -8,7 +8,7 @@ does all three on database lanes (`lanes`, with SQLite's write lock taken by `wr
 This module is the public surface callers import; tests may reach into the modules themselves.
 """
 
-from holdback.attempts.outcomes import Outcome, Reply, classify, is_path_failure
+from holdback.attempts.outcomes import ReplyClass, Reply, classify, is_path_failure
 from holdback.attempts.retry import Jitter, RetryPolicy
 from holdback.attempts.runner import BATCH_CONTEXTS, AttemptResult, InFlight, Runtime, run_attempt
 from holdback.attempts.transactions import Disposition, OpenAttempt, Recorded, Skip
@@ -20,7 +20,7 @@ __all__ = [
     "InFlight",
     "Jitter",
     "OpenAttempt",
-    "Outcome",
+    "ReplyClass",
     "Recorded",
     "Reply",
     "RetryPolicy",

@@ -1,6 +1,6 @@
 """What an attempt's answer means: the reply it got, and the outcome class of that reply.
 
-Outcome classes: 2xx → success; 429 with any drop reason → retry with backoff
+ReplyClass classes: 2xx → success; 429 with any drop reason → retry with backoff
 until the batch deadline, never counted against a budget; a failing path (gateway unreachable, 502/503,
 no replica) → the same, never budgeted: an outage costs time, not results; a stream that broke after it
 carried output (how an llm-d eviction reaches us: a bare reset) → the same, resuming from that output;
@@ -25,7 +25,7 @@ PATH_STATUSES = frozenset({502, 503})
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ReplyClass:
     """The class of one attempt's answer; `kind` is what the Attempt row records."""
 
     kind: AttemptOutcome
@@ -66,7 +66,7 @@ def is_path_failure(status: int | None, drop_reason: str | None = None, *, unrea
 
 
 def classify(status: int | None, headers: Mapping[str, str] | None = None, *, now: float | None = None,
-             unreachable: bool = False, cut_after_output: bool = False) -> Outcome:
+             unreachable: bool = False, cut_after_output: bool = False) -> ReplyClass:
     """Class an answer by its status and headers; `status=None` means no HTTP answer (a transport error),
     `unreachable` that not even a connection was made, `cut_after_output` that a stream broke after it
     carried output."""
@@ -75,16 +75,16 @@ def classify(status: int | None, headers: Mapping[str, str] | None = None, *, no
     retry_after = parse_retry_after(header(headers, "retry-after"), now=now)
     path = is_path_failure(status, drop_reason, unreachable=unreachable)
     if status is None:
-        return Outcome(AttemptOutcome.transport_error, path_failure=path, cut_after_output=cut_after_output)
+        return ReplyClass(AttemptOutcome.transport_error, path_failure=path, cut_after_output=cut_after_output)
     if 200 <= status < 300:
-        return Outcome(AttemptOutcome.success, status)
+        return ReplyClass(AttemptOutcome.success, status)
     if status == 429:
         kind = AttemptOutcome.evicted if is_eviction(drop_reason) else AttemptOutcome.rejected
-        return Outcome(kind, status, drop_reason, retry_after)
+        return ReplyClass(kind, status, drop_reason, retry_after)
     if 400 <= status < 500:
-        return Outcome(AttemptOutcome.client_error, status, drop_reason)
+        return ReplyClass(AttemptOutcome.client_error, status, drop_reason)
     # 5xx, and anything else a proxy might answer (1xx/3xx): transient, or a failing path.
-    return Outcome(AttemptOutcome.server_error, status, drop_reason, retry_after, path_failure=path)
+    return ReplyClass(AttemptOutcome.server_error, status, drop_reason, retry_after, path_failure=path)
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -118,7 +118,7 @@ class Reply:
     error: str | None = None  # transport error, what a stream's error event said, or why we aborted
     aborted: bool = False  # we closed the connection: the batch was cancelled or expired
     unreachable: bool = False  # no connection could be opened: the request never left
-    cut_after_output: bool = False  # a stream broke after it carried output (see `Outcome.cut_after_output`)
+    cut_after_output: bool = False  # a stream broke after it carried output (see `ReplyClass.cut_after_output`)
 
     @classmethod
     def transport_error(cls, error: str, *, unreachable: bool = False, cut_after_output: bool = False) -> "Reply":

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from holdback import lifecycle
 from holdback.attempts.headers import request_headers
-from holdback.attempts.outcomes import Outcome, Reply, classify
+from holdback.attempts.outcomes import ReplyClass, Reply, classify
 from holdback.attempts.resume import Carryover, Partial, resumable
 from holdback.attempts.retry import RetryPolicy
 from holdback.attempts.stream import TokenSums
@@ -177,7 +177,7 @@ class Disposition(str, enum.Enum):
 @dataclass(frozen=True)
 class Recorded:
     disposition: Disposition
-    outcome: Outcome
+    outcome: ReplyClass
     final_status: RequestStatus | None = None  # set when disposition is final
     wake_at: float | None = None  # when the job should run again (retry, closing)
     delay: float | None = None  # the backoff chosen (retry)
@@ -215,7 +215,7 @@ def record_outcome(
     if outcome.kind is AttemptOutcome.success:
         if not isinstance(body, dict):
             # A 2xx whose body is not one JSON object was cut short or is not an OpenAI answer.
-            outcome = Outcome(AttemptOutcome.transport_error, reply.status)
+            outcome = ReplyClass(AttemptOutcome.transport_error, reply.status)
             error = "truncated or invalid response body from a 2xx answer"
         else:
             usage = Usage.from_body(body)
@@ -243,7 +243,7 @@ def record_outcome(
     return _retry(session, attempt, outcome, policy, now, rand)
 
 
-def _final(session: Session, attempt: OpenAttempt, outcome: Outcome, result: FinalResult,
+def _final(session: Session, attempt: OpenAttempt, outcome: ReplyClass, result: FinalResult,
            usage: Usage = Usage()) -> Recorded:
     if record_final(session, attempt.request_id, result):
         return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
@@ -265,7 +265,7 @@ def failure_reason(result: FinalResult) -> str:
     return f"HTTP {result.response_status}: {message or 'no error message in the response'}"
 
 
-def _retry(session: Session, attempt: OpenAttempt, outcome: Outcome, policy: RetryPolicy, now: float,
+def _retry(session: Session, attempt: OpenAttempt, outcome: ReplyClass, policy: RetryPolicy, now: float,
            rand: Callable[[], float]) -> Recorded:
     delay = policy.delay(attempt.number, outcome.retry_after, rand)
     next_at = now + delay
@@ -283,7 +283,7 @@ def _retry(session: Session, attempt: OpenAttempt, outcome: Outcome, policy: Ret
 
 def _record_abort(session: Session, attempt: OpenAttempt, reply: Reply, policy: RetryPolicy, now: float,
                   figures: AttemptFigures | None) -> Recorded:
-    outcome = Outcome(AttemptOutcome.cancelled)
+    outcome = ReplyClass(AttemptOutcome.cancelled)
     end_attempt(session, attempt.attempt_id, outcome.kind.value, error=reply.error, figures=figures)
     status = session.connection().execute(_ROW_STATUS, {"row_id": attempt.request_id}).scalar()
     if status is None or status in REQUEST_TERMINAL_VALUES:

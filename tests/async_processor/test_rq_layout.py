@@ -22,7 +22,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 from rq.results import Result
 from rq.worker import Worker
 
-from async_processor.queue import Finish, RequestQueue
+from async_processor.queue import Finish, ClaimQueue
 from async_processor.registration import Registration
 
 
@@ -53,7 +53,7 @@ def test_rq_reads_what_the_worker_scripts_write(layout):
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(backend.redis_url)
-        rq_queue = RequestQueue(client, queue.name, worker_name, ttl=60, failure_ttl=600)
+        rq_queue = ClaimQueue(client, queue.name, worker_name, ttl=60, failure_ttl=600)
         registration = Registration(client, rq_queue, concurrency=8, ttl=60)
         try:
             await registration.register_birth()
@@ -115,7 +115,7 @@ def test_a_failed_job_without_a_reason_writes_no_result(layout):
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(backend.redis_url)
-        rq_queue = RequestQueue(client, queue.name, f"{backend.namespace}-w", ttl=60, failure_ttl=600)
+        rq_queue = ClaimQueue(client, queue.name, f"{backend.namespace}-w", ttl=60, failure_ttl=600)
         try:
             claims, _ = await rq_queue.claim(1)
             await rq_queue.finish(claims[0], Finish.failed, succeeded=False)

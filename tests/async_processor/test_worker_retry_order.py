@@ -8,7 +8,7 @@ import time
 import redis.asyncio as aioredis
 from rq import Queue
 
-from async_processor.queue import RequestQueue
+from async_processor.queue import ClaimQueue
 from holdback.contract import requests_queue_name
 
 
@@ -28,7 +28,7 @@ def test_due_retries_jump_ahead_of_waiting_jobs_in_due_order(backend):
     async def move() -> int:
         client = aioredis.Redis.from_url(backend.redis_url)
         try:
-            return await RequestQueue(client, name, "test-worker", ttl=60, failure_ttl=60).move_due()
+            return await ClaimQueue(client, name, "test-worker", ttl=60, failure_ttl=60).move_due()
         finally:
             await client.aclose()
 

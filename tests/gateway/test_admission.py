@@ -7,7 +7,7 @@ from gateway.config import Admission, ConfigError, Quota, parse_config
 from gateway.flow.interface import Outcome as FlowOutcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.request import DropReason
-from gateway.policies.admission import Demand, KvAdmission, Outcome
+from gateway.policies.admission import Demand, KvAdmission, KvOutcome
 from gateway.replicas import Replica
 from tests.gateway.test_flow_control import controller, req, run
 
@@ -92,14 +92,14 @@ def test_the_watermark_ladder():
     r = rep()
     hold(ledger, r, 790)
     # short standard fits to the hard watermark, long standard stops at 0.82
-    assert adm.decide(d(16 * 20, 0), [r], 0).outcome is Outcome.RUN                 # 810 <= 920
-    assert adm.decide(d(16 * 100, 0), [r], 0).outcome is Outcome.QUEUE             # long: 890 > 820
-    assert adm.decide(d(16 * 100, 0, prio=100), [r], 0).outcome is Outcome.RUN     # realtime: 890 <= 920
+    assert adm.decide(d(16 * 20, 0), [r], 0).outcome is KvOutcome.RUN                 # 810 <= 920
+    assert adm.decide(d(16 * 100, 0), [r], 0).outcome is KvOutcome.QUEUE             # long: 890 > 820
+    assert adm.decide(d(16 * 100, 0, prio=100), [r], 0).outcome is KvOutcome.RUN     # realtime: 890 <= 920
     # batch pauses at 0.88
-    assert adm.decide(d(16 * 80, 0, -10, "batch"), [r], 0).outcome is Outcome.RUN   # 870 <= 880
-    assert adm.decide(d(16 * 95, 0, -10, "batch"), [r], 0).outcome is Outcome.QUEUE  # 885 > 880
+    assert adm.decide(d(16 * 80, 0, -10, "batch"), [r], 0).outcome is KvOutcome.RUN   # 870 <= 880
+    assert adm.decide(d(16 * 95, 0, -10, "batch"), [r], 0).outcome is KvOutcome.QUEUE  # 885 > 880
     # nothing above the hard watermark
-    assert adm.decide(d(16 * 140, 0, prio=100), [r], 0).outcome is Outcome.QUEUE   # 930 > 920
+    assert adm.decide(d(16 * 140, 0, prio=100), [r], 0).outcome is KvOutcome.QUEUE   # 930 > 920
     assert adm.level(r) == "normal"
     hold(ledger, r, 40)
     assert adm.level(r) == "admission"
@@ -110,9 +110,9 @@ def test_batch_reservations_keep_the_interactive_reserve():
     adm, ledger = setup()
     r = rep()
     hold(ledger, r, 740, cls="batch", prio=-10)
-    assert adm.decide(d(16 * 10, 0, -10, "batch"), [r], 0).outcome is Outcome.RUN    # 750 <= 750
-    assert adm.decide(d(16 * 11, 0, -10, "batch"), [r], 0).outcome is Outcome.QUEUE  # 751 > 750
-    assert adm.decide(d(16 * 11, 0, 0), [r], 0).outcome is Outcome.RUN
+    assert adm.decide(d(16 * 10, 0, -10, "batch"), [r], 0).outcome is KvOutcome.RUN    # 750 <= 750
+    assert adm.decide(d(16 * 11, 0, -10, "batch"), [r], 0).outcome is KvOutcome.QUEUE  # 751 > 750
+    assert adm.decide(d(16 * 11, 0, 0), [r], 0).outcome is KvOutcome.RUN
 
 
 def test_never_fits_and_context_limits_reject_with_what_to_change():
@@ -134,7 +134,7 @@ def test_the_context_limit_rejects_only_what_vllm_rejects_and_reserves_what_it_r
     full = adm.decide(d(512, 16), [r], 0)
     assert full.reason is DropReason.CONTEXT_LENGTH
     assert "maximum context length is 512 tokens" in full.message and "at most 511 tokens" in full.message
-    assert adm.decide(d(512, 0), [r], 0).outcome is Outcome.RUN  # an embedding (no output) may fill it
+    assert adm.decide(d(512, 0), [r], 0).outcome is KvOutcome.RUN  # an embedding (no output) may fill it
     # An explicit limit above the context: 400 naming the field, as vLLM's.
     over = adm.decide(d(2, 600, limit_param="max_tokens"), [r], 0)
     assert over.reason is DropReason.CONTEXT_LENGTH
@@ -142,7 +142,7 @@ def test_the_context_limit_rejects_only_what_vllm_rejects_and_reserves_what_it_r
     # Prompt + limit past the context: vLLM clamps the output to the context's end and answers 200.
     for new, param in ((510, "max_tokens"), (512, "max_completion_tokens"), (1024, None), (600, None)):
         asked = d(2, new, limit_param=param)
-        assert adm.decide(asked, [r], 0).outcome is Outcome.RUN, (new, param)
+        assert adm.decide(asked, [r], 0).outcome is KvOutcome.RUN, (new, param)
         assert adm.within_context(asked, [r]).max_new_tokens == 510
     assert adm.kv_tokens(adm.within_context(d(9, 1024), [r]), r) == 512  # 9 + 503, not 9 + 1024
 
@@ -154,7 +154,7 @@ def test_the_pool_and_reservations_are_counted_in_the_replicas_own_block_size():
     assert (adm.block_size(r), adm.pool_tokens(r)) == (128, 2_097_152)
     assert adm.kv_tokens(d(100, 0), r) == 128
     # 300,000 tokens fit under 0.92 of the real pool; as 16384 blocks of 16 tokens (262,144) they never would.
-    assert adm.decide(d(300_000, 0, prio=100), [r], 0).outcome is Outcome.RUN
+    assert adm.decide(d(300_000, 0, prio=100), [r], 0).outcome is KvOutcome.RUN
     r.kv_cache_size_tokens = 1_000_000  # reported (hybrid models: not blocks x block size): it wins
     assert adm.pool_tokens(r) == 1_000_000
     # A replica that reports nothing: the calibration profile's geometry, else the config's (blockTokens).
@@ -192,7 +192,7 @@ def test_every_sequence_reserves_its_own_output():
     adm, _ = setup()
     r = rep()
     assert adm.kv_tokens(d(100, 100, sequences=3), r) == 400
-    assert adm.decide(d(16 * 100, 16 * 500, prio=100), [r], 0).outcome is Outcome.RUN  # 600 of 920 blocks
+    assert adm.decide(d(16 * 100, 16 * 500, prio=100), [r], 0).outcome is KvOutcome.RUN  # 600 of 920 blocks
     two = adm.decide(d(16 * 100, 16 * 500, prio=100, sequences=2), [r], 0)          # 1100: never fits
     assert two.reason is DropReason.KV_CAPACITY and "x 2 sequences" in two.message
 
@@ -205,10 +205,10 @@ def test_tenant_hard_share_and_soft_share():
     hold(ledger, r, 120, fid="t")
     over = adm.decide(d(16 * 40, 0), [r], 0)
     assert over.reason is DropReason.QUOTA and "tenantMaxShare" in over.message and "0.160" in over.message
-    assert adm.decide(d(16 * 20, 0), [r], 0).outcome is Outcome.RUN  # 0.14: over soft, under hard, pool calm
+    assert adm.decide(d(16 * 20, 0), [r], 0).outcome is KvOutcome.RUN  # 0.14: over soft, under hard, pool calm
     hold(ledger, r, 700, fid="others")  # the replica at 0.82: a tenant over its soft share now waits
-    assert adm.decide(d(16 * 20, 0, prio=100), [r], 0).outcome is Outcome.QUEUE
-    assert adm.decide(d(16 * 20, 0, prio=100, fid="calm"), [r], 0).outcome is Outcome.RUN
+    assert adm.decide(d(16 * 20, 0, prio=100), [r], 0).outcome is KvOutcome.QUEUE
+    assert adm.decide(d(16 * 20, 0, prio=100, fid="calm"), [r], 0).outcome is KvOutcome.RUN
 
 
 @pytest.mark.parametrize("quota,asked,name", [
@@ -231,7 +231,7 @@ def test_token_seconds_quota_counts_what_running_sequences_hold():
     r = rep()
     ledger.reserve(request_id="a", fairness_id="t", traffic_class="interactive", priority=0, replica=r.url,
                    prompt_tokens=100, max_new_tokens=0, now=0.0)
-    assert adm.decide(d(16, 0), [r], 5.0).outcome is Outcome.RUN      # 500 token-seconds
+    assert adm.decide(d(16, 0), [r], 5.0).outcome is KvOutcome.RUN      # 500 token-seconds
     refused = adm.decide(d(16, 0), [r], 11.0)                          # 1100
     assert refused.reason is DropReason.QUOTA and "maxTokenSeconds" in refused.message
 
