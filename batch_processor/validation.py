@@ -4,7 +4,7 @@
 line number, the parameter at fault and a message that says what to change. The codes follow the
 vocabulary OpenAI-compatible servers report: invalid_json_line, missing_custom_id,
 duplicate_custom_id, invalid_method, url_mismatch, invalid_body, missing_model, model_mismatch,
-streaming_unsupported, too_many_tasks, empty_file, and invalid_line for a line that could not be checked.
+streaming_unsupported, gateway_owned_field (priority, cache_salt), too_many_tasks, empty_file, and invalid_line for a line that could not be checked.
 
 Validation is total: whatever one line contains, the result is a request or that line's error, never an
 exception. Values are checked for what the database cannot store (NUL, unpaired surrogates) and bodies for
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import orjson
 
 from holdback import strict_json
+from holdback.contract import GATEWAY_OWNED_FIELDS
 
 MAX_ERRORS = 100
 # Column widths in holdback.models: longer values could not be stored.
@@ -137,7 +138,8 @@ class InputValidator:
                 or item.get("url") != self.endpoint or type(body) is not dict):
             return None
         model = body.get("model")
-        if model != self.model or self.model is None or body.get("stream") is True:
+        if (model != self.model or self.model is None or body.get("stream") is True
+                or any(name in body for name in GATEWAY_OWNED_FIELDS)):
             return None  # self.model is a checked name: equal to it, model is one too
         self._seen[custom_id] = line_no
         return ValidRequest(line_no, custom_id, self.endpoint, _compact_fast(body), model)
@@ -244,6 +246,12 @@ class InputValidator:
         if body.get("stream") is True:
             self._fail("streaming_unsupported", "body.stream is true; batch requests cannot stream. Remove "
                        "stream or set it to false.", line_no, "body.stream")
+            return None
+        owned = next((name for name in GATEWAY_OWNED_FIELDS if name in body), None)
+        if owned is not None:
+            self._fail("gateway_owned_field", f"body.{owned} is set by holdback's gateway (the batch's priority "
+                       "and the tenant's prefix-cache scope), never by a request; remove it from the line.",
+                       line_no, f"body.{owned}")
             return None
         if fast:
             # orjson refused unpaired surrogates and both writers escape NUL: the text is storable.

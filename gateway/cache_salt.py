@@ -5,7 +5,7 @@ derived from its tenant and the key's permission version (bump it to drop every 
 at once), and always replaces whatever salt the caller sent, so no caller can name another tenant's scope.
 A key marked `sharePublicPrompts: true` gets no salt: its prompts share blocks with every other public
 caller; a salt it sends itself is kept under a `public:` prefix, which no private salt ever has. vLLM refuses a
-salt over 128 characters or with `@`, `/`, `\\` or NUL in it (vllm/entrypoints/generate/base/protocol.py
+salt over 128 characters or with `@`, `/`, `\\` or NUL in it (vLLM's
 `validate_cache_salt`), so such a caller salt goes as `public:sha256-<its hex digest>`: the same scope every
 time, and always one vLLM accepts.
 """
@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 
+from holdback.contract import PRIORITY_FIELD
+
 # The bodies that reach vLLM's prefix cache (its pooling requests take a cache_salt too); the rest pass untouched.
 SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 PUBLIC_PREFIX = "public:"
 # vLLM's limits on a cache_salt (`_MAX_CACHE_SALT_LENGTH`, `_CACHE_SALT_FORBIDDEN_CHARS`).
 MAX_SALT_LENGTH = 128
 _FORBIDDEN = frozenset("@/\\\x00")
+_ABSENT = object()
 
 
 def private_salt(tenant: str, permission_version: int) -> str:
@@ -36,18 +39,26 @@ def public_salt(own: str) -> str:
     return salt
 
 
+# The caller's place in the replica's own queue is the gateway's to decide, never the caller's: under vLLM's
+# `--scheduling-policy priority` a caller's `"priority": -100` would run ahead of every realtime request. The
+# header is the same field (vLLM reads it over the body's).
+PRIORITY_HEADER = "x-vllm-priority"
+
+
 def salted_body(body: bytes, path: str, salt: str | None, doc: object) -> bytes:
-    """The request body with the caller's cache scope applied; `salt=None` means a public caller.
+    """The request body as the replica gets it: the caller's cache scope applied (`salt=None`: a public caller)
+    and the caller's priority removed.
 
     `doc` is `body` already parsed (None when it is not JSON): the proxy parses each body once, for this
-    and for KV admission, and serialises it again only when the salt changes it."""
+    and for KV admission, and serialises it again only when this changes it."""
     if path not in SALTED_PATHS or not body or not isinstance(doc, dict):
         return body  # the replica answers the caller's bad JSON with its own 400
+    changed = doc.pop(PRIORITY_FIELD, _ABSENT) is not _ABSENT
     own = doc.get("cache_salt")
     if salt is not None:
         doc["cache_salt"] = salt
     elif isinstance(own, str) and own:
         doc["cache_salt"] = public_salt(own)
-    else:
+    elif not changed:
         return body
     return json.dumps(doc, separators=(",", ":")).encode()

@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.cache_salt import salted_body
+from gateway.cache_salt import PRIORITY_HEADER, salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
 from gateway.flow.interface import FlowControl, Outcome
@@ -54,8 +54,9 @@ _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
     "transfer-encoding", "upgrade", "host", "content-length",
 })
-# Our own request headers are not forwarded (the gateway key is ours, not the replica's).
-_NOT_FORWARDED = _HOP_BY_HOP | {"authorization"}
+# Our own request headers are not forwarded (the gateway key is ours, not the replica's), nor a caller's
+# priority for the replica's queue (the gateway decides the order).
+_NOT_FORWARDED = _HOP_BY_HOP | {"authorization", PRIORITY_HEADER}
 EMBEDDINGS = "/v1/embeddings"
 
 

@@ -86,7 +86,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     engine's), and `num_gpu_blocks`, `block_size`, `kv_cache_size_tokens` when exported. vLLM writes one
     cache_config_info series per data-parallel engine from the front end's one CacheConfig, in which it has
     summed `num_gpu_blocks` over the engines and kept `kv_cache_size_tokens` per engine
-    (vllm/v1/engine/core_client.py `_apply_ready_response`): so the blocks are read once, the tokens summed
+    (vLLM's engine client, `_apply_ready_response`): so the blocks are read once, the tokens summed
     over the engines. Without `kv_cache_size_tokens` (the simulator, older vLLM) it is blocks x block size."""
     wanted = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running")

@@ -33,6 +33,13 @@ QUEUE_MS_HEADER = "x-holdback-queue-ms"  # arrival → dispatch inside the gatew
 # Where an answer names its replica, in order of trust: ours, the simulator's, then llm-d's.
 REPLICA_HEADERS = (REPLICA_HEADER, SIM_REPLICA_HEADER, "x-gateway-destination-endpoint")
 
+# Request body fields the gateway owns: the order in the replica's queue (vLLM's priority scheduling) and the
+# prefix-cache scope. The gateway removes a caller's priority and sets the salt; a batch line naming either is
+# refused at validation.
+PRIORITY_FIELD = "priority"
+CACHE_SALT_FIELD = "cache_salt"
+GATEWAY_OWNED_FIELDS = (PRIORITY_FIELD, CACHE_SALT_FIELD)
+
 # --- objectives (the gateway maps each to a priority) ------------------------------------------------------
 
 REALTIME_OBJECTIVE = "realtime"

@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-# vLLM's `create_error_response` (vllm/entrypoints/serve/exception_handling/error_response.py); a status it
+# vLLM's `create_error_response` (its OpenAI server's error handling); a status it
 # has no class for is named by its HTTP phrase, as vLLM names a GracefulHTTPError.
 ERROR_TYPES = {
     400: "BadRequestError",

@@ -1,6 +1,6 @@
 """vLLM-named Prometheus metrics of one replica, in a registry of its own.
 
-The names, label names and buckets are vLLM 0.32's (vllm/v1/metrics/loggers.py): every series carries
+The names, label names and buckets are vLLM 0.32's (its Prometheus stat logger): every series carries
 `engine="0"` (a replica is one vLLM server with one engine) and `model_name`, counters end in `_total` beside a
 `_created`, and `vllm:cache_config_info` carries the KV cache settings with `engine` and no `model_name`.
 Gauges and counters are read from the scheduler at scrape time, so /metrics always agrees with /admin/state;

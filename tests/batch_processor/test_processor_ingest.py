@@ -27,8 +27,11 @@ BAD_INPUTS = {
     "missing_model": ([_ok(1), {**_ok(2), "body": {"messages": []}}], 2, "body.model"),
     "model_mismatch": ([_ok(1), _ok(2), chat(3, model="m2")], 3, "body.model"),
     "streaming_unsupported": ([chat(1, stream=True)], 1, "body.stream"),
+    "gateway_owned_priority": ([_ok(1), chat(2, priority=-100)], 2, "body.priority"),
+    "gateway_owned_cache_salt": ([chat(1, cache_salt="tenant:someone-else")], 1, "body.cache_salt"),
 }
-EXPECTED_CODE = {"json_not_an_object": "invalid_json_line"}
+EXPECTED_CODE = {"json_not_an_object": "invalid_json_line", "gateway_owned_priority": "gateway_owned_field",
+                 "gateway_owned_cache_salt": "gateway_owned_field"}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

@@ -53,6 +53,13 @@ def test_the_gateway_salt_replaces_the_callers_and_public_salts_are_namespaced()
     assert salted(b"not json", CHAT, salt_of("a-key")) == b"not json", "the replica reports bad JSON"
 
 
+def test_a_callers_priority_is_removed_from_every_body_that_reaches_a_replica():
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        body = json.dumps({"prompt": "x", "priority": -100}).encode()
+        assert json.loads(salted(body, path, None)) == {"prompt": "x"}, path
+        assert "priority" not in json.loads(salted(body, path, salt_of("a-key"))), path
+
+
 def test_tenant_b_sending_tenant_as_exact_prompt_gets_no_cached_tokens(stack):
     sims = stack.sim(1, "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", "16",
                      "--zero-latency")

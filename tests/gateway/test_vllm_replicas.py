@@ -28,7 +28,7 @@ METRICS = (FIXTURES / "metrics.prom").read_text()
 def data_parallel(text: str, usages: list[float]) -> str:
     """`text` as vLLM 0.32 writes it with one engine per entry of `usages`: one series per engine, and every
     cache_config_info series from the front end's one CacheConfig, whose num_gpu_blocks it summed over the
-    engines (vllm/v1/engine/core_client.py `_apply_ready_response`) and whose kv_cache_size_tokens is one
+    engines (vLLM's engine client, `_apply_ready_response`) and whose kv_cache_size_tokens is one
     engine's."""
     out = []
     for line in text.splitlines():
@@ -96,6 +96,7 @@ class FakeVllm:
         self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
         self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
         self.bodies: list[dict] = []  # inference bodies
+        self.headers: list[dict[str, str]] = []  # and their headers
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -142,6 +143,7 @@ class FakeVllm:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         if self.refuses:
             return web.json_response({"error": "Unauthorized"}, status=401)
         if self.dies:
@@ -373,6 +375,21 @@ def test_with_no_replica_left_the_request_that_reached_a_dying_one_gets_502_and_
 
 
 # -- item: embeddings where no replica serves them ---------------------------------------------------------------
+def test_a_callers_priority_never_reaches_the_replica():
+    """Under vLLM's priority scheduling a caller's priority would outrank realtime: the gateway owns the order."""
+    async def main():
+        async with FakeVllm() as replica, gateway([replica.url]) as (_gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "priority": -100},
+                                      headers={"X-Vllm-Priority": "-100"})
+            return r, replica.bodies, replica.headers
+
+    answer, bodies, headers = asyncio.run(main())
+    assert answer.status_code == 200, answer.text
+    assert "priority" not in bodies[0] and bodies[0]["messages"] == CHAT["messages"]
+    assert "x-vllm-priority" not in {k.lower() for k in headers[0]}
+
+
 def test_embeddings_on_a_generation_pool_answer_an_openai_error_saying_what_to_change():
     async def main():
         async with FakeVllm() as vllm, gateway([vllm.url]) as (gw, url):
