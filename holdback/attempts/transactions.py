@@ -89,6 +89,11 @@ _CLOSE_SUPERSEDED = (
     .values(ended_at=bindparam("closed_at"), outcome=AttemptOutcome.abandoned.value,
             error="superseded by a later delivery")
 )
+# An empty cut: the latest cut an attempt reads, which carries nothing over (a restart from the caller's body).
+_RESTART_FROM_SCRATCH = (
+    update(_attempts).where(_attempts.c.id == bindparam("attempt_id"))
+    .values(partial_output="", partial_state=None, tokens_kept=0, input_tokens=0, output_tokens=0)
+)
 _LATEST_CUT = (
     select(_attempts.c.partial_output, _attempts.c.partial_state, _attempts.c.tokens_kept, _attempts.c.input_tokens,
            _attempts.c.output_tokens)
@@ -229,6 +234,13 @@ def record_outcome(
     if outcome.kind is AttemptOutcome.success:
         return _final(session, attempt, outcome, FinalResult(RequestStatus.succeeded, outcome.status, body,
                                                               usage=usage), usage)
+    if outcome.kind is AttemptOutcome.client_error and attempt.carryover.tokens > 0:
+        # Refused as resumed, not as sent: the kept output made the prompt too long (text with U+FFFD in it
+        # tokenizes longer than the tokens that made it), or the template cannot continue a message. Start again
+        # from the caller's own body, once: this attempt's empty cut means the next one resumes nothing, and a
+        # 4xx of that fresh attempt is final.
+        session.connection().execute(_RESTART_FROM_SCRATCH, {"attempt_id": attempt.attempt_id})
+        return _retry(session, attempt, outcome, policy, now, rand)
     if outcome.kind is AttemptOutcome.client_error:
         return _final(session, attempt, outcome, FinalResult(RequestStatus.failed, outcome.status, body))
     if outcome.transient and attempt.transient_failures + 1 >= policy.transient_budget:

@@ -275,3 +275,22 @@ def test_a_streamed_attempts_figures_are_written_by_the_update_that_ends_it(db):
         a = s.get(Attempt, d.attempt_id)
         assert (a.input_tokens, a.output_tokens, a.cached_tokens, a.tokens_kept, a.tokens_recomputed) == (5, 2, 4, 1, 1)
         assert a.outcome == "success" and a.ended_at is not None
+
+
+def test_a_resumed_attempt_refused_with_4xx_starts_again_from_scratch_once(db):
+    """The kept output can make a resumed prompt too long for the context (text with U+FFFD tokenizes longer
+    than the tokens that made it): the row starts again from the caller's body, and only that attempt's 4xx is final."""
+    _, (row_id,) = _rows(db)
+    with transaction(db) as s:
+        s.query(RequestRow).filter_by(id=row_id).update({"body": json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40})})
+    _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "evicted"}, b"{}"))
+    with transaction(db) as s:  # what a cut stream leaves: its text and tokens
+        s.query(Attempt).filter_by(request_id=row_id, number=1).update(
+            {"partial_output": "kept \ufffd text", "tokens_kept": 5, "output_tokens": 5})
+    refused = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
+    resumed, rec = _attempt(db, row_id, Reply(400, {}, refused))
+    assert resumed.carryover.tokens > 0 and rec.disposition is Disposition.retry
+    fresh, rec = _attempt(db, row_id, Reply(400, {}, refused))
+    assert fresh.carryover.tokens == 0 and fresh.carryover.text == "", "nothing is carried over"
+    assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.failed
