@@ -34,7 +34,7 @@ POSTGRES_URL = os.environ.get("HOLDBACK_TEST_POSTGRES_URL", "postgresql+psycopg:
 REDIS_URL = os.environ.get("HOLDBACK_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "hb-admin-test-key"
 # Fixtures that start processes (the embedded Redis, simulators, gateways, workers): their tests are not unit.
-PROCESS_FIXTURES = {"backend", "stack", "scripted", "platform_factory", "browser", "vllm", "spare_vllm"}
+PROCESS_FIXTURES = {"backend", "stack", "scripted", "platform_factory", "browser", "vllm", "one_at_a_time_vllm"}
 # A module that imports these can start processes itself (`holdback ...` children via tests.support).
 PROCESS_NAMES = ("subprocess", "Processes")
 NOT_UNIT_MARKERS = ("e2e", "browser")

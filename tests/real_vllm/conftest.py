@@ -165,9 +165,11 @@ def vllm(engine_logs) -> Iterator[VllmServer]:
 
 
 @pytest.fixture
-def spare_vllm(engine_logs, request) -> Iterator[VllmServer]:
-    """A server a test may kill: started for that test alone."""
-    server = VllmServer(engine_logs / f"{request.node.name}.log").start()
+def one_at_a_time_vllm(engine_logs, request) -> Iterator[VllmServer]:
+    """A server a test may kill, started for that test alone, running one sequence at a time
+    (`--max-num-seqs 1`): the tiny model streams 480 tokens in under 0.25 s, so only a queue inside vLLM keeps
+    requests in flight there long enough for a test to kill it under them."""
+    server = VllmServer(engine_logs / f"{request.node.name}.log", args=("--max-num-seqs", "1")).start()
     try:
         yield server.wait_ready()
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Iterator
 
 import httpx
 import psutil
@@ -30,17 +29,6 @@ def _in_flight(s: RealStack, server: VllmServer) -> int:
 
 
 STORIES = 16
-
-
-@pytest.fixture
-def one_at_a_time_vllm(engine_logs) -> Iterator[VllmServer]:
-    """A server that runs one sequence at a time (`--max-num-seqs 1`): the tiny model streams 480 tokens in under
-    0.25 s, so only a queue inside vLLM keeps it busy long enough for a test to see output streaming there."""
-    server = VllmServer(engine_logs / "one-at-a-time.log", args=("--max-num-seqs", "1")).start()
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
 
 
 def test_engine_death_mid_stream_is_a_budgeted_server_error_that_resumes_elsewhere(backend, tmp_path, vllm,
@@ -88,7 +76,7 @@ def _realtime_loop(url: str, stop: threading.Event, answers: list[int]) -> None:
 
 def test_a_replica_killed_mid_batch_loses_nothing_and_realtime_sees_no_502(backend, tmp_path, vllm,
                                                                            one_at_a_time_vllm):
-    spare_vllm = one_at_a_time_vllm  # its queue holds requests in flight there when it dies
+    spare_vllm = one_at_a_time_vllm
     s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url])
     stop, answers = threading.Event(), []
     loops = [threading.Thread(target=_realtime_loop, args=(s.gateway_url, stop, answers), daemon=True)
