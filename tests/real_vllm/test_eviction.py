@@ -22,7 +22,7 @@ eviction: {enabled: true, maxPerDecision: 2}
 """
 
 
-ROWS = 12
+ROWS = 24
 
 
 def _batch_in_flight(s: RealStack) -> int:
@@ -30,11 +30,16 @@ def _batch_in_flight(s: RealStack) -> int:
 
 
 def _bursts(gateway_url: str, stop: threading.Event, answers: list[int]) -> None:
-    body = {"model": "tiny", "max_tokens": 24, "messages": [{"role": "user", "content": "realtime question"}]}
+    # Each realtime answer is long enough to overlap the rest of its burst: the gateway counts a chat's prompt
+    # with vLLM's /tokenize, whose latency on a loaded machine spreads a burst's arrivals, and answers of a few
+    # tokens (the tiny model streams hundreds a second) were over before the next arrived, so none was ever
+    # blocked and nothing evicted. Six at once against two free slots block at least one.
+    body = {"model": "tiny", "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "realtime question"}]}
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {REALTIME_KEY}"}) as client:
         while not stop.is_set():
             threads = [threading.Thread(target=lambda: answers.append(
-                client.post(f"{gateway_url}/v1/chat/completions", json=body).status_code)) for _ in range(4)]
+                client.post(f"{gateway_url}/v1/chat/completions", json=body).status_code)) for _ in range(6)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -53,7 +58,10 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
                              for i in range(ROWS)])
         poll(lambda: _batch_in_flight(s) >= 2, 120, "batch running", s.logs)
         traffic.start()
-        poll(lambda: any(a.evicted for a in s.attempts(batch_id)), 180, "an eviction", s.logs)
+        # Which victim a burst takes is the scheduler's timing: one that had not streamed yet keeps nothing, so
+        # the bursts go on until an evicted attempt kept output (the rows outlast many bursts).
+        poll(lambda: any(a.evicted and a.partial_output for a in s.attempts(batch_id)), 180,
+             "an eviction that kept partial output", s.logs)
         stop.set()
         traffic.join(120)
         batch = s.wait(batch_id, timeout=400)
@@ -65,14 +73,23 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
     assert answers and set(answers) == {200}, "realtime is never shed"
     evicted = [a for a in attempts if a.evicted]
     assert evicted
-    aborted = poll(lambda: (lambda log: log if all(a.request_id in log for a in evicted) else None)(vllm.aborted()),
-                   30, "vLLM to log the aborts", vllm.aborted)
-    assert all(a.request_id in aborted for a in evicted), "every eviction aborted its request inside vLLM"
+    # A victim chosen before its request reached vLLM, or after vLLM had generated all of it (the tiny model
+    # outruns the relay), leaves no abort there; the others are aborted inside vLLM, and nothing else is.
+    evicted_rows = {a.request_id for a in evicted}
+    aborted = poll(lambda: {rid for rid in rows if rid in vllm.aborted()} or None, 30,
+                   "vLLM to log an abort of an evicted row", vllm.aborted)
+    assert aborted <= evicted_rows, ("vLLM aborted a row the gateway never evicted", aborted - evicted_rows)
     resumed = [a for a in evicted if a.partial_output]
     assert resumed, "an evicted chat kept its partial output"
     for attempt in resumed:
         row = rows[attempt.request_id]
         text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]
         assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40]), (attempt.partial_output[:80], text[:80])
-        usage = out[row.custom_id]["response"]["body"]["usage"]
-        assert usage["completion_tokens"] >= 440 - 2, "the resumed chat produced its whole limit over attempts"
+        body = out[row.custom_id]["response"]["body"]
+        # It ran on to a limit and never past the caller's. Not always all 440: the random weights write bytes
+        # that are not UTF-8, which vLLM streams as U+FFFD; a trailing one is given up and generated again, and
+        # one inside the kept text tokenizes again as more than the token it came from, so the context (512)
+        # can clamp the resumed limit, as vLLM would.
+        assert body["choices"][0]["finish_reason"] == "length", body["choices"][0]
+        assert len(text) > len(attempt.partial_output.rstrip("\ufffd")[:40])
+        assert body["usage"]["completion_tokens"] <= 440, body["usage"]
