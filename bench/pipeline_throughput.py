@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 GATEWAY_CONFIG = """
 keys:
-  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch], relaysTenants: true}
 anonymous: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: 1024}
 usageLimit: {policy: static, threshold: 1.0}

@@ -3,8 +3,11 @@
 The objective header (`holdback.contract.OBJECTIVE_HEADER`, or its older alias) names an
 objective from the config, which gives the priority. A missing header means the caller's default objective;
 an unknown name means the config's `defaultObjective` (priority 0). Either way the caller must be allowed
-that objective, so a batch key can never reach realtime or priority 0. The fairness id comes from
-the fairness header, else the caller's tenant. The TTL header (or its deprecated llm-d-prefixed alias) and
+that objective, so a batch key can never reach realtime or priority 0. The fairness id is the caller's
+tenant; only a trusted relay's key (`relaysTenants`, the Batch API workers') names in the fairness header the
+tenant it carries, and then that tenant's fairness share, KV quota and prefix-cache scope apply. Any other
+caller's fairness header is ignored: a keyless client sending a new id per request would otherwise take a
+share of its own each time, escape its KV quota or charge another tenant's. The TTL header (or its deprecated llm-d-prefixed alias) and
 the deadline header bound how long the request may wait in a queue.
 """
 
@@ -51,14 +54,18 @@ class Caller:
     default_objective: str | None
     # The prefix-cache scope of this caller's requests; None for a key marked sharePublicPrompts.
     cache_salt: str | None = None
+    # A trusted relay: the fairness header names the tenant (see the module doc); its permission version
+    # goes into each relayed tenant's salt.
+    relays_tenants: bool = False
+    permission_version: int = 1
 
 
 @dataclass(frozen=True)
 class Classification:
     objective: str
     priority: int
-    fairness_id: str
-    tenant: str
+    fairness_id: str  # the tenant whose share, KV quota and cache scope apply (a relay's carried tenant)
+    tenant: str  # the tenant of the key that called
     # Seconds the request may wait in a queue from now (inf: no request-level limit) and its absolute
     # deadline as seconds from now (inf: none); the smaller of TTL and deadline bounds the wait.
     wait_limit: float
@@ -72,12 +79,13 @@ class Classifier:
         self.priorities = {name: obj.priority for name, obj in cfg.objectives.items()}
         self.default_objective = cfg.defaultObjective
         self.keys = {k.key: Caller(k.tenant, k.objectives, k.default_objective,
-                                   None if k.share_public_prompts else private_salt(k.tenant, k.permission_version))
+                                   None if k.share_public_prompts else private_salt(k.tenant, k.permission_version),
+                                   k.relays_tenants, k.permission_version)
                      for k in loaded.keys}
         self.admin_keys = loaded.admin_keys
         anon = cfg.anonymous
         self.anonymous = (Caller(anon.tenant, frozenset(anon.objectives), anon.defaultObjective,
-                                 private_salt(anon.tenant, 1)) if anon.enabled else None)
+                                 private_salt(anon.tenant, 1), anon.relaysTenants) if anon.enabled else None)
 
     def _token(self, authorization: str | None) -> str | None:
         """The bearer token; with keys configured, any other `Authorization` value is refused (401)."""
@@ -140,7 +148,12 @@ class Classifier:
                 f"unknown objective {asked!r} (served as {objective!r})" if asked else f"objective {objective!r}")
             raise ClassificationError(403, "objective_not_allowed", f"Tenant {caller.tenant!r} may not use "
                                       f"{what}; its key allows: {allowed}.", "permission_error")
-        fairness = headers.get(FAIRNESS_HEADERS[0]) or headers.get(FAIRNESS_HEADERS[1]) or caller.tenant
+        fairness, salt = caller.tenant, caller.cache_salt
+        if caller.relays_tenants:
+            relayed = headers.get(FAIRNESS_HEADERS[0]) or headers.get(FAIRNESS_HEADERS[1])
+            if relayed:
+                fairness = _relayed_tenant(relayed)
+                salt = None if salt is None else private_salt(fairness, caller.permission_version)
         wait_limit = deadline_in = math.inf
         ttl_header = next((h for h in TTL_HEADERS if h in headers), None)
         if ttl_header is not None:
@@ -150,7 +163,7 @@ class Classifier:
             deadline_in = _seconds(deadline, DEADLINE_HEADER, "unix time in seconds") - time.time()
             wait_limit = min(wait_limit, deadline_in)
         return Classification(objective, self.priorities[objective], fairness, caller.tenant, wait_limit,
-                              deadline_in, caller.cache_salt)
+                              deadline_in, salt)
 
     def _first_allowed(self, caller: Caller) -> str:
         if "*" in caller.objectives or self.default_objective in caller.objectives:
@@ -169,4 +182,17 @@ def _seconds(raw: str, header: str, what: str) -> float:
     if math.isnan(value) or value < 0:
         raise ClassificationError(400, "invalid_header", f"Header {header} must be {what} (not negative); "
                                   f"got {raw!r}.", "invalid_request_error")
+    return value
+
+
+# A relayed tenant id labels metrics and /admin/state: bounded and printable.
+MAX_TENANT_ID = 128
+
+
+def _relayed_tenant(value: str) -> str:
+    value = value.strip()
+    if not value or len(value) > MAX_TENANT_ID or not value.isprintable():
+        raise ClassificationError(400, "invalid_fairness_id", f"The fairness header must name a tenant in 1 to "
+                                  f"{MAX_TENANT_ID} printable characters; got {value[:40]!r}"
+                                  f"{'…' if len(value) > 40 else ''}.", "invalid_request_error")
     return value

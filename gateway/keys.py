@@ -48,6 +48,10 @@ class KeyEntry(_Entry):
     # Prefix-cache scope (gateway.cache_salt): private to the tenant unless its prompts are public.
     sharePublicPrompts: bool = False
     permissionVersion: int = Field(default=1, ge=1)
+    # A trusted relay (the Batch API workers' key): its requests name the tenant they carry in the fairness
+    # header, and that tenant's fairness share, KV quota and prefix-cache scope apply. Every other key is pinned
+    # to its own tenant, whatever header it sends.
+    relaysTenants: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> "KeyEntry":
@@ -72,6 +76,8 @@ class Anonymous(_Entry):
     tenant: str = "anonymous"
     objectives: list[str] = ["*"]
     defaultObjective: str | None = None
+    # As a key's `relaysTenants`: only for a gateway no untrusted caller can reach (a bench's or a drill's own).
+    relaysTenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class ApiKey:
     default_objective: str | None
     share_public_prompts: bool = False
     permission_version: int = 1
+    relays_tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ def resolve_keys(config: GatewayConfig, env: Mapping[str, str]) -> ResolvedKeys:
                 skipped.append(entry.key_env)
                 continue
         keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective,
-                           entry.sharePublicPrompts, entry.permissionVersion))
+                           entry.sharePublicPrompts, entry.permissionVersion, entry.relaysTenants))
     up = config.upstream
     upstream_key, upstream_source = up.apiKey, "upstream.apiKey" if up.apiKey else None
     if up.apiKey_env and env.get(up.apiKey_env):

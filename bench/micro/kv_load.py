@@ -25,9 +25,9 @@ WORDS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx",
 
 def gateway_config(admission: bool, max_concurrency: int, tokenizer: str | None = None) -> str:
     # Identical but for admission.enabled (and the tokenizer where a variant names one; None: the default).
-    # Anonymous callers may use any objective here (loopback bench).
+    # Anonymous callers may use any objective and name their tenants here (loopback bench).
     return (f"saturation: {{maxConcurrency: {max_concurrency}}}\n"
-            "anonymous: {objectives: ['*']}\n"
+            "anonymous: {objectives: ['*'], relaysTenants: true}\n"
             "metrics: {scrapeIntervalSeconds: 0.1}\n"
             f"admission: {{enabled: {'true' if admission else 'false'}, queueDeadlineMs: 8000"
             + (f", tokenizer: {tokenizer}" if tokenizer else "") + "}\n")

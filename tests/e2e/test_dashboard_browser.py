@@ -40,7 +40,7 @@ WIDTHS = (1280, 1920)
 GATEWAY_CONFIG = """
 keys:
   - {key_env: HOLDBACK_GATEWAY_REALTIME_KEY, tenant: realtime, objectives: [realtime, standard, batch], defaultObjective: realtime}
-  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch], relaysTenants: true}
 adminKeys: [{key_env: HOLDBACK_ADMIN_KEY}]
 anonymous: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: 4}

@@ -156,7 +156,7 @@ def test_openai_client_batch_of_500_completes_with_one_line_per_request(platform
 EVICTION_CONFIG = """
 keys:
   - {key_env: HOLDBACK_GATEWAY_REALTIME_KEY, tenant: realtime, objectives: [realtime, standard, batch], defaultObjective: realtime}
-  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch], relaysTenants: true}
 anonymous: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: 4}
 eviction: {enabled: true, maxPerDecision: 2}

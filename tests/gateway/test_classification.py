@@ -12,7 +12,8 @@ from gateway.config import parse_config
 CONFIG = """
 keys:
   - {key: rt-key, tenant: acme, objectives: [realtime, batch]}
-  - {key: batch-key, tenant: workers, objectives: [batch]}
+  - {key: batch-key, tenant: workers, objectives: [batch], relaysTenants: true}
+  - {key: other-key, tenant: beta, objectives: [batch]}
 anonymous: {enabled: true, tenant: anon, objectives: [standard, batch]}
 """
 
@@ -27,10 +28,34 @@ def test_objective_header_gives_priority_and_tenant_is_the_default_fairness_id()
     assert (c.objective, c.priority, c.tenant, c.fairness_id) == ("realtime", 100, "acme", "acme")
 
 
-def test_alias_header_and_explicit_fairness_id():
+def test_a_relay_key_names_the_tenant_it_carries_with_its_own_cache_scope():
     c = classify(Authorization="Bearer batch-key", x_gateway_inference_objective="batch",
                  x_llm_d_inference_fairness_id="tenant-7")
     assert (c.priority, c.fairness_id, c.tenant) == (-10, "tenant-7", "workers")
+    other = classify(Authorization="Bearer batch-key", x_gateway_inference_fairness_id="tenant-8")
+    own = classify(Authorization="Bearer batch-key")
+    assert other.fairness_id == "tenant-8" and own.fairness_id == "workers"
+    # Each relayed tenant its own prefix-cache scope: one Batch API tenant never hits another's blocks.
+    assert len({c.cache_salt, other.cache_salt, own.cache_salt}) == 3
+
+
+def test_any_other_caller_is_pinned_to_its_tenant_whatever_fairness_header_it_sends():
+    keyed = classify(Authorization="Bearer other-key", x_llm_d_inference_fairness_id="tenant-7")
+    assert (keyed.fairness_id, keyed.tenant) == ("beta", "beta")
+    assert keyed.cache_salt == classify(Authorization="Bearer other-key").cache_salt
+    # A keyless client sending a new id per request gets one share between them all, the anonymous tenant's.
+    ids = {classify(x_llm_d_inference_fairness_id=f"fresh-{i}").fairness_id for i in range(5)}
+    assert ids == {"anon"}
+    # Unless the gateway is a bench's own and says its anonymous callers relay tenants.
+    relaying = CONFIG.replace("objectives: [standard, batch]}", "objectives: [standard, batch], relaysTenants: true}")
+    assert classify(relaying, x_llm_d_inference_fairness_id="t1").fairness_id == "t1"
+
+
+@pytest.mark.parametrize("value", ["x" * 129, "tab\there"])
+def test_a_relayed_tenant_id_too_long_or_unprintable_is_refused(value):
+    with pytest.raises(ClassificationError) as exc:
+        classify(Authorization="Bearer batch-key", x_llm_d_inference_fairness_id=value)
+    assert exc.value.status == 400 and exc.value.code == "invalid_fairness_id" and "printable" in exc.value.message
 
 
 def test_batch_key_asking_for_realtime_is_forbidden_with_a_clear_message():

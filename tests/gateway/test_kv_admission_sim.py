@@ -26,6 +26,7 @@ BASE = """
 saturation: {maxConcurrency: 16}
 usageLimit: {policy: static}
 metrics: {scrapeIntervalSeconds: 0.1}
+anonymous: {relaysTenants: true}  # keyless callers name their tenants here: this gateway is the test's own
 admission:
   longRequestTokens: 1600
   tenantMaxShare: 1.0

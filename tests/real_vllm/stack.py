@@ -29,7 +29,7 @@ KEYS = """
 adminKeys: [{key_env: HOLDBACK_ADMIN_KEY}]
 keys:
   - {key_env: HOLDBACK_GATEWAY_REALTIME_KEY, tenant: realtime, objectives: [realtime, standard, batch], defaultObjective: realtime}
-  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch]}
+  - {key_env: HOLDBACK_GATEWAY_BATCH_KEY, tenant: batch, objectives: [batch], relaysTenants: true}
 anonymous: {enabled: false}
 """
 
