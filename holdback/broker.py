@@ -28,35 +28,47 @@ def embedded_socket(data_dir: Path) -> Path:
     return (data_dir / "redis" / "redis.sock").resolve()
 
 
-def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0, *, start=None) -> str:  # noqa: ANN001
+def ensure_embedded_redis(data_dir: Path, timeout: float = 10.0) -> str:
     """Start the embedded Redis for data_dir unless it already answers; return its URL.
 
-    By default it runs daemonized with a pidfile so any holdback process can start it and all share
-    it; `holdback up` passes `start` to run it in the foreground as its own child instead (so it dies
-    with `holdback up`). `stop_embedded_redis` shuts it down.
+    It runs daemonized with a pidfile so any holdback process can start it and all share it; `holdback up`
+    runs it in the foreground as a supervised child instead (`embedded_command`). `stop_embedded_redis` shuts
+    it down.
     """
     sock = embedded_socket(data_dir)
     url = f"unix://{sock}"
-    if _answers(url):
+    if answers(url):
         return url
+    _prepare(sock)
+    # Processes of one data dir often start together (api, processor, worker). Without the lock each would
+    # start a server: the last one takes over the socket path while the others keep the clients that had
+    # already connected, so two processes of one install could talk to two different Redis servers.
+    deadline = time.monotonic() + timeout
+    with _start_lock(sock.parent / "start.lock", deadline):
+        if answers(url):
+            return url
+        return _start(sock, url, deadline)
+
+
+def embedded_command(data_dir: Path) -> tuple[list[str], str]:
+    """The embedded Redis server of data_dir run in the foreground, and its URL: what `holdback up` supervises
+    as a child (restarted on the same socket, with its data: append-only file and snapshots in its dir)."""
+    sock = embedded_socket(data_dir)
+    _prepare(sock)
+    return [*_server_command(sock), "--daemonize", "no"], f"unix://{sock}"
+
+
+def _prepare(sock: Path) -> None:
     sock.parent.mkdir(parents=True, exist_ok=True)
     if len(str(sock)) > 100:
         raise RuntimeError(
             f"the embedded Redis socket path {sock} is too long for a unix socket; "
             "set HOLDBACK_DATA_DIR to a shorter path or REDIS_URL to a Redis server"
         )
-    # Processes of one data dir often start together (api, processor, worker). Without the lock each would
-    # start a server: the last one takes over the socket path while the others keep the clients that had
-    # already connected, so two processes of one install could talk to two different Redis servers.
-    deadline = time.monotonic() + timeout
-    with _start_lock(sock.parent / "start.lock", deadline):
-        if _answers(url):
-            return url
-        return _start(sock, url, deadline, start)
 
 
-def _start(sock: Path, url: str, deadline: float, start) -> str:  # noqa: ANN001
-    command = [
+def _server_command(sock: Path) -> list[str]:
+    return [
         str(embedded_server_binary()),
         "--port", "0",
         "--unixsocket", str(sock),
@@ -67,12 +79,12 @@ def _start(sock: Path, url: str, deadline: float, start) -> str:  # noqa: ANN001
         "--save", "60", "1000",
         "--appendonly", "yes",
     ]
-    if start is None:
-        subprocess.run([*command, "--daemonize", "yes"], check=True)
-    else:
-        start([*command, "--daemonize", "no"])
+
+
+def _start(sock: Path, url: str, deadline: float) -> str:
+    subprocess.run([*_server_command(sock), "--daemonize", "yes"], check=True)
     while time.monotonic() < deadline:
-        if _answers(url):
+        if answers(url):
             return url
         time.sleep(0.02)
     raise RuntimeError(f"embedded Redis did not start; see {sock.parent / 'redis.log'}")
@@ -105,14 +117,15 @@ class _start_lock:
 
 def stop_embedded_redis(data_dir: Path) -> None:
     url = f"unix://{embedded_socket(data_dir)}"
-    if _answers(url):
+    if answers(url):
         try:
             redis.Redis.from_url(url).shutdown(nosave=False)
         except redis.ConnectionError:
             pass  # shutdown closes the connection as it exits: that is success
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Does a Redis server answer PING at url (within half a second)?"""
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
     except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):

@@ -2,7 +2,7 @@
 
 With no configuration it starts an embedded Redis, migrates SQLite under ./data and runs the API
 server with the dashboard, a processor, a worker pool, the gateway and two simulated vLLM replicas.
-A child that dies is reported and restarted with backoff; SIGINT (Ctrl-C) or SIGTERM stops
+A child that dies (the embedded Redis too) is reported and restarted with backoff; SIGINT (Ctrl-C) or SIGTERM stops
 everything, children first, then the embedded Redis. One `holdback up` runs per data dir (a pid-file
 lock); its children die with it even when it is killed outright (Linux parent-death signal), and a
 port held by anything but its own child fails start-up instead of passing the readiness check.
@@ -20,13 +20,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
-from holdback.broker import ensure_embedded_redis, stop_embedded_redis
+from holdback.broker import answers, embedded_command, stop_embedded_redis
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.env_flags import flags_from_env
 from holdback.cli.instance_lock import AlreadyRunning, InstanceLock
@@ -49,6 +50,11 @@ class Child:
     name: str
     args: list[str]
     ready_url: str | None = None
+    # A program other than `python -m holdback.cli` (the embedded Redis): its whole argv, and how to tell it
+    # is ready when it has no HTTP endpoint.
+    command: list[str] | None = None
+    ready: Callable[[], bool] | None = None
+    stop_last: bool = False
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -134,13 +140,16 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         child.log_path = self.log_dir / f"{child.name}.log"
         out = open(child.log_path, "ab")
-        child.proc = _spawn([sys.executable, "-m", "holdback.cli", *child.args],
+        child.proc = _spawn(child.command or [sys.executable, "-m", "holdback.cli", *child.args],
                             env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         child.started_at = time.monotonic()
         _log("started", child=child.name, pid=child.proc.pid, log=child.log_path)
 
     def wait_ready(self, child: Child, timeout: float = 60.0) -> None:
+        if child.ready is not None:
+            self._wait_check(child, child.ready, timeout)
+            return
         if child.ready_url is None:
             return
         deadline = time.monotonic() + timeout
@@ -157,6 +166,18 @@ class Supervisor:
             time.sleep(0.1)
         if not self.stopping:
             raise RuntimeError(f"{child.name} not ready at {child.ready_url} after {timeout:.0f}s; see {child.log_path}")
+
+    def _wait_check(self, child: Child, ready: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stopping:
+            if child.proc is not None and child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start-up; "
+                                   f"see {child.log_path}")
+            if ready():
+                return
+            time.sleep(0.05)
+        if not self.stopping:
+            raise RuntimeError(f"{child.name} not ready after {timeout:.0f}s; see {child.log_path}")
 
     def confirm_own(self, child: Child) -> None:
         """The process answering child.ready_url must be that child (or below it), not a leftover."""
@@ -190,15 +211,22 @@ class Supervisor:
             child.next_start = now + delay
 
     def stop_all(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child and wait; children marked `stop_last` (the embedded Redis) only once the
+        others have gone, so a draining worker still has its queue."""
         self.stopping = True
-        for child in reversed(self.children):
+        first = [c for c in self.children if not c.stop_last]
+        self._stop([c for c in reversed(first)], timeout)
+        self._stop([c for c in reversed(self.children) if c.stop_last], timeout)
+
+    def _stop(self, children: list[Child], timeout: float) -> None:
+        for child in children:
             if child.proc is not None and child.proc.poll() is None:
                 try:
                     os.killpg(child.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     continue
         deadline = time.monotonic() + timeout
-        for child in self.children:
+        for child in children:
             if child.proc is None:
                 continue
             try:
@@ -297,20 +325,21 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> int:
-    embedded: list[subprocess.Popen] = []
+    redis_url, redis_child = settings.redis_url, None
+    if redis_url is None:
+        # The embedded Redis is a supervised child like the rest: restarted on the same socket with its data
+        # when it dies (the workers and the processor reconnect), and stopped last. One another process of
+        # this data dir started (`holdback api` run alone before) is used as it is.
+        command, redis_url = embedded_command(settings.data_dir)
+        if answers(redis_url):
+            _log("using the running embedded Redis", url=redis_url)
+        else:
+            redis_child = Child("redis", [], command=command, ready=lambda: answers(redis_url), stop_last=True)
     try:
-        redis_url = settings.redis_url or ensure_embedded_redis(
-            settings.data_dir, start=lambda cmd: embedded.append(_spawn(cmd, stdout=subprocess.DEVNULL)))
-        engine = make_engine(settings.sqlalchemy_url)
-        upgrade(engine)
-        keys = local_keys(settings, make_sessionmaker(engine))
-        engine.dispose()
-        return _supervise(args, settings, redis_url, keys)
+        return _supervise(args, settings, redis_url, redis_child)
     finally:
         if settings.redis_url is None:
-            stop_embedded_redis(settings.data_dir)
-            for proc in embedded:
-                proc.wait(15)
+            stop_embedded_redis(settings.data_dir)  # one this `up` did not start (its own is stopped already)
             _log("stopped", child="embedded-redis")
 
 
@@ -319,8 +348,11 @@ def _spawn(command: list[str], **popen: object) -> subprocess.Popen:
     return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), **popen)
 
 
-def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, keys: dict[str, str]) -> int:
-
+def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, redis_child: Child | None) -> int:
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    keys = local_keys(settings, make_sessionmaker(engine))
+    engine.dispose()
     env = {
         **os.environ,
         "HOLDBACK_DATA_DIR": str(settings.data_dir.resolve()),
@@ -335,7 +367,8 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, key
         "HOLDBACK_MIGRATE_ON_START": "false",
         "PYTHONUNBUFFERED": "1",
     }
-    sup = Supervisor(build_children(args, settings), env, settings.data_dir / "logs")
+    children = build_children(args, settings)
+    sup = Supervisor([redis_child, *children] if redis_child else children, env, settings.data_dir / "logs")
     return_code = 0
     try:
         for child in sup.children:

@@ -230,3 +230,54 @@ def test_a_port_answered_by_another_process_fails_start_up(tmp_path):
         assert f"api port {port} is in use (pid {os.getpid()})" in refused.stdout, refused.stdout
     finally:
         server.shutdown()
+
+
+def _redis_server(up_pid: int) -> psutil.Process | None:
+    return next((p for p in _alive(_descendants(up_pid)) if "redis-server" in " ".join(p.cmdline())), None)
+
+
+def test_the_embedded_redis_killed_mid_batch_is_restarted_and_the_batch_completes(backend):
+    if backend.kind != "embedded":
+        pytest.skip("the services pass points holdback up at the machine's Redis; the embedded pass runs this")
+    data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
+    api, gateway, sim = free_port(), free_port(), free_ports(1)
+    proc = _start_up(_up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
+                     str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "8",
+                     "--sim-arg=--decode-base-ms=5", "--processor-metrics-port", str(free_port()),
+                     "--worker-metrics-port", str(free_port()))
+    log = data_dir / "up.log"
+    try:
+        wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
+        keys = poll(lambda: (data_dir / "local-keys.json").exists() and json.loads(
+            (data_dir / "local-keys.json").read_text()), 30, "the local keys")
+        client = OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key=keys["tenant"], max_retries=5)
+        total = 300
+        lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"model": "sim-model", "max_tokens": 16,
+                                             "messages": [{"role": "user", "content": f"hello {i}"}]}}) + "\n"
+                        for i in range(total))
+        f = client.files.create(file=("up.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+        poll(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, "the batch to start",
+             lambda: log.read_text(errors="replace")[-3000:])
+        first = _redis_server(proc.pid)
+        assert first is not None, _descendants(proc.pid)
+        first.kill()  # kill -9, mid-batch
+        again = poll(lambda: (p := _redis_server(proc.pid)) is not None and p.pid != first.pid and p, 60,
+                     "holdback up to start the embedded Redis again", lambda: log.read_text(errors="replace")[-3000:])
+        assert "child exited, restarting child=redis" in log.read_text(errors="replace")
+        done = poll(lambda: (b := client.batches.retrieve(batch.id)).status in
+                    ("completed", "failed", "expired", "cancelled") and b, 240, "the batch to finish",
+                    lambda: log.read_text(errors="replace")[-3000:])
+        assert done.status == "completed" and done.request_counts.completed == total, done
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(total)), "one line per request"
+        assert again.is_running() and proc.poll() is None, "no restart of holdback up was needed"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, log.read_text(errors="replace")[-3000:]
