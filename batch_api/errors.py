@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from holdback.contract import REQUEST_ID_HEADER
+from holdback.storage import StorageFull
 
 log = logging.getLogger("batch_api.errors")
 
@@ -187,6 +188,20 @@ async def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
     ).response()
 
 
+async def _on_storage_full(request: Request, exc: StorageFull) -> JSONResponse:
+    log.error("request.storage_full", extra={"fields": {"method": request.method, "path": request.url.path,
+                                                       "store": exc.where, "error": exc.detail}})
+    # 507, and `x-should-retry: false` (read by the OpenAI SDKs): re-sending a whole upload to a full store
+    # fails the same way each time.
+    return JSONResponse(
+        envelope(f"The file store ({exc.where}) is full or over its quota ({exc.detail}); nothing of this request "
+                 "was kept. Retrying will fail the same way until the operator frees space or raises the quota.",
+                 "server_error", None, "storage_full"),
+        status_code=507,
+        headers={"x-should-retry": "false"},
+    )
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # This handler runs outside the request middleware, so it repeats the request id itself.
     request_id = request.scope.get("state", {}).get("request_id", "")
@@ -214,4 +229,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RedisConnectionError, _on_redis_down)
     app.add_exception_handler(RedisTimeoutError, _on_redis_down)
+    app.add_exception_handler(StorageFull, _on_storage_full)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -1,7 +1,7 @@
 """What the processor does when one batch's step keeps raising: say it once, then give up on the batch.
 
-A step that fails because the database or Redis is unreachable is the platform's trouble and is retried
-every round. Any other exception is the batch's: the first one is logged with its traceback, repeats one
+A step that fails because the database or Redis is unreachable, or the file store is full (writing a
+batch's output), is the platform's trouble and is retried every round: the batch finalizes once there is room. Any other exception is the batch's: the first one is logged with its traceback, repeats one
 line each (at most once a minute), and after `MAX_STRIKES` consecutive failures a batch still being
 validated is failed with an error that names the exception — nothing has been created for it yet, so
 failing it loses nothing. Later steps (dispatch, finalize, cancel) keep retrying quietly.
@@ -18,10 +18,11 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from holdback.logs import log_event
 from holdback.models import BatchStatus
+from holdback.storage import StorageFull
 
 MAX_STRIKES = 3
 REPEAT_EVERY = 60.0  # seconds between repeat log lines for a batch that keeps failing
-_PLATFORM_ERRORS = (OperationalError, InterfaceError, RedisConnectionError, RedisTimeoutError, OSError)
+_PLATFORM_ERRORS = (OperationalError, InterfaceError, RedisConnectionError, RedisTimeoutError, OSError, StorageFull)
 
 
 @dataclass

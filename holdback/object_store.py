@@ -23,6 +23,11 @@ MIN_PART = 5 * MiB  # S3's smallest part except the last
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 
 
+# What S3-compatible servers answer when they have no room: MinIO's 507 `XMinioStorageFull`, the
+# `InsufficientStorage` and `QuotaExceeded` of servers with bucket or user quotas (Ceph RGW, SeaweedFS).
+_NO_ROOM_CODES = frozenset({"XMinioStorageFull", "InsufficientStorage", "QuotaExceeded", "StorageFull"})
+
+
 class S3FileWriter(StoredFileWriter):
     def __init__(self, client: Any, bucket: str, key: str, part_size: int, limit: int | None = None):
         super().__init__(limit)
@@ -55,6 +60,14 @@ class S3FileWriter(StoredFileWriter):
             self._send_part()
         self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
                                               MultipartUpload={"Parts": self.parts})
+
+    def _no_room(self, exc: Exception) -> tuple[str, str] | None:
+        if isinstance(exc, ClientError):
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") in _NO_ROOM_CODES or status == 507:
+                return f"s3://{self.bucket}", f"{error.get('Code')}: {error.get('Message') or 'no room'}"
+        return super()._no_room(exc)
 
     def _discard(self) -> None:
         self.buffer.clear()

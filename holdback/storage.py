@@ -7,6 +7,7 @@ a stored file. `open_file_store(settings)` picks the backend from `HOLDBACK_FILE
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from abc import ABC, abstractmethod
@@ -26,6 +27,20 @@ class FileTooLarge(Exception):
         self.limit = limit
 
 
+class StorageFull(Exception):
+    """The store has no room (a full disk, a quota, an object store out of space): nothing was published.
+    Retrying at once would fail the same way; the operator frees space or raises the quota."""
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"the file store ({where}) is full or over its quota: {detail}")
+        self.where = where
+        self.detail = detail
+
+
+# A local write that fails with these means no room, not a fault: the disk is full or the user over quota.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 class StoredFileWriter(ABC):
     """Append chunks, enforce a byte limit, then `commit()` to publish or `abort()` to discard."""
 
@@ -39,13 +54,30 @@ class StoredFileWriter(ABC):
         if self.limit is not None and self.bytes > self.limit:
             self.abort()
             raise FileTooLarge(self.limit)
-        self._write(chunk)
+        self._guarded(self._write, chunk)
 
     def commit(self) -> int:
         """Publish the file; returns its size in bytes."""
-        self._publish()
+        self._guarded(self._publish)
         self.closed = True
         return self.bytes
+
+    def _guarded(self, step, *args: object) -> None:  # noqa: ANN001
+        """Run a write step; no room becomes `StorageFull`, with the partial file discarded."""
+        try:
+            step(*args)
+        except Exception as exc:
+            full = self._no_room(exc)
+            if full is None:
+                raise
+            self.abort()
+            raise StorageFull(*full) from exc
+
+    def _no_room(self, exc: Exception) -> tuple[str, str] | None:
+        """(where, detail) when `exc` says the store has no room; None for any other failure."""
+        if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
+            return "local disk", os.strerror(exc.errno)
+        return None
 
     def abort(self) -> None:
         if not self.closed:
@@ -103,7 +135,10 @@ class LocalFileWriter(StoredFileWriter):
         os.replace(self.tmp, self.final)
 
     def _discard(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:
+            pass  # a full disk fails the close's flush too: the temp file goes all the same
         self.tmp.unlink(missing_ok=True)
 
 

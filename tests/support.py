@@ -160,3 +160,26 @@ def wait_batch(client, batch_id: str, until, timeout: float, context=lambda: "")
             return batch
         time.sleep(0.2)
     raise AssertionError(f"batch {batch_id} stuck at {batch.status} {batch.request_counts}\n{context()}")
+
+
+class small_disk:
+    """A tmpfs of `size` mounted at `path` for the test: a disk that really fills (ENOSPC). Skips the test
+    where it cannot be mounted (not root, or a container without the capability); CI runs as root."""
+
+    def __init__(self, path: Path, size: str = "4m"):
+        self.path, self.size = path, size
+
+    def __enter__(self) -> Path:
+        import pytest
+
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs as a full disk needs root (CI runs as root)")
+        self.path.mkdir(parents=True, exist_ok=True)
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"this machine does not let root mount a tmpfs: {made.stderr.strip()}")
+        return self.path
+
+    def __exit__(self, *_exc: object) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
