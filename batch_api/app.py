@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI
 from starlette.concurrency import run_in_threadpool
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from batch_api import admin, batches, dashboard, files, ops
 from batch_api.boundary import check_path_and_query
@@ -79,4 +80,10 @@ def create_app(settings: Settings) -> FastAPI:
     # The dashboard signs in per page; its ids and filters are still refused with a NUL before any query.
     app.include_router(dashboard.router, dependencies=[Depends(check_path_and_query)])
     app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
+    # Outermost, so the client address every part sees (the request log, the login throttle) is the resolved
+    # one; the server runs with uvicorn's own proxy headers off (batch_api/cli.py), which would otherwise
+    # believe any process on this host.
+    trusted = [h.strip() for h in settings.trusted_proxies.split(",") if h.strip()]
+    if trusted:
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=trusted)
     return app

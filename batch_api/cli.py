@@ -23,6 +23,9 @@ def main(argv: list[str]) -> int:
     args = flags_from_env(parser, "api").parse_args(argv)
     configure_json_logging(None, args.log_level, adopt=("uvicorn", "uvicorn.error", "uvicorn.access"))
     app = create_app(Settings())
-    # Our middleware logs every request as one JSON event, so uvicorn's access log is off.
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level)
+    # Our middleware logs every request as one JSON event, so uvicorn's access log is off. Forwarded headers
+    # are believed only from HOLDBACK_TRUSTED_PROXIES (the app's own middleware): uvicorn's default believes
+    # any process on this host.
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=args.log_level,
+                proxy_headers=False)
     return 0

@@ -37,6 +37,12 @@ class Settings(BaseSettings):
     max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
     max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")
     migrate_on_start: bool = Field(True, description="Apply migrations when the API server starts.")
+    trusted_proxies: str = Field(
+        "",
+        description="Comma-separated addresses or CIDR networks of the reverse proxies in front of the API whose "
+        "X-Forwarded-For and X-Forwarded-Proto are believed (e.g. 10.0.0.0/8); unset = none: every client is the "
+        "address that connected, so no caller can pick the address the login throttle counts.",
+    )
     files_url: str | None = Field(
         None,
         description="Where file bytes live: unset = data_dir/files; file:///dir = a (shared) directory; "

@@ -57,7 +57,8 @@ class ApiServer:
 def serve(settings: Settings) -> ApiServer:
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on"
+        create_app(settings), host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on",
+        proxy_headers=False,  # as `holdback api` runs it (batch_api/cli.py)
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)

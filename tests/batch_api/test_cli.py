@@ -45,3 +45,26 @@ def test_cli_help():
         out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "--port" in out.stdout or "--size-mb" in out.stdout
+
+
+def _wrong_logins(port: int, forwarded: list[str]) -> list[int]:
+    return [httpx.post(f"http://127.0.0.1:{port}/dashboard/login", data={"admin_key": "wrong", "next": "/dashboard"},
+                       headers={"x-forwarded-for": ip}, timeout=30).status_code for ip in forwarded]
+
+
+def test_forwarded_addresses_are_believed_only_from_trusted_proxies(backend, tmp_path):
+    fresh = [f"203.0.113.{i}" for i in range(8)]  # a new X-Forwarded-For each time
+    with Processes(env=backend.env, log_dir=tmp_path / "logs") as procs:
+        # Default: no proxy is trusted, so the throttle counts the address that connected, whatever it says.
+        port = free_port()
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc=procs.start("api", "--port", str(port), name="api"))
+        codes = _wrong_logins(port, fresh)
+        assert codes[:5] == [401] * 5 and set(codes[5:]) == {429}, codes
+        # Behind a trusted proxy the forwarded client is the one counted: eight clients, none throttled, and
+        # one client sending too many wrong keys is throttled all the same.
+        port = free_port()
+        env = {"HOLDBACK_TRUSTED_PROXIES": "127.0.0.1", "HOLDBACK_REDIS_NAMESPACE": f"{backend.namespace}-proxied"}
+        wait_http(f"http://127.0.0.1:{port}/readyz",
+                  proc=procs.start("api", "--port", str(port), name="api-proxied", env=env))
+        assert set(_wrong_logins(port, fresh)) == {401}
+        assert _wrong_logins(port, ["198.51.100.7"] * 6)[-1] == 429
