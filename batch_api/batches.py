@@ -11,14 +11,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from batch_api.auth import SessionDep, TenantDep, TenantRoute
-from batch_api.errors import BadRequest
+from batch_api.auth import ContextDep, SessionDep, TenantDep, TenantRoute
+from batch_api.errors import BadRequest, LimitReached
 from holdback import tracing
 from holdback.logs import log_event
 from batch_api.openapi import TENANT_ERRORS
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
 from batch_api.tenant_scope import get_batch, get_file, list_batches
-from holdback import lifecycle
+from holdback import lifecycle, tenant_limits
 from holdback.models import Batch, BatchStatus, now
 
 router = APIRouter(tags=["batches"], route_class=TenantRoute, responses=TENANT_ERRORS)
@@ -28,7 +28,7 @@ ALREADY_CANCELLING = (BatchStatus.cancelling.value, BatchStatus.cancelled.value)
 
 
 @router.post("/v1/batches", response_model=BatchObject, summary="Create a batch from an uploaded JSONL file")
-def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep) -> dict:
+def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep, context: ContextDep) -> dict:
     file = get_file(session, tenant.id, body.input_file_id, param="input_file_id")
     if file.purpose != "batch":
         raise BadRequest(
@@ -36,6 +36,10 @@ def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep) -> d
             "a batch needs a JSONL file uploaded with purpose='batch'.",
             param="input_file_id",
         )
+    limits = tenant_limits.limits_for(context.settings, tenant.name)
+    refused = tenant_limits.refuse_new_batch(limits, tenant_limits.usage(session, tenant.id), tenant.name)
+    if refused is not None:
+        raise LimitReached(refused.message, code=refused.code)
     created = now()
     window = body.window_seconds
     batch = Batch(

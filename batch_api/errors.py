@@ -89,6 +89,17 @@ class ServerError(ApiError):
     code = "internal_error"
 
 
+class LimitReached(ApiError):
+    """A tenant at one of its limits (holdback.tenant_limits): 429, and `x-should-retry: false` so the SDKs do
+    not re-send at once a request that stays refused until earlier work finishes."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, code: str):
+        super().__init__(message, code=code, headers={"x-should-retry": "false"})
+
+
 class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"

@@ -21,9 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_processor.lease import held_by
 from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
-from holdback import lifecycle
+from holdback import lifecycle, tenant_limits
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, new_ids
+from holdback.settings import Settings
 from holdback.storage import FileStore
 
 log = logging.getLogger("batch_processor.ingest")
@@ -54,11 +55,13 @@ def expand_batch(
     owner: str | None = None,
     max_errors: int = MAX_ERRORS,
     chunk_rows: int = INSERT_CHUNK,
+    settings: Settings | None = None,
 ) -> IngestResult:
     """Validate the batch's input and create its rows (status pending); the batch goes in_progress.
 
     `owner`: the processor holding the batch's lease; the transitions only happen while it still
-    does. None skips that check (one-off tools and benchmarks).
+    does. None skips that check (one-off tools and benchmarks). `settings`: the tenant's limits on
+    enqueued requests and tokens (holdback.tenant_limits) apply; a batch that would pass one fails.
     """
     started = time.perf_counter()
     with factory() as session:
@@ -69,14 +72,22 @@ def expand_batch(
         expires_at = batch.expires_at or (batch.created_at + batch.window_seconds)
         input_file = session.get(File, batch.input_file_id)
         storage_key = input_file.storage_key if input_file is not None else None
+        input_bytes = input_file.bytes if input_file is not None else 0
         file_usable = (input_file is not None and input_file.deleted_at is None
                        and input_file.tenant_id == tenant_id and store.exists(input_file.storage_key))
     if not file_usable:
         error = LineError("file_not_found", f"The input file {batch.input_file_id} no longer exists; upload the "
                           "file again and create a new batch.", None, "input_file_id")
         return fail_batch(factory, batch_id, owner, [error], started)
+    if settings is not None:
+        # Already at a limit: refused before a line is read.
+        with factory() as session:
+            refused = _over_limit(session, settings, batch_id, tenant_id, 1, input_bytes)
+        if refused is not None:
+            return fail_batch(factory, batch_id, owner, [refused], started)
 
     validator = InputValidator(endpoint, max_requests, max_errors)
+    refused = None
     try:
         with transaction(factory) as session:
             # Take the batch's row lock (PostgreSQL) / the write lock (SQLite) first, so a second
@@ -95,12 +106,16 @@ def expand_batch(
             errors = validator.finish()
             if errors:
                 raise _InvalidInput()
+            if settings is not None:
+                refused = _over_limit(session, settings, batch_id, tenant_id, validator.count, input_bytes)
+                if refused is not None:
+                    raise _InvalidInput()
             now = time.time()
             if not lifecycle.start_batch(session, batch_id, int(now), held_by(owner), total=validator.count,
                                          model=validator.model, expires_at=expires_at):
                 raise _LostRace()
     except _InvalidInput:
-        return fail_batch(factory, batch_id, owner, validator.errors, started)
+        return fail_batch(factory, batch_id, owner, [refused] if refused else validator.errors, started)
     except _LostRace:
         return IngestResult(batch_id, "skipped")
     result = IngestResult(batch_id, BatchStatus.in_progress.value, validator.count, validator.model,
@@ -108,6 +123,15 @@ def expand_batch(
     log_event(log, "batch_expanded", batch_id=batch_id, tenant_id=tenant_id, total=result.total,
               model=result.model, seconds=round(result.seconds, 3))
     return result
+
+
+def _over_limit(session: Session, settings: Settings, batch_id: str, tenant_id: str, requests: int,
+                input_bytes: int) -> LineError | None:
+    name = tenant_limits.tenant_name(session, tenant_id)
+    refused = tenant_limits.refuse_expansion(tenant_limits.limits_for(settings, name),
+                                             tenant_limits.usage(session, tenant_id, excluding=batch_id), name,
+                                             requests, input_bytes)
+    return LineError(refused.code, refused.message) if refused is not None else None
 
 
 class _LostRace(Exception):

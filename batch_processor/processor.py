@@ -224,7 +224,8 @@ class Processor:
         with tracing.span("batch.ingest", parent=self._trace_context(batch.id),
                           attributes={"batch_id": batch.id, "tenant_id": batch.tenant_id}) as span:
             result = expand_batch(self.factory, self.store, batch.id,
-                                  max_requests=self.settings.max_batch_requests, owner=self.config.name)
+                                  max_requests=self.settings.max_batch_requests, owner=self.config.name,
+                                  settings=self.settings)
             span.set_attribute("batch.status", result.status)
             span.set_attribute("batch.total", result.total)
             if result.status == BatchStatus.in_progress.value and tracing.enabled():

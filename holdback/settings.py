@@ -11,10 +11,19 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MB = 1024 * 1024
+
+
+class TenantLimitOverride(BaseModel):
+    """One tenant's own limits in HOLDBACK_TENANT_LIMITS (unset: the HOLDBACK_TENANT_MAX_* default; 0: none)."""
+
+    model_config = ConfigDict(extra="forbid")
+    open_batches: int | None = Field(None, ge=0)
+    enqueued_requests: int | None = Field(None, ge=0)
+    enqueued_tokens: int | None = Field(None, ge=0)
 
 
 class Settings(BaseSettings):
@@ -37,6 +46,17 @@ class Settings(BaseSettings):
     max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
     max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")
     migrate_on_start: bool = Field(True, description="Apply migrations when the API server starts.")
+    tenant_max_open_batches: int = Field(100, ge=0, description="Most open batches (validating to cancelling) "
+                                         "one tenant may have; more are refused with 429 (0: no limit).")
+    tenant_max_enqueued_requests: int = Field(
+        1_000_000, ge=0, description="Most unfinished requests one tenant's open batches may hold; a batch that "
+        "would pass it fails validation with request_limit_exceeded (0: no limit).")
+    tenant_max_enqueued_tokens: int = Field(
+        250_000_000, ge=0, description="Most prompt tokens (estimated: input bytes / 4) one tenant's open batches may hold; "
+        "a batch that would pass it fails with token_limit_exceeded (0: no limit).")
+    tenant_limits: dict[str, TenantLimitOverride] = Field(
+        default_factory=dict, description='Per-tenant overrides by tenant name, as JSON: '
+        '{"acme": {"open_batches": 500, "enqueued_requests": 5000000, "enqueued_tokens": 0}}.')
     trusted_proxies: str = Field(
         "",
         description="Comma-separated addresses or CIDR networks of the reverse proxies in front of the API whose "
