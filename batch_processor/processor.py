@@ -70,6 +70,10 @@ class ProcessorConfig:
     backoff_base: float = 2.0  # the sync mode's retry pacing (holdback.attempts.RetryPolicy)
     backoff_cap: float = 60.0
     request_timeout: float = 600.0
+    # Seconds of a round's whole-batch steps (expand, cancel, expire, finalize) after which the rest wait for
+    # the next round, so one tenant's many large batches cannot hold up every other batch's dispatch; the
+    # steps are taken one tenant at a time in turn, and at least one goes each round.
+    round_work_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("async", "sync"):
@@ -134,6 +138,7 @@ class Processor:
         self.step_errors = StepErrors(log)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
+        self._rounds = 0
         self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}
         self.handoff: Handoff = open_handoff(
@@ -168,22 +173,39 @@ class Processor:
         batches = self._load_owned()
 
         in_progress: list[_Owned] = []
-        for batch in batches:
+        self._rounds += 1
+        deadline = time.monotonic() + self.config.round_work_seconds
+        worked = False
+        for batch in _tenants_in_turn(batches, self._rounds):
+            # A whole-batch step only while the round's budget lasts (the first always goes).
+            may_work = not worked or time.monotonic() < deadline
             try:
                 if batch.status == BatchStatus.validating.value:
+                    if not may_work:
+                        continue
+                    worked = True
                     if now >= batch.expires_at:
-                        self._expire(batch, done)
+                        self._expire(batch, done, deadline)
                     elif self._expand(batch, done):
                         batch.status = BatchStatus.in_progress.value
                         in_progress.append(batch)  # its first window goes out in this same round
                 elif batch.status == BatchStatus.cancelling.value:
+                    if not may_work:
+                        continue
+                    worked = True
                     self._finish(batch, done, cancel_batch(self.factory, self.store, self, batch.id,
-                                                           owner=self.config.name, keepalive=self._keepalive(batch.id)))
+                                                           owner=self.config.name, keepalive=self._keepalive(batch.id),
+                                                           deadline=deadline))
                 elif batch.status == BatchStatus.finalizing.value:
+                    if not may_work:
+                        continue
+                    worked = True
                     self._finish(batch, done, self._finalize_completed(batch.id))
                 elif batch.status == BatchStatus.in_progress.value:
                     if now >= batch.expires_at and self._has_unfinished(batch.id):
-                        self._expire(batch, done)
+                        if may_work:
+                            worked = True
+                            self._expire(batch, done, deadline)
                     else:
                         in_progress.append(batch)  # a batch that finished in time still completes
             except Exception as exc:  # noqa: BLE001 - one batch's failure must not stop the others
@@ -259,8 +281,9 @@ class Processor:
             self.metrics.batch_transitions.labels(BatchStatus.failed.value).inc()
             self.metrics.validation_failures.labels(error.code).inc()
 
-    def _expire(self, batch: _Owned, done: Round) -> None:
+    def _expire(self, batch: _Owned, done: Round, deadline: float | None = None) -> None:
         self._finish(batch, done, expire_batch(self.factory, self.store, self, batch.id, owner=self.config.name,
+                                               deadline=deadline,
                                                keepalive=self._keepalive(batch.id)))
 
     def _finalize_completed(self, batch_id: str) -> FinalizeResult | None:
@@ -394,3 +417,21 @@ class Processor:
         finally:
             log_event(log, "processor_stopped", owner=self.config.name, released=len(self.owned))
             self.owned.clear()
+
+
+def _tenants_in_turn(batches: list[_Owned], round_number: int) -> list[_Owned]:
+    """The batches one tenant at a time in turn (each tenant's own in their order), starting each round
+    with the next tenant: a round's budget for whole-batch steps is shared between tenants, not used up
+    by the one with the most batches."""
+    by_tenant: dict[str, list[_Owned]] = {}
+    for batch in batches:
+        by_tenant.setdefault(batch.tenant_id, []).append(batch)
+    queues = list(by_tenant.values())
+    if not queues:
+        return []
+    start = round_number % len(queues)
+    queues = queues[start:] + queues[:start]
+    out: list[_Owned] = []
+    for i in range(max(len(q) for q in queues)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out

@@ -228,12 +228,15 @@ def requeue_lost(session: Session, row_ids: list[str], source: RequestStatus, st
 
 
 def close_unfinished(session: Session, batch_id: str, target: RequestStatus, code: str, message: str,
-                     now: float) -> int:
-    """unfinished → cancelled | expired for every such row of a batch (one UPDATE); returns how many."""
+                     now: float, ids: list[str] | None = None) -> int:
+    """unfinished → cancelled | expired for every such row of a batch, or of those of `ids` (one UPDATE, each
+    row only while it is unfinished); returns how many."""
     move = final_move(target, closing=True)
+    statement = row_update(move).where(_rows.c.batch_id == batch_id)
+    if ids is not None:
+        statement = statement.where(_rows.c.id.in_(ids))
     return session.execute(
-        row_update(move).where(_rows.c.batch_id == batch_id)
-        .values(error_code=code, error_message=message, finished_at=now, updated_at=now, next_attempt_at=None)
+        statement.values(error_code=code, error_message=message, finished_at=now, updated_at=now, next_attempt_at=None)
     ).rowcount
 
 

@@ -209,13 +209,15 @@ def _add_to_batches(session: Session, ledger: dict[str, BatchCounts]) -> None:
                                      **{f"d_{name}": getattr(counts, name) for name in _COUNTER_NAMES}})
 
 
-def close_unfinished(session: Session, batch_id: str, status: RequestStatus, code: str, message: str) -> int:
-    """Make every non-final row of a batch final with `status` (cancel, expiry); returns how many.
+def close_unfinished(session: Session, batch_id: str, status: RequestStatus, code: str, message: str,
+                     ids: list[str] | None = None) -> int:
+    """Make every non-final row of a batch (or of those of `ids`) final with `status` (cancel, expiry);
+    returns how many.
 
-    One UPDATE, so a worker's late success either landed before it (and is kept as partial output)
-    or loses the compare-and-set after it.
+    One UPDATE, each row only while unfinished, so a worker's late success either landed before it (and is
+    kept as partial output) or loses the compare-and-set after it.
     """
-    closed = lifecycle.close_unfinished(session, batch_id, status, code, message, time.time())
+    closed = lifecycle.close_unfinished(session, batch_id, status, code, message, time.time(), ids)
     if closed:
         count_final(session, batch_id, BatchCounts(failed=closed))
     return closed
