@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sync mode: first retry step in seconds (default %(default)s)")
     p.add_argument("--backoff-cap", type=float, default=_DEFAULTS.backoff_cap,
                    help="sync mode: largest retry step in seconds (default %(default)s)")
+    p.add_argument("--round-work-seconds", type=float, default=_DEFAULTS.round_work_seconds,
+                   help="seconds of whole-batch steps (expand, cancel, expire, finalize) per round before the rest "
+                        "wait for the next round; running batches are refilled between them (default %(default)s)")
     p.add_argument("--log-level", default="info", help="logging level (default %(default)s)")
     return flags_from_env(p, "processor")
 
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             dispatch=args.dispatch, sync_concurrency=args.sync_concurrency, lease_seconds=args.lease_seconds,
             reconcile_interval=args.reconcile_interval, reconcile_grace=args.reconcile_grace,
             running_grace=args.running_grace, backoff_base=args.backoff_base, backoff_cap=args.backoff_cap,
+            round_work_seconds=args.round_work_seconds,
         )
     except ValueError as exc:
         print(f"holdback processor: {exc}", file=sys.stderr)

@@ -82,6 +82,8 @@ class ProcessorConfig:
             raise ValueError(f"window must be at least 1, got {self.window}")
         if self.queue_rounds < 0:
             raise ValueError(f"queue rounds must not be negative, got {self.queue_rounds}")
+        if self.round_work_seconds < 0:
+            raise ValueError(f"round work seconds must not be negative, got {self.round_work_seconds}")
         if self.sync_concurrency < 1:
             raise ValueError(f"sync concurrency must be at least 1, got {self.sync_concurrency}")
         if self.poll_interval <= 0 or self.lease_seconds <= 3 * self.poll_interval:
@@ -139,6 +141,7 @@ class Processor:
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
         self._rounds = 0
+        self._advanced_at = float("-inf")
         self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}
         self.handoff: Handoff = open_handoff(
@@ -172,7 +175,9 @@ class Processor:
                 log_event(log, "batch_claimed", batch_id=batch_id, owner=self.config.name)
         batches = self._load_owned()
 
-        in_progress: list[_Owned] = []
+        # The batches that dispatch this round; those that do not run out their window now are known at once,
+        # so their windows can be refilled between whole-batch steps (see `_refill`).
+        in_progress = [b for b in batches if b.status == BatchStatus.in_progress.value and now < b.expires_at]
         self._rounds += 1
         deadline = time.monotonic() + self.config.round_work_seconds
         worked = False
@@ -202,7 +207,9 @@ class Processor:
                     worked = True
                     self._finish(batch, done, self._finalize_completed(batch.id))
                 elif batch.status == BatchStatus.in_progress.value:
-                    if now >= batch.expires_at and self._has_unfinished(batch.id):
+                    if now < batch.expires_at:
+                        continue  # in `in_progress` already
+                    if self._has_unfinished(batch.id):
                         if may_work:
                             worked = True
                             self._expire(batch, done, deadline)
@@ -213,8 +220,11 @@ class Processor:
             else:
                 if batch.status != BatchStatus.in_progress.value:
                     self.step_errors.clear(batch.id)  # an in_progress batch's own steps come in _advance
+            if worked:
+                self._refill(in_progress, done)
 
-        self._advance(in_progress, done)
+        self._advance([b for b in in_progress if b.id not in done.finished], done)
+        self._advanced_at = time.monotonic()
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
             self._last_reconcile = time.monotonic()
             self._reconcile([b.id for b in in_progress if b.id not in done.finished], done)
@@ -313,6 +323,15 @@ class Processor:
         done.finished[batch.id] = result.status
         self.metrics.batch_transitions.labels(result.status).inc()
         self.metrics.finalize_seconds.observe(result.seconds)
+
+    def _refill(self, in_progress: list[_Owned], done: Round) -> None:
+        """Between a round's whole-batch steps: the running batches' windows are refilled once a poll interval
+        has passed since the last time, so a round busy with another tenant's large batches does not leave
+        them without queued work while it lasts."""
+        if time.monotonic() - self._advanced_at < self.config.poll_interval:
+            return
+        self._advance([b for b in in_progress if b.id not in done.finished], done)
+        self._advanced_at = time.monotonic()
 
     def _advance(self, in_progress: list[_Owned], done: Round) -> None:
         """Finalize batches with nothing left to run, refill the windows of the others, hand their rows off."""

@@ -6,11 +6,13 @@ uploaded file and cancels each of them once the processor has expanded it into r
 quiet batch's create to `completed`; the figure is flooded ÷ alone, taken within a round, and the median of the
 per-round ratios over `--rounds` is reported with every round's value (goal ≥ 0.5). Before a round's second
 side starts, every flood batch of the first has reached `cancelled`; the seconds that took (the cancel drain)
-are reported too, as is the number of creates the flood tenant's limits refused.
+are reported too, with how many flood requests ran before their batch was cancelled (the flood tenant's fair
+share of the workers while its batches were open) and how many creates the flood tenant's limits refused.
 
 The platform is real and runs through the CLI and HTTP: `holdback sim --zero-latency` behind `holdback
 gateway`, `holdback api`, one `holdback processor`, one `holdback worker -n 64`, on a fresh SQLite and a
-private redis-server unless --database-url / --redis-url point elsewhere.
+private redis-server unless --database-url / --redis-url point elsewhere. Under each side a line says how
+many cores each component used meanwhile (bench/lib/process_cpu.py): where the flood's cost lands.
 
     python bench/tenant_isolation.py                                   # 3 rounds, SQLite
     python bench/tenant_isolation.py --database-url postgresql://127.0.0.1/test --rounds 3
@@ -108,11 +110,13 @@ def flood(tenant: Tenant, file_id: str, batches: int, made: list[str], refused: 
         time.sleep(0.2)
 
 
-def drain(tenant: Tenant, batch_ids: list[str], timeout: float) -> float:
+def drain(tenant: Tenant, batch_ids: list[str], timeout: float) -> tuple[float, int]:
+    """Seconds until every flood batch is terminal, and how many of their requests completed before."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        if all(tenant.status(b)["status"] in TERMINAL for b in batch_ids):
-            return time.monotonic() - start
+        batches = [tenant.status(b) for b in batch_ids]
+        if all(b["status"] in TERMINAL for b in batches):
+            return time.monotonic() - start, sum(b["request_counts"]["completed"] for b in batches)
         time.sleep(0.2)
     raise TimeoutError(f"the flood's batches were not all cancelled after {timeout:.0f}s")
 
@@ -149,23 +153,28 @@ def main(argv: list[str] | None = None) -> int:
             result: dict = {"round": n + 1}
             for side in (("alone", "flooded") if n % 2 == 0 else ("flooded", "alone")):
                 if side == "alone":
-                    result["alone_s"] = run_quiet(b, quiet, quiet_file, args.quiet_lines, args.timeout)
+                    with b.sampler() as sampled:
+                        result["alone_s"] = run_quiet(b, quiet, quiet_file, args.quiet_lines, args.timeout)
+                    result["alone_cpu"] = sampled.shares.line()
                     continue
                 made: list[str] = []
                 refused: list[int] = []
                 flooding = threading.Thread(target=flood, args=(noisy, flood_file, args.flood_batches, made, refused,
                                                                   args.timeout))
                 flooding.start()
-                result["flooded_s"] = run_quiet(b, quiet, quiet_file, args.quiet_lines, args.timeout)
+                with b.sampler() as sampled:
+                    result["flooded_s"] = run_quiet(b, quiet, quiet_file, args.quiet_lines, args.timeout)
+                result["flooded_cpu"] = sampled.shares.line()
                 flooding.join()
-                result["drain_s"] = drain(noisy, made, args.timeout)
+                result["drain_s"], result["flood_completed"] = drain(noisy, made, args.timeout)
                 result["flood_refused"] = len(refused)
             result["ratio"] = result["alone_s"] / result["flooded_s"]
             rounds.append(result)
             print(f"round {n + 1}: alone {args.quiet_lines / result['alone_s']:.0f} req/s, flooded "
                   f"{args.quiet_lines / result['flooded_s']:.0f} req/s, ratio {result['ratio']:.2f}; flood cancelled "
-                  f"in {result['drain_s']:.1f} s after the quiet batch, {result['flood_refused']} creates refused",
-                  flush=True)
+                  f"in {result['drain_s']:.1f} s after the quiet batch ({result['flood_completed']} of its requests "
+                  f"had completed), {result['flood_refused']} creates refused\n  cores used, alone: "
+                  f"{result['alone_cpu']}\n  cores used, flooded: {result['flooded_cpu']}", flush=True)
     finally:
         b.close()
     estimate = bootstrap_median([r["ratio"] for r in rounds])
