@@ -26,6 +26,7 @@ from gateway.config import ConfigError, GatewayConfig, LoadedConfig, load_config
 from gateway.flow.controller import FlowController
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
+from gateway.pools import ModelPools
 from gateway.proxy import Proxy
 from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
@@ -33,7 +34,7 @@ from gateway.upstream import UpstreamPool, connection_limit
 
 logger = logging.getLogger("gateway")
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 class Gateway:
@@ -44,17 +45,23 @@ class Gateway:
         if replicas_override is not None:
             loaded = with_replicas(loaded, replicas_override)
         self.metrics = GatewayMetrics()
-        self.pool = ReplicaPool(loaded.config.replicas)
-        self.controller = FlowController(loaded, self.pool, self.metrics)
-        self.pool.on_change = self.controller.wake
-        self.pool.key_source = lambda url: self.controller.loaded.replica_key_source(url)
-        self.proxy = Proxy(self.controller, self.metrics)
-        self.metrics.watch(self.controller.snapshot)
+        # Every replica, checked and scraped in one place; each model pool's flow control sees its own.
+        self.pool = ReplicaPool([])
+        self.pools = ModelPools(loaded, self.pool, self.metrics)
+        self.pool.on_change = self.pools.wake
+        self.pool.key_source = lambda url: self.pools.loaded.replica_key_source(url)
+        self.proxy = Proxy(self.pools, self.metrics)
+        self.metrics.watch(self.pools.snapshot)
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
         # Called after a reload or rollback applied a config (the relays of `--workers` take it up).
         self.on_config: list[Callable[[], None]] = []
         _log_config("config_loaded", loaded)
+
+    @property
+    def controller(self) -> FlowController:
+        """The default pool's flow controller (the only one with one model)."""
+        return self.pools.default().controller
 
     # -- application ----------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -71,19 +78,37 @@ class Gateway:
 
     def replica_key(self, url: str) -> str | None:
         """The key of the replica at `url` (or under it) in the running config."""
-        return self.controller.loaded.replica_key(url)
+        return self.pools.loaded.replica_key(url)
 
     async def start(self) -> None:
         """Open the upstream session, start the replica checks, the dispatch loop and SIGHUP reloads."""
-        self._session = upstream_session(self.controller.loaded.config, self.replica_key)
+        self._session = upstream_session(self.pools.loaded.config, self.replica_key)
         self.proxy.session = self._session
-        self.proxy.upstream = UpstreamPool.for_config(self.controller.loaded.config)
+        self.proxy.upstream = UpstreamPool.for_config(self.pools.loaded.config)
         await self.pool.start(self._session)
-        self._loop_task = asyncio.create_task(self.controller.run(), name="gateway-dispatch-loop")
+        self._loop_task = asyncio.create_task(self._run_pools(), name="gateway-dispatch-loop")
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         except (RuntimeError, ValueError):  # not the main thread: reload only through Gateway.reload()
             logger.warning("sighup_unavailable")
+
+    async def _run_pools(self) -> None:
+        """Every pool's dispatch loop, a pool added later (a new model reported) included."""
+        running: dict[int, asyncio.Task] = {}
+        added = asyncio.Event()
+        self.pools.on_pools.append(added.set)
+        try:
+            while True:
+                for controller in self.pools.flows():
+                    if id(controller) not in running:
+                        running[id(controller)] = asyncio.create_task(
+                            controller.run(), name=f"gateway-dispatch-loop-{controller.pool_name}")
+                added.clear()
+                await added.wait()
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
 
     async def stop(self) -> None:
         with contextlib.suppress(RuntimeError, ValueError):
@@ -102,13 +127,13 @@ class Gateway:
     # -- reload ---------------------------------------------------------------------------------------------
     def reload(self) -> bool:
         """Re-read the config file; keep the running config when the new one is bad."""
-        running = self.controller.loaded.digest
+        running = self.pools.loaded.digest
         try:
             loaded = load_config(self.config_path)
             if self.replicas_override is not None:
                 loaded = with_replicas(loaded, self.replicas_override)
             # Applying can still refuse it (an unreadable calibration profile) before anything changes.
-            self.controller.apply_config(loaded)
+            self.pools.configure(loaded)
         except ConfigError as exc:
             log_event(logger, "config_rejected", level=logging.ERROR, error=str(exc), running_digest=running)
             return False
@@ -139,7 +164,7 @@ class Gateway:
         refused = refuse_admin(self.proxy.classifier, request)
         if refused is not None:
             return refused
-        return web.Response(text=json.dumps(self.controller.snapshot()), content_type="application/json")
+        return web.Response(text=json.dumps(self.pools.snapshot()), content_type="application/json")
 
     async def admin_rollback(self, request: web.Request) -> web.Response:
         lower = await rollback_request(self.proxy.classifier, request)
@@ -155,8 +180,8 @@ class Gateway:
     def rollback(self, lower: float | None = None) -> dict:
         """Apply the config before the running one, admission on, with the lower of the two admission
         watermarks (or `lower` when it is lower still): rollback never returns to unlimited acceptance."""
-        history = self.controller.history
-        current = self.controller.loaded
+        history = self.pools.history
+        current = self.pools.loaded
         previous = next((c for c, _at in reversed(history[:-1]) if c.digest != current.digest), None)
         if previous is None:
             raise ConfigError("no earlier config digest to roll back to: only "
@@ -169,7 +194,7 @@ class Gateway:
             target = with_admission(previous, enabled=True, admissionWatermark=watermark)
         except ValueError as exc:
             raise ConfigError(f"the rolled-back config is not valid: {exc}") from exc
-        self.controller.apply_config(target)
+        self.pools.configure(target)
         self._applied()
         log_event(logger, "config_rolled_back", level=logging.WARNING, from_digest=current.digest,
                   to_digest=previous.digest, applied_digest=target.digest, admission_watermark=watermark)
@@ -261,7 +286,8 @@ async def rollback_request(classifier: Classifier, request: web.Request) -> floa
 def _log_config(event: str, loaded: LoadedConfig, **extra: object) -> None:
     cfg = loaded.config
     log_event(logger, event, digest=loaded.digest, source=loaded.source,
-              replicas=",".join(cfg.replicas) or "none", detector=cfg.saturation.detector,
+              replicas=",".join(cfg.replicas) or "none", pools=",".join(p.name for p in cfg.pools) or "by model",
+              detector=cfg.saturation.detector,
               holdback=cfg.usageLimit.policy, eviction=cfg.eviction.enabled, admission=cfg.admission.enabled,
               keys=len(loaded.keys), **extra)
     for env_name in loaded.skipped_key_envs:

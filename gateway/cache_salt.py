@@ -17,8 +17,9 @@ import json
 
 from holdback.contract import PRIORITY_FIELD
 
-# The bodies that reach vLLM's prefix cache (its pooling requests take a cache_salt too); the rest pass untouched.
-SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+# The bodies that reach vLLM's prefix cache (its pooling and Responses API requests take a cache_salt too); the
+# rest pass untouched.
+SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"})
 PUBLIC_PREFIX = "public:"
 # vLLM's limits on a cache_salt (`_MAX_CACHE_SALT_LENGTH`, `_CACHE_SALT_FORBIDDEN_CHARS`).
 MAX_SALT_LENGTH = 128
@@ -43,6 +44,11 @@ def public_salt(own: str) -> str:
 # `--scheduling-policy priority` a caller's `"priority": -100` would run ahead of every realtime request. The
 # header is the same field (vLLM reads it over the body's).
 PRIORITY_HEADER = "x-vllm-priority"
+
+
+def replica_priority(priority: int) -> int:
+    """A band's priority in vLLM's order, where lower values run first (ours: higher is more important)."""
+    return -priority
 
 
 def salted_body(body: bytes, path: str, salt: str | None, doc: object) -> bytes:

@@ -19,6 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.keys import UPSTREAM_KEY_ENV, AdminKey, Anonymous, ApiKey, KeyEntry, ReplicaKey, resolve_keys
+from gateway.engine_config import Engine, ReplicaEngine, by_replica_url  # noqa: F401  (the config's own keys)
+from gateway.pool_config import PoolSettings, check_pools, pool_config, replica_urls
 from holdback.contract import BATCH_OBJECTIVE, REALTIME_OBJECTIVE, STANDARD_OBJECTIVE
 
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
@@ -255,14 +257,13 @@ class Upstream(_Model):
     @field_validator("replicaKeys")
     @classmethod
     def _replica_urls(cls, keys: dict[str, ReplicaKey]) -> dict[str, ReplicaKey]:
-        for url in keys:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"upstream.replicaKeys: {url!r} must be a replica's http:// or https:// URL")
-        return {url.rstrip("/"): key for url, key in keys.items()}
+        return by_replica_url("upstream.replicaKeys", keys)
 
 
 class GatewayConfig(_Model):
     replicas: list[str] = []
+    # Model pools; replicas listed only in `replicas` are grouped by the model they report in /v1/models.
+    pools: list[PoolSettings] = []
     objectives: dict[str, Objective] = {
         REALTIME_OBJECTIVE: Objective(priority=100),
         STANDARD_OBJECTIVE: Objective(priority=0),
@@ -282,18 +283,22 @@ class GatewayConfig(_Model):
     health: Health = Health()
     metrics: Metrics = Metrics()
     upstream: Upstream = Upstream()
+    engine: Engine = Engine()
 
     @field_validator("replicas")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica {url!r} must be an http:// or https:// URL")
-            out.append(url.rstrip("/"))
-        if len(set(out)) != len(out):
-            raise ValueError("replicas lists the same URL twice")
-        return out
+        return replica_urls(urls)
+
+    @model_validator(mode="after")
+    def _pools_apart(self) -> "GatewayConfig":
+        check_pools(self)
+        return self
+
+    def of_pool(self, pool: PoolSettings | None) -> "GatewayConfig":
+        """The config one pool's flow control runs with: its own sections over the top-level ones, its replicas
+        (None: the top-level config for replicas grouped by model, without pools)."""
+        return pool_config(self, pool)
 
     @model_validator(mode="after")
     def _objective_names(self) -> "GatewayConfig":
@@ -316,7 +321,7 @@ class GatewayConfig(_Model):
         adm = self.admission
         if not adm.enabled:
             return self
-        running = adm.maxRunningSequences or self.saturation.maxConcurrency
+        running = adm.maxRunningSequences or self.engine.maxNumSeqs or self.saturation.maxConcurrency
         pool = adm.default_pool_blocks()
         room = adm.growth_room(pool)
         if room < running:
@@ -342,6 +347,14 @@ class GatewayConfig(_Model):
             raise ValueError(f"usageLimit.adaptive.protectedPriority {line} leaves no band below it {bands}: the "
                              f"adaptive reserve would limit nothing; set it above the batch band's priority")
         return self
+
+    def capacity(self, url: str) -> int:
+        """The requests the gateway may have in flight on the replica at `url`: its maxNumSeqs and queue allowance
+        when set (engine), else saturation.maxConcurrency."""
+        engine = self.engine.of(url)
+        if engine.maxNumSeqs is None:
+            return self.saturation.maxConcurrency
+        return engine.maxNumSeqs + engine.queueAllowance
 
     def traffic_class(self, priority: int) -> str:
         for obj in self.objectives.values():
@@ -455,6 +468,15 @@ def with_admission(loaded: LoadedConfig, **changes: object) -> LoadedConfig:
     """The same config with admission keys changed (rollback); the digest names the resulting document."""
     raw = loaded.config.model_dump(by_alias=True)
     raw["admission"] = {**raw["admission"], **changes}
+    # A pool's own admission keys override the top level's: the rollback's keys go there too, and a watermark
+    # the pool already kept lower stays lower.
+    for pool in raw.get("pools") or ():
+        own = pool.get("admission")
+        if own is None:
+            continue
+        pool["admission"] = {**own, **changes}
+        if "admissionWatermark" in changes and "admissionWatermark" in own:
+            pool["admission"]["admissionWatermark"] = min(own["admissionWatermark"], changes["admissionWatermark"])
     config = GatewayConfig.model_validate(raw)
     text = json.dumps(config.model_dump(by_alias=True), sort_keys=True)
     digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()

@@ -34,19 +34,21 @@ from multidict import CIMultiDict
 from gateway.cache_salt import PRIORITY_HEADER, salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
-from gateway.flow.interface import FlowControl, Outcome
+from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.ledger import Reservation
 from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import Replica
-from gateway.responses import drop_response, embeddings_not_served, error_response, evicted_sse_event
+from gateway.responses import (drop_response, embeddings_not_served, endpoint_not_served, error_response,
+                               evicted_sse_event, model_not_found, models_union)
 from gateway.stream_tokens import StreamTokenCount
 from gateway.tokenization import PromptCounter
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
 from holdback.contract import (DROP_REASON_HEADER, QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER,
                                RESUMABLE_HEADER)
+from holdback.sim_tokenizer import ChatTemplateError, responses_messages
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -58,6 +60,7 @@ _HOP_BY_HOP = frozenset({
 # priority for the replica's queue (the gateway decides the order).
 _NOT_FORWARDED = _HOP_BY_HOP | {"authorization", PRIORITY_HEADER}
 EMBEDDINGS = "/v1/embeddings"
+RESPONSES, CHAT = "/v1/responses", "/v1/chat/completions"
 
 
 def _request_id(headers) -> str:
@@ -65,22 +68,23 @@ def _request_id(headers) -> str:
 
 
 class Proxy:
-    def __init__(self, controller: FlowControl, metrics: GatewayMetrics):
-        self.controller = controller
+    def __init__(self, pools: FlowPools, metrics: GatewayMetrics):
+        # Each request goes to the flow control of its model's pool.
+        self.pools = pools
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None  # /v1/models and the prompt counter's calls
         self.upstream: UpstreamPool | None = None  # inference requests (gateway/upstream.py)
-        self.classifier = Classifier(controller.loaded)
+        self.classifier = Classifier(pools.loaded)
         self.counter = self._counter()
-        self.failover = Failover(controller, metrics, self._upstream_headers, self._upstream_failure)
+        self.failover = Failover(metrics, self._upstream_headers, self._upstream_failure)
 
     def _counter(self) -> PromptCounter:
-        counter = PromptCounter(self.controller.loaded.config.admission, self._count_fallback, self._counted)
-        self.controller.tokenizer_state = counter.state
+        counter = PromptCounter(self.pools.loaded.config.admission, self._count_fallback, self._counted)
+        self.pools.tokenizer_state = counter.state
         return counter
 
     def reconfigure(self) -> None:
-        self.classifier = Classifier(self.controller.loaded)
+        self.classifier = Classifier(self.pools.loaded)
         self.counter.close()  # its background tokenizer checks stop; the new counter checks again
         self.counter = self._counter()
 
@@ -88,19 +92,24 @@ class Proxy:
         self.metrics.child(self.metrics.prompt_counts, source).inc()
 
     def _count_fallback(self) -> None:
-        self.controller.count_tokenizer_fallback()
+        self.pools.flows()[0].count_tokenizer_fallback()
         self.metrics.tokenizer_fallbacks.inc()
 
-    async def _count_tokens(self, req: FlowRequest, doc: object, path: str) -> web.Response | None:
-        """Fill the request's prompt and output-limit tokens; an answer when the body is not a JSON object."""
+    async def _count_tokens(self, flow: FlowControl, req: FlowRequest, doc: object,
+                            path: str) -> web.Response | None:
+        """Fill the request's prompt and output-limit tokens (on a replica of its pool: its model's
+        tokenizer); an answer when the body is not a JSON object."""
         if not isinstance(doc, dict):
             return error_response(400, "The request body must be a JSON object.", "invalid_request_error",
                                   "invalid_json", req.request_id)
-        healthy = self.controller.pool.healthy()
+        healthy = flow.pool.healthy()
         replica = min(healthy, key=lambda r: r.in_flight) if healthy else None
-        count = await self.counter.count(doc, path, self.session, replica)
+        counted_doc, counted_path = _responses_as_chat(doc) if path == RESPONSES else (doc, path)
+        count = await self.counter.count(counted_doc, counted_path, self.session, replica)
         req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
         req.limit_param, req.sequences = count.limit_param, count.sequences
+        if path == RESPONSES and req.limit_param is not None:
+            req.limit_param = "max_output_tokens"
         return None
 
     # -- routes ---------------------------------------------------------------------------------------------
@@ -127,19 +136,30 @@ class Proxy:
         except ClassificationError as exc:
             log_event(logger, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
-        controller = self.controller
+        raw = await request.read()
+        doc = _document(raw)
+        routing = self.pools.routing()
+        model = doc.get("model") if isinstance(doc, dict) else None
+        pool = routing.route(model)
+        if pool is None:  # answered here, as vLLM answers a name it does not serve: no replica is asked
+            return model_not_found(model, routing.served(), request_id)
+        controller = self.pools.flow(pool)
+        endpoints = routing.endpoints(pool)
+        if endpoints is not None and request.path not in endpoints:
+            if request.path == EMBEDDINGS:
+                return embeddings_not_served(None, request_id, pool)
+            return endpoint_not_served(request.path, pool, endpoints, request_id)
         if request.path == EMBEDDINGS:
             healthy = controller.pool.healthy()
             if healthy and all(r.serves_no_embeddings() for r in healthy):
                 return embeddings_not_served(healthy[0], request_id)
-        raw = await request.read()
-        doc = _document(raw)
         body = salted_body(raw, request.path, cls.cache_salt, doc)
-        req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived,
+        req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived, pool=pool,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
-                          resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1")
+                          resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
+                          streamed=isinstance(doc, dict) and doc.get("stream") is True)
         if controller.admission_enabled:
-            refused = await self._count_tokens(req, doc, request.path)
+            refused = await self._count_tokens(controller, req, doc, request.path)
             if refused is not None:
                 return refused
         req.task = asyncio.current_task()
@@ -152,10 +172,10 @@ class Proxy:
                 controller.withdraw(req)
                 raise
             # Decided meanwhile (dispatched, maybe evicted already): nothing sent yet, it ends as any cancel does.
-            return await self._forward(request, req, body, cancelled=exc)
+            return await self._forward(request, controller, req, body, cancelled=exc)
         if outcome is Outcome.REJECTED:
             return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
-        return await self._forward(request, req, body)
+        return await self._forward(request, controller, req, body)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request.headers)
@@ -163,19 +183,26 @@ class Proxy:
             self.classifier.caller(request.headers.get("Authorization"))
         except ClassificationError as exc:
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
-        healthy = self.controller.pool.healthy()
-        if not healthy:
+        # One replica of each pool that has a healthy one; with one pool its answer is relayed as it is.
+        asked = [min(healthy, key=lambda r: r.in_flight) for healthy in
+                 (flow.pool.healthy() for flow in self.pools.flows()) if healthy]
+        if not asked:
             return drop_response(DropReason.NO_ENDPOINTS, request_id)
-        replica = min(healthy, key=lambda r: r.in_flight)
         assert self.session is not None
-        try:
-            async with self.session.get(replica.url + request.path_qs,
-                                        headers=self._upstream_headers(request, request_id, replica.url)) as resp:
-                data = await resp.read()
-                return web.Response(status=resp.status, body=data,
-                                    headers=self._response_headers(resp, request_id))
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            return self._upstream_failure(replica, exc, request_id)
+        answers = []
+        for replica in asked:
+            try:
+                async with self.session.get(replica.url + request.path_qs,
+                                            headers=self._upstream_headers(request, request_id, replica.url)) as resp:
+                    answers.append((resp.status, await resp.read(), self._response_headers(resp, request_id)))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                if len(asked) == 1:
+                    return self._upstream_failure(replica, exc, request_id)
+                self._upstream_failure(replica, exc, request_id)
+        if len(asked) == 1:
+            status, data, headers = answers[0]
+            return web.Response(status=status, body=data, headers=headers)
+        return models_union(answers, request_id)
 
     # -- forwarding -----------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.Request, request_id: str, replica_url: str) -> CIMultiDict:
@@ -185,7 +212,7 @@ class Proxy:
                 out.add(k, v)
         out[REQUEST_ID_HEADER] = request_id
         tracing.inject(out)
-        key = self.controller.loaded.replica_key(replica_url)
+        key = self.pools.loaded.replica_key(replica_url)
         if key:
             out["Authorization"] = f"Bearer {key}"
         return out
@@ -204,22 +231,22 @@ class Proxy:
         (`down`) it closed a new connection before answering."""
         self.metrics.child(self.metrics.upstream_errors, replica.url).inc()
         if isinstance(exc, (aiohttp.ClientConnectorError, ConnectFailed)):
-            self.controller.pool.mark_down(replica, f"connect: {exc.os_error or exc}")
+            self.pools.replicas.mark_down(replica, f"connect: {exc.os_error or exc}")
         elif down:
-            self.controller.pool.mark_down(replica, f"closed before answering: {exc}")
+            self.pools.replicas.mark_down(replica, f"closed before answering: {exc}")
         log_event(logger, "upstream_error", level=logging.WARNING, request_id=request_id, replica=replica.url,
                   error=f"{type(exc).__name__}: {exc}")
         return error_response(502, f"The model replica failed: {type(exc).__name__}; retry the request.",
                               "upstream_error", "upstream_error", request_id)
 
     # -- forwarding: the answer, and the one place a request is finished -------------------------------------
-    async def _forward(self, request: web.Request, req: FlowRequest, body: bytes,
+    async def _forward(self, request: web.Request, flow: FlowControl, req: FlowRequest, body: bytes,
                        cancelled: asyncio.CancelledError | None = None) -> web.StreamResponse:
         """Send a dispatched request to its replica and relay the answer (`_relay`). Each step records how the
         request ended; flow control is told here, once, the moment it ended, and then the rest of the answer
         goes out (`_conclude`): the end of a stream, the evicted answer, or the failure. `cancelled`: the handler
         was cancelled (evicted, or the caller left) before anything was sent."""
-        fw = _Forwarding(request, req)
+        fw = _Forwarding(request, flow, req)
         try:
             try:
                 if cancelled is not None:
@@ -230,7 +257,7 @@ class Proxy:
             except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
                 fw.close_upstream()
                 fw.ended("error", time.monotonic(), error=exc)
-            self.controller.finish(req, fw.cause, fw.at)
+            flow.finish(req, fw.cause, fw.at)
             return await self._conclude(fw)
         finally:
             if fw.conn is not None:
@@ -239,7 +266,7 @@ class Proxy:
     async def _relay(self, fw: _Forwarding, body: bytes) -> None:
         """The exchange, then the answer: read whole when sized and not an event stream, else relayed."""
         request, req = fw.request, fw.req
-        exchanged = await self.failover.exchange(self.upstream, request, req, body)  # type: ignore[arg-type]
+        exchanged = await self.failover.exchange(self.upstream, fw.flow, request, req, body)  # type: ignore[arg-type]
         if isinstance(exchanged, web.Response):  # no replica could take it
             fw.ended("error", time.monotonic(), answer=exchanged)
             return
@@ -262,7 +289,8 @@ class Proxy:
         while not conn.complete:
             await conn.wait()
         data = conn.take()
-        self.metrics.child(self.metrics.ttft, req.objective, "false").observe(time.monotonic() - req.arrived)
+        self.metrics.child(self.metrics.ttft, req.pool, req.objective, "false").observe(
+            time.monotonic() - req.arrived)
         fw.ended("end", time.monotonic())
         replica: Replica = req.replica  # type: ignore[assignment]
         if conn.status == 404 and fw.request.path == EMBEDDINGS and _route_not_found(data):
@@ -288,10 +316,10 @@ class Proxy:
         chunk = conn.take()
         if chunk:
             # Only an event stream's first chunk is its first token; a chunked plain answer is end to end.
-            self.metrics.child(self.metrics.ttft, req.objective, "true" if event_stream else "false").observe(
-                time.monotonic() - req.arrived)
+            self.metrics.child(self.metrics.ttft, req.pool, req.objective,
+                               "true" if event_stream else "false").observe(time.monotonic() - req.arrived)
             await stream.prepare(request)
-            self.controller.started_streaming(req)
+            fw.flow.started_streaming(req)
             try:
                 await self._relay_body(fw, chunk)
             except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
@@ -307,7 +335,7 @@ class Proxy:
         request, req, conn, stream = fw.request, fw.req, fw.conn, fw.stream
         assert conn is not None and stream is not None
         res = req.reservation if isinstance(req.reservation, Reservation) else None
-        counter = StreamTokenCount(self.controller, req, res).count if res is not None else None
+        counter = StreamTokenCount(fw.flow, req, res).count if res is not None else None
         while chunk:
             if counter is not None:
                 counter(chunk)
@@ -369,7 +397,7 @@ class Proxy:
         """429 `evicted` while nothing went out; mid-stream, the SSE evicted event ends the stream."""
         stream = fw.stream
         if stream is not None and stream.prepared:
-            self.controller.count_mid_stream_eviction()
+            fw.flow.count_mid_stream_eviction()
             log_event(logger, "evicted_mid_stream", request_id=fw.req.request_id)
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
                 await stream.write(evicted_sse_event())
@@ -391,10 +419,10 @@ class Proxy:
 class _Forwarding:
     """One dispatched request on its way: its connection, the caller's stream, and how it ended."""
 
-    __slots__ = ("request", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted")
+    __slots__ = ("request", "flow", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted")
 
-    def __init__(self, request: web.Request, req: FlowRequest):
-        self.request, self.req = request, req
+    def __init__(self, request: web.Request, flow: FlowControl, req: FlowRequest):
+        self.request, self.flow, self.req = request, flow, req
         self.conn: UpstreamConnection | None = None
         self.stream: web.StreamResponse | None = None
         # How it ended, for flow control (finish's cause and when it was seen), and what is left to answer.
@@ -430,6 +458,20 @@ def _route_not_found(body: bytes) -> bool:
     except (ValueError, UnicodeDecodeError):
         return False
     return isinstance(doc, dict) and doc.get("detail") == "Not Found" and "error" not in doc
+
+
+def _responses_as_chat(doc: dict) -> tuple[dict, str]:
+    """A /v1/responses body counted as the chat vLLM renders it to (holdback.sim_tokenizer.responses_messages),
+    its `max_output_tokens` the chat's output limit (without one vLLM's chat generates to the context's end
+    too). An input that renders no chat is counted as it is (the replica answers it)."""
+    try:
+        messages = responses_messages(doc)
+    except ChatTemplateError:
+        return doc, RESPONSES
+    chat = {"model": doc.get("model"), "messages": messages}
+    if doc.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = doc["max_output_tokens"]
+    return chat, CHAT
 
 
 def _document(body: bytes) -> object:

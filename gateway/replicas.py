@@ -16,12 +16,15 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
 from gateway.keys import UPSTREAM_KEY_ENV
 from gateway.log import log_event
+
+if TYPE_CHECKING:
+    from gateway.config import ReplicaEngine
 
 logger = logging.getLogger("gateway.replicas")
 
@@ -41,6 +44,11 @@ class Replica:
     failures: int = 0
     # Requests the gateway has dispatched here and not yet seen finish.
     in_flight: int = 0
+    # What its engine runs with (the gateway's `engine` settings): the requests it runs at once (vLLM's
+    # --max-num-seqs; None: unknown), and the requests the gateway may have in flight here (None: the
+    # detector's saturation.maxConcurrency).
+    max_num_seqs: int | None = None
+    capacity: int | None = None
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc averaged over data-parallel engines
     kv_usage_max: float | None = None  # ... and the fullest engine's (one full engine preempts alone)
@@ -56,6 +64,10 @@ class Replica:
     # name, where its tokenizer is).
     identified: bool = False
     model: str | None = None
+    # Every entry of its /v1/models as (id, parent): its served names (parent None) and its LoRA adapters.
+    listed: tuple[tuple[str, str | None], ...] = ()
+    # The model pool it serves (gateway/pools.py): its configured pool, else the pool of the model it reports.
+    pool: str | None = None
     model_root: str | None = None
     runtime_version: str | None = None
     max_model_len: int | None = None
@@ -74,6 +86,11 @@ class Replica:
 
     def metrics_fresh(self, now: float, staleness: float) -> bool:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
+
+    def take_engine(self, engine: ReplicaEngine) -> None:
+        """Its engine's slots (maxNumSeqs) and the gateway's capacity there (with the queue allowance)."""
+        self.max_num_seqs = engine.maxNumSeqs
+        self.capacity = engine.maxNumSeqs + engine.queueAllowance if engine.maxNumSeqs is not None else None
 
     def serves_no_embeddings(self) -> bool:
         return self.no_embeddings_model is not None and self.no_embeddings_model == (self.model or "")
@@ -156,6 +173,8 @@ class ReplicaPool:
         # replica that refuses it; the gateway points it at the running config. The key itself is put on each
         # call by the session (gateway.app.upstream_session).
         self.key_source: Callable[[str], str | None] = lambda url: None
+        # The engine settings of a replica URL (gateway.config.Engine.of), stamped on each replica.
+        self.engine_of: Callable[[str], ReplicaEngine] | None = None
         self.health_interval = 1.0
         self.health_timeout = 2.0
         self.failures_to_down = 2
@@ -168,7 +187,15 @@ class ReplicaPool:
         """Keep the replicas whose URL stays (with their state), add new ones as not yet healthy."""
         by_url = {r.url: r for r in self.replicas}
         self.replicas = [by_url.get(url) or Replica(url) for url in urls]
+        for replica in self.replicas:
+            self.apply_engine(replica)
         self.on_change()
+
+    def apply_engine(self, replica: Replica) -> None:
+        """Its engine's slots (maxNumSeqs) and the gateway's capacity there (with the queue allowance)."""
+        if self.engine_of is None:
+            return
+        replica.take_engine(self.engine_of(replica.url))
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r.refused is None]
@@ -306,6 +333,8 @@ class ReplicaPool:
         replica.runtime_version = str(version.get("version")) if isinstance(version, dict) else None
         replica.model = str(first.get("id") or first.get("root"))  # what callers name in `model`
         replica.model_root = str(first["root"]) if first.get("root") else None
+        replica.listed = tuple((str(card["id"]), str(card["parent"]) if card.get("parent") else None)
+                               for card in data if isinstance(card, dict) and card.get("id"))
         replica.no_embeddings_model = None  # it may have come back with an embedding model: ask it again
         replica.identified = True
         self.on_identify(replica)

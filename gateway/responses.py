@@ -53,14 +53,39 @@ def drop_response(reason: DropReason, request_id: str, message: str | None = Non
     return error_response(status, message or generic, err_type, reason.value, request_id, headers)
 
 
-def embeddings_not_served(replica, request_id: str) -> web.Response:  # noqa: ANN001 - a gateway.replicas.Replica
-    """/v1/embeddings where the replicas serve a generation model (FastAPI's 404 for the path, not vLLM's)."""
-    serves = f" (they serve {replica.model!r}, a text-generation model)" if replica.model else ""
+def embeddings_not_served(replica, request_id: str,  # noqa: ANN001 - a gateway.replicas.Replica, or None
+                          pool: str | None = None) -> web.Response:
+    """/v1/embeddings where the replicas serve a generation model (FastAPI's 404 for the path, not vLLM's), or
+    to a pool whose `endpoints` leave it out."""
+    if pool is not None:
+        message = (f"The model pool {pool!r} that serves this model does not serve /v1/embeddings (its `endpoints` "
+                   "leave it out). Name a model of a pool that serves embeddings, or add /v1/embeddings to the "
+                   "pool's `endpoints` if its replicas run an embedding model.")
+        return error_response(404, message, "invalid_request_error", "embeddings_not_served", request_id)
+    serves = f" (they serve {replica.model!r}, a text-generation model)" if replica is not None and replica.model \
+        else ""
     message = (f"The model replicas behind this gateway serve no embeddings model{serves}, so /v1/embeddings is "
                "not available here. Send embeddings requests to a gateway whose replicas were started with an "
                "embedding model (vLLM `--runner pooling`, e.g. `vllm serve BAAI/bge-small-en-v1.5 --runner "
                "pooling`), or point this gateway's `replicas` at such replicas.")
     return error_response(404, message, "invalid_request_error", "embeddings_not_served", request_id)
+
+
+def model_not_found(model: object, served: list[str], request_id: str) -> web.Response:
+    """A `model` no pool serves, answered as OpenAI and vLLM answer it (404), naming the models served here."""
+    names = ", ".join(served) if served else "none yet (no replica has said what it serves)"
+    message = (f"The model `{model}` does not exist. Models served by this gateway: {names}. Set `model` to one of "
+               f"them (GET /v1/models lists them).")
+    h = {REQUEST_ID_HEADER: request_id}
+    return web.Response(status=404, body=error_body(message, "invalid_request_error", "model_not_found", "model"),
+                        headers=h, content_type="application/json")
+
+
+def endpoint_not_served(path: str, pool: str, endpoints: tuple[str, ...], request_id: str) -> web.Response:
+    message = (f"The model pool {pool!r} that serves this model does not serve {path}; it serves "
+               f"{', '.join(endpoints) or 'no endpoint'}. Send the request to one of those, or name a model of "
+               f"another pool.")
+    return error_response(404, message, "invalid_request_error", "endpoint_not_served", request_id)
 
 
 def evicted_sse_event() -> bytes:
@@ -69,3 +94,18 @@ def evicted_sse_event() -> bytes:
     payload = {"error": {"message": message, "type": "rate_limit_error", "param": None,
                          "code": DropReason.EVICTED.value}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def models_union(answers: list[tuple[int, bytes, object]], request_id: str) -> web.Response:
+    """GET /v1/models over several pools: every model each pool's replica listed, once, in the pools' order."""
+    data: list[dict] = []
+    for status, body, _headers in answers:
+        try:
+            doc = json.loads(body) if status < 300 else None
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        cards = doc.get("data") if isinstance(doc, dict) else None
+        for card in cards if isinstance(cards, list) else []:
+            if isinstance(card, dict) and card.get("id") not in {c.get("id") for c in data}:
+                data.append(card)
+    return web.json_response({"object": "list", "data": data}, headers={REQUEST_ID_HEADER: request_id})

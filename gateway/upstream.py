@@ -40,10 +40,12 @@ class ConnectFailed(UpstreamError):
 
 def connection_limit(cfg) -> int:  # noqa: ANN001 - a GatewayConfig
     """Simultaneous connections to the replicas: `upstream.connectionLimit`, or twice what flow control can
-    dispatch (replicas × maxConcurrency × (1 + headroom)) plus 64, at least 256."""
-    sat = cfg.saturation
-    return cfg.upstream.connectionLimit or max(
-        256, int(len(cfg.replicas) * sat.maxConcurrency * (1 + sat.headroom) * 2) + 64)
+    dispatch (Σ replica capacity × (1 + headroom)) plus 64, at least 256."""
+    slots = sum(cfg.capacity(url) * (1 + cfg.saturation.headroom) for url in cfg.replicas)
+    for pool in cfg.pools:  # each pool's replicas with its own engine and saturation settings
+        own = cfg.of_pool(pool)
+        slots += sum(own.capacity(url) * (1 + own.saturation.headroom) for url in pool.replicas)
+    return cfg.upstream.connectionLimit or max(256, int(slots * 2) + 64)
 
 
 class UpstreamConnection(asyncio.Protocol):

@@ -150,3 +150,37 @@ def content_text(content, index: int) -> str:
                     "the simulator accepts text only.", "messages")
         return "\n".join(texts)
     raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text parts.", "messages")
+
+
+# The content part types a Responses API message's text comes in; vLLM's chat parser reads each as text.
+RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def responses_messages(body: dict) -> list[dict]:
+    """A /v1/responses request as the chat vLLM renders it (its `construct_input_messages`): `instructions` a
+    system message, a string `input` one user message, each input item with a `role` a message of its text
+    (parts of RESPONSES_TEXT_PARTS). Items without a role (tool calls and their output, reasoning) are left out:
+    the simulator models none of them. ChatTemplateError (param `input`) for an input of another shape."""
+    messages: list[dict] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str) and given:
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise ChatTemplateError("\"input\" is required: a non-empty string, or a non-empty list of input items "
+                                "such as {\"role\": \"user\", \"content\": \"...\"}.", "input")
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or "role" not in item:
+            continue
+        content = item.get("content")
+        if isinstance(content, list):
+            texts = [part.get("text") for part in content if isinstance(part, dict)
+                     and part.get("type") in RESPONSES_TEXT_PARTS and isinstance(part.get("text"), str)]
+            if len(texts) != len(content):
+                raise ChatTemplateError(f"input[{i}].content parts must be {{\"type\": \"input_text\", \"text\": "
+                                        "...}; the simulator accepts text only.", "input")
+            content = [{"type": "text", "text": t} for t in texts]
+        messages.append({"role": item["role"], "content": content})
+    return messages

@@ -28,6 +28,16 @@ _DEFAULT_TIMING = TimingModel()
 _DEFAULT_ENGINE = EngineConfig()
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show: a required flag, or an unset one whose
+    help says what unset means (argparse would print "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="holdback sim",
@@ -41,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
             "/health /metrics, GET /admin/state, GET|POST /admin/faults. Header x-sim-force-error: STATUS forces "
             "an error answer. See model_sim/README.md."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     srv = p.add_argument_group("server")
-    srv.add_argument("--port", type=int, required=True, help="port of replica 0; replica i uses PORT+i")
+    srv.add_argument("--port", type=int, required=True, help="port of replica 0; replica i uses PORT+i (required)")
     srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     srv.add_argument("--replicas", type=int, default=1, help="number of replicas in this process")
     srv.add_argument("--model", default="sim-model", help="served model name (requests for another name get 404)")
@@ -53,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(/v1/embeddings only), or both (the simulator's own)")
     srv.add_argument("--api-key", default=None,
                      help="as vLLM's --api-key: every /v1/* route needs `Authorization: Bearer KEY` and answers "
-                          "401 otherwise; /health /metrics /version /tokenize stay open")
+                          "401 otherwise; /health /metrics /version /tokenize stay open (default: unset, no key)")
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="as vLLM's flag: usage.prompt_tokens_details carries cached_tokens (null without it)")
     srv.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",

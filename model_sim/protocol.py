@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat
+from holdback.sim_tokenizer import (ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat,
+                                    responses_messages)
 from model_sim.errors import ApiError, InvalidRequest, ValidationFailed, error_body, type_for_status
 
 
@@ -132,16 +133,7 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
     if n > MAX_N:
         raise ValidationFailed(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
                                "VLLM_MAX_N_SEQUENCES environment variable.")
-    priority = body.get("priority", 0)
-    if priority is None:
-        priority = 0
-    if not _is_int(priority):
-        raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
-    if priority_header is not None:
-        try:
-            priority = int(priority_header)
-        except ValueError:
-            pass  # vLLM ignores a header it cannot read
+    priority = _priority(body, priority_header)
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     include_usage = continuous_usage = False
@@ -153,9 +145,6 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
                                  "stream_options")
         include_usage = _bool_field(options, "include_usage")
         continuous_usage = _bool_field(options, "continuous_usage_stats")
-    cache_salt = body.get("cache_salt")
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise InvalidRequest("\"cache_salt\" must be a non-empty string if provided.", "cache_salt")
     return GenerationParams(
         requested_max_tokens=max_tokens,
         max_tokens_param=param,
@@ -165,9 +154,57 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
         stream=stream,
         include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage,
-        cache_salt=cache_salt,
+        cache_salt=_cache_salt(body),
         n=n,
     )
+
+
+def _priority(body: dict, header: str | None) -> int:
+    """The body's `priority` (0 when absent), overridden by an integer `X-Vllm-Priority` header."""
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority):
+        raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
+    if header is not None:
+        try:
+            priority = int(header)
+        except ValueError:
+            pass  # vLLM ignores a header it cannot read
+    return priority
+
+
+def _cache_salt(body: dict) -> str | None:
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequest("\"cache_salt\" must be a non-empty string if provided.", "cache_salt")
+    return cache_salt
+
+
+def parse_responses(body: dict, priority_header: str | None = None) -> GenerationParams:
+    """The fields of a /v1/responses body: its cap is `max_output_tokens` (none: the rest of the context, as a
+    chat). Streaming is not modelled: a streamed request is refused naming the field."""
+    stream = _bool_field(body, "stream")
+    if stream:
+        raise InvalidRequest("The simulator answers /v1/responses only whole; send \"stream\": false.", "stream")
+    return GenerationParams(
+        requested_max_tokens=_int_field(body, "max_output_tokens", None),
+        max_tokens_param="max_output_tokens",
+        min_tokens=0,
+        ignore_eos=_bool_field(body, "ignore_eos"),
+        priority=_priority(body, priority_header),
+        stream=False,
+        include_usage=False,
+        cache_salt=_cache_salt(body),
+    )
+
+
+def responses_prompt(body: dict) -> str:
+    """A /v1/responses request's prompt: its instructions and input rendered as vLLM's chat of them."""
+    try:
+        return render_chat(responses_messages(body))
+    except ChatTemplateError as exc:
+        raise InvalidRequest(exc.message, exc.param) from None
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, prompt_is_text: bool = True) -> None:
@@ -262,6 +299,48 @@ def completion_body(response_id: str, created: int, model: str, choices: list[Ch
         body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
     body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
     return body
+
+
+def responses_body(response_id: str, message_id: str, created: int, model: str, request: dict,
+                   params: GenerationParams, text: str, finish_reason: str | None, prompt_tokens: int,
+                   output_tokens: int, cached_tokens: int) -> dict:
+    """vLLM's ResponsesResponse as its /v1/responses dumps it (`model_dump(mode="json", by_alias=True)`): one
+    assistant message of `output_text`; status `incomplete` (reason max_output_tokens) when the output limit
+    ended it. Its usage always counts cached tokens (vLLM's responses do, with or without
+    --enable-prompt-tokens-details)."""
+    incomplete = finish_reason == "length"
+    content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}] if text else []
+    tools = request.get("tools") or []
+    tool_choice = request.get("tool_choice", "auto")
+    return {
+        "id": response_id, "created_at": created,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": request.get("instructions"), "metadata": request.get("metadata"), "model": model,
+        "object": "response",
+        "output": [{"id": message_id, "content": content, "role": "assistant", "status": "completed",
+                    "type": "message", "phase": None}],
+        "parallel_tool_calls": request.get("parallel_tool_calls", True) is not False,
+        "temperature": request.get("temperature") if request.get("temperature") is not None else 1.0,
+        "tool_choice": tool_choice if tools or tool_choice not in ("auto", "none") else "none",
+        "tools": tools,
+        "top_p": request.get("top_p") if request.get("top_p") is not None else 1.0,
+        "background": False, "max_output_tokens": params.max_tokens, "max_tool_calls": request.get("max_tool_calls"),
+        "previous_response_id": request.get("previous_response_id"), "prompt": None,
+        "reasoning": request.get("reasoning"), "service_tier": request.get("service_tier") or "auto",
+        "status": "incomplete" if incomplete else "completed", "text": request.get("text"), "top_logprobs": None,
+        "truncation": request.get("truncation") or "disabled",
+        "usage": {"input_tokens": prompt_tokens,
+                  "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0,
+                                           "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                  "output_tokens": output_tokens,
+                  "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                            "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+                  "total_tokens": prompt_tokens + output_tokens},
+        "user": request.get("user"),
+        "presence_penalty": request.get("presence_penalty") or 0.0,
+        "frequency_penalty": request.get("frequency_penalty") or 0.0,
+        "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None, "output_messages": None,
+    }
 
 
 class SseFormatter:

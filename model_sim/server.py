@@ -58,6 +58,7 @@ def build_app(replica: "Replica") -> web.Application:
     if replica.config.runner.generates:
         app.router.add_post("/v1/chat/completions", routes.chat_completions)
         app.router.add_post("/v1/completions", routes.completions)
+        app.router.add_post("/v1/responses", routes.responses)
     if replica.config.runner.pools:
         app.router.add_post("/v1/embeddings", routes.embeddings)
     app.router.add_get("/v1/models", routes.models)
@@ -194,8 +195,32 @@ class Routes:
                                               and isinstance(prompt[0], str))
         return await self._generate(request, params, prompt_ids, chat=False, offset=offset, prompt_is_text=is_text)
 
-    async def _generate(self, request: web.Request, params: protocol.GenerationParams, prompt_ids: list[int],
-                        chat: bool, offset: int, prompt_is_text: bool):
+    async def responses(self, request: web.Request) -> web.Response:
+        """vLLM's Responses API without tools or a response store: the instructions and input rendered as a chat,
+        answered whole with one assistant message."""
+        await self._inject_faults(request)
+        body = await _json_object(request)
+        params = protocol.parse_responses(body, priority_header=request.headers.get(PRIORITY_HEADER))
+        prompt_ids = self.tokenizer.encode(protocol.responses_prompt(body))
+        protocol.check_model(body, self.model)
+        streams = self._start(request, params, prompt_ids, offset=0, prompt_is_text=True)
+        created = int(time.time())
+        try:
+            await self._finished(streams)
+            req = streams[0].request
+            # vLLM's ids: the body's `request_id` when it sends one, else resp_ and msg_ with 16 random hex digits.
+            response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
+                f"resp_{uuid.uuid4().hex[:16]}"
+            return json_response(protocol.responses_body(
+                response_id, f"msg_{uuid.uuid4().hex[:16]}", created, self.model, body, params,
+                output_text(0, req.num_output_tokens), req.status.finish_reason, req.num_prompt_tokens,
+                req.num_output_tokens, max(req.num_cached_tokens, 0)))
+        finally:
+            self._abort_unfinished(streams)
+
+    def _start(self, request: web.Request, params: protocol.GenerationParams, prompt_ids: list[int], offset: int,
+               prompt_is_text: bool) -> list[RequestStream]:
+        """The request's output limit resolved and checked, and its sequences added to the engine."""
         protocol.resolve_max_tokens(params, len(prompt_ids), self.max_model_len, self.config.default_max_tokens,
                                     prompt_is_text)
         try:
@@ -204,7 +229,7 @@ class Routes:
             raise InvalidRequest(str(exc), exc.param) from None
         # Each choice is a sequence of its own (its own KV), as vLLM fans a request with n > 1 out.
         event = asyncio.Event()
-        streams = [self.engine.add_request(
+        return [self.engine.add_request(
             prompt_ids,
             params.max_tokens,
             min_tokens=params.min_tokens,
@@ -217,18 +242,31 @@ class Routes:
             choice_index=i,
             event=event,
         ) for i in range(params.n)]
+
+    async def _finished(self, streams: list[RequestStream]) -> None:
+        """Until every sequence is finished; an engine failure is a 500, an abort by shutdown a 503."""
+        while not all(s.request.status.is_finished for s in streams):
+            await streams[0].wait()
+        failed = next((s.request.error for s in streams if s.request.error is not None), None)
+        if failed is not None:
+            raise ApiError(500, failed)
+        if any(s.request.status is RequestStatus.FINISHED_ABORTED for s in streams):
+            raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
+
+    def _abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.request.status.is_finished:
+                self.engine.abort_request(s.request.request_id)
+
+    async def _generate(self, request: web.Request, params: protocol.GenerationParams, prompt_ids: list[int],
+                        chat: bool, offset: int, prompt_is_text: bool):
+        streams = self._start(request, params, prompt_ids, offset, prompt_is_text)
         response_id = _response_id("chatcmpl" if chat else "cmpl", request)
         created = int(time.time())
         try:
             if params.stream:
                 return await self._stream(request, streams, params, response_id, created, chat)
-            while not all(s.request.status.is_finished for s in streams):
-                await streams[0].wait()
-            failed = next((s.request.error for s in streams if s.request.error is not None), None)
-            if failed is not None:
-                raise ApiError(500, failed)
-            if any(s.request.status is RequestStatus.FINISHED_ABORTED for s in streams):
-                raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
+            await self._finished(streams)
             reqs = [s.request for s in streams]
             choices = [protocol.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason)
                        for r in reqs]
@@ -236,9 +274,7 @@ class Routes:
                 response_id, created, self.model, choices, reqs[0].num_prompt_tokens,
                 sum(r.num_output_tokens for r in reqs), chat, self._cached_tokens(reqs[0]), self.system_fingerprint))
         finally:
-            for s in streams:
-                if not s.request.status.is_finished:
-                    self.engine.abort_request(s.request.request_id)
+            self._abort_unfinished(streams)
 
     async def _stream(self, request, streams: list[RequestStream], params, response_id: str, created: int,
                       chat: bool):

@@ -25,7 +25,7 @@ import time
 from typing import Callable, NamedTuple
 
 from gateway.calibration import Profile, load_profile
-from gateway.config import LoadedConfig
+from gateway.config import GatewayConfig, LoadedConfig
 from gateway.flow import state
 from gateway.flow.band import PriorityBand
 from gateway.flow.deadlines import Deadlines
@@ -72,12 +72,17 @@ class FlowController:
     """`FlowControl` in one process (gateway/flow/interface.py); the flow-control process of `--workers N` too."""
 
     def __init__(self, loaded: LoadedConfig, pool: ReplicaPool, metrics: GatewayMetrics,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *, pool_name: str = "default",
+                 owns_replicas: bool = True):
+        # `pool`: the replicas it dispatches to; the gateway's model pools pass a view of their members
+        # (gateway/pools.py), which owns their membership and health settings (`owns_replicas` False).
         self.pool = pool
+        self.pool_name = pool_name
+        self.owns_replicas = owns_replicas
         self.metrics = metrics
         self.clock = clock
         self.bands = BandRegistry()
-        self.tally = FlowTally(metrics, clock)
+        self.tally = FlowTally(metrics, clock, pool_name)
         self.eviction = EvictionControl(self)
         self.admission: KvAdmission | None = None
         self.ledger: KvLedger | None = None
@@ -100,9 +105,7 @@ class FlowController:
         cfg = loaded.config
         adm = cfg.admission
         # Read first: a profile that cannot be read rejects the whole config before anything changes.
-        profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
-        if adm.enabled and adm.tokenizer in ("local", "auto") and adm.tokenizerFile:
-            load_local_tokenizer(adm.tokenizerFile)
+        profile = check_files(cfg)
         self.loaded = loaded
         self.history.append((loaded, time.time()))
         del self.history[:-HISTORY]
@@ -139,12 +142,16 @@ class FlowController:
             self.objective_names.setdefault(obj.priority, []).append(name)
         for band in self.bands.configure(cfg):
             self.deadlines.apply_ttl(band)
-        self.pool.health_interval = cfg.health.intervalSeconds
-        self.pool.health_timeout = cfg.health.timeoutSeconds
-        self.pool.failures_to_down = cfg.health.failuresToDown
-        self.pool.scrape_interval = cfg.metrics.scrapeIntervalSeconds
-        if [r.url for r in self.pool.replicas] != cfg.replicas:
-            self.pool.set_urls(cfg.replicas)
+        if self.owns_replicas:
+            self.pool.health_interval = cfg.health.intervalSeconds
+            self.pool.health_timeout = cfg.health.timeoutSeconds
+            self.pool.failures_to_down = cfg.health.failuresToDown
+            self.pool.scrape_interval = cfg.metrics.scrapeIntervalSeconds
+            if [r.url for r in self.pool.replicas] != cfg.replicas:
+                self.pool.set_urls(cfg.replicas)
+        self.pool.engine_of = cfg.engine.of
+        for replica in self.pool.replicas:
+            self.pool.apply_engine(replica)
         self.wake()
 
     def _on_identify(self, replica: Replica) -> None:
@@ -185,6 +192,8 @@ class FlowController:
             placed = self._place(req, healthy, now, self.detector.saturation(healthy, now), kv)
             if placed.replica is not None:
                 self._dispatch(req, placed.replica, band, now, "inline")
+                if self.eviction.enabled:
+                    self.eviction.for_waiting_inside(now)  # it may wait inside its replica: free a slot now
                 return Outcome.DISPATCHED
         if req.expires_at <= now:
             return self._reject(req, DropReason.TTL_EXPIRED, band)
@@ -279,6 +288,7 @@ class FlowController:
         if isinstance(req.reservation, Reservation) and self.ledger is not None:
             self.ledger.move(req.reservation, new.url, admission.block_size(new) if admission else None)
         req.replica = new
+        self.eviction.dispatched(req)  # it may wait inside the new replica as well
         return new
 
     def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
@@ -294,6 +304,9 @@ class FlowController:
     def started_streaming(self, req: FlowRequest) -> None:
         """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
         req.streaming_started = True
+        self.eviction.answering(req)
+        if req.sheddable and self.eviction.awaiting:
+            self.wake()  # a request waiting inside this replica may now have a victim that runs
 
     def count_mid_stream_eviction(self) -> None:
         self.tally.eviction("mid_stream")
@@ -330,6 +343,8 @@ class FlowController:
         self._follow_demand(healthy, now)
         if self.admission is not None and self.eviction.enabled:
             self.eviction.over_hard_watermark(healthy, now)
+        if self.eviction.enabled:
+            self.eviction.for_waiting_inside(now)
         if not self.total_queued or not healthy:
             return
         while self.total_queued:
@@ -401,6 +416,8 @@ class FlowController:
         self.in_flight += 1
         if req.sheddable:
             self.eviction.evictor.track(req)
+        else:
+            self.eviction.dispatched(req)
         self.tally.dispatch(req, band.priority, replica.url, path, now)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.DISPATCHED)
@@ -446,7 +463,8 @@ class FlowController:
 
     # -- readings -------------------------------------------------------------------------------------------
     def _follow_demand(self, healthy: list[Replica], now: float) -> None:
-        self.bands.follow_demand(len(healthy) * self.loaded.config.saturation.maxConcurrency, now)
+        default = self.loaded.config.saturation.maxConcurrency
+        self.bands.follow_demand(sum(r.capacity or default for r in healthy), now)
 
     def _occupancy_share(self, replica: Replica) -> float:
         if self.admission is None:
@@ -456,6 +474,16 @@ class FlowController:
     def _demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
                       sequences=req.sequences, limit_param=req.limit_param)
+
+
+def check_files(cfg: GatewayConfig) -> Profile | None:
+    """The files a config names, read (a ConfigError when one cannot be): its calibration profile, returned,
+    and its tokenizer file."""
+    adm = cfg.admission
+    profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
+    if adm.enabled and adm.tokenizer in ("local", "auto") and adm.tokenizerFile:
+        load_local_tokenizer(adm.tokenizerFile)
+    return profile
 
 
 def _within(decision: Decision) -> Callable[[Replica], bool]:

@@ -4,8 +4,9 @@ The `Evictor` tracks dispatched sheddable requests and decides, never acts: flow
 when a dispatch cycle hits a head-of-line block (gateway/flow/eviction_control.py), then cancels each victim's
 proxy task, which answers the caller 429 `evicted` and closes the upstream connection so the replica aborts it.
 Victim order comes from the configured `VictimPolicy` (gateway/policies/victims.py), which sees read-only views.
-Two triggers: a blocked band (saturation sizing below) and a replica whose KV occupancy reached the hard
-watermark (`decide_kv`: victims on that replica until their reservations cover the excess).
+Three triggers: a blocked band (saturation sizing below), a replica whose KV occupancy reached the hard
+watermark (`decide_kv`: victims on that replica until their reservations cover the excess), and higher-priority
+requests waiting inside a replica for an engine slot (`decide_on`: one running victim there per waiting request).
 Sizing: deficit = S − ceiling(demand band); credit = S ÷ tracked in-flight;
 n = max(1, ceil((deficit − pending) / credit), queued requests of the demand band), at most `maxPerDecision`,
 victims strictly below the demand — or, when the bands below hold capacity on loan, at most what they borrowed:
@@ -121,6 +122,20 @@ class Evictor:
                 break
             victims.append(req)
             freed += getattr(req.reservation, "blocks", 0)
+        self._mark(victims, now)
+        return victims
+
+    def decide_on(self, replica: object, wanted: int, below: int, now: float) -> list[FlowRequest]:
+        """Up to `wanted` victims on `replica` below priority `below` that may hold an engine slot, each group in
+        the policy's order: those already streaming, then those that asked for no stream (nothing tells whether
+        they run or wait). A streamed request that has not answered yet waits in the replica's queue: evicting
+        it frees no slot (the order it was sent in is no guide: connections reach the replica in any order), so
+        it is never chosen, and when no victim is known to run the decision waits for the next one to stream
+        (the controller is woken then)."""
+        eligible = self._ordered([r for r in self.candidates if r.replica is replica and r.priority < below], now)
+        victims = ([r for r in eligible if r.streaming_started]
+                   + [r for r in eligible if not r.streamed and not r.streaming_started])
+        victims = victims[:max(0, min(wanted, self.max_per_decision))]
         self._mark(victims, now)
         return victims
 

@@ -1,7 +1,8 @@
 """Eviction as flow control carries it out: the two triggers, the Evictor's decision, each victim's eviction.
 
-The triggers are a dispatch cycle stopped at a blocked band (`for_blocked_band`) and a replica whose KV
-occupancy reached the hard watermark (`over_hard_watermark`); the `Evictor` (gateway/flow/eviction.py) sizes the
+The triggers are a dispatch cycle stopped at a blocked band (`for_blocked_band`), a replica whose KV
+occupancy reached the hard watermark (`over_hard_watermark`), and a higher-priority request waiting inside its
+replica for an engine slot (`for_waiting_inside`); the `Evictor` (gateway/flow/eviction.py) sizes the
 decision and the configured victim policy orders the candidates. Evicting a victim keeps its place in line and
 its replica for the retry that comes back with the same request id (the worker's row id), hands its slot on at
 once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
@@ -45,6 +46,9 @@ class EvictionControl:
         self.affinity = True
         # (fairness id, request id) -> (the victim's place, the replica it ran on), taken by its retry.
         self.places: collections.OrderedDict[tuple[str, str], tuple[int, str | None]] = collections.OrderedDict()
+        # Dispatched non-sheddable requests whose answer has not begun, on replicas whose engine slots are known
+        # (maxNumSeqs): each may be waiting inside vLLM behind running batch work.
+        self.awaiting: set[FlowRequest] = set()
         self._grace_timer: asyncio.TimerHandle | None = None
 
     def configure(self, ev: Eviction, detector: SaturationDetector, affinity: bool) -> None:
@@ -105,6 +109,42 @@ class EvictionControl:
             if victims:
                 return
 
+    def for_waiting_inside(self, now: float) -> None:
+        """Higher-priority requests waiting inside their replica for an engine slot, as surely as in our queue.
+
+        A replica with `maxNumSeqs` slots and more requests than that in flight (the queue allowance) runs
+        `maxNumSeqs` of them and keeps the rest waiting: vLLM preempts a running request only when KV runs out,
+        never for priority, so a realtime request waits there until one ends. Such a request, not answering yet,
+        is counted as waiting whenever its replica holds more than its slots; one running batch request on that
+        replica is evicted per waiting request (those that stream first: they hold the slots), so vLLM
+        schedules the waiting one in its next step (first, under its priority policy). Each waiting request is
+        served once: if the freed slot goes to another (an fcfs replica's queue), it waits for the next end."""
+        if not self.awaiting or not self.evictor.gate_open(now):
+            return
+        waiting: dict[Replica, list[FlowRequest]] = {}
+        for req in self.awaiting:
+            replica = req.replica
+            if req.slot_freed or not isinstance(replica, Replica) or replica.max_num_seqs is None:
+                continue
+            if replica.in_flight > replica.max_num_seqs:
+                waiting.setdefault(replica, []).append(req)
+        for replica, reqs in waiting.items():
+            wanted = min(len(reqs), replica.in_flight - replica.max_num_seqs)  # type: ignore[operator]
+            victims = self.evictor.decide_on(replica, wanted, min(r.priority for r in reqs), now)
+            for req in sorted(reqs, key=lambda r: r.dispatched_at)[:len(victims)]:
+                req.slot_freed = True
+            for victim in victims:
+                self.evict(victim, now, replica=replica.url, trigger="waiting-in-replica",
+                           in_flight=replica.in_flight, slots=replica.max_num_seqs)
+
+    def dispatched(self, req: FlowRequest) -> None:
+        if not req.sheddable and getattr(req.replica, "max_num_seqs", None) is not None:
+            self.awaiting.add(req)
+
+    def answering(self, req: FlowRequest) -> None:
+        """Its first body chunk went out (or it ended): it waits for no slot."""
+        self.awaiting.discard(req)
+
     # -- one victim -----------------------------------------------------------------------------------------
     def evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
         victim.drop_reason = DropReason.EVICTED
@@ -129,12 +169,13 @@ class EvictionControl:
     def finished(self, req: FlowRequest, evicted: bool, closed: float) -> None:
         """A dispatched request ended; an evicted one's upstream closed at `closed` (the eviction is confirmed)."""
         self.evictor.untrack(req)
+        self.awaiting.discard(req)
         if not evicted:
             return
         latency = self.evictor.confirm(req, closed)
         if latency is not None:
             self.fc.tally.eviction("confirmed")
-            self.fc.metrics.eviction_confirmation.observe(latency)
+            self.fc.metrics.child(self.fc.metrics.eviction_confirmation, self.fc.pool_name).observe(latency)
             log_event(logger, "eviction_confirmed", request_id=req.request_id,
                       replica=req.replica.url, latency_ms=round(latency * 1000, 2))  # type: ignore[union-attr]
         if not self.evictor.pending:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from gateway.config import LoadedConfig
+    from gateway.pools import PoolRouting
     from gateway.flow.ledger import KvLedger
     from gateway.flow.request import FlowRequest
     from gateway.replicas import Replica
@@ -75,3 +76,26 @@ class FlowControl(Protocol):
 
     def count_tokenizer_fallback(self) -> None:
         """A prompt was estimated from its characters: nothing could count it."""
+
+
+class FlowPools(Protocol):
+    """The model pools as the proxy sees them: which pool a request's `model` goes to, and each pool's
+    `FlowControl` (gateway/pools.py in one process; the relays' mirror in gateway/relays/remote_flow.py)."""
+
+    # Every replica, whatever its pool (the proxy reports failures here).
+    replicas: Replicas
+    # How prompts are counted (the proxy's PromptCounter.state), for /admin/state.
+    tokenizer_state: Callable[[], dict]
+
+    @property
+    def loaded(self) -> LoadedConfig:
+        """The running config as written (keys, replica keys, the prompt counter's admission settings)."""
+
+    def routing(self) -> PoolRouting:
+        """Each pool's served model names, for routing a request by its `model`."""
+
+    def flow(self, name: str) -> FlowControl:
+        """The flow control of pool `name`."""
+
+    def flows(self) -> list[FlowControl]:
+        """Every pool's flow control, the default pool's first."""

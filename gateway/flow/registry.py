@@ -76,8 +76,8 @@ class BandRegistry:
         self.floors = band_ceilings(self.policy, priorities, overrides, floors=True)
 
     def follow_demand(self, capacity: int, now: float) -> None:
-        """Feed a demand-following policy the bands' queued + in-flight counts against `capacity` (healthy
-        replicas × maxConcurrency); recompute the ceilings if they moved."""
+        """Feed a demand-following policy the bands' queued + in-flight counts against `capacity` (the healthy
+        replicas' capacity); recompute the ceilings if they moved."""
         policy = self.policy
         if policy.follows_demand and policy.observe(
                 [(b.priority, b.queued + b.in_flight) for b in self.desc], capacity, now):

@@ -40,7 +40,7 @@ def warn_short_growth_room(admission: KvAdmission, replica: Replica, cfg: Gatewa
     if not pool:
         return
     adm = cfg.admission
-    running = adm.maxRunningSequences or cfg.saturation.maxConcurrency
+    running = adm.maxRunningSequences or replica.max_num_seqs or cfg.saturation.maxConcurrency
     pool_blocks = pool // block_size
     room = adm.growth_room(pool_blocks)
     if room < running:

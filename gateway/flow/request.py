@@ -34,6 +34,8 @@ class FlowRequest:
     fairness_id: str
     tenant: str
     arrived: float
+    # The model pool it was routed to (gateway/pools.py), by its body's `model`.
+    pool: str = "default"
     # Monotonic time after which the request may no longer wait in a queue (inf: no limit).
     expires_at: float = math.inf
     # Requested deadline (monotonic), used by earliest-deadline ordering; inf when none.
@@ -48,6 +50,9 @@ class FlowRequest:
     sequences: int = 1
     traffic_class: str = "interactive"
     resumable: bool = False
+    # The body asked for a stream: once it runs in an engine slot its first chunk comes within a step, so one
+    # that has not answered yet is (as far as the gateway can tell) waiting in the replica's queue.
+    streamed: bool = False
     streaming_started: bool = False
     reservation: object | None = None
     seq: int = 0
@@ -70,6 +75,9 @@ class FlowRequest:
     blocked_on_arrival: bool = False
     # Its request slot was handed on when it was chosen as a victim (before its connection closed).
     slot_released: bool = False
+    # Non-sheddable, seen waiting inside its replica for an engine slot, and a batch request was evicted there
+    # to free one for it: it is not counted as waiting again.
+    slot_freed: bool = False
     # The task proxying this request; eviction cancels it so the upstream connection closes.
     task: asyncio.Task | None = None
     waiter: asyncio.Future | None = field(default=None, repr=False)

@@ -39,7 +39,8 @@ def snapshot(fc: FlowController) -> dict:
         ],
         "replicas": [
             {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
-             "limit": cfg.saturation.maxConcurrency * (1 + cfg.saturation.headroom),
+             "limit": (r.capacity or cfg.saturation.maxConcurrency) * (1 + cfg.saturation.headroom),
+             "max_num_seqs": r.max_num_seqs,
              "kv_usage": r.kv_usage, "kv_usage_max": r.kv_usage_max, "waiting": r.waiting,
              "running": r.running, "model": r.model, "model_root": r.model_root,
              "max_model_len": r.max_model_len, "refused": r.refused, "unauthorized": r.unauthorized,

@@ -29,8 +29,9 @@ RATE_SECONDS = 5.0
 
 
 class FlowTally:
-    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float]):
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float], pool: str = "default"):
         self.metrics = metrics
+        self.pool = pool  # the model pool: every metric's `pool` label
         self.dispatched = 0
         self.rejections: Counter[str] = Counter()
         self.rejected_tokens: Counter[str] = Counter()
@@ -54,15 +55,15 @@ class FlowTally:
         self.dispatched += 1
         band = str(priority)
         m = self.metrics
-        m.child(m.dispatches, band, path).inc()
-        m.child(m.flow_queue_duration, req.fairness_id, band, "dispatched").observe(now - req.arrived)
+        m.child(m.dispatches, self.pool, band, path).inc()
+        m.child(m.flow_queue_duration, self.pool, req.fairness_id, band, "dispatched").observe(now - req.arrived)
         if req.blocked_on_arrival:
             released = self.slot_released_at
             if released is None or released < req.arrived:
                 released = now  # no slot came back since it arrived: a ceiling or the pool changed
-            m.child(m.blocked_release, band).observe(released - req.arrived)
+            m.child(m.blocked_release, self.pool, band).observe(released - req.arrived)
         if req.waiter is not None:
-            m.child(m.queue_wait, band).observe(now - req.arrived)
+            m.child(m.queue_wait, self.pool, band).observe(now - req.arrived)
         if logger.isEnabledFor(logging.DEBUG):
             log_event(logger, "dispatch", level=logging.DEBUG, request_id=req.request_id, band=priority,
                       replica=replica, path=path, queue_ms=round((now - req.arrived) * 1000, 2))
@@ -75,24 +76,24 @@ class FlowTally:
     def rejection(self, req: FlowRequest, reason: DropReason, priority: int, now: float) -> None:
         self.rejections[reason.value] += 1
         m = self.metrics
-        m.child(m.rejections, reason.value, str(priority)).inc()
-        m.child(m.flow_queue_duration, req.fairness_id, str(priority), reason.value).observe(
+        m.child(m.rejections, self.pool, reason.value, str(priority)).inc()
+        m.child(m.flow_queue_duration, self.pool, req.fairness_id, str(priority), reason.value).observe(
             max(0.0, now - req.arrived))
 
     def kv_rejection(self, reason: DropReason, tokens: int) -> None:
         """Prompt + every sequence's output limit that KV admission refused."""
         self.rejected_tokens[reason.value] += tokens
-        self.metrics.child(self.metrics.kv_rejected_tokens, reason.value).inc(tokens)
+        self.metrics.child(self.metrics.kv_rejected_tokens, self.pool, reason.value).inc(tokens)
 
     def eviction(self, outcome: str) -> None:
         """issued, confirmed, timed_out, mid_stream."""
         self.evictions[outcome] += 1
-        self.metrics.child(self.metrics.evictions, outcome).inc()
+        self.metrics.child(self.metrics.evictions, self.pool, outcome).inc()
 
     def release(self, req: FlowRequest, cause: str, start: float, now: float, closed: float | None = None) -> None:
         """A KV reservation was released `now` for `cause` seen at `start`; `closed`: an evicted request's
         upstream closed then."""
-        self.metrics.child(self.metrics.kv_release, cause).observe(max(0.0, now - start))
+        self.metrics.child(self.metrics.kv_release, self.pool, cause).observe(max(0.0, now - start))
         release = {"request_id": req.request_id, "fairness_id": req.fairness_id, "cause": cause,
                    "at": time.time(), "seconds_after_cause": round(max(0.0, now - start), 6)}
         if closed is not None:

@@ -76,9 +76,13 @@ class ReplicaView(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    # Requests the gateway has dispatched there and not yet seen finish.
+    # Requests the gateway has dispatched there and not yet seen finish, and how many it may (None: the
+    # detector's saturation.maxConcurrency).
     @property
     def in_flight(self) -> int: ...
+
+    @property
+    def capacity(self) -> int | None: ...
 
     # Scraped: vllm:kv_cache_usage_perc, vllm:num_requests_waiting.
     @property

@@ -1,8 +1,8 @@
 """Endpoint picking after dispatch: filter replicas that are down, over their limit or without KV room, then let
 the configured scorer (`picker.policy`) rank each replica's `ReplicaLoad`; lowest score wins, ties rotate.
 
-`least-loaded`: inFlightWeight × in-flight ÷ maxConcurrency + kvUsageWeight × KV occupancy.
-`kv-headroom`: KV occupancy first (the most free blocks wins), in-flight ÷ maxConcurrency to break ties.
+`least-loaded`: inFlightWeight × in-flight ÷ capacity + kvUsageWeight × KV occupancy.
+`kv-headroom`: KV occupancy first (the most free blocks wins), in-flight ÷ capacity to break ties.
 KV occupancy is the larger of the scraped usage and the ledger's reservations there (scraped usage alone
 when admission is off).
 """
@@ -69,7 +69,8 @@ class EndpointPicker:
         self._turn = 0
 
     def load(self, replica: ReplicaView) -> ReplicaLoad:
-        return ReplicaLoad(replica.url, replica.in_flight, self.max_concurrency, self.occupancy(replica))
+        return ReplicaLoad(replica.url, replica.in_flight, replica.capacity or self.max_concurrency,
+                           self.occupancy(replica))
 
     def pick(self, replicas: Sequence[R], detector: SaturationDetector, now: float,
              fits: Callable[[R], bool] | None = None, prefer: str | None = None) -> R | None:

@@ -1,6 +1,7 @@
 """Saturation detectors: how full the pool is (1.0 is the set point), and whether one replica can take more.
 
-`concurrency` counts the gateway's own in-flight requests: Σ in-flight ÷ (healthy replicas × maxConcurrency).
+`concurrency` counts the gateway's own in-flight requests: Σ in-flight ÷ Σ capacity over the healthy replicas, a
+replica's capacity being its engine's maxNumSeqs + queueAllowance when set, else maxConcurrency.
 It moves the moment a request is dispatched or finishes, which is what eviction pacing needs.
 `utilization` reads each replica's scraped `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`.
 Stale-metrics policy: a replica whose last good scrape is older than `metricsStalenessSeconds` is scored by
@@ -41,24 +42,23 @@ class ConcurrencyDetector:
 
     def __init__(self, max_concurrency: int = 48, headroom: float = 0.0):
         self.max_concurrency = max_concurrency
-        self.headroom = headroom
         # Headroom only raises the per-replica filter limit; pool saturation ignores it.
-        self.replica_limit = max_concurrency * (1.0 + headroom)
+        self.headroom = headroom
 
     def saturation(self, replicas: Iterable[ReplicaView], now: float) -> float:
-        total, n = 0, 0
+        total, slots = 0, 0
         for r in replicas:
             total += r.in_flight
-            n += 1
-        if n == 0:
+            slots += r.capacity or self.max_concurrency
+        if slots == 0:
             return 1.0
-        return total / (n * self.max_concurrency)
+        return total / slots
 
     def replica_score(self, replica: ReplicaView, now: float) -> float:
-        return replica.in_flight / self.max_concurrency
+        return replica.in_flight / (replica.capacity or self.max_concurrency)
 
     def has_room(self, replica: ReplicaView, now: float) -> bool:
-        return replica.in_flight < self.replica_limit
+        return replica.in_flight < (replica.capacity or self.max_concurrency) * (1.0 + self.headroom)
 
     def stale_count(self, replicas: Iterable[ReplicaView], now: float) -> int:
         return 0
@@ -82,13 +82,14 @@ class UtilizationDetector:
         self.confirmation_grace = scrape_interval + 0.05
 
     def replica_score(self, replica: ReplicaView, now: float) -> float:
+        slots = replica.capacity or self.max_concurrency
         if not replica.metrics_fresh(now, self.staleness):
-            return replica.in_flight / self.max_concurrency
+            return replica.in_flight / slots
         score = max((replica.waiting or 0.0) / self.queue_depth_threshold,
                     (replica.kv_usage or 0.0) / self.kv_util_threshold)
         # Requests sent since the scrape began are not in the scraped numbers yet; count each as one
         # concurrency slot so a burst between two scrapes cannot overshoot.
-        return score + (replica.dispatches - replica.dispatches_at_scrape) / self.max_concurrency
+        return score + (replica.dispatches - replica.dispatches_at_scrape) / slots
 
     def saturation(self, replicas: Iterable[ReplicaView], now: float) -> float:
         scores = [self.replica_score(r, now) for r in replicas]

@@ -5,8 +5,8 @@ every relay accepts from the same queue: a relay that dies leaves no accepted-bu
 (with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections would be reset),
 and its replacement serves on the same socket without binding again. This process never accepts on it.
 It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves the relays
-over a Unix socket (gateway/relays/channel.py) and answers their messages by calling that FlowController exactly
-as the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
+over a Unix socket (gateway/relays/channel.py) and answers their messages by calling the FlowController of the
+request's model pool exactly as the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
 are withdrawn, dispatched ones finished as disconnects, so no reservation or in-flight count outlives it.
 """
 
@@ -25,8 +25,8 @@ from typing import Awaitable
 
 from gateway.app import Gateway
 from gateway.config import ConfigError
-from gateway.flow.controller import Outcome
-from gateway.flow.request import FlowRequest, Status
+from gateway.flow.controller import FlowController, Outcome
+from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
 from gateway.relays.channel import Channel
@@ -34,7 +34,8 @@ from gateway.relays.channel import Channel
 logger = logging.getLogger("gateway.flow")
 
 # Fields of a replica the relays need: which ones take work, and what they serve (for prompt counting).
-_REPLICA_VIEW = ("url", "healthy", "refused", "model", "model_root", "runtime_version", "max_model_len")
+_REPLICA_VIEW = ("url", "healthy", "refused", "model", "model_root", "runtime_version", "max_model_len", "pool",
+                 "listed")
 # A relay that dies sooner than this after its start is restarted after a growing pause, not at once.
 _QUICK_EXIT = 5.0
 
@@ -66,11 +67,13 @@ class RelayLink:
 
     def __init__(self, server: "FlowServer", channel: Channel, pid: int, index: int):
         self.server = server
-        self.controller = server.controller
+        self.pools = server.gateway.pools
         self.channel = channel
         self.pid = pid
         self.index = index
         self.requests: dict[int, FlowRequest] = {}
+        # The FlowController of each request's pool (kept: a reload may drop the pool while it runs).
+        self.controllers: dict[int, FlowController] = {}
         self._answered: set[int] = set()
         self.tokenizer: dict = {}
         self.families: list = []
@@ -87,6 +90,7 @@ class RelayLink:
                                req.enqueued_at, req.traffic_class if res is not None else None))
         elif req.status is Status.REJECTED:
             self.requests.pop(rid, None)
+            self.controllers.pop(rid, None)
             self.channel.send(("rejected", rid, req.drop_reason.value,  # type: ignore[union-attr]
                                req.drop_message))
 
@@ -97,28 +101,29 @@ class RelayLink:
     # -- messages from the relay ----------------------------------------------------------------------------
     def handle(self, message: tuple) -> None:
         kind = message[0]
-        controller = self.controller
         if kind == "revise":
             req = self.requests.get(message[1])
             if req is not None:
-                controller.revise(req, message[2], message[3])
+                self.controllers[message[1]].revise(req, message[2], message[3])
         elif kind == "submit":
             self._submit(*message[1:])
         elif kind == "finish":
             req = self.requests.pop(message[1], None)
+            controller = self.controllers.pop(message[1], None)
             self._answered.discard(message[1])
-            if req is not None:
+            if req is not None and controller is not None:
                 controller.finish(req, message[2], message[3], message[4])
         elif kind == "withdraw":
             self._withdraw(message[1], message[2])
         elif kind == "started":
             req = self.requests.get(message[1])
             if req is not None:
-                controller.started_streaming(req)
+                self.controllers[message[1]].started_streaming(req)
         elif kind == "mid_stream":
-            controller.count_mid_stream_eviction()
+            if message[1] in self.pools.pools:
+                self.pools.flow(message[1]).count_mid_stream_eviction()
         elif kind == "fallbacks":
-            controller.tally.tokenizer_fallbacks += message[1]
+            self.pools.default().controller.tally.tokenizer_fallbacks += message[1]
         elif kind in ("mark_down", "mark_unauthorized"):
             replica = next((r for r in self.server.gateway.pool.replicas if r.url == message[1]), None)
             if replica is not None:
@@ -130,15 +135,24 @@ class RelayLink:
         else:
             log_event(logger, "relay_message_unknown", level=logging.ERROR, relay=self.index, kind=kind)
 
-    def _submit(self, rid: int, request_id: str, objective: str, priority: int, fairness_id: str, tenant: str,
-                arrived: float, expires_at: float, deadline: float, prompt_tokens: int, max_new_tokens: int,
-                resumable: bool, limit_param: str | None, sequences: int) -> None:
-        req = FlowRequest(request_id, objective, priority, fairness_id, tenant, arrived, expires_at=expires_at,
-                          deadline=deadline, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                          resumable=resumable, limit_param=limit_param, sequences=sequences)
+    def _submit(self, pool: str, rid: int, request_id: str, objective: str, priority: int, fairness_id: str,
+                tenant: str, arrived: float, expires_at: float, deadline: float, prompt_tokens: int,
+                max_new_tokens: int, resumable: bool, limit_param: str | None, sequences: int,
+                streamed: bool) -> None:
+        req = FlowRequest(request_id, objective, priority, fairness_id, tenant, arrived, pool=pool,
+                          expires_at=expires_at, deadline=deadline, prompt_tokens=prompt_tokens,
+                          max_new_tokens=max_new_tokens, resumable=resumable, limit_param=limit_param,
+                          sequences=sequences, streamed=streamed)
         req.task = _Eviction(self, rid, req)  # type: ignore[assignment]
+        if pool not in self.pools.pools:  # the relay routed by a description a reload has since replaced
+            req.status = Status.REJECTED
+            req.drop_reason = DropReason.NO_ENDPOINTS
+            self.requests[rid] = req
+            self.answer(rid, req)
+            return
+        controller = self.controllers[rid] = self.pools.flow(pool)
         self.requests[rid] = req
-        if self.controller.submit(req) is Outcome.QUEUED:
+        if controller.submit(req) is Outcome.QUEUED:
             req.waiter.add_done_callback(lambda waiter: self._queued(rid, req, waiter))  # type: ignore[union-attr]
         else:
             self.answer(rid, req)
@@ -146,31 +160,35 @@ class RelayLink:
     def _withdraw(self, rid: int, at: float) -> None:
         """The caller left while the relay waited for the decision: the decision may be made already."""
         req = self.requests.pop(rid, None)
+        controller = self.controllers.pop(rid, None)
         self._answered.discard(rid)
-        if req is None:
+        if req is None or controller is None:
             return
         if req.status is Status.QUEUED:
-            self.controller.withdraw(req)
+            controller.withdraw(req)
         elif req.status is Status.DISPATCHED:
-            self.controller.finish(req, "disconnect", at)
+            controller.finish(req, "disconnect", at)
 
     def release_all(self) -> int:
         """The relay is gone: withdraw what it had queued, finish what it had dispatched."""
         now = time.monotonic()
-        held = list(self.requests.values())
+        held = [(req, self.controllers.get(rid)) for rid, req in self.requests.items()]
         self.requests.clear()
-        for req in held:
+        self.controllers.clear()
+        for req, controller in held:
+            if controller is None:
+                continue
             if req.status is Status.QUEUED:
-                self.controller.withdraw(req)
+                controller.withdraw(req)
             elif req.status is Status.DISPATCHED:
-                self.controller.finish(req, "disconnect", now)
+                controller.finish(req, "disconnect", now)
         return len(held)
 
 
 class FlowServer:
     def __init__(self, gateway: Gateway, workers: int, sock: socket.socket, log_level: str):
         self.gateway = gateway
-        self.controller = gateway.controller
+        self.pools = gateway.pools
         self.workers = workers
         self.sock = sock
         self.log_level = log_level
@@ -180,20 +198,21 @@ class FlowServer:
         self.restarts = 0
         self._relays: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
-        self._pool_view: list[dict] = []
+        self._pool_view: tuple = ()
         self._dir = tempfile.mkdtemp(prefix="holdback-gateway-")
         self.channel_path = str(Path(self._dir) / "flow.sock")
         self._use_relay_tokenizers()
         gateway.on_config.append(self._config_changed)
         gateway.pool.on_change = self._pool_changed
+        gateway.pools.on_pools.append(self._pools_changed)
 
     # -- state the relays report ----------------------------------------------------------------------------
     def _use_relay_tokenizers(self) -> None:
-        self.controller.tokenizer_state = self.tokenizer_state
+        self.pools.tokenizer_state = self.tokenizer_state
 
     def tokenizer_state(self) -> dict:
         """The relays' prompt counters, merged: a replica's verdict from any relay, counts summed."""
-        merged: dict = {"mode": self.controller.loaded.config.admission.tokenizer, "replicas": {}, "counted_by": {},
+        merged: dict = {"mode": self.pools.loaded.config.admission.tokenizer, "replicas": {}, "counted_by": {},
                         "disagreements": 0}
         for link in self.links.values():
             state = link.tokenizer
@@ -204,7 +223,7 @@ class FlowServer:
         return merged
 
     def snapshot(self) -> dict:
-        state = self.controller.snapshot()
+        state = self.pools.snapshot()
         state["relays"] = {"workers": self.workers, "restarts": self.restarts,
                            "running": [{"index": link.index, "pid": link.pid, "requests": len(link.requests)}
                                        for link in sorted(self.links.values(), key=lambda l: l.index)]}
@@ -238,8 +257,8 @@ class FlowServer:
             link.channel.reply(call_id, None)
 
     async def _reassign(self, link: RelayLink, call_id: int, rid: int) -> None:
-        req = link.requests.get(rid)
-        replica = await self.controller.reassign(req) if req is not None else None
+        req, controller = link.requests.get(rid), link.controllers.get(rid)
+        replica = await controller.reassign(req) if req is not None and controller is not None else None
         link.channel.reply(call_id, replica.url if replica is not None else None)
 
     async def _metrics(self, link: RelayLink, call_id: int) -> None:
@@ -247,11 +266,15 @@ class FlowServer:
 
     # -- broadcasts -----------------------------------------------------------------------------------------
     def _config_message(self) -> tuple:
-        ledger = self.controller.ledger
-        assert ledger is not None
-        return ("config", self.controller.loaded, {"block_tokens": ledger.block_tokens,
-                                                   "safety_factor": ledger.safety_factor,
-                                                   "window": ledger.meter.window})
+        """("config", the gateway's config, per pool its name, config and ledger settings)."""
+        pools = []
+        for controller in self.pools.flows():
+            ledger = controller.ledger
+            assert ledger is not None
+            pools.append((controller.pool_name, controller.loaded, {
+                "block_tokens": ledger.block_tokens, "safety_factor": ledger.safety_factor,
+                "window": ledger.meter.window}))
+        return ("config", self.pools.loaded, pools)
 
     def _config_changed(self) -> None:
         self._use_relay_tokenizers()  # the in-process proxy's reconfigure pointed it at its own counter
@@ -263,12 +286,19 @@ class FlowServer:
         return [{name: getattr(r, name) for name in _REPLICA_VIEW} for r in self.gateway.pool.replicas]
 
     def _pool_changed(self) -> None:
-        self.controller.wake()
-        views = self._views()
+        self.pools.wake()
+        views = (self._views(), self.pools.describe())
         if views != self._pool_view:
             self._pool_view = views
             for link in self.links.values():
-                link.channel.send(("pool", views))
+                link.channel.send(("pool", *views))
+
+    def _pools_changed(self) -> None:
+        """A pool was added (a replica reported a new model) or a replica changed pools: its config first."""
+        message = self._config_message()
+        for link in self.links.values():
+            link.channel.send(message)
+        self._pool_changed()
 
     # -- the channel ----------------------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -283,7 +313,7 @@ class FlowServer:
                 link = RelayLink(self, channel, message[1], message[2])
                 self.links[link.index] = link
                 channel.send(self._config_message())
-                channel.send(("pool", self._views()))
+                channel.send(("pool", self._views(), self.pools.describe()))
 
         await channel.serve(handle)
         if link is not None:

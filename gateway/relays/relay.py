@@ -30,7 +30,7 @@ from gateway.log import configure_logging, log_event
 from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
 from gateway.relays.channel import Channel, ChannelClosed
-from gateway.relays.remote_flow import RemoteFlowController
+from gateway.relays.remote_flow import RemotePools
 from gateway.responses import error_response
 from gateway.upstream import UpstreamPool
 
@@ -44,25 +44,26 @@ class Relay:
         self.channel = channel
         self.index = index
         self.metrics = GatewayMetrics()
-        self.controller: RemoteFlowController | None = None
+        self.pools: RemotePools | None = None
         self.proxy: Proxy | None = None
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
         self._replicas: list[dict] = []
+        self._routing: list[dict] = []
 
     # -- messages from flow control -------------------------------------------------------------------------
     def handle(self, message: tuple) -> None:
         kind = message[0]
-        controller = self.controller
+        pools = self.pools
         if kind == "dispatched":
-            controller.dispatched(*message[1:])  # type: ignore[union-attr]
+            pools.dispatched(*message[1:])  # type: ignore[union-attr]
         elif kind == "evict":
-            controller.evict(message[1])  # type: ignore[union-attr]
+            pools.evict(message[1])  # type: ignore[union-attr]
         elif kind == "rejected":
-            controller.rejected(*message[1:])  # type: ignore[union-attr]
-        elif kind == "pool":
-            self._replicas = message[1]
-            if controller is not None:
-                controller.pool.update(message[1])
+            pools.rejected(*message[1:])  # type: ignore[union-attr]
+        elif kind == "pool":  # ("pool", replica views, the pools' routing description)
+            self._replicas, self._routing = message[1], message[2]
+            if pools is not None:
+                pools.update(message[1], message[2])
         elif kind == "config":
             self._configure(message[1], message[2])
         elif kind == "call" and message[2] == "collect":
@@ -70,13 +71,14 @@ class Relay:
         else:
             log_event(logger, "flow_message_unknown", level=logging.ERROR, kind=kind)
 
-    def _configure(self, loaded, ledger: dict) -> None:
-        if self.controller is None:
-            self.controller = RemoteFlowController(self.channel, loaded, ledger, self._replicas)
-            self.proxy = Proxy(self.controller, self.metrics)
+    def _configure(self, loaded, pools: list) -> None:  # noqa: ANN001
+        """("config", the gateway's config, (pool name, its config, its ledger's settings) per pool)."""
+        if self.pools is None:
+            self.pools = RemotePools(self.channel, loaded, pools, self._replicas, self._routing)
+            self.proxy = Proxy(self.pools, self.metrics)
             self.configured.set_result(None)
         else:
-            self.controller.configure(loaded, ledger)
+            self.pools.configure(loaded, pools)
             assert self.proxy is not None
             self.proxy.reconfigure()
 
@@ -89,7 +91,7 @@ class Relay:
         return web.Response(text="ok")
 
     async def ready(self, request: web.Request) -> web.Response:
-        return readiness(self.controller.pool.replicas)  # type: ignore[union-attr]
+        return readiness(self.pools.replicas.replicas)  # type: ignore[union-attr]
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
@@ -142,11 +144,11 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     reading = asyncio.create_task(channel.serve(relay.handle), name="flow-channel")
     channel.send(("hello", os.getpid(), index))
     await asyncio.wait_for(relay.configured, 60)
-    assert relay.controller is not None and relay.proxy is not None
-    controller = relay.controller
-    session = upstream_session(controller.loaded.config, lambda url: controller.loaded.replica_key(url))
+    assert relay.pools is not None and relay.proxy is not None
+    pools = relay.pools
+    session = upstream_session(pools.loaded.config, lambda url: pools.loaded.replica_key(url))
     relay.proxy.session = session
-    relay.proxy.upstream = UpstreamPool.for_config(relay.controller.loaded.config)
+    relay.proxy.upstream = UpstreamPool.for_config(pools.loaded.config)
     runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.SockSite(runner, socket.socket(fileno=fd), backlog=1024)
@@ -161,7 +163,7 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     finally:
         stopped.cancel()
         if channel.closed:
-            relay.controller.lost()
+            relay.pools.lost()
         reporter.cancel()
         await runner.cleanup()
         relay.proxy.counter.close()

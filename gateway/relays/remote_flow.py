@@ -3,7 +3,9 @@
 A relay (`holdback gateway --workers N`) runs the same `Proxy` as the single-process gateway; its controller
 is this client. Every decision (admission, queueing, ceilings, the replica, eviction) is made by the one
 FlowController in the flow-control process; this object forwards the proxy's calls over the channel and
-mirrors what the proxy reads back: the request's status, replica and reservation. `submit()` always answers
+mirrors what the proxy reads back: the request's status, replica and reservation. There is one per model pool
+(`RemotePools` routes by model as flow control described its pools), and each submits to its pool's
+FlowController. `submit()` always answers
 QUEUED, so the proxy awaits `req.waiter` until flow control has decided. Streamed tokens go back only when a
 reservation's blocks change (the mirror ledger says when, exactly as in one process), and an eviction arrives
 as a message that cancels the proxy's task, which the proxy answers as it answers an in-process eviction.
@@ -15,13 +17,14 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from gateway.config import LoadedConfig
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger, Reservation
 from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
+from gateway.pools import PoolReplicas, PoolRouting
 from gateway.relays.channel import Channel
 from gateway.replicas import Replica
 
@@ -61,19 +64,88 @@ class RelayPool:
         self.channel.send(("mark_unauthorized", replica.url, path, status))
 
 
-class RemoteFlowController:
-    """`FlowControl` for a relay: every call goes over the channel to the one FlowController."""
+class RemotePools:
+    """`FlowPools` for a relay: a RemoteFlowController per model pool, routing as flow control describes it
+    (its pools' served names, sent again whenever they change). The relay's request ids are one sequence over
+    every pool, so flow control's answers find their request whatever its pool."""
 
-    def __init__(self, channel: Channel, loaded: LoadedConfig, ledger: dict, replicas: list[dict]):
+    def __init__(self, channel: Channel, loaded: LoadedConfig, pools: list[tuple[str, LoadedConfig, dict]],
+                 replicas: list[dict], routing: list[dict]):
         self.channel = channel
-        self.pool = RelayPool(channel)
-        self.pool.update(replicas)
+        self.replicas = RelayPool(channel)
+        self.replicas.update(replicas)
+        self.tokenizer_state: Callable[[], dict] = lambda: {}
+        self.requests: dict[int, FlowRequest] = {}
+        self.ids = itertools.count(1)
+        self._flows: dict[str, RemoteFlowController] = {}
+        self._routing = PoolRouting(routing)
+        self.configure(loaded, pools)
+
+    def configure(self, loaded: LoadedConfig, pools: list[tuple[str, LoadedConfig, dict]]) -> None:
+        self.loaded = loaded
+        for name, own, ledger in pools:
+            flow = self._flows.get(name)
+            if flow is None:
+                self._flows[name] = RemoteFlowController(self, name, own, ledger)
+            else:
+                flow.configure(own, ledger)
+
+    def update(self, replicas: list[dict], routing: list[dict]) -> None:
+        self.replicas.update(replicas)
+        self._routing = PoolRouting(routing)
+
+    # -- FlowPools (gateway/flow/interface.py) --------------------------------------------------------------
+    def routing(self) -> PoolRouting:
+        return self._routing
+
+    def flow(self, name: str) -> RemoteFlowController:
+        return self._flows[name]
+
+    def flows(self) -> list[RemoteFlowController]:
+        named = [self._flows[p["name"]] for p in self._routing.pools if p["name"] in self._flows]
+        return named or list(self._flows.values())
+
+    # -- messages from flow control -------------------------------------------------------------------------
+    def _of(self, rid: int) -> Iterator[RemoteFlowController]:
+        req = self.requests.get(rid)
+        if req is not None:
+            yield self._flows[req.pool]
+
+    def dispatched(self, rid: int, *decision: object) -> None:
+        for flow in self._of(rid):
+            flow.dispatched(rid, *decision)  # type: ignore[arg-type]
+
+    def rejected(self, rid: int, reason: str, message: str | None) -> None:
+        for flow in self._of(rid):
+            flow.rejected(rid, reason, message)
+
+    def evict(self, rid: int) -> None:
+        for flow in self._of(rid):
+            flow.evict(rid)
+
+    def lost(self) -> None:
+        """Flow control is gone: nothing this relay holds can be decided any more."""
+        log_event(logger, "flow_control_lost", level=logging.ERROR, requests=len(self.requests))
+        for req in list(self.requests.values()):
+            if req.task is not None:
+                req.task.cancel()
+
+
+class RemoteFlowController:
+    """`FlowControl` for a relay's requests to one model pool: every call goes over the channel to that pool's
+    FlowController."""
+
+    def __init__(self, pools: RemotePools, name: str, loaded: LoadedConfig, ledger: dict):
+        self.channel = pools.channel
+        self.name = name
+        self.replicas = pools.replicas
+        self.pool = PoolReplicas(pools.replicas, name)  # type: ignore[arg-type]  # the relay's mirror of them
         # The mirror of this relay's reservations: it tells the proxy when a revision is due, as the real one does.
         self.ledger = KvLedger(**ledger)
         self.configure(loaded, ledger)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
-        self._requests: dict[int, FlowRequest] = {}
-        self._ids = itertools.count(1)
+        self._requests = pools.requests
+        self._ids = pools.ids
 
     def configure(self, loaded: LoadedConfig, ledger: dict) -> None:
         self.loaded = loaded
@@ -94,9 +166,9 @@ class RemoteFlowController:
         req.status = Status.QUEUED
         req.waiter = asyncio.get_running_loop().create_future()
         self._requests[rid] = req
-        self.channel.send(("submit", rid, req.request_id, req.objective, req.priority, req.fairness_id,
+        self.channel.send(("submit", self.name, rid, req.request_id, req.objective, req.priority, req.fairness_id,
                            req.tenant, req.arrived, req.expires_at, req.deadline, req.prompt_tokens,
-                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences))
+                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences, req.streamed))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:
@@ -122,7 +194,7 @@ class RemoteFlowController:
         url = await self.channel.call("reassign", req.seq)
         if url is None:
             return None
-        req.replica = self.pool.by_url(url)
+        req.replica = self.replicas.by_url(url)
         if isinstance(req.reservation, Reservation):
             self.ledger.move(req.reservation, url)
         return req.replica
@@ -139,7 +211,7 @@ class RemoteFlowController:
         self.channel.send(("started", req.seq))
 
     def count_mid_stream_eviction(self) -> None:
-        self.channel.send(("mid_stream",))
+        self.channel.send(("mid_stream", self.name))
 
     # -- messages from flow control -------------------------------------------------------------------------
     def dispatched(self, rid: int, url: str, dispatched_at: float, enqueued_at: float,
@@ -148,7 +220,7 @@ class RemoteFlowController:
         if req is None or req.status is not Status.QUEUED:
             return  # withdrawn meanwhile: flow control releases it when the withdrawal arrives
         req.status = Status.DISPATCHED
-        req.replica = self.pool.by_url(url)
+        req.replica = self.replicas.by_url(url)
         req.dispatched_at, req.enqueued_at = dispatched_at, enqueued_at
         if traffic_class is not None:
             req.traffic_class = traffic_class
@@ -176,10 +248,3 @@ class RemoteFlowController:
         req.drop_reason = DropReason.EVICTED
         if req.task is not None:
             req.task.cancel()
-
-    def lost(self) -> None:
-        """Flow control is gone: nothing this relay holds can be decided any more."""
-        log_event(logger, "flow_control_lost", level=logging.ERROR, requests=len(self._requests))
-        for req in list(self._requests.values()):
-            if req.task is not None:
-                req.task.cancel()

@@ -32,12 +32,72 @@ def kustomize(directory: Path) -> list[dict]:
 
 
 def base_files() -> list[dict]:
-    """The base's resources as written (what kustomize would render, less its labels and namespace)."""
+    """The base's resources as written (what kustomize would render, less its labels, namespace and the hash
+    suffix of generated ConfigMaps' names)."""
     kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     docs: list[dict] = []
     for name in kustomization["resources"]:
         docs += [doc for doc in yaml.safe_load_all((K8S / "base" / name).read_text()) if doc]
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {}
+        for entry in generator.get("files", []):
+            key, _, path = entry.rpartition("=") if "=" in entry else (Path(entry).name, "", entry)
+            data[key] = (K8S / "base" / path).read_text()
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data})
     return docs
+
+
+def config_map(docs: list[dict], name: str) -> dict:
+    """The ConfigMap called `name` (a generated one's as kustomize renders it, with the hash suffix it also writes
+    into the volumes that name it)."""
+    found = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"no single ConfigMap {name!r} among {[d['metadata']['name'] for d in docs]}"
+    return found[0]
+
+
+def deployment(docs: list[dict], name: str) -> dict:
+    found = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"no single Deployment {name!r}"
+    return found[0]
+
+
+def mounted_file(docs: list[dict], pod: dict, path: str) -> str:
+    """The text of the file at `path` in a pod: the key of the ConfigMap mounted at its directory."""
+    directory, _, key = path.rpartition("/")
+    container = pod["containers"][0]
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == directory]
+    assert len(mounts) == 1, f"nothing is mounted at {directory} for {path}"
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
+    assert "configMap" in volume, f"{directory} is not a ConfigMap volume: {volume}"
+    data = config_map(docs, volume["configMap"]["name"]).get("data", {})
+    assert key in data, f"ConfigMap {volume['configMap']['name']} has no key {key!r} for {path}"
+    return data[key]
+
+
+def gateway_config_text(docs: list[dict]) -> str:
+    """The gateway's config file as its Deployment sees it: the file its --config names."""
+    pod = deployment(docs, "holdback-gateway")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--config" in args, f"the gateway runs without --config: {args}"
+    return mounted_file(docs, pod, args[args.index("--config") + 1])
+
+
+def gateway_config_envs(text: str) -> set[str]:
+    """The variables a gateway config reads its keys from (`key_env`, `apiKey_env`, anywhere in it)."""
+    found: set[str] = set()
+
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k in ("key_env", "apiKey_env", "apiKeyEnv") and isinstance(v, str):
+                    found.add(v)
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(yaml.safe_load(text))
+    return found
 
 
 def have_kubectl() -> bool:

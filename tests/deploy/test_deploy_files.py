@@ -13,10 +13,12 @@ import yaml
 from fastapi.testclient import TestClient
 
 from batch_api.app import create_app
+from gateway.config import parse_config
 from holdback.settings import Settings
 from tests.deploy.deploy_files import (
     DEPLOY, K8S, REPO, Invocation, base_files, cli_env_names, cli_help, command_words, compose, compose_invocations,
-    flags, gateway_key_envs, have_kubectl, k8s_invocations, kustomize, settings_env_names,
+    deployment, flags, gateway_config_envs, gateway_config_text, gateway_key_envs, have_kubectl, k8s_invocations,
+    kustomize, settings_env_names,
 )
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -44,11 +46,13 @@ def _containers(docs: list[dict]):  # noqa: ANN202
             yield doc, pod, container
 
 
-def _known_env() -> set[str]:
-    # A variable a command's --help names (e.g. an env default of a flag) counts as known too.
+def _known_env(docs: list[dict] | None = None) -> set[str]:
+    # A variable a command's --help names (e.g. an env default of a flag) counts as known too, and so does one the
+    # deployed gateway config reads a key from (that config is checked to parse as the gateway's).
     helped = {v for command in ("api", "processor", "worker", "gateway", "sim")
               for v in re.findall(r"\bHOLDBACK_[A-Z0-9_]+[A-Z0-9]", cli_help((command,)) or "")}
-    return settings_env_names() | gateway_key_envs() | cli_env_names() | helped
+    deployed = gateway_config_envs(gateway_config_text(docs)) if docs is not None else set()
+    return settings_env_names() | gateway_key_envs() | cli_env_names() | helped | deployed
 
 
 def test_builtin_kinds_validate_against_the_kubernetes_schemas(manifests) -> None:  # noqa: ANN001
@@ -98,6 +102,62 @@ def test_the_overlay_ships_the_objectives_current_llm_d_reads() -> None:
     overlay = yaml.safe_load((K8S / "overlays" / "vllm" / "kustomization.yaml").read_text())
     assert "inference-objectives.yaml" in overlay["resources"]
     assert "inference-objectives-legacy.yaml" not in overlay["resources"], "one group at a time"
+
+
+def test_the_rendered_objectives_are_llm_ds_and_name_the_inference_extensions_pool(manifests) -> None:  # noqa: ANN001
+    name, docs = manifests
+    objectives = [d for d in docs if d["kind"] == "InferenceObjective"]
+    if name == "base":
+        assert objectives == [], "the base needs no CRD: objectives belong to overlays/vllm only"
+        return
+    config = yaml.safe_load((REPO / "gateway" / "default.yaml").read_text())
+    assert {d["metadata"]["name"]: d["spec"]["priority"] for d in objectives} == {
+        n: o["priority"] for n, o in config["objectives"].items()}
+    assert {d["apiVersion"] for d in objectives} == {"llm-d.ai/v1alpha2"}
+    # The InferencePool itself is the Gateway API Inference Extension's GA kind, in inference.networking.k8s.io.
+    assert {(d["spec"]["poolRef"]["group"], d["spec"]["poolRef"]["kind"]) for d in objectives} == {
+        ("inference.networking.k8s.io", "InferencePool")}
+
+
+def _secret_env(docs: list[dict]) -> dict[str, str]:
+    names = set()
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            names |= set(doc.get("stringData", {})) | set(doc.get("data", {}))
+    return {n: f"{n.lower()}-from-the-secret" for n in names}
+
+
+def test_the_gateways_config_map_is_its_config_and_sizes_it_from_the_replicas(manifests) -> None:  # noqa: ANN001
+    name, docs = manifests
+    text = gateway_config_text(docs)
+    # The gateway's own parser, with the variables the pod gets from holdback-secrets: every key resolves.
+    loaded = parse_config(text, f"{name}: ConfigMap holdback-gateway", env=_secret_env(docs))
+    config = loaded.config
+    assert loaded.skipped_key_envs == (), f"key variables the Secret does not set: {loaded.skipped_key_envs}"
+    assert {k.tenant for k in loaded.keys} == {"realtime", "standard", "batch"} and loaded.admin_keys
+    assert {n: o.priority for n, o in config.objectives.items()} == {"realtime": 100, "standard": 0, "batch": -10}
+    assert len(config.replicas) >= 2
+    # Sized from the replicas: the slots the gateway counts per replica are the slots each replica runs.
+    assert config.engine.maxNumSeqs == config.saturation.maxConcurrency
+    args = deployment(docs, "holdback-gateway")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--replicas" not in args, "the replicas are the config's, not a flag's"
+    if name == "base":
+        sim = deployment(docs, "holdback-sim")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert int(sim[sim.index("--max-num-seqs") + 1]) == config.engine.maxNumSeqs
+        ports = {p["port"] for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "holdback-sim"
+                 for p in d["spec"]["ports"]}
+        assert config.replicas == [f"http://holdback-sim:{port}" for port in sorted(ports)]
+    else:
+        assert loaded.upstream_api_key == "holdback_gateway_upstream_api_key-from-the-secret", \
+            "vLLM's --api-key reaches the gateway"
+        assert config.engine.schedulingPolicy == "priority"
+
+
+def test_the_config_map_check_refuses_a_config_the_gateway_would_refuse(manifests) -> None:  # noqa: ANN001
+    _, docs = manifests
+    text = gateway_config_text(docs).replace("maxConcurrency:", "maxConcurency:")
+    with pytest.raises(ValueError, match="maxConcurency"):
+        parse_config(text, "edited", env=_secret_env(docs))
 
 
 def test_every_deployment_has_probes_and_runs_as_non_root(manifests) -> None:  # noqa: ANN001
@@ -161,9 +221,9 @@ def test_the_flag_check_catches_a_renamed_flag() -> None:
 
 @pytest.mark.e2e  # runs `holdback ... --help` as a child process
 def test_every_environment_variable_is_a_setting(manifests, compose_doc) -> None:  # noqa: ANN001
-    known = _known_env()
-    assert {"DATABASE_URL", "REDIS_URL", "HOLDBACK_FILES_URL", "HOLDBACK_S3_ENDPOINT_URL"} <= known
     _, docs = manifests
+    known = _known_env(docs)
+    assert {"DATABASE_URL", "REDIS_URL", "HOLDBACK_FILES_URL", "HOLDBACK_S3_ENDPOINT_URL"} <= known
     named = set()
     for doc in docs:
         if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("holdback-config"):

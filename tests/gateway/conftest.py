@@ -17,7 +17,7 @@ from tests.support import Processes, free_port, free_ports, wait_http
 
 # Modules whose tests run against both gateway modes (the rest use one process).
 BOTH_MODES = ("tests.gateway.test_gateway_sim", "tests.gateway.test_kv_admission_sim",
-              "tests.gateway.test_reserve_sim")
+              "tests.gateway.test_reserve_sim", "tests.gateway.test_pools_sim")
 MODES = {"one-process": 1, "workers-2": 2}
 
 

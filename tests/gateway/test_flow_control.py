@@ -406,7 +406,7 @@ def test_flow_control_metrics_carry_fairness_priority_and_outcome():
 
         def size(fid: str) -> float | None:
             return registry.get_sample_value("holdback_gateway_flow_control_queue_size",
-                                             {"fairness_id": fid, "priority": "-10"})
+                                             {"pool": "default", "fairness_id": fid, "priority": "-10"})
 
         assert (size("a"), size("b")) == (1, 1)
         clock.t += 2.0
@@ -419,7 +419,7 @@ def test_flow_control_metrics_carry_fairness_priority_and_outcome():
         def duration(fid: str, outcome: str, stat: str) -> float | None:
             return registry.get_sample_value(
                 f"holdback_gateway_flow_control_request_queue_duration_seconds_{stat}",
-                {"fairness_id": fid, "priority": "-10", "outcome": outcome})
+                {"pool": "default", "fairness_id": fid, "priority": "-10", "outcome": outcome})
 
         assert duration("a", "dispatched", "count") == 3  # two inline, one after waiting
         assert duration("a", "dispatched", "sum") == pytest.approx(2.0)
@@ -432,7 +432,8 @@ def test_flow_control_metrics_carry_fairness_priority_and_outcome():
 
 
 def blocked_release(fc, band, what):
-    return fc.metrics.registry.get_sample_value(f"holdback_gateway_blocked_release_seconds_{what}", {"band": band})
+    return fc.metrics.registry.get_sample_value(f"holdback_gateway_blocked_release_seconds_{what}",
+                                                {"pool": "default", "band": band})
 
 
 def test_blocked_arrival_to_released_slot_is_measured_for_realtime_only():

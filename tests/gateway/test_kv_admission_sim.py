@@ -83,7 +83,7 @@ def kv(gw, url: str) -> dict:
 
 def release_count(gw, cause: str) -> float:
     for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(f'holdback_gateway_kv_release_seconds_count{{cause="{cause}"}}'):
+        if line.startswith(f'holdback_gateway_kv_release_seconds_count{{cause="{cause}",pool="default"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -459,7 +459,7 @@ def test_admin_routes_need_an_admin_key_and_anonymous_callers_get_batch_only(sta
     anon = httpx.post(gw.url + "/v1/completions", json=blocks_body(2, 5, False), timeout=30)
     assert anon.status_code == 200  # served, as batch
     metrics = httpx.get(gw.url + "/metrics", timeout=5).text
-    assert 'holdback_gateway_dispatches_total{band="-10",path="inline"} 1.0' in metrics
+    assert 'holdback_gateway_dispatches_total{band="-10",path="inline",pool="default"} 1.0' in metrics
 
 
 def test_simulator_faults_need_its_admin_key_when_one_is_set(stack):

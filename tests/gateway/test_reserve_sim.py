@@ -60,8 +60,8 @@ def test_batch_ceiling_follows_realtime_demand(stack):
     # Batch holds at most what realtime left; the queued batch stayed queued above its ceiling.
     assert _band(busy, -10)["in_flight"] <= 4 and _band(busy, -10)["queued"] == 3, _band(busy, -10)
     assert recovered is True
-    assert 'holdback_gateway_reserve_demand{reading="forecast"}' in metrics
-    assert 'holdback_gateway_band_ceiling{band="-10"}' in metrics
+    assert 'holdback_gateway_reserve_demand{pool="default",reading="forecast"}' in metrics
+    assert 'holdback_gateway_band_ceiling{band="-10",pool="default"}' in metrics
 
 
 def _band(state: dict, priority: int) -> dict:

@@ -8,7 +8,6 @@ and unit; the real-engine tier (`make test-vllm`) checks the same behaviours aga
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -17,9 +16,10 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.app import Gateway
 from gateway.config import ConfigError, parse_config
 from gateway.replicas import Replica, parse_vllm_metrics
+from holdback.contract import DROP_REASON_HEADER, DropReason
+from tests.support import in_process_gateway as gateway
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 METRICS = (FIXTURES / "metrics.prom").read_text()
@@ -92,8 +92,9 @@ class FakeVllm:
     answers 401 (the replica was restarted with another key after it was identified)."""
 
     def __init__(self, api_key: str | None = None, dies: bool = False, refuses: bool = False,
-                 metrics: str = METRICS):
+                 metrics: str = METRICS, full: bool = False):
         self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
+        self.full = full  # inference answers vLLM's 503 for a full queue (--max-num-queued-reqs)
         self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
         self.bodies: list[dict] = []  # inference bodies
         self.headers: list[dict[str, str]] = []  # and their headers
@@ -146,6 +147,11 @@ class FakeVllm:
         self.headers.append(dict(request.headers))
         if self.refuses:
             return web.json_response({"error": "Unauthorized"}, status=401)
+        if self.full:
+            return web.json_response({"error": {"message": "The engine is currently busy and cannot accept new "
+                                                "requests. Please try again later or on a different instance.",
+                                                "type": "ServiceUnavailableError", "param": None, "code": 503}},
+                                     status=503)
         if self.dies:
             request.transport.close()  # type: ignore[union-attr]
             await asyncio.sleep(3600)  # cancelled with the connection
@@ -159,21 +165,6 @@ class FakeVllm:
                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "ps{"},
                                                "finish_reason": "length"}],
                                   "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}})
-
-
-@contextlib.asynccontextmanager
-async def gateway(replicas: list[str], config: str = "", env: dict[str, str] | None = None):
-    """A Gateway serving on a port of this process; yields it and its URL."""
-    loaded = parse_config(f"replicas: {json.dumps(replicas)}\n{config}", "test.yaml", env or {})
-    gw = Gateway(loaded)
-    runner = web.AppRunner(gw.make_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield gw, "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
 
 
 def events(caplog, name: str) -> list[dict]:
@@ -286,7 +277,7 @@ def test_a_reload_with_the_key_puts_the_refused_replica_back():
     async def main():
         async with FakeVllm(api_key="vk") as vllm, gateway([vllm.url]) as (gw, url):
             assert not gw.pool.replicas[0].healthy
-            gw.controller.apply_config(parse_config(f"replicas: [{vllm.url}]\nupstream: {{apiKey: vk}}\n", "t", {}))
+            gw.pools.configure(parse_config(f"replicas: [{vllm.url}]\nupstream: {{apiKey: vk}}\n", "t", {}))
             await gw.pool.check_all()
             replica = gw.pool.replicas[0]
             async with httpx.AsyncClient() as client:
@@ -388,6 +379,49 @@ def test_a_callers_priority_never_reaches_the_replica():
     assert answer.status_code == 200, answer.text
     assert "priority" not in bodies[0] and bodies[0]["messages"] == CHAT["messages"]
     assert "x-vllm-priority" not in {k.lower() for k in headers[0]}
+
+
+def test_a_priority_replica_gets_the_gateways_priority_in_vllms_order_and_an_fcfs_one_none():
+    async def main():
+        async with FakeVllm() as prio, FakeVllm() as fcfs, gateway(
+                [prio.url, fcfs.url], f"engine: {{replicas: {{{prio.url}: {{schedulingPolicy: priority}}}}}}\n"
+                "anonymous: {enabled: true, objectives: [realtime, batch]}\n") as (_gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                for objective in ("realtime", "batch") * 4:
+                    r = await client.post(url + "/v1/chat/completions", json={**CHAT, "priority": -100},
+                                          headers={"x-llm-d-inference-objective": objective,
+                                                   "X-Vllm-Priority": "-1000"})
+                    assert r.status_code == 200, r.text
+            return prio.headers, fcfs.headers, prio.bodies + fcfs.bodies
+
+    prio, fcfs, bodies = asyncio.run(main())
+    lower = [{k.lower(): v for k, v in h.items()} for h in prio]
+    sent = {(h["x-llm-d-inference-objective"], h.get("x-vllm-priority")) for h in lower}
+    assert prio and sent <= {("realtime", "-100"), ("batch", "10")}, sent  # vLLM runs lower values first
+    assert fcfs and all("x-vllm-priority" not in {k.lower() for k in h} for h in fcfs)
+    assert all("priority" not in b for b in bodies)
+
+
+def test_a_replica_whose_own_queue_is_full_is_passed_over_and_a_full_pool_answers_429_saturated(caplog):
+    caplog.set_level(logging.INFO, logger="gateway")
+
+    async def main():
+        async with FakeVllm(full=True) as full, FakeVllm() as free, gateway(
+                [full.url, free.url], "health: {intervalSeconds: 30}\n") as (gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                moved = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=CHAT)
+                                               for _ in range(6)))
+                free.full = True
+                refused = await client.post(url + "/v1/chat/completions", json=CHAT)
+            return full.count("/v1/chat/completions"), moved, refused, gw.pool.replicas, gw.controller.in_flight
+
+    tried_full, moved, refused, replicas, in_flight = asyncio.run(main())
+    assert [a.status_code for a in moved] == [200] * 6 and tried_full >= 1
+    assert {a.headers["x-holdback-replica"] for a in moved} == {replicas[1].url}
+    assert refused.status_code == 429 and refused.headers[DROP_REASON_HEADER] == DropReason.SATURATED.value
+    assert refused.headers["Retry-After"] and "own queue is full" in refused.json()["error"]["message"]
+    assert all(r.healthy for r in replicas) and in_flight == 0  # a full queue is not a failed replica
+    assert events(caplog, "replica_full")
 
 
 def test_embeddings_on_a_generation_pool_answer_an_openai_error_saying_what_to_change():
