@@ -5,6 +5,11 @@ inside ONE transaction that also moves the batch to `in_progress`; a crash anywh
 rows (the batch is still `validating` and is redone from scratch by whoever holds the lease next) or
 all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
 the transaction back and fails the batch with `errors`; the input file is only read, never changed.
+
+Each line's model is checked against the gateway's list (`settings.validate_models`, batch_processor.served_models):
+a line naming a model the gateway does not serve gets its row all the same, made `failed` (model_not_found) in the
+same transaction, so it is in the error file while the other lines run; a batch whose every line is refused fails.
+While the gateway gives no list the batch is left `validating` ("waiting") and tried again next round.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from sqlalchemy import delete, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
+from batch_processor.served_models import KnownModels, ModelsUnavailable, ServedModels
 from holdback.logs import log_event
 from batch_processor.validation import MAX_ERRORS, InputValidator, LineError
 from holdback import lifecycle, tenant_limits
 from holdback.db import transaction
-from holdback.models import Batch, BatchStatus, File, RequestRow, new_ids
+from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus, new_ids
 from holdback.settings import Settings
 from holdback.storage import FileStore
 
@@ -35,11 +41,14 @@ INSERT_CHUNK = 5000
 @dataclass
 class IngestResult:
     batch_id: str
-    status: str  # in_progress | failed | skipped (not validating, or the lease is not ours)
+    # in_progress | failed | skipped (not validating, or the lease is not ours) | waiting (no model list yet)
+    status: str
     total: int = 0
     model: str | None = None
     errors: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    refused: int = 0  # of total, the lines made failed at once (their model is not served)
+    waiting_for: str | None = None  # why the batch is waiting: what the gateway answered for its model list
 
 
 class _InvalidInput(Exception):
@@ -56,12 +65,15 @@ def expand_batch(
     max_errors: int = MAX_ERRORS,
     chunk_rows: int = INSERT_CHUNK,
     settings: Settings | None = None,
+    models: ServedModels | None = None,
 ) -> IngestResult:
     """Validate the batch's input and create its rows (status pending); the batch goes in_progress.
 
     `owner`: the processor holding the batch's lease; the transitions only happen while it still
     does. None skips that check (one-off tools and benchmarks). `settings`: the tenant's limits on
-    enqueued requests and tokens (holdback.tenant_limits) apply; a batch that would pass one fails.
+    enqueued requests and tokens (holdback.tenant_limits) apply; a batch that would pass one fails; and
+    with `validate_models` each line's model is checked against `models` (default: this process's list of
+    the settings' gateway). Without `settings` or `models` every model name is taken as served.
     """
     started = time.perf_counter()
     with factory() as session:
@@ -85,8 +97,14 @@ def expand_batch(
             refused = _over_limit(session, settings, batch_id, tenant_id, 1, input_bytes)
         if refused is not None:
             return fail_batch(factory, batch_id, owner, [refused], started)
+    if models is None and settings is not None and settings.validate_models:
+        models = ServedModels.shared(settings.gateway_url, settings.gateway_key, settings.models_refresh_seconds)
+    try:
+        known = KnownModels(models) if models is not None else None
+    except ModelsUnavailable as exc:
+        return IngestResult(batch_id, "waiting", waiting_for=exc.reason)
 
-    validator = InputValidator(endpoint, max_requests, max_errors)
+    validator = InputValidator(endpoint, max_requests, max_errors, known)
     refused = None
     try:
         with transaction(factory) as session:
@@ -107,21 +125,24 @@ def expand_batch(
             if errors:
                 raise _InvalidInput()
             if settings is not None:
-                refused = _over_limit(session, settings, batch_id, tenant_id, validator.count, input_bytes)
+                refused = _over_limit(session, settings, batch_id, tenant_id, validator.runnable, input_bytes)
                 if refused is not None:
                     raise _InvalidInput()
             now = time.time()
             if not lifecycle.start_batch(session, batch_id, int(now), held_by(owner), total=validator.count,
-                                         model=validator.model, expires_at=expires_at):
+                                         failed=len(validator.refused), model=validator.model,
+                                         expires_at=expires_at):
                 raise _LostRace()
     except _InvalidInput:
         return fail_batch(factory, batch_id, owner, [refused] if refused else validator.errors, started)
     except _LostRace:
         return IngestResult(batch_id, "skipped")
+    except ModelsUnavailable as exc:  # a second look at the model list found no gateway: rolled back, wait
+        return IngestResult(batch_id, "waiting", waiting_for=exc.reason)
     result = IngestResult(batch_id, BatchStatus.in_progress.value, validator.count, validator.model,
-                          seconds=time.perf_counter() - started)
+                          seconds=time.perf_counter() - started, refused=len(validator.refused))
     log_event(log, "batch_expanded", batch_id=batch_id, tenant_id=tenant_id, total=result.total,
-              model=result.model, seconds=round(result.seconds, 3))
+              refused=result.refused, model=result.model, seconds=round(result.seconds, 3))
     return result
 
 
@@ -149,6 +170,7 @@ def _insert_rows(session: Session, store: FileStore, storage_key: str, validator
                  batch_id: str, tenant_id: str, chunk_rows: int) -> None:
     pending = lifecycle.INITIAL.value
     ids = new_ids("batch_req_")
+    refused: list[tuple[str, LineError]] = []
     with _row_writer(session, chunk_rows) as write, store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):
             request = validator.check(line_no, raw)
@@ -157,8 +179,24 @@ def _insert_rows(session: Session, store: FileStore, storage_key: str, validator
             if request is None or not validator.ok:
                 continue  # once any line is bad the batch fails: keep validating, stop inserting
             now = time.time()
-            write((next(ids), batch_id, tenant_id, request.line, request.custom_id, request.url,
+            row_id = next(ids)
+            write((row_id, batch_id, tenant_id, request.line, request.custom_id, request.url,
                    request.body, pending, 0, 0, 0, 0, 0, 0, 0, 0, now, now))
+            if request.refusal is not None:
+                refused.append((row_id, request.refusal))
+    if validator.ok and validator.runnable > 0:
+        _refuse_rows(session, refused)
+
+
+def _refuse_rows(session: Session, refused: list[tuple[str, LineError]]) -> None:
+    """The refused lines' rows, just written pending, made failed with their error: the error file's
+    `{"response": null, "error": {"code", "message"}}` lines. After the writer is done (a COPY holds the
+    connection until it ends)."""
+    conn, now = session.connection(), time.time()
+    for row_id, error in refused:
+        lifecycle.finish(conn, row_id, RequestStatus.failed, now, response_status=None, response_body=None,
+                         error_code=error.code, error_message=error.message, input_tokens=0, output_tokens=0,
+                         cached_tokens=0, reasoning_tokens=0)
 
 
 @contextmanager

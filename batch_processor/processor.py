@@ -182,49 +182,39 @@ class Processor:
         deadline = time.monotonic() + self.config.round_work_seconds
         worked = False
         for batch in _tenants_in_turn(batches, self._rounds):
-            # A whole-batch step only while the round's budget lasts (the first always goes).
-            may_work = not worked or time.monotonic() < deadline
             try:
-                if batch.status == BatchStatus.validating.value:
-                    if not may_work:
+                if batch.status == BatchStatus.in_progress.value:
+                    if now < batch.expires_at:
+                        continue  # in `in_progress` already
+                    if not self._has_unfinished(batch.id):
+                        in_progress.append(batch)  # a batch that finished in time still completes
                         continue
-                    worked = True
+                # A whole-batch step only while the round's budget lasts (the first always goes).
+                if worked and time.monotonic() >= deadline:
+                    continue
+                worked = True
+                if batch.status == BatchStatus.validating.value:
                     if now >= batch.expires_at:
                         self._expire(batch, done, deadline)
                     elif self._expand(batch, done):
                         batch.status = BatchStatus.in_progress.value
                         in_progress.append(batch)  # its first window goes out in this same round
                 elif batch.status == BatchStatus.cancelling.value:
-                    if not may_work:
-                        continue
-                    worked = True
                     self._finish(batch, done, cancel_batch(self.factory, self.store, self, batch.id,
                                                            owner=self.config.name, keepalive=self._keepalive(batch.id),
                                                            deadline=deadline))
                 elif batch.status == BatchStatus.finalizing.value:
-                    if not may_work:
-                        continue
-                    worked = True
                     self._finish(batch, done, self._finalize_completed(batch.id))
                 elif batch.status == BatchStatus.in_progress.value:
-                    if now < batch.expires_at:
-                        continue  # in `in_progress` already
-                    if self._has_unfinished(batch.id):
-                        if may_work:
-                            worked = True
-                            self._expire(batch, done, deadline)
-                    else:
-                        in_progress.append(batch)  # a batch that finished in time still completes
+                    self._expire(batch, done, deadline)  # past its window with rows unfinished
             except Exception as exc:  # noqa: BLE001 - one batch's failure must not stop the others
                 self._step_failed(batch, exc, done)
             else:
                 if batch.status != BatchStatus.in_progress.value:
                     self.step_errors.clear(batch.id)  # an in_progress batch's own steps come in _advance
-            if worked:
-                self._refill(in_progress, done)
+            self._refill(in_progress, done)
 
-        self._advance([b for b in in_progress if b.id not in done.finished], done)
-        self._advanced_at = time.monotonic()
+        self._advance_open(in_progress, done)
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
             self._last_reconcile = time.monotonic()
             self._reconcile([b.id for b in in_progress if b.id not in done.finished], done)
@@ -328,8 +318,11 @@ class Processor:
         """Between a round's whole-batch steps: the running batches' windows are refilled once a poll interval
         has passed since the last time, so a round busy with another tenant's large batches does not leave
         them without queued work while it lasts."""
-        if time.monotonic() - self._advanced_at < self.config.poll_interval:
-            return
+        if time.monotonic() - self._advanced_at >= self.config.poll_interval:
+            self._advance_open(in_progress, done)
+
+    def _advance_open(self, in_progress: list[_Owned], done: Round) -> None:
+        """`_advance` for the batches not finished yet this round, and when it was done."""
         self._advance([b for b in in_progress if b.id not in done.finished], done)
         self._advanced_at = time.monotonic()
 

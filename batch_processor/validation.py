@@ -4,7 +4,15 @@
 line number, the parameter at fault and a message that says what to change. The codes follow the
 vocabulary OpenAI-compatible servers report: invalid_json_line, missing_custom_id,
 duplicate_custom_id, invalid_method, url_mismatch, invalid_body, missing_model, model_mismatch,
-streaming_unsupported, gateway_owned_field (priority, cache_salt), too_many_tasks, empty_file, and invalid_line for a line that could not be checked.
+streaming_unsupported, gateway_owned_field (priority, cache_salt), background_unsupported and missing_input
+(/v1/responses), too_many_tasks, empty_file, and invalid_line for a line that could not be checked.
+
+With the gateway's model list (`models`, batch_processor.served_models), a line naming a model the gateway does
+not serve is not an error of the file but of that line: it comes back as a request with a `refusal`
+(model_not_found, naming the models served), which goes to the batch's error file while the other lines run;
+only when every line is refused does the batch fail, with those errors. Without the list there is no verdict:
+`ModelsUnavailable` goes up to the caller (the batch waits), never a line error. A batch targets one model, so
+model_mismatch compares a line's model with the first served model of the file.
 
 Validation is total: whatever one line contains, the result is a request or that line's error, never an
 exception. Values are checked for what the database cannot store (NUL, unpaired surrogates) and bodies for
@@ -30,6 +38,7 @@ from typing import NamedTuple
 
 import orjson
 
+from batch_processor.served_models import KnownModels, ModelsUnavailable
 from holdback import strict_json
 from holdback.contract import GATEWAY_OWNED_FIELDS
 
@@ -40,6 +49,7 @@ MAX_MODEL_CHARS = 256
 # Deepest nesting of arrays and objects a line may have: far beyond any chat or tool schema, well inside
 # what parsing and re-serialising can do without running out of stack.
 MAX_NESTING = 64
+RESPONSES = "/v1/responses"
 
 # A line's shape: digits → "9", "[" and "{" → "[", everything else → " ". orjson reads an integer exactly
 # unless it has 19 digits or more (the longest exact one has 20, the shortest inexact one 19).
@@ -70,16 +80,41 @@ class ValidRequest(NamedTuple):  # a tuple: one is built for every line of every
     url: str
     body: str  # compact JSON of the line's `body`, what the worker sends upstream
     model: str
+    # Set when the line is well formed but cannot run (its model is not served): it goes to the error file.
+    refusal: LineError | None = None
+
+
+def _responses_problem(body: dict) -> tuple[str, str, str] | None:
+    """What a /v1/responses body lacks for a batch, as (code, message, param), else None. The rest of its fields
+    are the replica's to check (vLLM answers a bad one with a 400, which goes to the error file)."""
+    value = body.get("input")
+    if not ((isinstance(value, str) and value) or (isinstance(value, list) and value)):
+        what = "missing" if value is None else json.dumps(value)[:40]
+        return ("missing_input", f"body.input is {what}; a /v1/responses request needs its input: a non-empty "
+                "string, or a non-empty list of input items such as [{\"role\": \"user\", \"content\": \"...\"}].",
+                "body.input")
+    if body.get("background") is True:
+        return ("background_unsupported", "body.background is true; a batch line runs as one request and "
+                "its answer goes to the output file. Remove background or set it to false.", "body.background")
+    return None
+
+
+# The endpoints whose bodies are checked beyond `model`, `stream` and the gateway's fields.
+_BODY_CHECKS = {RESPONSES: _responses_problem}
 
 
 class InputValidator:
     """Checks lines in order; `errors` fills up (to `max_errors`) instead of raising."""
 
-    def __init__(self, endpoint: str, max_requests: int, max_errors: int = MAX_ERRORS):
+    def __init__(self, endpoint: str, max_requests: int, max_errors: int = MAX_ERRORS,
+                 models: KnownModels | None = None):
         self.endpoint = endpoint
         self.max_requests = max_requests
         self.max_errors = max_errors
+        self.models = models  # None: every model name is taken as served
+        self._body_check = _BODY_CHECKS.get(endpoint)
         self.errors: list[LineError] = []
+        self.refused: list[LineError] = []  # well-formed lines that cannot run: the error file's
         self.model: str | None = None
         self.model_line: int | None = None
         self.count = 0
@@ -108,6 +143,8 @@ class InputValidator:
             return None
         try:
             return self._check_line(line_no, raw)
+        except ModelsUnavailable:
+            raise  # no verdict on any line without the gateway's list: the batch waits for it
         except Exception as exc:  # noqa: BLE001 - one line's surprise is that line's error, never the batch's
             self._fail("invalid_line", f"This line could not be checked ({type(exc).__name__}); simplify it or "
                        "split it into several requests.", line_no)
@@ -139,8 +176,9 @@ class InputValidator:
             return None
         model = body.get("model")
         if (model != self.model or self.model is None or body.get("stream") is True
-                or any(name in body for name in GATEWAY_OWNED_FIELDS)):
-            return None  # self.model is a checked name: equal to it, model is one too
+                or any(name in body for name in GATEWAY_OWNED_FIELDS)
+                or (self._body_check is not None and self._body_check(body) is not None)):
+            return None  # self.model is a checked (and served) name: equal to it, model is one too
         self._seen[custom_id] = line_no
         return ValidRequest(line_no, custom_id, self.endpoint, _compact_fast(body), model)
 
@@ -236,7 +274,11 @@ class InputValidator:
             self._fail("missing_model", f"body.model contains {problem}; name the model in printable text.",
                        line_no, "body.model")
             return None
-        if self.model is None:
+        refusal = None
+        if self.models is not None and model not in self.models:
+            refusal = LineError("model_not_found", f"body.model is {model!r}, which the gateway does not serve; "
+                                f"use one of the models it serves: {self.models.listing()}.", line_no, "body.model")
+        elif self.model is None:
             self.model, self.model_line = model, line_no
         elif model != self.model:
             self._fail("model_mismatch", f"body.model is {model!r} but line {self.model_line} uses "
@@ -253,21 +295,37 @@ class InputValidator:
                        "and the tenant's prefix-cache scope), never by a request; remove it from the line.",
                        line_no, f"body.{owned}")
             return None
+        problem = self._body_check(body) if self._body_check is not None else None
+        if problem is not None:
+            self._fail(problem[0], problem[1], line_no, problem[2])
+            return None
+        if refusal is not None:
+            self.refused.append(refusal)
         if fast:
             # orjson refused unpaired surrogates and both writers escape NUL: the text is storable.
-            return ValidRequest(line_no, custom_id, url, _compact_fast(body), model)
+            return ValidRequest(line_no, custom_id, url, _compact_fast(body), model, refusal)
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
         if escapes and _unstorable(text):
             # An unpaired surrogate inside the body: keep it as the \u escape it came in as (JSON escapes
             # NUL by itself), so the stored text is valid UTF-8 and the request is forwarded unchanged.
             text = json.dumps(body, separators=(",", ":"))
-        return ValidRequest(line_no, custom_id, url, text, model)
+        return ValidRequest(line_no, custom_id, url, text, model, refusal)
+
+    @property
+    def runnable(self) -> int:
+        """Requests that will be sent: every valid line but the refused ones."""
+        return self.count - len(self.refused)
 
     def finish(self) -> list[LineError]:
-        """Call after the last line: adds `empty_file` when there was nothing to run."""
+        """Call after the last line: adds `empty_file` when there was nothing to run; when the batch fails
+        (some line is invalid, or every line was refused) its errors include the refused lines' too."""
         if self.count == 0 and not self.errors:
             self._fail("empty_file", "The input file has no requests; upload a JSONL file with one request per "
                        "line.", None)
+        if self.refused and (self.errors or self.runnable == 0):
+            room = self.max_errors - len(self.errors)
+            merged = self.errors + self.refused[:max(room, 0)]
+            self.errors[:] = sorted(merged, key=lambda e: (e.line is None, e.line or 0))
         return self.errors
 
 

@@ -160,7 +160,8 @@ class Batch(Base):
     # Live counters, moved by the same transaction that makes a row terminal.
     total: Mapped[int] = mapped_column(Integer, default=0)
     completed: Mapped[int] = mapped_column(Integer, default=0)
-    failed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)  # OpenAI's: every request that did not succeed
+    cancelled: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # of `failed`, closed by a cancel
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -182,6 +183,8 @@ class RequestRow(Base):
         Index("ix_request_rows_status_next", "status", "next_attempt_at"),
         # The processor takes a batch's next pending rows, and finalizes by status, in line order.
         Index("ix_request_rows_batch_status_line", "batch_id", "status", "line"),
+        # An operator's search finds the batch of a custom_id (the dashboard's batches list).
+        Index("ix_request_rows_custom_id", "custom_id"),
         CheckConstraint(REQUEST_STATUS_CHECK, name="ck_request_rows_status"),
     )
 

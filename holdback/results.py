@@ -31,12 +31,13 @@ class Usage:
 
     @classmethod
     def from_body(cls, body: dict | None) -> "Usage":
-        """Read an OpenAI response's `usage` (chat/completions/embeddings shapes)."""
+        """Read an OpenAI response's `usage`: chat, completions and embeddings (`prompt_tokens`,
+        `prompt_tokens_details`, ...) or /v1/responses (`input_tokens`, `input_tokens_details`, ...)."""
         usage = (body or {}).get("usage") or {}
         prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
         completion = usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
-        details = usage.get("prompt_tokens_details") or {}
-        out_details = usage.get("completion_tokens_details") or {}
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        out_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
         return cls(
             input_tokens=int(prompt),
             output_tokens=int(completion),
@@ -135,6 +136,7 @@ def record_final(session: Session, row_id: str, result: FinalResult) -> bool:
     succeeded = result.status is RequestStatus.succeeded
     count_final(session, batch_id, BatchCounts(
         completed=1 if succeeded else 0, failed=0 if succeeded else 1,
+        cancelled=1 if result.status is RequestStatus.cancelled else 0,
         input_tokens=result.usage.input_tokens, output_tokens=result.usage.output_tokens,
         cached_tokens=result.usage.cached_tokens, reasoning_tokens=result.usage.reasoning_tokens))
     return True
@@ -152,7 +154,8 @@ class BatchCounts:
     """What final rows add to their batch's counters."""
 
     completed: int = 0
-    failed: int = 0
+    failed: int = 0  # OpenAI's request_counts.failed: cancelled and expired rows too
+    cancelled: int = 0  # of failed, the rows a cancel closed
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -219,7 +222,8 @@ def close_unfinished(session: Session, batch_id: str, status: RequestStatus, cod
     """
     closed = lifecycle.close_unfinished(session, batch_id, status, code, message, time.time(), ids)
     if closed:
-        count_final(session, batch_id, BatchCounts(failed=closed))
+        count_final(session, batch_id, BatchCounts(failed=closed,
+                                                   cancelled=closed if status is RequestStatus.cancelled else 0))
     return closed
 
 

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     admin_key: str | None = Field(None, description="Bearer key for the dashboard and operator routes.")
     gateway_url: str = Field("http://127.0.0.1:8200", description="Where workers send batch requests.")
     gateway_key: str | None = Field(None, description="The workers' own gateway API key.")
+    validate_models: bool = Field(
+        True, description="Check each batch line's body.model against the gateway's GET /v1/models before the batch "
+        "runs (a line naming a model not served goes to the error file); while the gateway gives no list, batches "
+        "wait in validating.")
+    models_refresh_seconds: float = Field(30.0, gt=0, description="How long the processor keeps the gateway's model "
+                                          "list before asking again.")
     max_upload_bytes: int = Field(512 * MB, description="Largest file any purpose may upload.")
     max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
     max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")

@@ -120,3 +120,13 @@ def test_begin_attempt_of_an_open_batch_only_skips_a_closing_batch(backend):
         assert (opened.number, opened.batch_id, opened.custom_id, opened.deadline) == (1, batch_id, "c0", 4_000_000_000)
     with factory() as s:
         assert (s.get(RequestRow, row_id).status, s.get(RequestRow, row_id).attempts) == ("running", 1)
+
+
+def test_usage_reads_the_token_details_of_chat_and_of_responses_bodies():
+    chat = {"usage": {"prompt_tokens": 40, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32},
+                      "completion_tokens_details": {"reasoning_tokens": 4}}}
+    responses = {"usage": {"input_tokens": 40, "output_tokens": 9, "input_tokens_details": {"cached_tokens": 32},
+                           "output_tokens_details": {"reasoning_tokens": 4}}}
+    assert Usage.from_body(chat) == Usage.from_body(responses) == Usage(40, 9, 32, 4)
+    assert Usage.from_body({"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}) == Usage(3, 0, 0, 0)
+    assert Usage.from_body(None) == Usage()
