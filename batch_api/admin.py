@@ -18,6 +18,7 @@ Every route is documented in /docs (tag "admin"); the queue contract is:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -26,16 +27,17 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from batch_api import batches, files
-from batch_api.admin_queries import admin_batch, any_batch, attempts_of, request_page
-from batch_api.admin_schemas import AttemptList, QueueList, QueuePaused, RequestRowList, RetriedFailed, WorkerList
+from batch_api.admin_queries import admin_batch, any_batch, attempts_of, request_page, search_batches, tenant_usage
+from batch_api.admin_schemas import (
+    AttemptList, QueueList, QueuePaused, RequestRowList, RetriedFailed, UsageList, WorkerList,
+)
 from batch_api.auth import AdminDep, AdminRoute, ContextDep, CurrentTenant, SessionDep
-from batch_api.errors import NotFound
+from batch_api.errors import BadRequest, NotFound
 from batch_api.openapi import ADMIN_ERRORS
 from batch_api.queues import (
     known_queue, queue_counts, queue_names, queue_redis, retry_failed, set_queue_paused, workers,
 )
 from batch_api.schemas import AdminBatch, AdminBatchList, CreatedKey, KeyCreate, list_page
-from batch_api.tenant_scope import list_batches
 from holdback.logs import log_event
 from holdback.models import BatchStatus, File, RequestRow, RequestStatus
 from holdback.tenancy import create_key, get_or_create_tenant
@@ -52,9 +54,14 @@ def list_all_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     status: BatchStatus | None = None,
+    tenant_id: Annotated[str | None, Query(description="Only this tenant's batches (tnt_...).")] = None,
+    q: Annotated[str | None, Query(max_length=512, description=(
+        "A batch id or its start, a file id of the batch, a custom_id of one of its lines, or text in its "
+        "metadata (`key=value` matches one entry)."))] = None,
 ) -> dict:
-    batches_, has_more = list_batches(
-        session, None, limit=limit, after=after, status=status.value if status else None
+    batches_, has_more = search_batches(
+        session, limit=limit, after=after, status=status.value if status else None, tenant_id=tenant_id,
+        text=(q or "").strip() or None,
     )
     return list_page([admin_batch(b) for b in batches_], has_more)
 
@@ -132,6 +139,27 @@ def create_tenant_key(body: KeyCreate, session: SessionDep) -> dict:
     tenant = get_or_create_tenant(session, name)
     log_event(log, "tenant_key.created", tenant_id=tenant.id, tenant=name, key_prefix=secret[:8])
     return {"object": "api_key", "tenant": name, "tenant_id": tenant.id, "key": secret}
+
+
+# Periods are unix seconds from 1970 to 2100: a database timestamp holds every one of them.
+USAGE_LATEST = 4_102_444_800
+
+
+@router.get("/admin/usage", response_model=UsageList, summary="Each tenant's usage over a period")
+def usage(
+    session: SessionDep,
+    since: Annotated[float | None, Query(ge=0, le=USAGE_LATEST,
+                                         description="Unix seconds; default 24 hours ago.")] = None,
+    until: Annotated[float | None, Query(ge=0, le=USAGE_LATEST, description="Unix seconds; default now.")] = None,
+) -> dict:
+    """Per tenant: batches created, requests finished by outcome with their tokens, attempts rejected and
+    evicted in the period; requests running now and their share of every tenant's."""
+    end = time.time() if until is None else until
+    start = end - 86400 if since is None else since
+    if start >= end:
+        raise BadRequest(f"since ({start}) must be before until ({end}); pass unix seconds.", param="since")
+    return {"object": "list", "since": start, "until": end,
+            "data": [u.to_api() for u in tenant_usage(session, start, end)]}
 
 
 # ---- queues and workers ----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The operator API's response models (its OpenAPI docs, tag "admin"): request rows and their attempts, RQ
-queues and workers. The functions that build these answers return plain dicts, as `batch_api.schemas`' do."""
+"""The operator API's response models (its OpenAPI docs, tag "admin"): request rows and their attempts,
+tenants' usage, RQ queues and workers. The functions that build these answers return plain dicts, as `batch_api.schemas`' do."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class RequestRowObject(BaseModel):
     output_tokens: int
     response_status: int | None
     error_code: str | None
+    error_message: str | None = Field(None, description="the replica's error message, else ours (a cancel, ...)")
 
 
 class RequestRowList(BaseModel):
@@ -56,6 +57,29 @@ class AttemptList(BaseModel):
     request_id: str
     batch_id: str
     data: list[AttemptObject]
+
+
+class TenantUsageObject(BaseModel):
+    object: str = "tenant.usage"
+    tenant_id: str
+    tenant: str
+    batches: int = Field(description="batches created in the period")
+    succeeded: int = Field(description="requests that finished in the period, by outcome")
+    failed: int = Field(description="failed or expired")
+    cancelled: int
+    input_tokens: int = Field(description="of the requests that finished in the period")
+    output_tokens: int
+    rejections: int = Field(description="attempts started in the period that the gateway rejected (429, not evicted)")
+    evictions: int = Field(description="attempts started in the period that were evicted")
+    in_flight: int = Field(description="requests running now")
+    in_flight_share: float = Field(description="of every tenant's running requests, now")
+
+
+class UsageList(BaseModel):
+    object: str = "list"
+    since: float
+    until: float
+    data: list[TenantUsageObject]
 
 
 class QueueObject(BaseModel):

@@ -20,6 +20,7 @@ from batch_api import admin, batches, dashboard, files, ops
 from batch_api.boundary import check_path_and_query
 from batch_api.context import ApiContext
 from batch_api.errors import install_error_handlers
+from batch_api.front_door import install_front_door
 from batch_api.openapi import install_openapi
 from batch_api.observability import ObserveRequests, create_metrics
 from holdback.logs import log_event
@@ -42,6 +43,7 @@ def create_app(settings: Settings) -> FastAPI:
         store=open_file_store(settings),
         metrics=create_metrics(),
     )
+    context.metrics.registry.register(dashboard.OutcomeCollector(context.sessions))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +70,8 @@ def create_app(settings: Settings) -> FastAPI:
         version=__version__,
         description="OpenAI-compatible Files and Batches API. Authenticate with 'Authorization: Bearer <tenant key>'.",
         lifespan=lifespan,
+        docs_url=None,  # /docs is served with local assets (batch_api/front_door.py); ReDoc would need a CDN
+        redoc_url=None,
     )
     app.state.context = context
     install_error_handlers(app)
@@ -80,6 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
     # The dashboard signs in per page; its ids and filters are still refused with a NUL before any query.
     app.include_router(dashboard.router, dependencies=[Depends(check_path_and_query)])
     app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
+    install_front_door(app)
     # Outermost, so the client address every part sees (the request log, the login throttle) is the resolved
     # one; the server runs with uvicorn's own proxy headers off (batch_api/cli.py), which would otherwise
     # believe any process on this host.

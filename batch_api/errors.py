@@ -100,6 +100,18 @@ class LimitReached(ApiError):
         super().__init__(message, code=code, headers={"x-should-retry": "false"})
 
 
+class InsufficientStorage(ApiError):
+    """The file store is full (holdback.storage.StorageFull): 507, and `x-should-retry: false` (read by the
+    OpenAI SDKs), since re-sending a whole upload to a full store fails the same way each time."""
+
+    status = 507
+    type = "server_error"
+    code = "storage_full"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
 class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
@@ -202,15 +214,10 @@ async def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
 async def _on_storage_full(request: Request, exc: StorageFull) -> JSONResponse:
     log.error("request.storage_full", extra={"fields": {"method": request.method, "path": request.url.path,
                                                        "store": exc.where, "error": exc.detail}})
-    # 507, and `x-should-retry: false` (read by the OpenAI SDKs): re-sending a whole upload to a full store
-    # fails the same way each time.
-    return JSONResponse(
-        envelope(f"The file store ({exc.where}) is full or over its quota ({exc.detail}); nothing of this request "
-                 "was kept. Retrying will fail the same way until the operator frees space or raises the quota.",
-                 "server_error", None, "storage_full"),
-        status_code=507,
-        headers={"x-should-retry": "false"},
-    )
+    return InsufficientStorage(
+        f"The file store ({exc.where}) is full or over its quota ({exc.detail}); nothing of this request was "
+        "kept. Retrying will fail the same way until the operator frees space or raises the quota.",
+    ).response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

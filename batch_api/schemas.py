@@ -16,7 +16,7 @@ from holdback.models import Batch, File
 
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 BATCH_OUTPUT_PURPOSE = "batch_output"
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 EXPIRES_AFTER_MIN = 3600
 EXPIRES_AFTER_MAX = 2_592_000  # 30 days

@@ -46,11 +46,40 @@ def seconds_label(value: float) -> str:
 
 
 def rate_label(value: float) -> str:
-    return f"{value:g}/s" if value else "0"
+    return f"{value:.3g}/s" if value else "0"
+
+
+def count_label(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1 or not value else f"{value:g}"
+
+
+def percent_label(value: float) -> str:
+    return f"{value * 100:.3g}%" if value else "0"
+
+
+def fold(points: list[tuple[float, float]], step: float, how: Callable[[list[float]], float]) -> list[tuple[float, float]]:
+    """Points of runs `step` seconds long folded into one each (at the run's last time), so a long range
+    draws as many points as a short one; `how` is max for peaks (latency, usage), a mean for rates."""
+    runs: dict[int, list[tuple[float, float]]] = {}
+    for t, v in points:
+        runs.setdefault(int(t // step), []).append((t, v))
+    return [(max(t for t, _ in run), how([v for _, v in run])) for _, run in sorted(runs.items())]
+
+
+def time_step_minutes(window: float, most: int = 8) -> int:
+    """Minutes between the time axis' ticks: the smallest of 1, 2, 5, 10, 15, 30, 60, 120 giving at most `most`."""
+    minutes = window / 60
+    return next((m for m in (1, 2, 5, 10, 15, 30, 60, 120) if minutes / m <= most), 120)
+
+
+def _ago_label(minutes: int) -> str:
+    if minutes == 0:
+        return "now"
+    return f"−{minutes // 60} h" if minutes >= 60 and minutes % 60 == 0 else f"−{minutes} min"
 
 
 def line_chart(series: list[Series], *, now: float, window: float, label: Callable[[float], str],
-               title: str, empty: str) -> Markup:
+               title: str, empty: str, gap: float = GAP_SECONDS) -> Markup:
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     start = now - window
     values = [v for s in series for t, v in s.points if t >= start]
@@ -72,16 +101,15 @@ def line_chart(series: list[Series], *, now: float, window: float, label: Callab
         parts.append(f'<text x="{LEFT - 6}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="11" '
                      f'fill="#5b6472">{escape(label(v))}</text>')
     minutes = int(window // 60)
-    step = 2 if minutes > 5 else 1
-    for m in range(0, minutes + 1, step):
+    for m in range(0, minutes + 1, time_step_minutes(window)):
         t = now - m * 60
-        text = "now" if m == 0 else f"−{m} min"
+        text = _ago_label(m)
         parts.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#f0f2f6"/>')
         parts.append(f'<text x="{x(t):.1f}" y="{HEIGHT - 8}" text-anchor="middle" font-size="11" '
                      f'fill="#5b6472">{text}</text>')
     parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" y2="{TOP + plot_h}" stroke="#aab2bf"/>')
     for s in series:
-        for run in _runs([(t, v) for t, v in s.points if t >= start]):
+        for run in _runs([(t, v) for t, v in s.points if t >= start], gap):
             coords = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in run)
             if len(run) == 1:
                 t, v = run[0]
@@ -96,10 +124,10 @@ def line_chart(series: list[Series], *, now: float, window: float, label: Callab
     return Markup("".join(parts))
 
 
-def _runs(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+def _runs(points: list[tuple[float, float]], gap: float) -> list[list[tuple[float, float]]]:
     runs: list[list[tuple[float, float]]] = []
     for point in sorted(points):
-        if runs and point[0] - runs[-1][-1][0] <= GAP_SECONDS:
+        if runs and point[0] - runs[-1][-1][0] <= gap:
             runs[-1].append(point)
         else:
             runs.append([point])

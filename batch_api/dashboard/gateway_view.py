@@ -13,10 +13,27 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from holdback.contract import DropReason
+
 TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 TTFT = "holdback_gateway_ttft_seconds"
 REJECTIONS = "holdback_gateway_rejections_total"
 EVICTIONS = "holdback_gateway_evictions_total"
+
+# What each rejection count on the gateway page counts, in the operator's words (the page's tooltips and legend).
+DROP_REASON_MEANINGS = {
+    DropReason.EVICTED.value: "Running sheddable (batch) requests stopped to free room for more urgent work; "
+                              "the workers resume them.",
+    DropReason.SATURATED.value: "Refused at arrival: the priority band's queue or ceiling was full.",
+    DropReason.TTL_EXPIRED.value: "Waited in the gateway's queue past its TTL or deadline and was dropped.",
+    DropReason.NO_ENDPOINTS.value: "No healthy replica served the request's model.",
+    DropReason.CONTEXT_CANCELLED.value: "The caller went away while the request waited in the gateway's queue "
+                                        "(a client timeout or disconnect, or a worker aborting a cancelled "
+                                        "batch's request); nothing reached a replica.",
+    DropReason.KV_CAPACITY.value: "KV admission refused it: its worst-case KV need did not fit the pool.",
+    DropReason.QUOTA.value: "A KV quota of the tenant or traffic class was reached.",
+    DropReason.CONTEXT_LENGTH.value: "The prompt leaves no room in the model's context (answered 400).",
+}
 
 # Buckets of one histogram: (upper bound, cumulative count), ascending, ending with +Inf.
 Buckets = list[tuple[float, float]]
@@ -73,7 +90,8 @@ def read_metrics(view: GatewayView, text: str) -> None:
                 view.rejections[reason] = view.rejections.get(reason, 0) + int(s.value)
                 view.rejections_by_band.append((reason, band, int(s.value)))
             elif s.name == EVICTIONS:
-                view.evictions[s.labels.get("outcome", "?")] = int(s.value)
+                outcome = s.labels.get("outcome", "?")  # summed over the gateway's model pools
+                view.evictions[outcome] = view.evictions.get(outcome, 0) + int(s.value)
             elif s.name == f"{TTFT}_bucket":
                 le = float(s.labels["le"])
                 by_le = ttft.setdefault(s.labels.get("objective", ""), {})

@@ -1,21 +1,29 @@
 """The dashboard's Keys page: every tenant API key (id, tenant, prefix, created, revoked; never the
-secret) and a revoke action with CSRF and a confirmation, like the queue actions. Revoking here is
-`holdback keys revoke`: the key answers 401 from its next request.
+secret), creating a key for a tenant (its secret shown once, in the answer, never again), and a revoke
+action with CSRF and a confirmation, like the queue actions. Creating here is `POST /admin/keys`; revoking
+is `holdback keys revoke`: the key answers 401 from its next request.
 """
 
 from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
+from typing import Annotated
 
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from batch_api import admin
 from batch_api.auth import SessionDep
 from batch_api.dashboard.pages import flash, render
 from batch_api.dashboard.session import CheckedPost, SessionCookie
+from batch_api.schemas import KeyCreate
 from holdback.db import transaction
 from holdback.logs import log_event
-from holdback.tenancy import list_keys, revoke_key
+from holdback.models import ApiKey
+from holdback.tenancy import hash_key, list_keys, revoke_key
 
 log = logging.getLogger("batch_api.dashboard")
 # Paths are relative: batch_api.dashboard includes this router into the dashboard's (prefix /dashboard).
@@ -30,6 +38,21 @@ def keys_page(request: Request, session: SessionCookie, db: SessionDep) -> HTMLR
 @router.get("/fragments/keys")
 def keys_fragment(request: Request, session: SessionCookie, db: SessionDep) -> HTMLResponse:
     return render(request, "_keys.html", session, keys=list_keys(db))
+
+
+@router.post("/keys")
+def create(request: Request, _session: CheckedPost, db: SessionDep,
+           tenant: Annotated[str, Form()] = "") -> HTMLResponse:
+    try:
+        body = KeyCreate(tenant=tenant)
+    except ValidationError:
+        return flash(request, "Name the tenant the key is for: 1 to 128 characters, not only spaces. A new name "
+                              "creates the tenant.", ok=False, status_code=400)
+    created = admin.create_tenant_key(body, db)
+    key_id = db.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(created["key"])))
+    # The page's headers include cache-control: no-store, so the secret outlives this answer nowhere.
+    return render(request, "_new_key.html", _session, created=created, key_id=key_id,
+                  headers={"HX-Trigger": "refresh"})
 
 
 @router.post("/keys/{key_id}/revoke")

@@ -8,6 +8,7 @@ flash message.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -18,15 +19,16 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from batch_api import admin, admin_queries, queues
 from batch_api.auth import ContextDep, SessionDep, is_admin_key
 from batch_api.context import ApiContext
 from batch_api.dashboard import charts
-from batch_api.dashboard.gateway_view import fetch_gateway
-from batch_api.dashboard.sampler import WINDOW, recent_samples
+from batch_api.dashboard.history import BATCHES_CHARTS, GATEWAY_CHARTS, chart_panels
+from batch_api.dashboard.gateway_view import DROP_REASON_MEANINGS, fetch_gateway
+from batch_api.dashboard.outcomes import Outcomes, shown_status
 from batch_api.dashboard.session import (
     CheckedPost,
     SessionCookie,
@@ -40,7 +42,6 @@ from batch_api.dashboard.session import (
 from batch_api.dashboard.throttle import LOGIN_ATTEMPTS, LoginThrottle
 from batch_api.errors import ApiError
 from holdback.logs import log_event
-from batch_api.tenant_scope import list_batches
 from holdback import lifecycle
 from holdback.contract import requests_queue_name
 from holdback.models import BATCH_TERMINAL, Batch, BatchStatus, RequestRow, RequestStatus
@@ -51,12 +52,11 @@ templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 BATCHES_PER_PAGE = 50
 REQUESTS_PER_PAGE = 50
+SEARCH_CHARS = 512
+BODY_CHARS = 64 * 1024  # of a result body in the drawer; the download has it all
+RATE_WINDOW = 60.0  # a batch's throughput and ETA are measured over its last minute
 CANCELLABLE = {s.value for s in lifecycle.BATCH_REQUEST_CANCEL.sources}
 TERMINAL_BATCH = {s.value for s in BATCH_TERMINAL}
-# Series colours in the charts; objectives not listed get the last one.
-OBJECTIVE_COLOURS = {"realtime": "#d9480f", "standard": "#1c7ed6"}
-# The workers' objective: its TTFT includes the holdback wait by design, so it is not charted with realtime.
-BATCH_OBJECTIVE = "batch"
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
@@ -126,7 +126,7 @@ def _query(**params: object) -> str:
 
 templates.env.filters.update(ts=_ts, clock=_clock, duration=_duration, ago=_ago, percent=_percent,
                              seconds=_seconds)
-templates.env.globals.update(query=_query)
+templates.env.globals.update(query=_query, meanings=DROP_REASON_MEANINGS)
 
 
 def render(request: Request, name: str, session: object | None = None, status_code: int = 200,
@@ -201,23 +201,34 @@ def logout(request: Request, session: CheckedPost, context: ContextDep) -> Respo
 # ---- batches -----------------------------------------------------------------------------------------------------
 
 
-def _batch_rows(session: Session, status: str | None, after: str | None) -> tuple[list[dict], bool]:
+def _batch_rows(session: Session, filters: dict) -> tuple[list[dict], bool]:
+    search = dict(limit=BATCHES_PER_PAGE, status=filters["status"], tenant_id=filters["tenant"],
+                  text=filters["q"])
     try:
-        found, has_more = list_batches(session, None, limit=BATCHES_PER_PAGE, after=after, status=status)
-    except ApiError:
-        found, has_more = list_batches(session, None, limit=BATCHES_PER_PAGE, after=None, status=status)
+        found, has_more = admin_queries.search_batches(session, after=filters["after"], **search)
+    except ApiError:  # the cursor's batch is gone: start again from the newest
+        found, has_more = admin_queries.search_batches(session, **search)
     names = admin_queries.tenant_names(session, (b.tenant_id for b in found))
     return [_batch_view(b, names.get(b.tenant_id, b.tenant_id)) for b in found], has_more
 
 
 def _batch_view(batch: Batch, tenant: str) -> dict:
-    total, completed, failed = int(batch.total or 0), int(batch.completed or 0), int(batch.failed or 0)
+    counts = Outcomes.of(batch)
     return {
-        "batch": batch, "tenant": tenant, "total": total, "completed": completed, "failed": failed,
-        "done_share": completed / total if total else 0.0, "failed_share": failed / total if total else 0.0,
+        "batch": batch, "tenant": tenant, "total": counts.total, "completed": counts.succeeded,
+        "failed": counts.failed, "cancelled": counts.cancelled, "finished": counts.finished,
+        "done_share": counts.share(counts.succeeded), "failed_share": counts.share(counts.failed),
+        "cancelled_share": counts.share(counts.cancelled), "shown": shown_status(batch.status, counts),
         "cancellable": batch.status in CANCELLABLE, "terminal": batch.status in TERMINAL_BATCH,
         "ended_at": batch.completed_at or batch.failed_at or batch.expired_at or batch.cancelled_at,
     }
+
+
+def _batch_filters(db: Session, status: str | None, tenant: str | None, q: str | None, after: str | None) -> dict:
+    tenants = admin_queries.all_tenants(db)
+    return {"status": _status_filter(status, BatchStatus),
+            "tenant": tenant if tenant in {i for i, _ in tenants} else None,
+            "q": (q or "").strip()[:SEARCH_CHARS] or None, "after": after or None, "tenants": tenants}
 
 
 def _status_filter(value: str | None, allowed: type) -> str | None:
@@ -226,19 +237,20 @@ def _status_filter(value: str | None, allowed: type) -> str | None:
 
 @router.get("")
 def batches_page(request: Request, session: SessionCookie, db: SessionDep, status: str | None = None,
-                 after: str | None = None) -> HTMLResponse:
-    status = _status_filter(status, BatchStatus)
-    rows, has_more = _batch_rows(db, status, after)
-    return render(request, "batches.html", session, page="batches", rows=rows, has_more=has_more, status=status,
-                  after=after, statuses=[s.value for s in BatchStatus], charts=_charts(request))
+                 tenant: str | None = None, q: str | None = None, after: str | None = None,
+                 range: str | None = None) -> HTMLResponse:  # noqa: A002 - the charts' query parameter
+    filters = _batch_filters(db, status, tenant, q, after)
+    rows, has_more = _batch_rows(db, filters)
+    return render(request, "batches.html", session, page="batches", rows=rows, has_more=has_more, filters=filters,
+                  statuses=[s.value for s in BatchStatus], charts=chart_panels(request, range, BATCHES_CHARTS))
 
 
 @router.get("/fragments/batches")
 def batches_fragment(request: Request, session: SessionCookie, db: SessionDep, status: str | None = None,
-                     after: str | None = None) -> HTMLResponse:
-    status = _status_filter(status, BatchStatus)
-    rows, has_more = _batch_rows(db, status, after)
-    return render(request, "_batches_table.html", session, rows=rows, has_more=has_more, status=status, after=after)
+                     tenant: str | None = None, q: str | None = None, after: str | None = None) -> HTMLResponse:
+    filters = _batch_filters(db, status, tenant, q, after)
+    rows, has_more = _batch_rows(db, filters)
+    return render(request, "_batches_table.html", session, rows=rows, has_more=has_more, filters=filters)
 
 
 @router.post("/batches/{batch_id}/cancel")
@@ -292,27 +304,65 @@ def attempts_fragment(request: Request, row_id: str, session: SessionCookie, db:
     row = db.get(RequestRow, row_id)
     if row is None:
         return render(request, "_gone.html", session, message=f"Request '{row_id}' no longer exists.")
-    return render(request, "_attempts.html", session, row=row, attempts=admin_queries.attempts_of(db, row.id))
+    return render(request, "_attempts.html", session, row=row, attempts=admin_queries.attempts_of(db, row.id),
+                  result=_result(row))
+
+
+def _result(row: RequestRow) -> dict | None:
+    """A final row's answer as the drawer shows it: the replica's status and body (pretty when JSON), and the
+    error message the table shows."""
+    if row.response_status is None and row.error_message is None:
+        return None
+    body = row.response_body or ""
+    try:
+        pretty = json.dumps(json.loads(body), indent=2, ensure_ascii=False) if body else ""
+    except ValueError:
+        pretty = body
+    shown = pretty[:BODY_CHARS]
+    return {"status": row.response_status, "ok": row.status == RequestStatus.succeeded.value,
+            "message": None if row.status == RequestStatus.succeeded.value
+            else admin_queries.error_message(row.error_message, body),
+            "code": row.error_code, "body": shown, "cut": len(pretty) - len(shown)}
 
 
 def _batch_summary(db: Session, batch: Batch) -> dict:
     names = admin_queries.tenant_names(db, [batch.tenant_id])
+    now = time.time()
+    recent = func.sum(case((RequestRow.finished_at >= now - RATE_WINDOW, 1), else_=0))
     by_status = {
-        status: {"rows": rows, "evictions": int(evictions or 0), "attempts": int(attempts or 0)}
-        for status, rows, evictions, attempts in db.execute(
-            select(RequestRow.status, func.count(), func.sum(RequestRow.evictions), func.sum(RequestRow.attempts))
+        status: {"rows": rows, "evictions": int(evictions or 0), "attempts": int(attempts or 0),
+                 "recent": int(finished or 0)}
+        for status, rows, evictions, attempts, finished in db.execute(
+            select(RequestRow.status, func.count(), func.sum(RequestRow.evictions), func.sum(RequestRow.attempts),
+                   recent)
             .where(RequestRow.batch_id == batch.id).group_by(RequestRow.status)
         )
     }
     order = [s.value for s in RequestStatus]
+    view = _batch_view(batch, names.get(batch.tenant_id, batch.tenant_id))
     return {
-        "view": _batch_view(batch, names.get(batch.tenant_id, batch.tenant_id)),
+        "view": view,
         "api": admin_queries.admin_batch(batch),
         "row_counts": [(s, by_status[s]["rows"]) for s in order if s in by_status],
         "evictions": sum(v["evictions"] for v in by_status.values()),
         "attempts": sum(v["attempts"] for v in by_status.values()),
         "errors": list((admin_queries.admin_batch(batch)["errors"] or {}).get("data") or []),
+        "pace": _pace(batch, view, sum(v["recent"] for v in by_status.values()), now),
     }
+
+
+def _pace(batch: Batch, view: dict, recent: int, now: float) -> dict:
+    """Requests finished per second over the last RATE_WINDOW (and since the batch started), and when the
+    rest will be done at the recent rate; None where there is nothing to measure."""
+    started = batch.in_progress_at
+    overall = view["finished"] / (now - started) if started and view["finished"] and now > started else None
+    window = min(RATE_WINDOW, now - started) if started else RATE_WINDOW
+    rate = recent / window if recent and window > 0 else None
+    left = view["total"] - view["finished"]
+    running = batch.status in (BatchStatus.in_progress.value, BatchStatus.finalizing.value)
+    return {"rate": rate, "overall": overall, "left": left, "window": RATE_WINDOW,
+            "eta": left / rate if running and rate and left > 0 else None,
+            "stalled": running and left > 0 and not rate}
 
 
 def _request_filters(status: str | None, evicted: str | None, after: str | None) -> dict:
@@ -417,51 +467,33 @@ def retry_failed(request: Request, name: str, _session: CheckedPost, context: Co
 
 
 @router.get("/gateway")
-async def gateway_page(request: Request, session: SessionCookie, context: ContextDep) -> HTMLResponse:
+async def gateway_page(request: Request, session: SessionCookie, context: ContextDep,
+                       range: str | None = None) -> HTMLResponse:  # noqa: A002
     view = await fetch_gateway(context.settings.gateway_url, admin_key=context.settings.admin_key)
     return render(request, "gateway.html", session, page="gateway", gw=view,
-                  charts=await run_in_threadpool(_charts, request))
+                  fairness_names=await run_in_threadpool(_fairness_names, context, view),
+                  charts=await run_in_threadpool(chart_panels, request, range, GATEWAY_CHARTS))
 
 
 @router.get("/fragments/gateway")
 async def gateway_fragment(request: Request, session: SessionCookie, context: ContextDep) -> HTMLResponse:
     view = await fetch_gateway(context.settings.gateway_url, admin_key=context.settings.admin_key)
-    return render(request, "_gateway.html", session, gw=view)
+    return render(request, "_gateway.html", session, gw=view,
+                  fairness_names=await run_in_threadpool(_fairness_names, context, view))
+
+
+def _fairness_names(context: ApiContext, view) -> dict[str, str]:  # noqa: ANN001 - a GatewayView
+    """Tenant names of the fairness ids the gateway reports: the workers relay each batch's tenant id."""
+    kv = view.state.get("kv") or {}
+    ids = [fid for fid in (kv.get("tenants") or {}) if isinstance(fid, str)]
+    if not ids:
+        return {}
+    with context.sessions() as db:
+        return admin_queries.tenant_names(db, ids)
 
 
 @router.get("/fragments/charts")
-def charts_fragment(request: Request, session: SessionCookie) -> HTMLResponse:
-    return render(request, "_charts.html", session, charts=_charts(request))
-
-
-def _charts(request: Request) -> dict:
-    context: ApiContext = request.app.state.context
-    now = time.time()
-    samples = recent_samples(context.redis, context.settings.redis_namespace) if context.redis is not None else []
-    objectives = sorted({o for s in samples for o in s.ttft_p95 if o != BATCH_OBJECTIVE},
-                        key=lambda o: (o != "realtime", o))
-    ttft = [charts.Series(o, OBJECTIVE_COLOURS.get(o, "#495057"),
-                          [(s.t, s.ttft_p95[o]) for s in samples if o in s.ttft_p95]) for o in objectives]
-    throughput = [
-        charts.Series(name, colour, [(s.t, s.per_s[key]) for s in samples if key in s.per_s])
-        for key, name, colour in (("completed", "completed", "#2b8a3e"), ("failed", "failed/cancelled", "#e03131"))
-    ]
-    # A failure line that stays at zero is noise.
-    throughput = [series for series in throughput if series.name == "completed" or any(v for _, v in series.points)]
-    return {
-        "ttft_svg": charts.line_chart(ttft, now=now, window=WINDOW, label=charts.seconds_label,
-                                      title="Realtime TTFT p95 by objective, last 10 minutes",
-                                      empty="No realtime requests in the last 10 minutes (or the gateway is down)"),
-        "ttft_legend": _legend(ttft),
-        "throughput_svg": charts.line_chart(throughput, now=now, window=WINDOW, label=charts.rate_label,
-                                            title="Batch requests finished per second, last 10 minutes",
-                                            empty="No samples yet: one is taken every 5 s"),
-        "throughput_legend": _legend(throughput),
-        "samples": len(samples),
-    }
-
-
-def _legend(series: list[charts.Series]) -> list[tuple[str, str, float | None]]:
-    """(name, colour, latest value) per series."""
-    return [(s.name, s.colour, max(s.points)[1] if s.points else None) for s in series]
-
+def charts_fragment(request: Request, session: SessionCookie, range: str | None = None,  # noqa: A002
+                    show: str | None = None) -> HTMLResponse:
+    which = GATEWAY_CHARTS if show == "gateway" else BATCHES_CHARTS
+    return render(request, "_charts.html", session, charts=chart_panels(request, range, which))

@@ -1,9 +1,12 @@
 """`holdback demo`: show holdback and eviction happen on a running `holdback up`.
 
-It submits a sample batch (the chat lines of examples/requests.jsonl, repeated) through the Batch API
-with the official `openai` client, then sends an opening burst and a steady stream of realtime streaming
-requests through the gateway, and shows batch progress, realtime p95 time to first token as this client
-saw it beside the gateway's own p95 for the same streams, and the gateway's evictions so far.
+It measures realtime alone first: an opening burst and a steady stream of realtime streaming requests through
+the gateway, with no batch. Then it submits a sample batch (the chat lines of examples/requests.jsonl, repeated)
+through the Batch API with the official `openai` client and sends the same realtime traffic twice while the
+batch runs: through the gateway (with holdback), then straight to the replicas (no holdback: no priority, no
+reserve, no eviction; the batch itself still goes through the gateway, so it holds no more than its ceiling of
+the pool). It shows batch progress, each phase's realtime p95 time to first token as this client saw it (beside
+the gateway's own p95 for the streams it carried) and the gateway's evictions.
 
 Realtime requests go out from one asyncio loop with an unbounded connection pool, so a burst is sent at
 once: the client never queues its own requests, and its TTFT is the platform's, not its own waiting.
@@ -42,6 +45,7 @@ class RealtimeStats:
     finished: int = 0
     errors: int = 0
     max_in_flight: int = 0
+    first_error: str = ""
 
     @property
     def in_flight(self) -> int:
@@ -58,10 +62,11 @@ def quantile(values: list[float], q: float) -> float:
 
 @dataclass
 class RealtimeTraffic:
-    """An opening burst, then seeded Poisson arrivals at `rate` per second for `seconds`."""
+    """An opening burst, then seeded Poisson arrivals at `rate` per second for `seconds`, sent to `targets` in
+    turn (the gateway, or each replica: a key is sent only when there is one)."""
 
-    gateway: str
-    key: str
+    targets: list[str]
+    key: str | None
     model: str
     burst: int
     rate: float
@@ -90,25 +95,27 @@ class RealtimeTraffic:
     async def _one(self, client: httpx.AsyncClient) -> None:
         body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": "Say hello to the realtime path."}]}
-        headers = {"Authorization": f"Bearer {self.key}", OBJECTIVE_HEADER: REALTIME_OBJECTIVE}
+        headers = {OBJECTIVE_HEADER: REALTIME_OBJECTIVE, **({"Authorization": f"Bearer {self.key}"} if self.key else {})}
         s = self.stats
+        target = self.targets[s.sent % len(self.targets)]
         s.sent += 1
         s.max_in_flight = max(s.max_in_flight, s.in_flight)
         start = time.perf_counter()
         try:
-            async with client.stream("POST", f"{self.gateway}/v1/chat/completions", json=body,
-                                     headers=headers) as r:
+            async with client.stream("POST", f"{target}/v1/chat/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
-                    await r.aread()
+                    text = (await r.aread()).decode(errors="replace")
                     s.errors += 1
+                    s.first_error = s.first_error or f"HTTP {r.status_code} from {target}: {text[:200]}"
                     return
                 first = True
                 async for line in r.aiter_lines():
                     if first and line.startswith("data:"):
                         first = False
                         s.ttfts.append(time.perf_counter() - start)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             s.errors += 1
+            s.first_error = s.first_error or f"{type(exc).__name__} from {target}"
         finally:
             s.finished += 1
 
@@ -154,7 +161,6 @@ class GatewayView:
     def __init__(self, url: str, admin_key: str):
         self.url = url
         self.headers = {"Authorization": f"Bearer {admin_key}"}
-        self.baseline: dict[float, float] = {}
 
     async def evictions(self, client: httpx.AsyncClient) -> tuple[int | None, str]:
         """Evictions the gateway has issued since it started, or None with the reason it cannot tell."""
@@ -174,8 +180,11 @@ class GatewayView:
             return {}
         return ttft_buckets(r.text)
 
-    async def p95(self, client: httpx.AsyncClient) -> tuple[float, int] | None:
-        return histogram_quantile(0.95, self.baseline, await self.buckets(client))
+    async def replicas(self, client: httpx.AsyncClient) -> list[str]:
+        """The healthy replicas' base URLs, as the gateway's admin state lists them."""
+        r = await client.get(f"{self.url}/admin/state", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        return [rep["url"] for rep in r.json().get("replicas") or [] if rep.get("healthy")]
 
 
 # -- the command ---------------------------------------------------------------------------------------------
@@ -203,12 +212,14 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     p.add_argument("--gateway-url", default="http://127.0.0.1:8200", help="gateway base URL (default %(default)s)")
     p.add_argument("--keys", type=Path, default=settings.data_dir / LOCAL_KEYS,
                    help="keys file written by `holdback up` (default %(default)s)")
-    p.add_argument("--requests", type=int, default=400, help="batch size (default %(default)s)")
+    p.add_argument("--requests", type=int, default=2000,
+                   help="batch size: enough to outlast both realtime phases beside it (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="batch output length (default %(default)s)")
     p.add_argument("--warmup", type=float, default=5.0,
                    help="seconds the batch runs alone before realtime traffic starts (default %(default)s)")
-    p.add_argument("--realtime-seconds", type=float, default=30.0,
-                   help="how long realtime arrivals go on after the burst (default %(default)s)")
+    p.add_argument("--realtime-seconds", type=float, default=15.0,
+                   help="how long realtime arrivals go on after the burst, in each of the three phases "
+                        "(default %(default)s)")
     p.add_argument("--realtime-rate", type=float, default=4.0, help="realtime arrivals per second (default %(default)s)")
     p.add_argument("--burst", type=int, default=64,
                    help="realtime opening burst; above the pool's realtime reserve it forces evictions "
@@ -237,6 +248,29 @@ def main(argv: list[str]) -> int:
     return asyncio.run(_run(args, json.loads(args.keys.read_text())))
 
 
+@dataclass
+class Phase:
+    """One run of the realtime traffic: where it went, and what it measured."""
+
+    title: str
+    traffic: RealtimeTraffic
+    through_gateway: bool
+    beside_batch: bool
+    gateway_p95: tuple[float, int] | None = None
+    batch_ended_during: bool = False
+
+
+def _traffic(args: argparse.Namespace, targets: list[str], key: str | None, model: str) -> RealtimeTraffic:
+    return RealtimeTraffic(targets, key, model, args.burst, args.realtime_rate, args.realtime_seconds)
+
+
+async def _measure(phase: Phase, gateway: GatewayView, http: httpx.AsyncClient) -> None:
+    before = await gateway.buckets(http) if phase.through_gateway else {}
+    await phase.traffic.run()
+    if phase.through_gateway:
+        phase.gateway_p95 = histogram_quantile(0.95, before, await gateway.buckets(http))
+
+
 async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
     from openai import AsyncOpenAI
 
@@ -246,26 +280,44 @@ async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
         models = (await http.get(f"{args.gateway_url}/v1/models", timeout=10,
                                  headers={"Authorization": f"Bearer {keys['realtime']}"})).json()
         model = models["data"][0]["id"]
+        replicas = await gateway.replicas(http)
+        if not replicas:
+            print(f"the gateway at {args.gateway_url} has no healthy replica; wait for one (see its /admin/state)")
+            return 1
+        alone = Phase("alone, before the batch", _traffic(args, [args.gateway_url], keys["realtime"], model),
+                      through_gateway=True, beside_batch=False)
+        beside = [Phase("beside the batch, through holdback",
+                        _traffic(args, [args.gateway_url], keys["realtime"], model), True, True),
+                  Phase("beside the batch, straight to the replicas (no holdback)",
+                        _traffic(args, replicas, None, model), False, True)]
+        print(f"realtime alone: {args.burst} streams at once, then {args.realtime_rate:g}/s for "
+              f"{args.realtime_seconds:g} s, through the gateway with no batch")
+        await _measure(alone, gateway, http)
+        print(f"  {_ttft_text(alone.traffic.stats, alone.gateway_p95)}")
         upload = await client.files.create(file=("demo.jsonl", sample_batch(model, args.requests, args.max_tokens)),
                                            purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                             completion_window="24h", metadata={"source": "holdback demo"})
         print(f"submitted {batch.id}: {args.requests} requests, max_tokens={args.max_tokens}, model={model}")
-        print(f"the batch runs alone for {args.warmup:g} s, then {args.burst} realtime streams at once and "
-              f"{args.realtime_rate:g}/s for {args.realtime_seconds:g} s")
-        gateway.baseline = await gateway.buckets(http)
-        traffic = RealtimeTraffic(args.gateway_url, keys["realtime"], model, args.burst, args.realtime_rate,
-                                  args.realtime_seconds)
+        print(f"the batch runs alone for {args.warmup:g} s, then the same realtime traffic through the gateway, then "
+              f"straight to the {len(replicas)} replicas")
         progress = Progress(args.requests, "requests")
         started = time.monotonic()
         deadline = started + args.timeout
-        realtime: asyncio.Task | None = None
+        running: asyncio.Task | None = None
+        pending = list(beside)
+        current: Phase | None = None
         while True:
-            if realtime is None and time.monotonic() - started >= args.warmup:
-                realtime = asyncio.create_task(traffic.run())
             batch = await client.batches.retrieve(batch.id)
-            done_all = batch.status in TERMINAL and realtime is not None and realtime.done()
-            progress.update(_done(batch), await _status(batch, traffic.stats, gateway, http), force=done_all)
+            if (running is None or running.done()) and pending and time.monotonic() - started >= args.warmup:
+                if running is not None:
+                    await running  # re-raises anything the traffic task raised
+                current = pending.pop(0)
+                running = asyncio.create_task(_measure(current, gateway, http))
+            if current is not None and not running.done() and batch.status in TERMINAL:
+                current.batch_ended_during = True  # (or it had ended before this phase began)
+            done_all = batch.status in TERMINAL and not pending and running is not None and running.done()
+            progress.update(_done(batch), await _status(batch, current, gateway, http), force=done_all)
             if done_all:
                 break
             if time.monotonic() > deadline:
@@ -274,16 +326,21 @@ async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
                 return 1
             await asyncio.sleep(0.5)
         progress.close()
-        await realtime  # re-raises anything the traffic task raised
-        stats = traffic.stats
+        await running
         evictions, why = await gateway.evictions(http)
-        gateway_p95 = await gateway.p95(http)
     print(f"batch {batch.id} {batch.status}: {batch.request_counts.completed} completed, "
           f"{batch.request_counts.failed} failed; output file {batch.output_file_id}, error file {batch.error_file_id}")
     if batch.usage:
         print(f"usage: {batch.usage.input_tokens} input + {batch.usage.output_tokens} output tokens")
-    print(f"realtime: {stats.finished} streams, {len(stats.ttfts)} with a first token, {stats.errors} errors; "
-          f"{_ttft_text(stats, gateway_p95)}")
+    print(f"realtime p95 time to first token, measured by this client in this run "
+          f"({args.burst} streams at once, then {args.realtime_rate:g}/s for {args.realtime_seconds:g} s each):")
+    for phase in (alone, *beside):
+        stats = phase.traffic.stats
+        print(f"  {phase.title + ':':<58} {_ttft_text(stats, phase.gateway_p95)}")
+        print(f"  {'':<58} {stats.finished} streams, {len(stats.ttfts)} with a first token, {stats.errors} errors"
+              + (f" (first: {stats.first_error})" if stats.first_error else ""))
+        if phase.batch_ended_during:
+            print(f"  {'':<58} the batch ended before this phase did, so part of it ran alone: raise --requests")
     print(f"gateway evictions: {evictions if evictions is not None else f'unknown ({why})'}")
     print(f"see {args.api_url}/dashboard (admin key in {args.keys})")
     return 0 if batch.status == "completed" else 1
@@ -294,11 +351,15 @@ def _done(batch) -> int:  # noqa: ANN001
     return (counts.completed + counts.failed) if counts else 0
 
 
-async def _status(batch, stats: RealtimeStats, gateway: GatewayView, http: httpx.AsyncClient) -> str:  # noqa: ANN001
+async def _status(batch, phase: Phase | None, gateway: GatewayView, http: httpx.AsyncClient) -> str:  # noqa: ANN001
     failed = batch.request_counts.failed if batch.request_counts else 0
     evictions, why = await gateway.evictions(http)
-    realtime = "realtime waiting" if not stats.sent else (
-        f"realtime {stats.finished} done, {stats.in_flight} in flight; {_ttft_text(stats, None)}")
+    if phase is None:
+        realtime = "realtime waiting"
+    else:
+        stats = phase.traffic.stats
+        realtime = (f"realtime {'via gateway' if phase.through_gateway else 'direct'} {stats.finished} done, "
+                    f"{stats.in_flight} in flight; {_ttft_text(stats, None)}")
     shown = evictions if evictions is not None else f"unknown ({why})"
     return f"{batch.status}, {failed} failed | {realtime} | evictions {shown}"
 

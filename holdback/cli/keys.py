@@ -12,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select
 
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.schema import upgrade
 from holdback.settings import Settings
-from holdback.tenancy import create_key, list_keys, revoke_key
+from holdback.models import ApiKey
+from holdback.tenancy import create_key, hash_key, list_keys, revoke_key
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +81,12 @@ def main(argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace, session) -> int:  # noqa: ANN001
     if args.action == "create":
-        print(create_key(session, args.tenant.strip()))
+        secret = create_key(session, args.tenant.strip())
+        key_id = session.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(secret)))
+        # The secret alone on stdout, so `KEY=$(holdback keys create ...)` still works; the id beside it on stderr.
+        print(secret)
+        print(f"key id: {key_id} (tenant {args.tenant.strip()}; shown once: the secret cannot be read back; "
+              f"`holdback keys revoke {key_id}` revokes it)", file=sys.stderr)
         return 0
     if args.action == "list":
         keys = list_keys(session, args.tenant)

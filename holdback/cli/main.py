@@ -16,13 +16,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "api": ("batch_api.cli", "serve the OpenAI-compatible Batch and Files API and the dashboard"),
     "db": ("holdback.cli.db", "database schema: `holdback db upgrade`"),
     "keys": ("holdback.cli.keys", "API keys: `holdback keys create --tenant NAME`, `list`, `revoke KEY_ID`"),
+    "data": ("holdback.cli.data", "the data dir: `holdback data usage` (what grows, what bounds it), `trim-logs`"),
     "files": ("holdback.cli.files", "file retention: `holdback files gc` deletes expired files once"),
     "processor": ("batch_processor.cli", "claim, validate, expand, enqueue, finalize, cancel and expire batches"),
     "worker": ("async_processor.cli", "send queued batch requests through the gateway (`-n` concurrency)"),
     "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),
     "sim": ("model_sim.cli", "vLLM-compatible model server simulator replicas"),
+    "submit": ("holdback.cli.submit", "run a JSONL file as a batch: upload, wait with progress, download the results"),
     "demo": ("holdback.cli.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
-    "bench": ("bench.cli", "benchmarks: `holdback bench study` reproduces the seed study"),
+    "bench": ("bench.cli", "benchmarks: `holdback bench study` runs the priority study (holdback and eviction against realtime)"),
 }
 # Commands that are a platform process: each reports its spans as service `holdback-<command>` (holdback.tracing).
 TRACED = ("api", "processor", "worker", "gateway", "sim")

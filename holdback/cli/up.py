@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import secrets
@@ -147,37 +148,31 @@ class Supervisor:
         _log("started", child=child.name, pid=child.proc.pid, log=child.log_path)
 
     def wait_ready(self, child: Child, timeout: float = 60.0) -> None:
-        if child.ready is not None:
-            self._wait_check(child, child.ready, timeout)
+        """Wait until the child answers its readiness check (`ready`, else `ready_url` answering 2xx from this
+        child's own process); a child with neither is ready once started."""
+        if child.ready is None and child.ready_url is None:
             return
-        if child.ready_url is None:
-            return
+        probe = child.ready or (lambda: self._answers_http(child))
+        where = f" at {child.ready_url}" if child.ready is None else ""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stopping:
             if child.proc is not None and child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start-up; "
                                    f"see {child.log_path}")
-            try:
-                if httpx.get(child.ready_url, timeout=1.0).status_code < 300:
-                    self.confirm_own(child)
-                    return
-            except httpx.HTTPError:
-                pass
+            if probe():
+                return
             time.sleep(0.1)
         if not self.stopping:
-            raise RuntimeError(f"{child.name} not ready at {child.ready_url} after {timeout:.0f}s; see {child.log_path}")
+            raise RuntimeError(f"{child.name} not ready{where} after {timeout:.0f}s; see {child.log_path}")
 
-    def _wait_check(self, child: Child, ready: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.stopping:
-            if child.proc is not None and child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start-up; "
-                                   f"see {child.log_path}")
-            if ready():
-                return
-            time.sleep(0.05)
-        if not self.stopping:
-            raise RuntimeError(f"{child.name} not ready after {timeout:.0f}s; see {child.log_path}")
+    def _answers_http(self, child: Child) -> bool:
+        try:
+            if httpx.get(child.ready_url, timeout=1.0).status_code >= 300:
+                return False
+        except httpx.HTTPError:
+            return False
+        self.confirm_own(child)
+        return True
 
     def confirm_own(self, child: Child) -> None:
         """The process answering child.ready_url must be that child (or below it), not a leftover."""
@@ -328,8 +323,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     redis_url, redis_child = settings.redis_url, None
     if redis_url is None:
         # The embedded Redis is a supervised child like the rest: restarted on the same socket with its data
-        # when it dies (the workers and the processor reconnect), and stopped last. One another process of
-        # this data dir started (`holdback api` run alone before) is used as it is.
+        # when it dies (the workers and the processor reconnect), and stopped last. One that another process
+        # of this data dir started (`holdback api` run alone before) is used as it is.
         command, redis_url = embedded_command(settings.data_dir)
         if answers(redis_url):
             _log("using the running embedded Redis", url=redis_url)
@@ -374,7 +369,7 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, red
         for child in sup.children:
             sup.start(child)
             sup.wait_ready(child)
-        _banner(args, keys, settings.data_dir / "logs")
+        _banner(args, keys, settings)
         while True:
             sup.supervise_once()
             time.sleep(0.5)
@@ -388,17 +383,18 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, red
     return return_code
 
 
-def _banner(args: argparse.Namespace, keys: dict[str, str], log_dir: Path) -> None:
+def _banner(args: argparse.Namespace, keys: dict[str, str], settings: Settings) -> None:
     api = f"http://{args.host}:{args.api_port}"
     gw = f"http://{args.host}:{args.gateway_port}"
     processor = f"http://{args.host}:{args.processor_metrics_port}"
     worker = f"http://{args.host}:{args.worker_metrics_port}"
+    model = _served_model(gw, keys["realtime"])
     print(f"""
 holdback is up.
   Batch API      {api}/v1          (tenant key: {keys['tenant']})
   Dashboard      {api}/dashboard   (admin key:  {keys['admin']})
   Gateway        {gw}/v1           (realtime key: {keys['realtime']})
-  Logs           {log_dir}
+  Logs           {settings.data_dir / "logs"}
 
 Metrics (Prometheus) and probes (/healthz liveness, /readyz readiness) of every component:
   API            {api}/metrics
@@ -407,13 +403,57 @@ Metrics (Prometheus) and probes (/healthz liveness, /readyz readiness) of every 
   Worker         {worker}/metrics
 
 A request line (examples/requests.jsonl has chat, completions and embeddings lines):
-  {_first_line(_served_model(gw, keys['realtime']))}
+  {_first_line(model)}
 
-Try it with the official openai client (one batch per endpoint):
-  python examples/submit.py {api}/v1 {keys['tenant']}
-
-Or run `holdback demo` in another terminal. Ctrl-C or SIGTERM stops everything.
+{try_commands(args, settings, model, keys['tenant'])}
+Ctrl-C or SIGTERM stops everything.
 """, flush=True)
+
+
+def try_commands(args: argparse.Namespace, settings: Settings, model: str | None, tenant_key: str) -> str:
+    """What to run next, from another terminal in this directory, spelled so that each works as printed:
+    this interpreter's own `holdback`, and the flags that differ from the commands' defaults."""
+    api = f"http://{args.host}:{args.api_port}"
+    holdback = _here(Path(sys.executable).with_name("holdback"))
+    if not Path(sys.executable).with_name("holdback").exists():
+        holdback = f"{_here(Path(sys.executable))} -m holdback.cli"
+    keys_file = settings.data_dir.resolve() / LOCAL_KEYS
+    keys_flag = [] if keys_file == (Path.cwd() / "data" / LOCAL_KEYS).resolve() else ["--keys", _here(keys_file)]
+    api_flag = [] if api == "http://127.0.0.1:8000" else ["--api-url", api]
+    gateway = f"http://{args.host}:{args.gateway_port}"
+    gateway_flag = [] if gateway == "http://127.0.0.1:8200" else ["--gateway-url", gateway]
+    lines = []
+    if EXAMPLE_REQUESTS.exists():
+        model_flag = [] if model in (None, _example_model()) else ["--model", model]
+        submit = [holdback, "submit", _here(EXAMPLE_REQUESTS), *api_flag, *keys_flag, *model_flag]
+        lines += ["Run the example requests and download the results (one batch per endpoint):", "  " + " ".join(submit),
+                  ""]
+    else:
+        lines += ["Run a JSONL file of requests like the line above and download the results:",
+                  "  " + " ".join([holdback, "submit", "FILE", *api_flag, *keys_flag]), ""]
+    demo = [holdback, "demo", *api_flag, *gateway_flag, *keys_flag]
+    lines += ["See realtime keep its latency while a batch runs:", "  " + " ".join(demo)]
+    if importlib.util.find_spec("openai") is None:
+        lines[-1] += "   (needs the openai client: pip install 'holdback[demo]')"
+    elif (EXAMPLE_REQUESTS.parent / "submit.py").exists() and model in (None, _example_model()):
+        lines += ["", "The example requests with the official openai client, in Python:",
+                  f"  {_here(Path(sys.executable))} {_here(EXAMPLE_REQUESTS.parent / 'submit.py')} {api}/v1 {tenant_key}"]
+    return "\n".join(lines) + "\n"
+
+
+def _here(path: Path) -> str:
+    """`path` relative to the working directory when it is below it, else absolute."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path.absolute())
+
+
+def _example_model() -> str | None:
+    try:
+        return json.loads(EXAMPLE_REQUESTS.read_text().splitlines()[0])["body"]["model"]
+    except (OSError, IndexError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _served_model(gateway: str, key: str) -> str | None:

@@ -260,7 +260,8 @@ def test_two_api_servers_share_one_history_one_sample_per_interval(backend):
     taken = asyncio.run(both())
     assert sum(s is not None for s in taken) == 1, "the second server found the slot taken"
     sample = next(s for s in taken if s is not None)
-    assert sample.ttft is None and sample.totals == {"completed": 0, "failed": 0}
+    assert sample.ttft is None and sample.totals == {"completed": 0, "failed": 0, "cancelled": 0}
+    assert sample.depth == {"queued": 0, "retrying": 0} and sample.kv == {}, "the gateway is down: no KV usage"
     assert backend.redis().llen(samples_key(backend.namespace)) == 1
     assert [s.t for s in recent_samples(backend.redis(), backend.namespace)] == [sample.t]
     for app in apps:
@@ -298,3 +299,31 @@ def test_gateway_page_reads_the_gateway_with_the_admin_key_and_shows_kv_admissio
         assert 'data-testid="gateway-unreachable"' not in page
         assert 'data-testid="kv-admission"' in page and f'data-kv-replica="http://127.0.0.1:{sim_port}"' in page
         assert "No reservation held." in page and "Nothing rejected by admission." in page
+
+
+def test_gateway_page_shows_one_card_per_model_pool(start_api, tmp_path):
+    from tests.support import Processes, free_port, free_ports, poll, wait_http
+
+    api = start_api()
+    with Processes(log_dir=tmp_path / "logs") as procs:
+        first = free_ports(2)  # two consecutive free ports
+        ports = [first, first + 1]
+        for port, model in zip(ports, ("model-a", "model-b")):
+            sim = procs.start("sim", "--port", str(port), "--model", model, "--log-level", "WARNING", name=model)
+            wait_http(f"http://127.0.0.1:{port}/health", proc=sim)
+        config = tmp_path / "gateway.yaml"
+        config.write_text(f"adminKeys: [{{key: {api.settings.admin_key}}}]\n")
+        gw_port = free_port()
+        gw = procs.start("gateway", "--config", str(config), "--port", str(gw_port), "--replicas",
+                         ",".join(f"http://127.0.0.1:{p}" for p in ports), name="gateway")
+        gw_url = f"http://127.0.0.1:{gw_port}"
+        wait_http(gw_url + "/health", proc=gw)
+        page_api = start_api(gateway_url=gw_url)
+        client, _ = signed_in(page_api)
+        # No pools configured: the replicas are grouped by the model each reports once identified.
+        page = poll(lambda: (text := client.get("/dashboard/gateway").text).count('class="pool-card"') == 2 and text,
+                    30, "two pool cards on the gateway page", lambda: client.get("/dashboard/gateway").text[-2000:])
+        assert 'data-testid="model-pools"' in page
+        cards = page.split('class="pool-card"')[1:]
+        assert sorted(m for card in cards for m in ("model-a", "model-b") if m in card) == ["model-a", "model-b"]
+        assert all("1 / 1" in card for card in cards), cards  # each pool: its one replica, healthy

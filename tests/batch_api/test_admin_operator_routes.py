@@ -115,7 +115,7 @@ def test_requests_are_listed_in_line_order_with_filters_and_a_cursor(api, backen
     assert page["data"][1]["first_attempt_at"] is None
     assert set(first) == {"id", "custom_id", "line", "status", "attempts", "evictions", "duplicates",
                           "transient_failures", "created_at", "enqueued_at", "first_attempt_at", "finished_at",
-                          "input_tokens", "output_tokens", "response_status", "error_code"}
+                          "input_tokens", "output_tokens", "response_status", "error_code", "error_message"}
 
     seen, after = [], None
     while True:

@@ -12,12 +12,16 @@ from openai import OpenAI
 
 from tests.support import REPO, Processes, free_port, wait_http
 
+# A fresh `holdback api` imports FastAPI, SQLAlchemy and the app (about 3 s of CPU): on two cores shared with
+# other suites that has taken 30 s of wall time.
+START_TIMEOUT = 120
+
 
 def test_holdback_api_serves_the_sdk_and_logs_json_lines(backend, tmp_path):
     port = free_port()
     with Processes(env=backend.env, log_dir=tmp_path / "logs") as procs:
         proc = procs.start("api", "--port", str(port), name="api")
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc=proc)
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=START_TIMEOUT, proc=proc)
         key = httpx.post(
             f"http://127.0.0.1:{port}/admin/keys",
             json={"tenant": "acme"},
@@ -57,14 +61,15 @@ def test_forwarded_addresses_are_believed_only_from_trusted_proxies(backend, tmp
     with Processes(env=backend.env, log_dir=tmp_path / "logs") as procs:
         # Default: no proxy is trusted, so the throttle counts the address that connected, whatever it says.
         port = free_port()
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc=procs.start("api", "--port", str(port), name="api"))
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=START_TIMEOUT,
+                  proc=procs.start("api", "--port", str(port), name="api"))
         codes = _wrong_logins(port, fresh)
         assert codes[:5] == [401] * 5 and set(codes[5:]) == {429}, codes
         # Behind a trusted proxy the forwarded client is the one counted: eight clients, none throttled, and
         # one client sending too many wrong keys is throttled all the same.
         port = free_port()
         env = {"HOLDBACK_TRUSTED_PROXIES": "127.0.0.1", "HOLDBACK_REDIS_NAMESPACE": f"{backend.namespace}-proxied"}
-        wait_http(f"http://127.0.0.1:{port}/readyz",
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=START_TIMEOUT,
                   proc=procs.start("api", "--port", str(port), name="api-proxied", env=env))
         assert set(_wrong_logins(port, fresh)) == {401}
         assert _wrong_logins(port, ["198.51.100.7"] * 6)[-1] == 429

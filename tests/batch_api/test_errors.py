@@ -205,8 +205,9 @@ def create_batch(seeded, **overrides) -> httpx.Response:  # noqa: ANN001
 
 
 def test_unknown_endpoint_names_the_accepted_ones(seeded):
-    err = assert_error(create_batch(seeded, endpoint="/v1/responses"), 400, "/v1/responses", param="endpoint")
-    for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+    err = assert_error(create_batch(seeded, endpoint="/v1/images/generations"), 400, "/v1/images/generations",
+                       param="endpoint")
+    for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
         assert endpoint in err["message"]
     seeded.assert_intact()
 

@@ -14,6 +14,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from tests.batch_api.test_errors import LINE
 
@@ -67,7 +68,9 @@ def test_every_operation_answers_as_its_schema_says(api, fuzz_keys, mode):  # no
         @FUZZ_SETTINGS
         @given(case=operation.as_strategy(mode))
         def answers(case: schemathesis.Case) -> None:
-            response = case.call_and_validate(base_url=api.url, headers=headers, timeout=30)
+            excluded = [negative_data_rejection] if _lost_in_the_form(case) else []
+            response = case.call_and_validate(base_url=api.url, headers=headers, timeout=30,
+                                              excluded_checks=excluded)
             assert response.status_code < 500, (case.method, case.path, response.text)
             if response.status_code >= 400 and case.path != "/readyz":
                 body = response.json()
@@ -77,6 +80,14 @@ def test_every_operation_answers_as_its_schema_says(api, fuzz_keys, mode):  # no
 
         answers()
     print(f"{mode}: fuzzed {len(operations) - len(skipped)} of {len(operations)} operations; skipped {skipped}")
+
+
+def _lost_in_the_form(case: schemathesis.Case) -> bool:
+    """A multipart field whose generated value is an empty array is sent as no part at all: the request on the
+    wire is the one without that field, so a negative case whose breach was that array may arrive valid (an
+    upload without `expires_after`) and be rightly accepted. Its other checks (no 5xx, the error envelope) hold."""
+    return (case.media_type or "").startswith("multipart/") and isinstance(case.body, dict) \
+        and any(value == [] for value in case.body.values())
 
 
 def _free_text(parameter) -> bool:  # noqa: ANN001 - schemathesis's OpenAPI parameter
