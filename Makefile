@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Flags for `holdback up`, e.g. make up ARGS="--api-port 9000 --sim-replicas 4".
+ARGS ?=
+
 up: $(STAMP)
-	$(BIN)/holdback up
+	$(BIN)/holdback up $(ARGS)
 
 # Both passes always run (a failure in the first does not hide the second); the exit status is the worse.
 test: $(STAMP)

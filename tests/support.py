@@ -6,6 +6,7 @@ always stopped (SIGTERM, then SIGKILL) when the test ends, so no test leaves an 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -40,7 +41,7 @@ def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: floa
         time.sleep(interval)
 
 
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until GET url answers 2xx; fail early with the child's output if it died."""
     deadline = time.monotonic() + timeout
     last: Exception | str = "no answer"
@@ -183,3 +184,25 @@ class small_disk:
 
     def __exit__(self, *_exc: object) -> None:
         subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(replicas: list[str], config: str = "", env: dict[str, str] | None = None):
+    """A Gateway serving on a port of this process, in front of `replicas` with `config` (YAML) added; yields it
+    and its URL."""
+    from aiohttp import web
+
+    from gateway.app import Gateway
+    from gateway.config import parse_config
+
+    loaded = parse_config(f"replicas: {json.dumps(replicas)}\n{config}", "test.yaml", env or {})
+    gw = Gateway(loaded)
+    runner = web.AppRunner(gw.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield gw, "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+

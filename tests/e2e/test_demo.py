@@ -1,6 +1,7 @@
 """`holdback demo` measures right: its realtime client sends a burst at once (it never queues its own
-requests), the gateway's own p95 comes from the gateway's histogram for the demo's streams only, and
-every option shows its default. The demo against a real `holdback up` runs in tests/e2e/test_up.py.
+requests), the phase without holdback goes to every replica in turn without the gateway's key, the gateway's own
+p95 comes from the gateway's histogram for the demo's streams only, and every option shows its default. The demo
+against a real `holdback up` (its three phases in one run) runs in tests/e2e/test_up.py.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def test_a_burst_is_in_flight_at_once_and_every_stream_is_counted_once():
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         try:
-            traffic = RealtimeTraffic(f"http://127.0.0.1:{port}", "k", "sim-model", burst=burst, rate=20,
+            traffic = RealtimeTraffic([f"http://127.0.0.1:{port}"], "k", "sim-model", burst=burst, rate=20,
                                       seconds=0.5)
             return await traffic.run()
         finally:
@@ -58,6 +59,43 @@ def test_a_burst_is_in_flight_at_once_and_every_stream_is_counted_once():
     assert most == burst, f"the server saw at most {most} of the {burst}-stream burst at once"
     assert stats.errors == 0 and stats.in_flight == 0
     assert stats.finished == stats.sent == len(stats.ttfts) >= burst
+
+
+def test_straight_to_the_replicas_goes_to_each_in_turn_without_a_key():
+    seen: dict[int, list[str | None]] = {0: [], 1: []}
+
+    def replica(index: int, status: int):  # noqa: ANN202
+        async def chat(request: web.Request) -> web.StreamResponse:
+            seen[index].append(request.headers.get("authorization"))
+            if status != 200:
+                return web.json_response({"error": {"message": "no key given"}}, status=status)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n')
+            return resp
+        return chat
+
+    async def main():
+        runners, urls = [], []
+        for index, status in ((0, 200), (1, 401)):
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", replica(index, status))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        try:
+            return await RealtimeTraffic(urls, None, "m", burst=10, rate=0, seconds=0).run(), urls
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    stats, urls = asyncio.run(main())
+    assert len(seen[0]) == len(seen[1]) == 5 and set(seen[0] + seen[1]) == {None}
+    assert (len(stats.ttfts), stats.errors) == (5, 5)
+    assert stats.first_error.startswith(f"HTTP 401 from {urls[1]}: ") and "no key given" in stats.first_error
 
 
 METRICS = """# TYPE holdback_gateway_ttft_seconds histogram

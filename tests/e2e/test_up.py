@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from tests.support import REPO, free_port, free_ports, poll, wait_http
 pytestmark = pytest.mark.e2e
 
 ENV_ADMIN_KEY = "hb-admin-chosen-in-the-environment"
+BANNER_END = "Ctrl-C or SIGTERM stops everything"
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -50,7 +52,21 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def _up_env(backend, data_dir: Path) -> dict[str, str]:
+def banner_command(banner: str, after: str) -> list[str]:
+    """The command on the line after the banner's line that starts with `after`."""
+    lines = banner.splitlines()
+    index = next((i for i, line in enumerate(lines) if line.startswith(after)), None)
+    assert index is not None, f"no line starting {after!r} in the banner:\n{banner}"
+    return shlex.split(lines[index + 1])
+
+
+def terminal_env() -> dict[str, str]:
+    """Another terminal: none of the variables a test gives `holdback up`."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("HOLDBACK_") and k not in ("DATABASE_URL", "REDIS_URL")}
+
+
+def up_env(backend, data_dir: Path) -> dict[str, str]:
     env = {**os.environ, "HOLDBACK_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
     # The services pass points `up` at PostgreSQL and the machine's Redis; the embedded pass uses its defaults.
     for var in ("DATABASE_URL", "REDIS_URL", "HOLDBACK_ADMIN_KEY"):
@@ -61,7 +77,7 @@ def _up_env(backend, data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bool = False) -> subprocess.Popen:
+def start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bool = False) -> subprocess.Popen:
     def background_job() -> None:  # what a shell script does to `cmd &`: SIGINT arrives ignored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -73,7 +89,7 @@ def _start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bo
 def test_up_completes_a_batch_and_stops_without_orphans(backend):
     data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
     api, gateway, sim = free_port(), free_port(), free_ports(2)
-    env = _up_env(backend, data_dir)
+    env = up_env(backend, data_dir)
     # A platform started before with another admin key: the key from the environment must win and be stored.
     made = subprocess.run([sys.executable, "-m", "holdback.cli", "keys", "create", "--tenant", "default", "--create"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -85,14 +101,14 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
     processor_metrics, worker_metrics = free_port(), free_port()
     ports = ["--api-port", str(api), "--gateway-port", str(gateway), "--sim-port", str(sim),
              "--processor-metrics-port", str(processor_metrics), "--worker-metrics-port", str(worker_metrics)]
-    proc = _start_up(env, data_dir / "up.log", *ports, "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16",
+    proc = start_up(env, data_dir / "up.log", *ports, "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16",
                      ignore_sigint=True)
     try:
         wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
         wait_http(f"http://127.0.0.1:{gateway}/health", timeout=60, proc=proc)
         # Every component's metrics and probes are on by default, and the banner says where.
         log = data_dir / "up.log"
-        banner = poll(lambda: "Metrics (Prometheus)" in log.read_text(errors="replace") and log.read_text(
+        banner = poll(lambda: BANNER_END in log.read_text(errors="replace") and log.read_text(
             errors="replace"), timeout=120, what="the banner", detail=lambda: log.read_text(errors="replace"))
         for port, metric in ((processor_metrics, "holdback_processor_"), (worker_metrics, "holdback_worker_"),
                              (gateway, "holdback_gateway_"), (api, "holdback_api_")):
@@ -137,7 +153,13 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         children = _descendants(proc.pid)
         assert len(children) >= 5, f"expected sim, gateway, api, processor and worker, got {children}"
 
-        _demo_counts_agree(env, api, gateway)
+        # The banner's commands work as printed, from another terminal without our variables.
+        official = subprocess.run(banner_command(banner, "The example requests with the official openai client"),
+                                  cwd=REPO, env=terminal_env(), capture_output=True, text=True, timeout=300)
+        assert official.returncode == 0, official.stdout + official.stderr
+        assert len(re.findall(r"^/v1/\S+: batch_\w+ completed .*failed=0", official.stdout, re.M)) == 3, official.stdout
+        _readme_snippet_runs(api, keys["tenant"])
+        _demo_counts_agree(banner_command(banner, "See realtime keep its latency"))
         _dashboard_reads_only_exported_metrics([api, gateway, processor_metrics, worker_metrics, sim, sim + 1])
 
         # A second `holdback up` on the same data dir refuses at once, naming the live one.
@@ -149,17 +171,22 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         assert second.returncode == 1 and f"pid {proc.pid}" in second.stdout, second.stdout + second.stderr
         assert "already running" in second.stdout
     finally:
-        proc.send_signal(signal.SIGINT)  # ignored by inheritance, handled by `holdback up` all the same
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = stop_up(proc, signal.SIGINT)  # ignored by inheritance, handled by `holdback up` all the same
     output = (data_dir / "up.log").read_text(errors="replace")
     assert code == 0, output[-3000:]
     poll(lambda: not _alive(children), 30, "every child to exit", lambda: _alive(children))
     if backend.kind == "embedded":
         assert "stopped child=embedded-redis" in output
+
+
+def stop_up(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+    """Stop a `holdback up` as an operator does and return its exit code; one that takes over 60 s is killed."""
+    proc.send_signal(sig)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
 
 
 def _dashboard_reads_only_exported_metrics(ports: list[int]) -> None:
@@ -171,27 +198,48 @@ def _dashboard_reads_only_exported_metrics(ports: list[int]) -> None:
     assert unknown_names(dashboard_expressions() + rule_expressions(), exported) == {}
 
 
-def _demo_counts_agree(env: dict[str, str], api: int, gateway: int) -> None:
-    """`holdback demo` against this platform: its last progress line and its summary give the same counts,
-    the gateway's own p95 sits beside the client's, and evictions are a number."""
-    demo = subprocess.run([sys.executable, "-m", "holdback.cli", "demo", "--api-url", f"http://127.0.0.1:{api}",
-                           "--gateway-url", f"http://127.0.0.1:{gateway}", "--requests", "20", "--max-tokens", "8",
-                           "--warmup", "0", "--burst", "8", "--realtime-rate", "4", "--realtime-seconds", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def _readme_snippet_runs(api: int, tenant_key: str) -> None:
+    """The README's Python snippet, as printed (its key and address filled in), polls until the batch has ended and
+    downloads the output file."""
+    readme = (REPO / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme[readme.index("## Submit a batch"):], re.S).group(1)
+    code = code.replace('api_key="hb-..."', f'api_key="{tenant_key}"').replace("127.0.0.1:8000", f"127.0.0.1:{api}")
+    work = Path(tempfile.mkdtemp(prefix="hbreadme-"))
+    (work / "examples").symlink_to(REPO / "examples")
+    ran = subprocess.run([sys.executable, "-c", code], cwd=work, env=terminal_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0 and ran.stdout.splitlines()[-1].startswith("completed "), ran.stdout + ran.stderr
+    out = [json.loads(x) for x in (work / "output.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["chat-0", "chat-1", "chat-2"]
+    assert not (work / "errors.jsonl").exists(), "no request failed, so there is no error file"
+
+
+def _demo_counts_agree(command: list[str]) -> None:
+    """`holdback demo` as the banner prints it (shortened) against this platform: realtime alone, beside the batch
+    through holdback and beside it straight to the replicas, each with its p95 from this one run (the gateway's own
+    beside the first two, which it carried); its last progress line and its summary give the same counts, and
+    evictions are a number."""
+    demo = subprocess.run([*command, "--requests", "20", "--max-tokens", "8", "--warmup", "0", "--burst", "8",
+                           "--realtime-rate", "4", "--realtime-seconds", "2"],
+                          cwd=REPO, env=terminal_env(), capture_output=True, text=True, timeout=300)
     out = demo.stdout
     assert demo.returncode == 0, out + demo.stderr
     last_progress = [line for line in out.splitlines() if line.startswith("20/20 requests")][-1]
-    done = int(re.search(r"realtime (\d+) done, 0 in flight", last_progress).group(1))
-    summary = re.search(r"realtime: (\d+) streams, (\d+) with a first token, 0 errors", out)
-    assert summary and int(summary.group(1)) == int(summary.group(2)) == done >= 8, out
-    assert "(gateway's histogram, " in out and re.search(r"gateway evictions: \d+", out), out
-    assert "?" not in out and "unknown" not in out, out
+    done = int(re.search(r"realtime direct (\d+) done, 0 in flight", last_progress).group(1))
+    summary = out[out.index("realtime p95 time to first token"):]
+    phases = re.findall(r"^  (alone, before the batch|beside the batch, through holdback|beside the batch, straight to "
+                        r"the replicas \(no holdback\)):\s+p95 TTFT (\d+) ms \(client\)(, \d+ ms \(gateway's histogram, "
+                        r"\d+ streams\))?\n\s+(\d+) streams, (\d+) with a first token, 0 errors$", summary, re.M)
+    assert [(p[0].split(",")[0], bool(p[2])) for p in phases] == [("alone", True), ("beside the batch", True),
+                                                                   ("beside the batch", False)], summary
+    assert all(int(p[3]) == int(p[4]) >= 8 for p in phases) and int(phases[-1][3]) == done, summary
+    assert re.search(r"gateway evictions: \d+", out) and "unknown" not in out, out
 
 
 def test_a_killed_up_takes_its_children_with_it_and_frees_its_lock(backend):
     data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
     api, gateway, sim = free_port(), free_port(), free_ports(1)
-    proc = _start_up(_up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
+    proc = start_up(up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
                      str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "4",
                      "--processor-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()))
     children: list[psutil.Process] = []
@@ -241,7 +289,7 @@ def test_the_embedded_redis_killed_mid_batch_is_restarted_and_the_batch_complete
         pytest.skip("the services pass points holdback up at the machine's Redis; the embedded pass runs this")
     data_dir = Path(tempfile.mkdtemp(prefix="hbup-"))
     api, gateway, sim = free_port(), free_port(), free_ports(1)
-    proc = _start_up(_up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
+    proc = start_up(up_env(backend, data_dir), data_dir / "up.log", "--api-port", str(api), "--gateway-port",
                      str(gateway), "--sim-port", str(sim), "--sim-replicas", "1", "--worker-concurrency", "8",
                      "--sim-arg=--decode-base-ms=5", "--processor-metrics-port", str(free_port()),
                      "--worker-metrics-port", str(free_port()))
@@ -274,10 +322,5 @@ def test_the_embedded_redis_killed_mid_batch_is_restarted_and_the_batch_complete
         assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(total)), "one line per request"
         assert again.is_running() and proc.poll() is None, "no restart of holdback up was needed"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = stop_up(proc)
     assert code == 0, log.read_text(errors="replace")[-3000:]
