@@ -1,5 +1,6 @@
-"""`holdback bench`: run the seed study (`study`) or regenerate its report from raw records (`report`);
-run the KV policy's failure drills and deployment gates (`drills`)."""
+"""`holdback bench`: run the priority study (`study`: realtime latency and batch throughput under holdback and
+eviction, on simulated replicas) or regenerate its report from raw records (`report`); run the KV policy's failure
+drills and deployment gates (`drills`)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,13 @@ def main(argv: list[str]) -> int:
     st.add_argument("--seed", type=int, default=7, help="traffic seed (default %(default)s)")
     st.add_argument("--resume", action="store_true",
                     help="keep the runs already recorded in --out (same workload and seed, checked) and run the rest")
-    rp = sub.add_parser("report", help="regenerate summary.json, report.md and the plots from DIR/raw/*.json")
-    rp.add_argument("dir", type=Path)
+    rp = sub.add_parser("report", help="regenerate summary.json, report.md and the plots from DIR/raw/*.json",
+                        description="Re-render a study's summary.json, report.md and plots from the raw records a "
+                                    "`holdback bench study` run wrote, e.g. after a stopped run or a change to the "
+                                    "report. Prints the report.")
+    rp.add_argument("dir", type=Path, metavar="DIR",
+                    help="a study's results folder, the --out of `holdback bench study` (it holds raw/), "
+                         "e.g. docs/study/full")
     dr = sub.add_parser(
         "drills", help="run the KV policy's failure drills on simulated replicas and check the deployment gates",
         description="Starts a stack on simulated replicas, runs the drills (ramp until rejection then hold, "

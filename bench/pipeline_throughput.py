@@ -245,6 +245,14 @@ class Bench:
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}; logs in {self.data_dir}")
 
 
+def add_platform_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every bench on `Bench` takes: where its database and Redis are, keeping its data, a JSON copy."""
+    p.add_argument("--database-url", help="PostgreSQL URL (default: a fresh SQLite file)")
+    p.add_argument("--redis-url", help="Redis URL (default: a private redis-server)")
+    p.add_argument("--keep-data", action="store_true", help="keep the data dir and process logs")
+    p.add_argument("--json", type=Path, help="also write the results here")
+
+
 # -- part 1: ingest ---------------------------------------------------------------------------------------
 
 def run_ingest(b: Bench, lines: int, window: int) -> dict:
@@ -402,10 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default %(default)s: not run)")
     p.add_argument("--skip-ingest", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--database-url", help="PostgreSQL URL (default: a fresh SQLite file)")
-    p.add_argument("--redis-url", help="Redis URL (default: a private redis-server)")
-    p.add_argument("--keep-data", action="store_true", help="keep the data dir and process logs")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    add_platform_arguments(p)
     args = p.parse_args(argv)
 
     b = Bench(args)

@@ -27,11 +27,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-from bench.pipeline_throughput import Bench
+from bench.pipeline_throughput import Bench, add_platform_arguments
 from bench.stats import bootstrap_median
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -133,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-lines", type=int, default=10_000, help="lines of each (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the median of per-round ratios is reported")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one wait may take")
-    p.add_argument("--database-url", help="PostgreSQL URL (default: a fresh SQLite file)")
-    p.add_argument("--redis-url", help="Redis URL (default: a private redis-server)")
-    p.add_argument("--keep-data", action="store_true", help="keep the data dir and process logs")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    add_platform_arguments(p)
     args = p.parse_args(argv)
     args.path = "gateway"
 

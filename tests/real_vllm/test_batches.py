@@ -91,15 +91,21 @@ def test_lines_vllm_refuses_are_line_errors_that_say_what_to_change(stack, vllm)
     embeddings = stack.submit([{"custom_id": "embed", "method": "POST", "url": "/v1/embeddings",
                                 "body": {"model": "tiny", "input": "hello"}}], endpoint="/v1/embeddings")
     errors = {}
-    for batch_id in (refused, unknown, embeddings):
+    for batch_id in (refused, embeddings):
         batch = stack.wait(batch_id)
         assert batch.status in ("completed", "failed"), (batch, stack.logs())
         errors.update(stack.lines(batch.error_file_id))
     assert stack.client.batches.retrieve(refused).request_counts.completed == 1
-    assert set(errors) == {"over-long", "limit-over-context", "unknown-model", "embed"}, errors
+    assert set(errors) == {"over-long", "limit-over-context", "embed"}, errors
     messages = {cid: json.dumps(line["response"]["body"] if line["response"] else line["error"])
                 for cid, line in errors.items()}
-    assert "no-such-model" in messages["unknown-model"] and "tiny" in messages["unknown-model"], messages
+    # A model the gateway does not serve is refused at validation, before any request reaches vLLM; every line
+    # of this batch is, so the batch fails with that line's error naming the model it serves.
+    batch = stack.wait(unknown)
+    assert batch.status == "failed" and batch.errors is not None, (batch, stack.logs())
+    (refusal,) = batch.errors.data
+    assert refusal.code == "model_not_found" and refusal.line == 1, refusal
+    assert "no-such-model" in refusal.message and "tiny" in refusal.message, refusal
     assert "context" in messages["over-long"] and "reduce" in messages["over-long"].lower(), messages
     assert "max_tokens" in messages["limit-over-context"], messages
     assert errors["embed"]["response"]["status_code"] == 404, errors["embed"]

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from tests.real_vllm.stack import REALTIME_KEY, RealStack, chat
+from tests.real_vllm.stack import REALTIME_KEY, TERMINAL, RealStack, chat
 from tests.support import poll
 
 pytestmark = pytest.mark.e2e
@@ -54,22 +54,36 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
     try:
         s.wait_identified()
         # Long outputs (ignore_eos: the random weights would stop early at random) keep batch running.
-        batch_id = s.submit([chat(f"long-{i}", f"tell me a long story number {i}", max_tokens=440, ignore_eos=True)
+        def submit() -> str:
+            return s.submit([chat(f"long-{i}", f"tell me a long story number {i}", max_tokens=440, ignore_eos=True)
                              for i in range(ROWS)])
+
+        batches = [submit()]
         poll(lambda: _batch_in_flight(s) >= 2, 120, "batch running", s.logs)
         traffic.start()
+
         # Which victim a burst takes is the scheduler's timing: one that had not streamed yet keeps nothing, so
-        # the bursts go on until an evicted attempt kept output (the rows outlast many bursts).
-        poll(lambda: any(a.evicted and a.partial_output for a in s.attempts(batch_id)), 180,
-             "an eviction that kept partial output", s.logs)
+        # the bursts go on until an evicted attempt kept output. On a quiet machine the engine can finish a batch
+        # within a few bursts: then another batch gives them running requests to evict.
+        def kept_output() -> str | None:
+            for batch_id in batches:
+                if any(a.evicted and a.partial_output for a in s.attempts(batch_id)):
+                    return batch_id
+            if s.client.batches.retrieve(batches[-1]).status in TERMINAL:
+                batches.append(submit())
+            return None
+
+        batch_id = poll(kept_output, 180, "an eviction that kept partial output", s.logs)
         stop.set()
         traffic.join(120)
-        batch = s.wait(batch_id, timeout=400)
+        for other in batches:
+            done = s.wait(other, timeout=400)
+            assert done.status == "completed" and done.request_counts.completed == ROWS, done
+        batch = s.client.batches.retrieve(batch_id)
         attempts, rows, out = s.attempts(batch_id), {r.id: r for r in s.rows(batch_id)}, s.lines(batch.output_file_id)
     finally:
         stop.set()
         s.close()
-    assert batch.status == "completed" and batch.request_counts.completed == ROWS, batch
     assert answers and set(answers) == {200}, "realtime is never shed"
     evicted = [a for a in attempts if a.evicted]
     assert evicted
@@ -79,8 +93,17 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
     aborted = poll(lambda: {rid for rid in rows if rid in vllm.aborted()} or None, 30,
                    "vLLM to log an abort of an evicted row", vllm.aborted)
     assert aborted <= evicted_rows, ("vLLM aborted a row the gateway never evicted", aborted - evicted_rows)
-    resumed = [a for a in evicted if a.partial_output]
-    assert resumed, "an evicted chat kept its partial output"
+    assert any(a.partial_output for a in evicted), "an evicted chat kept its partial output"
+    # Each row goes on from its latest cut. A resumed attempt that is refused as resumed (the kept text, with
+    # U+FFFD in it, tokenizes longer than the tokens it came from, and the 512 context refuses it) leaves an
+    # empty cut, and the row starts again from the caller's body: its answer need not start with what was kept.
+    latest = {}
+    for a in attempts:  # in number order per row
+        if a.partial_output is not None:
+            latest[a.request_id] = a
+    resumed = [a for a in latest.values() if a.evicted and a.partial_output]
+    restarted = [a for a in latest.values() if not a.partial_output and a.outcome == "client_error"]
+    assert resumed or restarted, [(a.request_id, a.number, a.outcome, a.evicted) for a in attempts]
     for attempt in resumed:
         row = rows[attempt.request_id]
         text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]

@@ -33,7 +33,7 @@ def test_up_in_front_of_vllm_prints_a_line_for_its_model_and_completes_it(vllm):
     try:
         def banner_printed():
             text = log.read_text()
-            return text if "holdback is up." in text and "Try it" in text else None
+            return text if "holdback is up." in text and "stops everything" in text else None
 
         banner = poll(banner_printed, 240, "the banner", lambda: log.read_text()[-3000:])
         lines = banner.splitlines()
