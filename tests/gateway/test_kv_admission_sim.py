@@ -22,7 +22,7 @@ from tests.gateway.test_gateway_sim import wait_until
 
 # 30 ms per decode step: a request holding its reservation keeps it for seconds even on a busy machine.
 SIM_ARGS = ("--num-blocks", "1000", "--max-model-len", "16000", "--decode-base-ms", "30")
-BASE = """
+AUTO = """
 saturation: {maxConcurrency: 16}
 usageLimit: {policy: static}
 metrics: {scrapeIntervalSeconds: 0.1}
@@ -33,6 +33,9 @@ admission:
   tenantSoftShare: 1.0
   queueDeadlineMs: 30000
 """
+# Counted by the simulator's tokenizer in process: exact on a loaded machine too (auto may ask /tokenize,
+# which past tokenizeTimeoutMs gives way to the characters / 4 estimate).
+BASE = AUTO + "  tokenizer: simulator\n"
 
 
 def prompt(n: int) -> str:
@@ -215,7 +218,7 @@ def test_release_on_finish_cancel_and_disconnect(stack):
 
 def test_by_default_prompts_are_counted_in_the_gateway_once_its_tokenizer_agrees_with_the_replica(stack):
     [sim] = stack.sim(1, *SIM_ARGS)
-    gw = stack.gateway([sim], BASE)  # no admission.tokenizer: the default, auto
+    gw = stack.gateway([sim], AUTO)  # no admission.tokenizer: the default, auto
 
     def counted(source: str) -> float:
         for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
@@ -282,6 +285,21 @@ def test_context_limits_reject_with_400(stack):
                                                            "max_tokens": 101}, headers=hdr("realtime", "short"))
             assert r.status_code == 400 and "maxContextTokens of tenant 'short': limit 500" in r.json()["error"]["message"]
             assert sim_state(sim)["running"] == 0 and gw.state()["kv"]["tokenizer_fallbacks"] == 0
+
+    asyncio.run(main())
+
+
+def test_an_estimated_prompt_over_the_context_goes_to_the_replica_which_decides(stack):
+    [sim] = stack.sim(1, "--num-blocks", "2000", *SIM_ARGS[2:])  # "a a a": 17,999 by characters, 9,000 counted
+    gw = stack.gateway([sim], AUTO + "  tokenizer: estimate\n  charsPerToken: 1\n")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            await wait_until(lambda: kv(gw, sim)["total_blocks"] == 2000)
+            r = await client.post("/v1/completions", json={"model": "sim-model", "prompt": prompt(9000),
+                                                           "max_tokens": 4}, headers=hdr("realtime"))
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == 9000 and gw.state()["kv"]["tokenizer_fallbacks"] >= 1
 
     asyncio.run(main())
 
