@@ -107,7 +107,7 @@ class Proxy:
         counted_doc, counted_path = _responses_as_chat(doc) if path == RESPONSES else (doc, path)
         count = await self.counter.count(counted_doc, counted_path, self.session, replica)
         req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
-        req.limit_param, req.sequences = count.limit_param, count.sequences
+        req.limit_param, req.sequences, req.prompt_exact = count.limit_param, count.sequences, count.exact
         if path == RESPONSES and req.limit_param is not None:
             req.limit_param = "max_output_tokens"
         return None

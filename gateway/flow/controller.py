@@ -473,7 +473,7 @@ class FlowController:
 
     def _demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
-                      sequences=req.sequences, limit_param=req.limit_param)
+                      sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact)
 
 
 def check_files(cfg: GatewayConfig) -> Profile | None:

@@ -48,6 +48,8 @@ class FlowRequest:
     # (n, or best_of when larger): each sequence holds its own KV.
     limit_param: str | None = None
     sequences: int = 1
+    # prompt_tokens came from the model's tokenizer (False: estimated from characters, when counting failed).
+    prompt_exact: bool = True
     traffic_class: str = "interactive"
     resumable: bool = False
     # The body asked for a stream: once it runs in an engine slot its first chunk comes within a step, so one

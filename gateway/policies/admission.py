@@ -54,6 +54,9 @@ class Demand:
     sequences: int = 1
     # The body field max_new_tokens came from (vLLM's name for it in a 400); None: a default, never rejected.
     limit_param: str | None = None
+    # The prompt was counted by the model's tokenizer; an estimate (from characters) never refuses a request
+    # for its length: the replica's own 400 does, if it is too long.
+    prompt_exact: bool = True
 
     @property
     def context_tokens(self) -> int:
@@ -129,10 +132,13 @@ class KvAdmission:
         return min(known) if known else None
 
     def within_context(self, d: Demand, replicas: Sequence[ReplicaView]) -> Demand:
-        """The demand as vLLM runs it: an output limit past the context's end is clamped to it."""
+        """The demand as vLLM runs it: an output limit past the context's end is clamped to it, and so is an
+        estimated prompt (vLLM runs a prompt within the context or refuses it)."""
         limit = self.context_limit(replicas)
         if limit is None or d.context_tokens <= limit:
             return d
+        if not d.prompt_exact and d.prompt_tokens >= limit:
+            d = dataclasses.replace(d, prompt_tokens=limit - (1 if d.max_new_tokens > 0 else 0))
         return dataclasses.replace(d, max_new_tokens=max(0, limit - d.prompt_tokens))
 
     def kv_tokens(self, d: Demand, replica: ReplicaView) -> int:
@@ -173,7 +179,7 @@ class KvAdmission:
         limit = self.context_limit(replicas)
         # A generation needs room for one output token; an embedding (no output) may fill the context.
         room = 1 if d.max_new_tokens > 0 else 0
-        if limit is not None and d.prompt_tokens + room > limit:
+        if limit is not None and d.prompt_exact and d.prompt_tokens + room > limit:
             return Decision(KvOutcome.REJECT, DropReason.CONTEXT_LENGTH,
                             f"This model's maximum context length is {limit} tokens. However, your prompt "
                             f"contains {d.prompt_tokens} input tokens, which "

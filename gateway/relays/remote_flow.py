@@ -168,7 +168,8 @@ class RemoteFlowController:
         self._requests[rid] = req
         self.channel.send(("submit", self.name, rid, req.request_id, req.objective, req.priority, req.fairness_id,
                            req.tenant, req.arrived, req.expires_at, req.deadline, req.prompt_tokens,
-                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences, req.streamed))
+                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences, req.streamed,
+                           req.prompt_exact))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:

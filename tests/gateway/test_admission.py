@@ -147,6 +147,21 @@ def test_the_context_limit_rejects_only_what_vllm_rejects_and_reserves_what_it_r
     assert adm.kv_tokens(adm.within_context(d(9, 1024), [r]), r) == 512  # 9 + 503, not 9 + 1024
 
 
+def test_an_estimated_prompt_is_never_refused_for_its_length_and_reserves_at_most_the_context():
+    # Characters / 4 (the tokenizer timed out) can be far from the model's count: the replica decides.
+    adm, _ = setup()
+    r = Replica("http://r", healthy=True, max_model_len=512)
+    guessed = d(700, 16, prompt_exact=False)
+    assert adm.decide(guessed, [r], 0).outcome is KvOutcome.RUN
+    clamped = adm.within_context(guessed, [r])
+    assert (clamped.prompt_tokens, clamped.max_new_tokens) == (511, 1)
+    assert adm.kv_tokens(clamped, r) == 512
+    assert adm.decide(d(700, 16), [r], 0).reason is DropReason.CONTEXT_LENGTH  # counted: refused as vLLM would
+    # An explicit limit past the context does not depend on the prompt's count: still refused.
+    assert adm.decide(d(7, 600, limit_param="max_tokens", prompt_exact=False), [r], 0).reason \
+        is DropReason.CONTEXT_LENGTH
+
+
 def test_the_pool_and_reservations_are_counted_in_the_replicas_own_block_size():
     # tests/fixtures/vllm/metrics.prom (real vLLM): 16384 blocks of 128 tokens, kv_cache_size_tokens 2,097,152.
     adm, _ = setup()  # blockTokens 16
