@@ -1,7 +1,9 @@
 """Ingestion: validate a `validating` batch's input file and expand it into request rows.
 
 The file is streamed line by line and rows are inserted (one COPY on PostgreSQL, chunks on SQLite)
-inside ONE transaction that also moves the batch to `in_progress`; a crash anywhere leaves either no
+inside ONE transaction that also moves the batch to `in_progress`. On SQLite, whose one write lock every
+other tenant's workers need too, the lines are validated first into a spool on disk and the transaction
+only inserts them: the lock is held for the insert, not for reading and checking the file. A crash anywhere leaves either no
 rows (the batch is still `validating` and is redone from scratch by whoever holds the lease next) or
 all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
 the transaction back and fails the batch with `errors`; the input file is only read, never changed.
@@ -15,6 +17,8 @@ While the gateway gives no list the batch is left `validating` ("waiting") and t
 from __future__ import annotations
 
 import logging
+import pickle
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -105,8 +109,15 @@ def expand_batch(
         return IngestResult(batch_id, "waiting", waiting_for=exc.reason)
 
     validator = InputValidator(endpoint, max_requests, max_errors, known)
-    refused = None
+    refused, refusals, spool = None, [], None
     try:
+        rows = _validated_rows(store, storage_key, validator, batch_id, tenant_id, refusals)
+        with factory() as session:
+            sqlite = session.get_bind().dialect.name == "sqlite"
+        if sqlite:
+            rows = spool = _Spool(rows, chunk_rows)  # validated here, before the write lock is taken
+            if validator.finish():
+                raise _InvalidInput()
         with transaction(factory) as session:
             # Take the batch's row lock (PostgreSQL) / the write lock (SQLite) first, so a second
             # expansion of the same batch waits for this one and then finds it no longer validating.
@@ -120,7 +131,11 @@ def expand_batch(
                 return IngestResult(batch_id, "skipped")
             # Nothing can be here (expansion commits all or nothing); this keeps a retry exact even so.
             session.execute(delete(RequestRow).where(RequestRow.batch_id == batch_id))
-            _insert_rows(session, store, storage_key, validator, batch_id, tenant_id, chunk_rows)
+            with _row_writer(session, chunk_rows) as write:
+                for row in rows:
+                    write(row)
+            if validator.ok and validator.runnable > 0:
+                _refuse_rows(session, refusals)
             errors = validator.finish()
             if errors:
                 raise _InvalidInput()
@@ -139,6 +154,9 @@ def expand_batch(
         return IngestResult(batch_id, "skipped")
     except ModelsUnavailable as exc:  # a second look at the model list found no gateway: rolled back, wait
         return IngestResult(batch_id, "waiting", waiting_for=exc.reason)
+    finally:
+        if spool is not None:
+            spool.close()
     result = IngestResult(batch_id, BatchStatus.in_progress.value, validator.count, validator.model,
                           seconds=time.perf_counter() - started, refused=len(validator.refused))
     log_event(log, "batch_expanded", batch_id=batch_id, tenant_id=tenant_id, total=result.total,
@@ -166,12 +184,13 @@ ROW_COLUMNS = (
 )
 
 
-def _insert_rows(session: Session, store: FileStore, storage_key: str, validator: InputValidator,
-                 batch_id: str, tenant_id: str, chunk_rows: int) -> None:
+def _validated_rows(store: FileStore, storage_key: str, validator: InputValidator, batch_id: str,
+                    tenant_id: str, refused: list[tuple[str, LineError]]) -> Iterator[tuple]:
+    """The input's rows (`ROW_COLUMNS` order) as its lines are checked; the lines refused for their model
+    are added to `refused` as (row id, error)."""
     pending = lifecycle.INITIAL.value
     ids = new_ids("batch_req_")
-    refused: list[tuple[str, LineError]] = []
-    with _row_writer(session, chunk_rows) as write, store.open_read(storage_key) as fh:
+    with store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):
             request = validator.check(line_no, raw)
             if validator.stopped:
@@ -180,12 +199,41 @@ def _insert_rows(session: Session, store: FileStore, storage_key: str, validator
                 continue  # once any line is bad the batch fails: keep validating, stop inserting
             now = time.time()
             row_id = next(ids)
-            write((row_id, batch_id, tenant_id, request.line, request.custom_id, request.url,
-                   request.body, pending, 0, 0, 0, 0, 0, 0, 0, 0, now, now))
+            yield (row_id, batch_id, tenant_id, request.line, request.custom_id, request.url,
+                   request.body, pending, 0, 0, 0, 0, 0, 0, 0, 0, now, now)
             if request.refusal is not None:
                 refused.append((row_id, request.refusal))
-    if validator.ok and validator.runnable > 0:
-        _refuse_rows(session, refused)
+
+
+class _Spool:
+    """Rows drained from `rows` at once into a temporary file, a pickled chunk at a time (memory stays one
+    chunk whatever the file's size), and read back in order, once."""
+
+    def __init__(self, rows: Iterator[tuple], chunk_rows: int):
+        self._file = tempfile.TemporaryFile(prefix="holdback-expand-")
+        try:
+            chunk: list[tuple] = []
+            for row in rows:
+                chunk.append(row)
+                if len(chunk) >= chunk_rows:
+                    pickle.dump(chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+                    chunk = []
+            if chunk:
+                pickle.dump(chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __iter__(self) -> Iterator[tuple]:
+        self._file.seek(0)
+        while True:
+            try:
+                yield from pickle.load(self._file)
+            except EOFError:
+                return
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _refuse_rows(session: Session, refused: list[tuple[str, LineError]]) -> None:
