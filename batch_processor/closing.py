@@ -55,9 +55,10 @@ class Closed:
 
 def close_rows(factory: sessionmaker[Session], batch_id: str, owner: str | None, from_statuses: tuple[BatchStatus, ...],
                status: RequestStatus, code: str, message: str, *, chunk: int = CLOSE_CHUNK,
-               deadline: float | None = None) -> Closed | None:
+               deadline: float | None = None, keepalive: Callable[[], None] | None = None) -> Closed | None:
     """Make the unfinished rows final, a chunk per transaction until none is left or `deadline` (monotonic)
-    has passed; None if the batch is not in `from_statuses` under this owner."""
+    has passed, calling `keepalive` between chunks; None if the batch is not in `from_statuses` under this
+    owner."""
     rows, dispatched = 0, []
     while True:
         with transaction(factory) as session:
@@ -79,6 +80,8 @@ def close_rows(factory: sessionmaker[Session], batch_id: str, owner: str | None,
             return Closed(rows, dispatched, True)
         if deadline is not None and time.monotonic() >= deadline:
             return Closed(rows, dispatched, False)
+        if keepalive is not None:
+            keepalive()
 
 
 def cancel_batch(factory: sessionmaker[Session], store: FileStore, stopper: BatchStopper, batch_id: str, *,
@@ -107,7 +110,8 @@ def _close_batch(factory: sessionmaker[Session], store: FileStore, stopper: Batc
                  from_statuses: tuple[BatchStatus, ...], row_status: RequestStatus, code: str, message: str,
                  to_status: BatchStatus, event: str) -> FinalizeResult | None:
     """Close unfinished rows in the DB, stop their jobs and in-flight requests, then finalize with partial output."""
-    closed = close_rows(factory, batch_id, owner, from_statuses, row_status, code, message, deadline=deadline)
+    closed = close_rows(factory, batch_id, owner, from_statuses, row_status, code, message, deadline=deadline,
+                        keepalive=keepalive)
     if closed is None:
         return None
     stopper.stop_batch(batch_id, closed.dispatched)

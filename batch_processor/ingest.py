@@ -3,9 +3,9 @@
 The file is streamed line by line and rows are inserted (one COPY on PostgreSQL, chunks on SQLite)
 inside ONE transaction that also moves the batch to `in_progress`. On SQLite, whose one write lock every
 other tenant's workers need too, the lines are validated first into a spool on disk and the transaction
-only inserts them: the lock is held for the insert, not for reading and checking the file. A crash anywhere leaves either no
-rows (the batch is still `validating` and is redone from scratch by whoever holds the lease next) or
-all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
+only inserts them: the lock is held for the insert, not for reading and checking the file. A crash
+anywhere leaves either no rows (the batch is still `validating` and is redone from scratch by whoever
+holds the lease next) or all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
 the transaction back and fails the batch with `errors`; the input file is only read, never changed.
 
 Each line's model is checked against the gateway's list (`settings.validate_models`, batch_processor.served_models):
@@ -40,6 +40,7 @@ from holdback.storage import FileStore
 log = logging.getLogger("batch_processor.ingest")
 
 INSERT_CHUNK = 5000
+BETWEEN_LINES = 500  # how often expansion calls its `between` (a few ms of validating)
 
 
 @dataclass
@@ -70,6 +71,7 @@ def expand_batch(
     chunk_rows: int = INSERT_CHUNK,
     settings: Settings | None = None,
     models: ServedModels | None = None,
+    between: Callable[[], None] | None = None,
 ) -> IngestResult:
     """Validate the batch's input and create its rows (status pending); the batch goes in_progress.
 
@@ -78,6 +80,9 @@ def expand_batch(
     enqueued requests and tokens (holdback.tenant_limits) apply; a batch that would pass one fails; and
     with `validate_models` each line's model is checked against `models` (default: this process's list of
     the settings' gateway). Without `settings` or `models` every model name is taken as served.
+    `between` is called every `BETWEEN_LINES` lines while they are validated (the processor refills other
+    batches' windows); on PostgreSQL that is inside the expansion's transaction, which holds this batch's row
+    lock, so it must not write this batch.
     """
     started = time.perf_counter()
     with factory() as session:
@@ -111,7 +116,8 @@ def expand_batch(
     validator = InputValidator(endpoint, max_requests, max_errors, known)
     refused, refusals, spool = None, [], None
     try:
-        rows = _validated_rows(store, storage_key, validator, batch_id, tenant_id, refusals)
+        rows = _validated_rows(store, storage_key, validator, batch_id, tenant_id, refusals, BETWEEN_LINES,
+                               between)
         with factory() as session:
             sqlite = session.get_bind().dialect.name == "sqlite"
         if sqlite:
@@ -185,13 +191,16 @@ ROW_COLUMNS = (
 
 
 def _validated_rows(store: FileStore, storage_key: str, validator: InputValidator, batch_id: str,
-                    tenant_id: str, refused: list[tuple[str, LineError]]) -> Iterator[tuple]:
-    """The input's rows (`ROW_COLUMNS` order) as its lines are checked; the lines refused for their model
-    are added to `refused` as (row id, error)."""
+                    tenant_id: str, refused: list[tuple[str, LineError]], every: int,
+                    between: Callable[[], None] | None) -> Iterator[tuple]:
+    """The input's rows (`ROW_COLUMNS` order) as its lines are checked, `between` called every `every`
+    lines; the lines refused for their model are added to `refused` as (row id, error)."""
     pending = lifecycle.INITIAL.value
     ids = new_ids("batch_req_")
     with store.open_read(storage_key) as fh:
         for line_no, raw in enumerate(fh, start=1):
+            if between is not None and line_no % every == 0:
+                between()
             request = validator.check(line_no, raw)
             if validator.stopped:
                 break

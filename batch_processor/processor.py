@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -142,6 +143,8 @@ class Processor:
         self._last_reconcile = float("-inf")
         self._rounds = 0
         self._advanced_at = float("-inf")
+        # While a round's whole-batch steps run: refills the running batches' windows (see `_between`).
+        self._refill_now: Callable[[], None] | None = None
         self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}
         self.handoff: Handoff = open_handoff(
@@ -181,6 +184,7 @@ class Processor:
         self._rounds += 1
         deadline = time.monotonic() + self.config.round_work_seconds
         worked = False
+        self._refill_now = lambda: self._refill(in_progress, done, self.config.poll_interval / 4)
         for batch in _tenants_in_turn(batches, self._rounds):
             try:
                 if batch.status == BatchStatus.in_progress.value:
@@ -213,6 +217,7 @@ class Processor:
                 if batch.status != BatchStatus.in_progress.value:
                     self.step_errors.clear(batch.id)  # an in_progress batch's own steps come in _advance
             self._refill(in_progress, done)
+        self._refill_now = None
 
         self._advance_open(in_progress, done)
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
@@ -247,7 +252,7 @@ class Processor:
                           attributes={"batch_id": batch.id, "tenant_id": batch.tenant_id}) as span:
             result = expand_batch(self.factory, self.store, batch.id,
                                   max_requests=self.settings.max_batch_requests, owner=self.config.name,
-                                  settings=self.settings)
+                                  settings=self.settings, between=self._between_steps)
             span.set_attribute("batch.status", result.status)
             span.set_attribute("batch.total", result.total)
             if result.status == BatchStatus.in_progress.value and tracing.enabled():
@@ -314,11 +319,11 @@ class Processor:
         self.metrics.batch_transitions.labels(result.status).inc()
         self.metrics.finalize_seconds.observe(result.seconds)
 
-    def _refill(self, in_progress: list[_Owned], done: Round) -> None:
-        """Between a round's whole-batch steps: the running batches' windows are refilled once a poll interval
-        has passed since the last time, so a round busy with another tenant's large batches does not leave
-        them without queued work while it lasts."""
-        if time.monotonic() - self._advanced_at >= self.config.poll_interval:
+    def _refill(self, in_progress: list[_Owned], done: Round, interval: float | None = None) -> None:
+        """Between a round's whole-batch steps (and, every quarter of one, inside a long step): the running
+        batches' windows are refilled once a poll interval has passed since the last time, so a round busy
+        with another tenant's large batches does not leave them without queued work while it lasts."""
+        if time.monotonic() - self._advanced_at >= (self.config.poll_interval if interval is None else interval):
             self._advance_open(in_progress, done)
 
     def _advance_open(self, in_progress: list[_Owned], done: Round) -> None:
@@ -391,12 +396,28 @@ class Processor:
         log_event(log, "batch_cancel_published", batch_id=batch_id, listeners=listeners, jobs=len(request_ids))
 
     def _keepalive(self, batch_id: str):
-        """Renew one batch's lease during a long step (finalizing a huge batch), at most every ttl/3."""
+        """Called between the chunks of a long step (expanding, closing or finalizing a large batch): renews
+        the batch's lease at most every ttl/3, and refills the other running batches' windows once a poll
+        interval has passed, so another tenant's workers do not run dry while it lasts (a window of 64
+        rows lasts a fraction of a second; a 10,000-row step, longer)."""
         def renew() -> None:
             if time.time() - self._lease_renewed.get(batch_id, 0) >= self.config.lease_seconds / 3:
                 self.lease.renew({batch_id})
                 self._lease_renewed[batch_id] = time.time()
+            self._between_steps()
         return renew
+
+    def _between_steps(self) -> None:
+        """Inside a round's long whole-batch step: refill the running batches' windows (`_refill`)."""
+        refill, self._refill_now = self._refill_now, None  # not from inside itself (a refill finalizes)
+        if refill is None:
+            return
+        try:
+            refill()
+        except Exception as exc:  # noqa: BLE001 - not the step's failure: the round's own refill retries
+            log_event(log, "refill_failed", level=logging.WARNING, error=repr(exc))
+        finally:
+            self._refill_now = refill
 
     # --- running ----------------------------------------------------------------------------------
 

@@ -6,12 +6,13 @@ import json
 import re
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
 from batch_processor.ingest import expand_batch
-from tests.batch_processor.test_processor_support import ENDPOINT, Harness, chat, harness, jsonl  # noqa: F401
+from tests.batch_processor.test_processor_support import (  # noqa: F401
+    ENDPOINT, Harness, ReadHooks, chat, harness, jsonl,
+)
 
 
 def _ok(i: int) -> dict:
@@ -168,42 +169,23 @@ def test_an_expired_lease_is_taken_over(harness: Harness):
     assert dead.lease.renew({batch_id}) == set()  # the dead one cannot take it back
 
 
-class _WriteMidway:
-    """A store whose input file, half-way through, has another batch's row updated from another thread,
-    waiting for that write (with a deadline) before the next line is read."""
-
-    def __init__(self, harness: Harness, other_batch: str, at_line: int):
-        self.harness, self.other_batch, self.at_line = harness, other_batch, at_line
-        self.wrote_in: float | None = None
-
-    def __getattr__(self, name: str):
-        return getattr(self.harness.store, name)
-
-    @contextmanager
-    def open_read(self, key: str):
-        with self.harness.store.open_read(key) as fh:
-            yield self._lines(fh)
-
-    def _lines(self, fh):
-        for n, line in enumerate(fh, start=1):
-            if n == self.at_line:
-                started = time.monotonic()
-                writer = threading.Thread(target=self.harness.set_batch, args=(self.other_batch,),
-                                          kwargs={"expires_at": int(time.time()) + 5000})
-                writer.start()
-                writer.join(20)
-                if not writer.is_alive():
-                    self.wrote_in = time.monotonic() - started
-            yield line
-
 
 def test_another_tenants_write_goes_through_while_a_batch_is_validated(harness: Harness):
     # SQLite has one write lock, which the other tenants' workers need to record results: the expansion
     # must not hold it while it reads and checks the file (it did, for the whole file).
     batch_id = harness.submit(jsonl([_ok(i) for i in range(1, 301)]))
     other = harness.submit(jsonl([_ok(1)]), tenant="t2")
-    store = _WriteMidway(harness, other, at_line=150)
+    wrote: list[bool] = []
+
+    def write_other_batch() -> None:
+        writer = threading.Thread(target=harness.set_batch, args=(other,),
+                                  kwargs={"expires_at": int(time.time()) + 5000})
+        writer.start()
+        writer.join(20)
+        wrote.append(not writer.is_alive())
+
+    store = ReadHooks(harness, {150: write_other_batch})
     result = expand_batch(harness.factory, store, batch_id, max_requests=50_000, chunk_rows=100)
-    assert store.wrote_in is not None, "the other tenant's write waited for the expansion's lock"
+    assert wrote == [True], "the other tenant's write waited for the expansion's lock"
     assert result.status == "in_progress" and len(harness.rows(batch_id)) == 300
     assert harness.batch(other).expires_at > time.time() + 4000

@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Iterator
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import pytest
 from rq.job import Job
@@ -150,3 +151,25 @@ def harness(backend) -> Iterator[Harness]:
         yield h
     finally:
         h.close()
+
+
+class ReadHooks:
+    """The harness's store, whose input files call `hooks[n]()` (in the reading thread) before line n is read:
+    to do something while the processor is part-way through a file."""
+
+    def __init__(self, harness: Harness, hooks: dict[int, Callable[[], None]]):
+        self.harness, self.hooks = harness, hooks
+
+    def __getattr__(self, name: str):
+        return getattr(self.harness.store, name)
+
+    @contextmanager
+    def open_read(self, key: str):
+        with self.harness.store.open_read(key) as fh:
+            yield self._lines(fh)
+
+    def _lines(self, fh):
+        for n, line in enumerate(fh, start=1):
+            if n in self.hooks:
+                self.hooks[n]()
+            yield line

@@ -8,7 +8,7 @@ import time
 
 from batch_processor.closing import cancel_batch
 from holdback.models import RequestStatus
-from tests.batch_processor.test_processor_support import Harness, chat, jsonl
+from tests.batch_processor.test_processor_support import Harness, ReadHooks, chat, jsonl
 
 
 class _Stopper:
@@ -57,5 +57,31 @@ def test_whole_batch_steps_take_turns_between_tenants(backend):
         for _ in range(3):
             p.tick()
         assert all(harness.batch(b).status == "in_progress" for b in flood)
+    finally:
+        harness.close()
+
+
+def test_a_long_step_refills_the_running_batches_windows_while_it_lasts(backend):
+    # A window of rows lasts a fraction of a second at full speed; expanding (closing, finalizing) another
+    # tenant's 10,000-row batch takes longer, and the quiet tenant's workers ran dry until the step ended.
+    harness = Harness(backend)
+    try:
+        quiet = harness.submit(jsonl([chat(i) for i in range(100)]), tenant="quiet")
+        p = harness.processor(window=10, poll_interval=0.004)
+        p.tick()
+        first = harness.queued_job_ids()
+        assert len(first) == 10
+        harness.submit(jsonl([chat(i) for i in range(3000)]), tenant="flood")
+        seen: list[set[str]] = []
+
+        def workers_finish_the_window() -> None:
+            for row_id in first:
+                harness.succeed(row_id)
+
+        p.store = ReadHooks(harness, {1000: workers_finish_the_window,
+                                      2000: lambda: seen.append(set(harness.queued_job_ids()))})
+        assert p.tick().expanded != []
+        quiet_rows = {r.id for r in harness.rows(quiet)}
+        assert len(seen[0] & quiet_rows - set(first)) == 10, "the quiet window refilled during the expansion"
     finally:
         harness.close()
