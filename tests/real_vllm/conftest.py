@@ -60,6 +60,8 @@ class VllmServer:
     api_key: str | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    # Pin the API server and its engine processes to this CPU (None: wherever the kernel puts them).
+    cpu: int | None = None
 
     @property
     def url(self) -> str:
@@ -71,8 +73,12 @@ class VllmServer:
                DTYPE, "--max-model-len", str(CONTEXT), *self.args]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        env = {**os.environ, **ENGINE_ENV}
+        if self.cpu is not None:
+            cmd = ["taskset", "-c", str(self.cpu), *cmd]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=self.log_path.open("wb"),
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_path.open("wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

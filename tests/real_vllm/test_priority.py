@@ -31,9 +31,13 @@ ALLOWANCE = f"anonymous: {{enabled: true, objectives: [realtime, batch]}}\nadmis
 
 @pytest.fixture(scope="module")
 def priority_vllm(tmp_path_factory):
-    """One engine slot and vLLM's priority policy: everything past the first request waits in vLLM's queue."""
+    """One engine slot and vLLM's priority policy: everything past the first request waits in vLLM's queue.
+
+    The server and its engine run on CPU 0, leaving the other to this process (the gateway and its clients).
+    Unpinned, vLLM's engine-core process polls its worker on the second CPU: this process then went without
+    CPU for seconds at a time, and vLLM had worked through its whole queue before the realtime request came."""
     log = tmp_path_factory.mktemp("vllm-priority") / "vllm.log"
-    server = VllmServer(log, args=("--max-num-seqs", "1", "--scheduling-policy", "priority",
+    server = VllmServer(log, cpu=0, args=("--max-num-seqs", "1", "--scheduling-policy", "priority",
                                    "--enable-log-requests", "--enable-log-outputs", "--no-enable-log-deltas",
                                    "--max-log-len", "16")).start()
     try:
