@@ -74,10 +74,16 @@ def _realtime_loop(url: str, stop: threading.Event, answers: list[int]) -> None:
             answers.append(client.post(f"{url}/v1/chat/completions", json=body).status_code)
 
 
+# The killed replica is taken out by its reset connections and refused probes, not by a probe timing out. The
+# one left healthy shares two cores with another vLLM, the whole stack and the realtime loops: its /health once
+# took over 2 s twice running (the default timeout and count), which took it out too and answered realtime 503.
+PATIENT_PROBES = "health: {timeoutSeconds: 10, failuresToDown: 3}\n"
+
+
 def test_a_replica_killed_mid_batch_loses_nothing_and_realtime_sees_no_502(backend, tmp_path, vllm,
                                                                            one_at_a_time_vllm):
     spare_vllm = one_at_a_time_vllm
-    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url])
+    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url], gateway_config=PATIENT_PROBES)
     stop, answers = threading.Event(), []
     loops = [threading.Thread(target=_realtime_loop, args=(s.gateway_url, stop, answers), daemon=True)
              for _ in range(3)]
