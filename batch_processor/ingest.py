@@ -5,8 +5,9 @@ inside ONE transaction that also moves the batch to `in_progress`. On SQLite, wh
 other tenant's workers need too, the lines are validated first into a spool on disk and the transaction
 only inserts them: the lock is held for the insert, not for reading and checking the file. A crash
 anywhere leaves either no rows (the batch is still `validating` and is redone from scratch by whoever
-holds the lease next) or all rows with their final ids. Row ids are therefore stable from the moment anyone can see them. Invalid input rolls
-the transaction back and fails the batch with `errors`; the input file is only read, never changed.
+holds the lease next) or all rows with their final ids. Row ids are therefore stable from the moment
+anyone can see them. Invalid input rolls the transaction back and fails the batch with `errors`; the
+input file is only read, never changed.
 
 Each line's model is checked against the gateway's list (`settings.validate_models`, batch_processor.served_models):
 a line naming a model the gateway does not serve gets its row all the same, made `failed` (model_not_found) in the
@@ -118,9 +119,7 @@ def expand_batch(
     try:
         rows = _validated_rows(store, storage_key, validator, batch_id, tenant_id, refusals, BETWEEN_LINES,
                                between)
-        with factory() as session:
-            sqlite = session.get_bind().dialect.name == "sqlite"
-        if sqlite:
+        if factory.kw["bind"].dialect.name == "sqlite":
             rows = spool = _Spool(rows, chunk_rows)  # validated here, before the write lock is taken
             if validator.finish():
                 raise _InvalidInput()

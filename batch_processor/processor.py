@@ -143,7 +143,7 @@ class Processor:
         self._last_reconcile = float("-inf")
         self._rounds = 0
         self._advanced_at = float("-inf")
-        # While a round's whole-batch steps run: refills the running batches' windows (see `_between`).
+        # While a round's whole-batch steps run: refills the running batches' windows (see `_between_steps`).
         self._refill_now: Callable[[], None] | None = None
         self._last_renewal = float("-inf")
         self._lease_renewed: dict[str, float] = {}

@@ -59,6 +59,11 @@ class Demand:
     prompt_exact: bool = True
 
     @property
+    def room(self) -> int:
+        """The context a generation needs past its prompt: one output token (an embedding: none)."""
+        return 1 if self.max_new_tokens > 0 else 0
+
+    @property
     def context_tokens(self) -> int:
         """One sequence's context: what the model's context limit bounds."""
         return self.prompt_tokens + self.max_new_tokens
@@ -138,7 +143,7 @@ class KvAdmission:
         if limit is None or d.context_tokens <= limit:
             return d
         if not d.prompt_exact and d.prompt_tokens >= limit:
-            d = dataclasses.replace(d, prompt_tokens=limit - (1 if d.max_new_tokens > 0 else 0))
+            d = dataclasses.replace(d, prompt_tokens=limit - d.room)
         return dataclasses.replace(d, max_new_tokens=max(0, limit - d.prompt_tokens))
 
     def kv_tokens(self, d: Demand, replica: ReplicaView) -> int:
@@ -177,8 +182,7 @@ class KvAdmission:
         """What vLLM would answer 400 (retrying cannot help), then the quotas' maxContextTokens (on `d` within
         the context)."""
         limit = self.context_limit(replicas)
-        # A generation needs room for one output token; an embedding (no output) may fill the context.
-        room = 1 if d.max_new_tokens > 0 else 0
+        room = d.room
         if limit is not None and d.prompt_exact and d.prompt_tokens + room > limit:
             return Decision(KvOutcome.REJECT, DropReason.CONTEXT_LENGTH,
                             f"This model's maximum context length is {limit} tokens. However, your prompt "
