@@ -62,12 +62,16 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
         poll(lambda: _batch_in_flight(s) >= 2, 120, "batch running", s.logs)
         traffic.start()
 
-        # Which victim a burst takes is the scheduler's timing: one that had not streamed yet keeps nothing, so
-        # the bursts go on until an evicted attempt kept output. On a quiet machine the engine can finish a batch
-        # within a few bursts: then another batch gives them running requests to evict.
+        # Which victim a burst takes is the scheduler's timing: one that had not streamed yet keeps nothing, and
+        # one whose output vLLM had all generated (the tiny model outruns the relay) leaves no abort there, so
+        # the bursts go on until an evicted attempt kept output and vLLM aborted an evicted row. On a quiet
+        # machine the engine can finish a batch within a few bursts: then another batch gives them running
+        # requests to evict.
         def kept_output() -> str | None:
+            aborted = vllm.aborted()
             for batch_id in batches:
-                if any(a.evicted and a.partial_output for a in s.attempts(batch_id)):
+                evicted = [a for a in s.attempts(batch_id) if a.evicted]
+                if any(a.partial_output for a in evicted) and any(a.request_id in aborted for a in evicted):
                     return batch_id
             if s.client.batches.retrieve(batches[-1]).status in TERMINAL:
                 batches.append(submit())
