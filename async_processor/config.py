@@ -32,6 +32,8 @@ class WorkerSettings(BaseSettings):
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
     probe_interval: float = Field(1.0, description="seconds between probes of the gateway while its circuit is open")
     resume: bool = Field(True, description="an evicted streamed request continues from its partial output")
+    stream_interval: int = Field(1, ge=1, description="tokens per event of a resumable stream (vLLM's "
+                                 "stream_interval; 1: every token, the field not sent)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class WorkerConfig:
     probe_interval: float = 1.0
     db_lanes: int = 2
     resume: bool = True
+    stream_interval: int = 1
     burst: bool = False
     metrics_port: int | None = None
     drain_timeout: float = 30.0
@@ -69,6 +72,8 @@ class WorkerConfig:
             raise ValueError(f"request timeout must be positive, got {self.request_timeout}")
         if self.probe_interval <= 0:
             raise ValueError(f"probe interval must be positive, got {self.probe_interval}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream interval (--stream-interval) must be at least 1, got {self.stream_interval}")
 
     @property
     def heartbeat_interval(self) -> float:

@@ -32,7 +32,8 @@ def _runtime() -> Runtime:
                          transient_budget=env.transient_budget, closing_recheck=env.closing_recheck)
     return Runtime.build(settings.sqlalchemy_url, gateway_url=settings.gateway_url,
                          gateway_key=settings.gateway_key, policy=policy, worker_name="rq-job",
-                         request_timeout=env.request_timeout, db_lanes=1, resume=env.resume)
+                         request_timeout=env.request_timeout, db_lanes=1, resume=env.resume,
+                         stream_interval=env.stream_interval)
 
 
 def run_request(row_id: str, batch_id: str) -> Retry | None:

@@ -73,7 +73,7 @@ class AsyncWorker:
         self.registration = Registration(self.redis, self.queue, cfg.concurrency, cfg.heartbeat_ttl)
         self.rt = Runtime.build(cfg.database_url, gateway_url=cfg.gateway_url, gateway_key=cfg.gateway_key,
                                 policy=cfg.policy, worker_name=cfg.name, request_timeout=cfg.request_timeout,
-                                db_lanes=cfg.db_lanes, resume=cfg.resume)
+                                db_lanes=cfg.db_lanes, resume=cfg.resume, stream_interval=cfg.stream_interval)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 8, limit_per_host=0, keepalive_timeout=30)
         self.http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         self.circuit = GatewayCircuit(self.redis, cfg.namespace, cfg.name, cfg.gateway_url, cfg.gateway_key,

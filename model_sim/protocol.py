@@ -39,6 +39,9 @@ class GenerationParams:
     continuous_usage: bool = False
     cache_salt: str | None = None
     n: int = 1
+    # vLLM's per-request stream_interval: a stream's tokens go out this many at a time, the first and the last at
+    # once (ignored when not streamed).
+    stream_interval: int = 1
     # Set by resolve_max_tokens.
     max_tokens: int = 0
 
@@ -156,6 +159,7 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
         continuous_usage=include_usage and continuous_usage,
         cache_salt=_cache_salt(body),
         n=n,
+        stream_interval=_int_field(body, "stream_interval", 1, minimum=1),
     )
 
 
@@ -378,6 +382,11 @@ class SseFormatter:
             out.append(self._chunk(index, json.dumps(text), finish_reason if i == last else None,
                                    prompt_tokens, sent + i + 1))
         return "".join(out).encode()
+
+    def joined(self, index: int, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
+               sent: int = 0) -> bytes:
+        """One chunk carrying every text of choice `index` (a stream interval's tokens, as vLLM joins them)."""
+        return self._chunk(index, json.dumps("".join(texts)), finish_reason, prompt_tokens, sent + len(texts)).encode()
 
     def finish_only(self, index: int, finish_reason: str, prompt_tokens: int | None = None, sent: int = 0) -> bytes:
         """A finish without a new token (an abort): empty text, as vLLM sends it."""

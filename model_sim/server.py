@@ -302,12 +302,15 @@ class Routes:
                     if done[i]:
                         continue
                     k, finished = req.num_output_tokens, req.status.is_finished
+                    if not finished and sent[i] and k - sent[i] < params.stream_interval:
+                        k = sent[i]  # held until a whole interval is made (the first token goes at once)
                     if (k > sent[i] or finished) and not fmt.role_sent:
                         out.append(fmt.roles(n, running_usage))
                     if k > sent[i]:
                         texts = [output_token_text(req.output_offset + j) for j in range(sent[i], k)]
-                        out.append(fmt.tokens(i, texts, req.status.finish_reason if finished else None,
-                                              running_usage, sent[i]))
+                        chunks = fmt.joined if params.stream_interval > 1 else fmt.tokens
+                        out.append(chunks(i, texts, req.status.finish_reason if finished else None,
+                                          running_usage, sent[i]))
                         sent[i] = k
                     elif finished and sent[i]:
                         out.append(fmt.finish_only(i, req.status.finish_reason, running_usage, sent[i]))

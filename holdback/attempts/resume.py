@@ -87,8 +87,13 @@ class SendPlan:
     carryover: Carryover = Carryover()
 
 
-def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool) -> SendPlan:
-    """How to send this attempt; a resumed plan's `carryover` is what it continues (see `_resume_point`)."""
+def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool, stream_interval: int = 1) -> SendPlan:
+    """How to send this attempt; a resumed plan's `carryover` is what it continues (see `_resume_point`).
+
+    A `stream_interval` above 1 asks vLLM to send the stream's tokens that many at a time (the first and the
+    last at once): nobody reads a batch stream token by token, and each event costs the replica's API server,
+    the gateway and this worker the same work whatever it carries. An eviction then loses at most that many
+    tokens the replica had made but not yet sent; the resume prefills them again. A caller's own value stays."""
     body = json.loads(attempt.body)
     if not resumable(attempt.url, body):
         return SendPlan(False, False, attempt.body.encode(), carryover)
@@ -96,6 +101,8 @@ def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool) -> Se
     resumed = point is not None and _continue(attempt.url, body, point)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if stream_interval > 1:
+        body.setdefault("stream_interval", stream_interval)
     if attempt.url == COMPLETIONS:
         body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
     return SendPlan(True, resumed, json.dumps(body).encode(), point if resumed else carryover)

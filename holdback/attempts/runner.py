@@ -48,6 +48,8 @@ class Runtime:
     worker_name: str
     request_timeout: float
     resume: bool = True  # evicted streams continue from their partial output (False: they restart)
+    # Tokens per event of a resumable stream (vLLM's `stream_interval`; 1: every token, and the field not sent).
+    stream_interval: int = 1
     owns_engine: bool = True  # close() disposes the engine (False: it belongs to the caller)
     _next_lane: int = 0
 
@@ -60,13 +62,13 @@ class Runtime:
     @classmethod
     def over(cls, sessions: sessionmaker[Session], *, gateway_url: str, gateway_key: str | None,
              policy: RetryPolicy, worker_name: str, request_timeout: float, db_lanes: int = 2, resume: bool = True,
-             owns_engine: bool = True, lane_name: str = "db") -> "Runtime":
+             stream_interval: int = 1, owns_engine: bool = True, lane_name: str = "db") -> "Runtime":
         """A runtime whose database lanes use these sessions."""
         # SQLite has one writer at a time: more lanes would only queue on its lock.
         n = 1 if sessions.kw["bind"].dialect.name == "sqlite" else max(1, db_lanes)
         lanes = [DatabaseLane(sessions, f"{lane_name}-{i}") for i in range(n)]
         return cls(sessions, lanes, gateway_url.rstrip("/"), gateway_key, policy, worker_name, request_timeout,
-                   resume, owns_engine)
+                   resume, stream_interval, owns_engine)
 
     def close(self) -> None:
         for lane in self.lanes:
@@ -116,7 +118,7 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
     attempt = await rt.db(open_attempt, job.request_id, rt.worker_name)
     if isinstance(attempt, Skip):
         return AttemptResult(skip=attempt)
-    plan = plan_attempt(attempt, attempt.carryover, rt.resume)
+    plan = plan_attempt(attempt, attempt.carryover, rt.resume, rt.stream_interval)
     job.batch_id = attempt.batch_id
     started = time.monotonic()
     tokens = None

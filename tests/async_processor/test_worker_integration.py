@@ -531,6 +531,7 @@ def test_sigterm_requeues_requests_still_running_after_the_drain_timeout(stack, 
     (["-n", "0"], "--concurrency/-n must be at least 1"),
     (["--backoff-base", "5", "--backoff-cap", "1"], "--backoff-cap (1.0) must not be below --backoff-base"),
     (["--transient-budget", "0"], "--transient-budget must be at least 1"),
+    (["--stream-interval", "0"], "--stream-interval must be at least 1"),
 ])
 def test_cli_rejects_bad_flags_with_a_message_saying_what_to_change(argv, message, capsys):
     from async_processor.cli import main

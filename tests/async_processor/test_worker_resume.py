@@ -168,6 +168,25 @@ def test_an_evicted_request_resumes_and_ends_with_the_uninterrupted_text(stack, 
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12
 
 
+@pytest.mark.parametrize("url, body", [("/v1/chat/completions", LONG_CHAT), ("/v1/completions", COMPLETION)])
+def test_with_a_stream_interval_events_carry_several_tokens_and_a_resume_still_ends_exact(stack, evicting, url,
+                                                                                          body):
+    sim = stack.sim(*SIM_ARGS)
+    gw = evicting(sim, cuts={1: 2})  # evicted after two events: the first token, then one interval or more
+    _, _, row_ids = stack.batch(1, body, url=url)
+    stack.worker(gw.url, "--stream-interval", "4")
+    (row,) = stack.wait_final(row_ids)
+    assert (row.status, row.attempts, row.evictions) == ("succeeded", 2, 1)
+    got = output_line(row)["response"]["body"]
+    assert text_of(got) == text_of(direct(sim, url, body)) == output_text(0, 12)
+    first, second = (c["body"] for c in gw.calls[row.id])
+    assert first["stream_interval"] == second["stream_interval"] == 4
+    a1, a2 = stack.attempts(row.id)
+    assert a1.outcome == "evicted" and a1.output_tokens >= 5, "two events: 1 token, then at least 4 at once"
+    assert second["max_tokens"] == 12 - a1.output_tokens and a2.tokens_kept == a1.output_tokens
+    assert a1.output_tokens + a2.output_tokens == 12 and got["usage"]["completion_tokens"] == 12
+
+
 @pytest.mark.parametrize("url, body", [
     ("/v1/completions", {"model": "sim-model", "prompt": " ".join(["w"] * 60), "max_tokens": 80}),
     ("/v1/chat/completions", {"model": "sim-model", "messages": [{"role": "user", "content": " ".join(["w"] * 60)}],

@@ -66,6 +66,21 @@ def test_nothing_left_to_continue_or_resume_off_means_restart():
         assert json.loads(plan.body)["prompt"] == "hi" and json.loads(plan.body)["max_tokens"] == 3
 
 
+def test_a_stream_interval_is_asked_of_resumable_streams_only_and_a_callers_own_is_kept():
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+
+    def sent(url: str, body: dict, interval: int) -> dict:
+        plan = plan_attempt(an_attempt(url, body), Carryover(), resume=True, stream_interval=interval)
+        return json.loads(plan.body)
+
+    assert sent(CHAT, chat, 16)["stream_interval"] == 16
+    assert sent(COMPLETIONS, {"prompt": "hi", "max_tokens": 5}, 8)["stream_interval"] == 8
+    assert "stream_interval" not in sent(CHAT, chat, 1), "1 is every token: the field is not sent"
+    assert sent(CHAT, {**chat, "stream_interval": 4}, 16)["stream_interval"] == 4
+    not_resumable = {**chat, "n": 2}
+    assert "stream_interval" not in sent(CHAT, not_resumable, 16), "a request sent as it is gets nothing added"
+
+
 def events(*payloads: dict | str) -> StreamAssembly:
     a = StreamAssembly()
     for p in payloads:

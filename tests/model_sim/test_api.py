@@ -44,6 +44,21 @@ def test_chat_and_completions_streaming_and_not_with_usage(sim):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+def test_a_stream_interval_sends_the_first_token_at_once_then_whole_intervals(sim):
+    body = {"prompt": "count", "max_tokens": 10, "stream": True, "stream_interval": 4,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with sim.http.stream("POST", "/v1/completions", json=body) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    per_event = [b - a for a, b in zip([0] + counts, counts)]
+    assert "".join(e["choices"][0]["text"] for e in events) == output_text(0, 10)
+    assert per_event[0] == 1 and all(n >= 4 for n in per_event[1:-1]) and sum(per_event) == 10, per_event
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    bad = sim.http.post("/v1/completions", json={**body, "stream_interval": 0})
+    _assert_envelope(bad, 400, "stream_interval", "at least 1")
+
+
 def test_without_max_tokens_completions_get_16_and_chat_the_rest_of_the_context(start_sim):
     sim = start_sim(max_model_len=256)
     assert client(sim).completions.create(model="sim-model", prompt="x").usage.completion_tokens == 16
