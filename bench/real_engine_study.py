@@ -11,14 +11,17 @@ other work on a shared machine. Every arm sends the same seeded traffic:
 - batch: `--batch-inflight` requests kept in flight from `--lead` s before the window, each a streamed
   completion of 200–400 tokens (`ignore_eos`). An evicted one (429, or the gateway's `evicted` event in the
   stream) is resumed as the workers resume a completion: the prompt plus the text it kept, for the tokens it
-  still owes. The figure is the batch requests completed within the window.
+  still owes. The figures are the batch requests completed within the window and the output tokens produced in it
+  (the work: a count of completions in a short window is that work rounded to whole requests).
 
 Arms: realtime alone through the gateway (the latency baseline); vLLM priority alone, no gateway (realtime
 sent with `X-Vllm-Priority` -100, batch 10: the batch baseline); and holdback configurations, each named by
 what it sets. The gateway's KV admission is off in every arm (request slots only), the same for all of them.
-Each round runs every arm once, in a seeded shuffled order; a round's ratios are its arm's realtime p95 ÷ its
-realtime-alone p95 and its batch completions ÷ its vLLM-priority completions; the report gives each ratio's
-median over rounds with a bootstrap interval, and the goals' verdicts.
+Each round runs every arm once, in a seeded shuffled order, and each arm in a group with the two baselines run
+just before or after it: the engine's speed on a shared machine drifts by a fifth within a minute, so a ratio is
+taken only between runs that met the same machine. A group's ratios are its arm's realtime p95 ÷ the group's
+realtime-alone p95 and its batch completions (and tokens) ÷ the group's vLLM-priority ones; the report gives each
+ratio's median over the groups with a bootstrap interval, and the goals' verdicts.
 
     python -m tests.real_vllm.engine_env ensure      # prints HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=...
     HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_study --rounds 3 \\
@@ -53,6 +56,10 @@ ENGINE_CPU, RELAY_CPU = 0, 1
 # The study's processes run ahead of whatever else shares the machine (when allowed: see `favour`).
 NICE = -15
 SLOTS = 8
+# The CPU backend's KV block (tokens) unless --block-size says otherwise: only whole blocks are prefix-cached.
+CPU_BLOCK_TOKENS = 128
+# Every ratio is taken against these two, run next to the arm.
+BASELINES = ("realtime-only", "vllm-priority")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 # The gateway's keyless callers may use both objectives; KV admission off: request slots are what is compared.
 BASE_CONFIG = """
@@ -68,6 +75,7 @@ class Arm:
     title: str
     gateway: str | None  # extra gateway YAML; None: straight to vLLM
     batch: bool = True
+    default: bool = True  # False: run only when named in --arms
 
 
 def arms(slots: int) -> list[Arm]:
@@ -84,11 +92,18 @@ def arms(slots: int) -> list[Arm]:
             + "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: newest-first, maxPerDecision: 16}\n"),
         Arm("evict-allowance", "the same + queueAllowance 2 (realtime waits inside vLLM, evicts there)",
             f"engine: {{schedulingPolicy: priority, maxNumSeqs: {slots}, queueAllowance: 2}}\n"
-            "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: newest-first, maxPerDecision: 16}\n"),
+            "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: newest-first, maxPerDecision: 16}\n",
+            default=False),
         Arm("holdback-50-evict", "holdback 50% + eviction, priorities passed", engine
             + "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
         Arm("adaptive-evict", "adaptive reserve (floor 50%) + eviction, priorities passed", engine
             + "usageLimit: {policy: adaptive-reserve, minCeiling: 0.5, maxCeiling: 1.0}\n"
+            "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
+        # The reserve is realtime's own recent peak (no margin, no floor, a 3 s window): the slot realtime keeps
+        # using stays free for it, and only an arrival beyond that peak evicts.
+        Arm("adaptive-peak", "adaptive reserve = realtime's 3 s peak, no floor + eviction, priorities passed",
+            engine + "usageLimit: {policy: adaptive-reserve, minCeiling: 0.0, maxCeiling: 1.0, adaptive: "
+            "{margin: 0.0, halfLifeSeconds: 2, peakWindowSeconds: 3}}\n"
             "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
     ]
 
@@ -98,6 +113,7 @@ class Record:
     arm: str
     round: int
     engine: str = "vllm"
+    group: int = 0  # the run of the two baselines and one arm, adjacent in time, its ratios are taken within
     ttft: list[float] = field(default_factory=list)  # seconds; inf: no first token
     realtime_failed: int = 0
     batch_completed: int = 0
@@ -119,14 +135,24 @@ def favour(pid: int, nice: int) -> bool:
         return False
 
 
-def start_engine(children: Children, tmp: Path, python: str, model: str, slots: int) -> str:
+def pinned(cpu: int, pin: bool) -> list[str]:
+    """The prefix that runs a command on `cpu` alone (none when unpinned)."""
+    return ["taskset", "-c", str(cpu)] if pin else []
+
+
+def start_engine(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
+                 block_size: int | None = None) -> str:
+    """vLLM on CPU 0 alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
+    blocks' tokens (None: the CPU backend's 128)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CPU)}
-    cmd = ["taskset", "-c", str(ENGINE_CPU), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if pin:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CPU)
+    cmd = [*pinned(ENGINE_CPU, pin), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(slots),
-           "--scheduling-policy", "priority"]
+           "--scheduling-policy", "priority"] + (["--block-size", str(block_size)] if block_size else [])
     proc = subprocess.Popen(cmd, env=env, stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     children.procs.append(proc)
@@ -136,11 +162,11 @@ def start_engine(children: Children, tmp: Path, python: str, model: str, slots: 
     return url
 
 
-def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int) -> str:
+def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int, pin: bool = True) -> str:
     port = free_port()
     path = tmp / f"{arm.name}.yaml"
     path.write_text(BASE_CONFIG % {"slots": slots} + (arm.gateway or ""))
-    p = children.start(["taskset", "-c", str(RELAY_CPU), *holdback(
+    p = children.start([*pinned(RELAY_CPU, pin), *holdback(
         "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", "WARNING")],
         tmp / f"{arm.name}-gateway.log")
     favour(p.pid, NICE)
@@ -160,7 +186,8 @@ class Timing:
 
     def sim_args(self) -> list[str]:
         return ["--step-overhead-ms", "0", "--prefill-ms-per-token", f"{self.prefill_ms_per_token:.4f}",
-                "--decode-base-ms", f"{self.decode_base_ms:.3f}", "--decode-ms-per-seq", f"{self.decode_ms_per_seq:.3f}"]
+                "--decode-base-ms", f"{self.decode_base_ms:.3f}",
+                "--decode-ms-per-seq", f"{self.decode_ms_per_seq:.3f}"]
 
 
 async def fit_timing(url: str, slots: int) -> Timing:
@@ -182,9 +209,10 @@ async def fit_timing(url: str, slots: int) -> Timing:
 
         async def first_token(words: int) -> float:
             times = []
-            for _ in range(5):
+            for i in range(5):
+                # A prompt of its own each time: a repeated one is a prefix-cache hit, whose prefill costs nothing.
                 got = await stream(session, url, {
-                    "model": "tiny", "prompt": prompt(random.Random(words), words), "max_tokens": 1}, {})
+                    "model": "tiny", "prompt": prompt(random.Random(words * 10 + i), words), "max_tokens": 1}, {})
                 times.append((got.first or 0.0) * 1000)
             return statistics.median(times)
 
@@ -195,10 +223,13 @@ async def fit_timing(url: str, slots: int) -> Timing:
     return Timing(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq)
 
 
-def start_sim(children: Children, tmp: Path, timing: Timing, slots: int) -> str:
+def start_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
+              block_size: int = CPU_BLOCK_TOKENS) -> str:
+    """The simulator configured like the engine: its slots, context, policy, prefix cache and block size."""
     port = free_port()
-    p = children.start(["taskset", "-c", str(ENGINE_CPU), *holdback(
+    p = children.start([*pinned(ENGINE_CPU, pin), *holdback(
         "sim", "--port", str(port), "--model", "tiny", "--max-model-len", "512", "--max-num-seqs", str(slots),
+        "--block-size", str(block_size),
         "--scheduling-policy", "priority", "--enable-prefix-caching", "--runner", "generate", "--log-level",
         "WARNING", *timing.sim_args())], tmp / "sim.log")
     favour(p.pid, NICE)
@@ -224,6 +255,12 @@ class Streamed:
     output_ids: list[int] | None = field(default_factory=list)
     finished: bool = False
     first: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens received: the ids' count where every event carried them (an event may carry several,
+        with a stream interval), else one per text event."""
+        return len(self.output_ids) if self.output_ids is not None else len(self.texts)
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Streamed:
@@ -252,8 +289,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: 
                     if out.first is None:
                         out.first = time.monotonic() - start
                     out.texts.append(choice["text"])
-                    ids = choice.get("token_ids")
-                    out.output_ids = out.output_ids + ids if out.output_ids is not None and ids else None
+                    ids = choice.get("token_ids")  # [] on an event with no new token (the last, often)
+                    out.output_ids = out.output_ids + ids if out.output_ids is not None and ids is not None else None
                 if choice.get("finish_reason") in ("length", "stop"):
                     out.finished = True
     return out
@@ -277,20 +314,22 @@ async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float
 
 
 async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
-                tokens: tuple[int, int]) -> None:
+                tokens: tuple[int, int], stream_interval: int = 1) -> None:
     """One of the batch loops: a request after another until the window ends; an evicted one is resumed as the
     workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
     sent none), for the tokens it still owes."""
     headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
+    # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
+    interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}
     rng = random.Random(seed)
     while time.monotonic() < window[1]:
         prompt_now: str | list[int] = prompt(rng, 40)
         owed = rng.randint(*tokens)
         while owed > 0 and time.monotonic() < window[1]:
             got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
-                                              "ignore_eos": True}, headers)
+                                              "ignore_eos": True, **interval}, headers)
             if time.monotonic() >= window[0]:
-                rec.batch_tokens += len(got.texts)
+                rec.batch_tokens += got.tokens
             if got.status == 200 and got.finished:
                 if window[0] <= time.monotonic() <= window[1]:
                     rec.batch_completed += 1
@@ -303,7 +342,7 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
                 prompt_now = got.prompt_ids + got.output_ids
             elif isinstance(prompt_now, str):
                 prompt_now += "".join(got.texts)
-            owed -= len(got.texts)
+            owed -= got.tokens
 
 
 async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Record:
@@ -321,7 +360,8 @@ async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Rec
         start = time.monotonic()
         t0 = start + (args.lead if arm.batch else 1.0)
         window = (t0, t0 + args.window)
-        loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens))
+        loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
+                                           args.batch_stream_interval))
                  for i in range(args.batch_inflight if arm.batch else 0)]
         await realtime(session, url, arm, arrivals, t0, rec)
         for task in loops:
@@ -333,67 +373,95 @@ async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Rec
 # -- the report -----------------------------------------------------------------------------------------------
 
 def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
-    """Per arm: the per-round figures, and the medians of the per-round ratios with their intervals."""
-    by = {(r.arm, r.round): r for r in records}
-    rounds = sorted({r.round for r in records})
+    """Per arm: the per-repeat figures, and the medians of the per-repeat ratios with their intervals. A repeat is
+    one group: the arm and the two baselines run next to each other in time, so a ratio compares runs that met
+    the same machine (its speed drifts by a fifth within a minute where other machines share its cores)."""
+    groups: dict[int, dict[str, Record]] = {}
+    for r in records:
+        groups.setdefault(r.group, {})[r.arm] = r
     out: dict = {}
     for arm in arm_list:
-        mine = [by[(arm.name, rnd)] for rnd in rounds if (arm.name, rnd) in by]
-        lat, work, vs_vllm = [], [], []
-        for rec in mine:
-            alone, vllm = by.get(("realtime-only", rec.round)), by.get(("vllm-priority", rec.round))
+        mine = [(g[arm.name], g) for _, g in sorted(groups.items()) if arm.name in g]
+        lat, work, tokens, vs_vllm = [], [], [], []
+        for rec, group in mine:
+            alone, vllm = group.get("realtime-only"), group.get("vllm-priority")
             if alone is not None:
                 lat.append(percentile(rec.ttft, 0.95) / percentile(alone.ttft, 0.95))
             if vllm is not None:
                 vs_vllm.append(percentile(rec.ttft, 0.95) / percentile(vllm.ttft, 0.95))
             if vllm is not None and arm.batch and vllm.batch_completed:
                 work.append(rec.batch_completed / vllm.batch_completed)
-        latency, completed = bootstrap_median(lat), bootstrap_median(work)
+                tokens.append(rec.batch_tokens / vllm.batch_tokens)
+        recs = [rec for rec, _ in mine]
+        latency, completed, produced = bootstrap_median(lat), bootstrap_median(work), bootstrap_median(tokens)
         out[arm.name] = {
-            "title": arm.title, "p95_ms": [round(percentile(r.ttft, 0.95) * 1000, 1) for r in mine],
-            "batch_completed": [r.batch_completed for r in mine], "evictions": [r.evictions for r in mine],
-            "realtime_failed": [r.realtime_failed for r in mine], "batch_failed": [r.batch_failed for r in mine],
-            "batch_tokens": [r.batch_tokens for r in mine],
-            "p95_ratio": asdict(latency), "batch_ratio": asdict(completed),
+            "title": arm.title, "p95_ms": [round(percentile(r.ttft, 0.95) * 1000, 1) for r in recs],
+            "batch_completed": [r.batch_completed for r in recs], "evictions": [r.evictions for r in recs],
+            "realtime_failed": [r.realtime_failed for r in recs], "batch_failed": [r.batch_failed for r in recs],
+            "batch_tokens": [r.batch_tokens for r in recs],
+            "p95_ratio": asdict(latency), "batch_ratio": asdict(completed), "tokens_ratio": asdict(produced),
             "p95_vs_vllm": asdict(bootstrap_median(vs_vllm)),
             "verdict_p95": verdict(latency, 1.25, at_least=False) if arm.batch else None,
             "verdict_batch": verdict(completed, 1.0, at_least=True) if arm.batch else None,
+            "verdict_tokens": verdict(produced, 1.0, at_least=True) if arm.batch else None,
         }
     return out
 
 
-def run_rounds(url: str, engine: str, arm_list: list[Arm], args: argparse.Namespace, children: Children,
-               tmp: Path) -> list[Record]:
-    """Every arm once per round, in a seeded shuffled order, against the replica at `url`."""
+def run_rounds(url: str, engine: str, arm_list: list[Arm], rounds: int, args: argparse.Namespace,
+               children: Children, tmp: Path) -> list[Record]:
+    """Per round, every arm once in a seeded shuffled order, each in a group with the two baselines run just
+    before or after it (the group's order shuffled too), against the replica at `url`."""
     records = []
     order_rng = random.Random(args.seed)
-    for rnd in range(args.rounds):
-        order = arm_list[:]
+    baselines = [a for a in arm_list if a.name in BASELINES]
+    group = 0
+    for rnd in range(rounds):
+        order = [a for a in arm_list if a.name not in BASELINES]
         order_rng.shuffle(order)
         for arm in order:
-            target, gateway = url, []
-            if arm.gateway is not None:
-                before = len(children.procs)
-                target = start_gateway(children, tmp, arm, url, args.slots)
-                gateway = children.procs[before:]
-            rec = asyncio.run(run_arm(target, arm, rnd, args))
-            rec.engine = engine
-            records.append(rec)
-            print(f"{engine} round {rnd} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
-                  f"{rec.batch_completed} ({rec.batch_tokens} tokens, {rec.batch_failed} refused), evictions "
-                  f"{rec.evictions}, realtime failed {rec.realtime_failed}",
-                  file=sys.stderr, flush=True)
-            for proc in gateway:  # the next arm gets a gateway of its own; this one's drain is not waited for
-                proc.kill()
-                proc.wait(30)
-                children.procs.remove(proc)
+            runs = baselines + [arm]
+            order_rng.shuffle(runs)
+            for one in runs:
+                records.append(run_one(url, engine, one, rnd, group, args, children, tmp))
+            group += 1
     return records
+
+
+def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argparse.Namespace,
+            children: Children, tmp: Path) -> Record:
+    target, gateway = url, []
+    if arm.gateway is not None:
+        before = len(children.procs)
+        target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned)
+        gateway = children.procs[before:]
+    rec = asyncio.run(run_arm(target, arm, rnd, args))
+    rec.engine, rec.group = engine, group
+    print(f"{engine} round {rnd} group {group} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
+          f"{rec.batch_completed} ({rec.batch_tokens} tokens, {rec.batch_failed} refused), evictions "
+          f"{rec.evictions}, realtime failed {rec.realtime_failed}", file=sys.stderr, flush=True)
+    for proc in gateway:  # the next arm gets a gateway of its own; this one's drain is not waited for
+        proc.kill()
+        proc.wait(30)
+        children.procs.remove(proc)
+    return rec
+
+
+def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
+    """The real engine's interpreter and model, from the environment (the parser's error when unset)."""
+    python, model = os.environ.get("HOLDBACK_VLLM_PYTHON"), os.environ.get("HOLDBACK_VLLM_MODEL")
+    if not (python and model):
+        p.error("set HOLDBACK_VLLM_PYTHON and HOLDBACK_VLLM_MODEL: `python -m tests.real_vllm.engine_env ensure` "
+                "builds the real engine and prints both")
+    return python, model
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every arm (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every arm on the engine (default %(default)s)")
+    p.add_argument("--sim-rounds", type=int, default=2, help="rounds of every arm on the simulator (default "
+                   "%(default)s: it is steadier)")
     p.add_argument("--window", type=float, default=30.0, help="seconds of realtime traffic per arm")
     p.add_argument("--lead", type=float, default=5.0, help="seconds batch runs before the window")
     p.add_argument("--burst", type=int, default=10, help="realtime requests at the window's start")
@@ -401,38 +469,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-inflight", type=int, default=10, help="batch requests kept in flight")
     p.add_argument("--batch-tokens", type=lambda v: tuple(int(x) for x in v.split(",")), default=(200, 400),
                    help="batch output tokens, uniform between LO,HI (default 200,400; the context is 512)")
+    p.add_argument("--batch-stream-interval", type=int, default=1, help="batch streams carry this many tokens "
+                   "per event (vLLM's per-request stream_interval; the workers' --stream-interval), in every arm")
     p.add_argument("--slots", type=int, default=SLOTS, help="the replica's --max-num-seqs")
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--arms", help="comma-separated arm names besides the two baselines (default: all)")
+    p.add_argument("--arms", help="comma-separated arm names besides the two baselines (default: all but "
+                   "evict-allowance)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator fitted to the engine")
+    p.add_argument("--block-size", type=int, help="the engine's --block-size (default: the CPU backend's 128); a "
+                   "resumed request's prefill is what its prefix-cached blocks do not cover")
+    p.add_argument("--unpinned", action="store_true", help="pin nothing: the engine, the gateway and the load "
+                   "share both cores (the regime where the relay's own CPU counts)")
     p.add_argument("--out", type=Path, help="write raw.json, summary.json and report.md here")
     args = p.parse_args(argv)
-    python, model = os.environ.get("HOLDBACK_VLLM_PYTHON"), os.environ.get("HOLDBACK_VLLM_MODEL")
-    if not (python and model):
-        p.error("set HOLDBACK_VLLM_PYTHON and HOLDBACK_VLLM_MODEL: `python -m tests.real_vllm.engine_env ensure` "
-                "builds the real engine and prints both")
+    python, model = engine_paths(p)
     if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
         p.error("needs two CPUs and `taskset` (util-linux): the engine and the relay are pinned to one core each")
-    os.sched_setaffinity(0, {RELAY_CPU})
+    if not args.unpinned:
+        os.sched_setaffinity(0, {RELAY_CPU})
     favoured = favour(os.getpid(), NICE)
     arm_list = arms(args.slots)
     if args.arms:
-        wanted = set(args.arms.split(",")) | {"realtime-only", "vllm-priority"}
+        wanted = set(args.arms.split(",")) | set(BASELINES)
+        unknown = wanted - {a.name for a in arm_list}
+        if unknown:
+            p.error(f"unknown arm(s) {', '.join(sorted(unknown))}; the arms are {', '.join(a.name for a in arm_list)}")
         arm_list = [a for a in arm_list if a.name in wanted]
+    else:
+        arm_list = [a for a in arm_list if a.default]
     children = Children()
     tmp = Path(tempfile.mkdtemp(prefix="hb-real-study-"))
     result: dict = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "favoured": favoured}
     records: list[Record] = []
     try:
-        engine = start_engine(children, tmp, python, model, args.slots)
+        engine = start_engine(children, tmp, python, model, args.slots, pin=not args.unpinned,
+                              block_size=args.block_size)
         timing = asyncio.run(fit_timing(engine, args.slots))
         result["timing"] = asdict(timing)
-        records += run_rounds(engine, "vllm", arm_list, args, children, tmp)
+        records += run_rounds(engine, "vllm", arm_list, args.rounds, args, children, tmp)
         children.close()
         children.procs.clear()
         if not args.no_sim:
-            sim = start_sim(children, tmp, timing, args.slots)
-            records += run_rounds(sim, "sim", arm_list, args, children, tmp)
+            sim = start_sim(children, tmp, timing, args.slots, pin=not args.unpinned,
+                            block_size=args.block_size or CPU_BLOCK_TOKENS)
+            records += run_rounds(sim, "sim", arm_list, args.sim_rounds, args, children, tmp)
     finally:
         children.close()
     result["engine"] = summarise([r for r in records if r.engine == "vllm"], arm_list)

@@ -14,7 +14,7 @@ def fidelity(engine: dict, sim: dict) -> dict:
         if s is None:
             continue
         row = {}
-        for key in ("p95_ratio", "batch_ratio"):
+        for key in ("p95_ratio", "batch_ratio", "tokens_ratio"):
             ev, sv = e[key].get("value"), s[key].get("value")
             row[key] = round(sv / ev, 3) if ev and sv is not None else None
         row["within_15pct"] = all(v is None or abs(v - 1) <= 0.15 for v in row.values())
@@ -31,24 +31,33 @@ def _fig(est: dict) -> str:
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| arm | realtime p95 per round (ms) | p95 ÷ alone | p95 ÷ vLLM priority | batch done per round | "
-             "batch ÷ vLLM priority | evictions | verdicts (p95 ≤ 1.25, batch ≥ 1.0) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | realtime p95 per repeat (ms) | p95 ÷ alone | p95 ÷ vLLM priority | batch done per repeat | "
+             "batch done ÷ vLLM priority | batch tokens ÷ vLLM priority | evictions | verdicts (p95 ≤ 1.25; done, "
+             "tokens ≥ 1.0) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for a in summary.values():
-        verdicts = f"{a['verdict_p95']}; {a['verdict_batch']}" if a["verdict_p95"] else "—"
+        verdicts = (f"{a['verdict_p95']}; {a['verdict_batch']}; {a.get('verdict_tokens')}" if a["verdict_p95"]
+                    else "—")
         lines.append(f"| {a['title']} | {', '.join(str(p) for p in a['p95_ms'])} | {_fig(a['p95_ratio'])} | "
                      f"{_fig(a['p95_vs_vllm'])} | "
                      f"{', '.join(str(b) for b in a['batch_completed'])} | {_fig(a['batch_ratio'])} | "
+                     f"{_fig(a.get('tokens_ratio', {}))} | "
                      f"{', '.join(str(e) for e in a['evictions'])} | {verdicts} |")
     return lines
 
 
 def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu: int) -> str:
-    lines = [f"One vLLM replica (CPU build, tiny model, `--max-num-seqs {args.slots} --scheduling-policy priority`) "
-             f"pinned to CPU {engine_cpu}; gateway and load on CPU {relay_cpu}. Realtime: burst {args.burst} + "
+    blocks = f" --block-size {args.block_size}" if getattr(args, "block_size", None) else ""
+    lines = [f"One vLLM replica (CPU build, tiny model, `--max-num-seqs {args.slots} --scheduling-policy priority"
+             f"{blocks}`) "
+             + ("unpinned: the engine, the gateway and the load share both cores. " if getattr(args, "unpinned", False)
+                else f"pinned to CPU {engine_cpu}; gateway and load on CPU {relay_cpu}. ")
+             + f"Realtime: burst {args.burst} + "
              f"Poisson {args.rate}/s for {args.window:.0f} s, 8 tokens streamed. Batch: {args.batch_inflight} in "
              f"flight, {args.batch_tokens[0]}–{args.batch_tokens[1]} tokens, resumed when evicted. {args.rounds} "
-             "rounds, medians of per-round ratios with 95% bootstrap intervals. The study's processes "
+             f"rounds on the engine ({args.sim_rounds} on the simulator), each arm run in a group with the two "
+             "baselines next to it in time; medians of the per-group ratios with 95% bootstrap intervals. The "
+             "study's processes "
              + ("ran at nice −15, their sessions too (ahead of other work on the machine)."
                 if result.get("favoured") else "could not be favoured over other work (not root)."),
              "", "### The engine", "",
@@ -57,9 +66,10 @@ def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu:
         t = result["timing"]
         lines += ["", f"### The simulator, fitted to the engine (prefill {t['prefill_ms_per_token']:.4f} ms/token, "
                   f"decode {t['decode_base_ms']:.2f} ms + {t['decode_ms_per_seq']:.3f} ms/sequence)", "",
-                  *table(result["sim"]), "", "| arm | sim ÷ engine: p95 ratio | batch ratio | within 15% |",
-                  "|---|---|---|---|"]
+                  *table(result["sim"]), "",
+                  "| arm | sim ÷ engine: p95 ratio | batch done ratio | batch tokens ratio | within 15% |",
+                  "|---|---|---|---|---|"]
         for name, row in result["fidelity"].items():
             lines.append(f"| {result['engine'][name]['title']} | {row['p95_ratio']} | {row['batch_ratio']} | "
-                         f"{'yes' if row['within_15pct'] else 'no'} |")
+                         f"{row['tokens_ratio']} | {'yes' if row['within_15pct'] else 'no'} |")
     return "\n".join(lines) + "\n"
