@@ -34,7 +34,10 @@ from bench.real_engine_study import (ENGINE_CPU, NICE, RELAY_CPU, Arm, engine_pa
                                      start_gateway, stream)
 from bench.stats import bootstrap_median, verdict
 
-GATEWAY = Arm("overhead", "the gateway, priorities passed", "engine: {schedulingPolicy: priority, maxNumSeqs: %d}\n")
+# The relay's cost, not a policy's: every request may run (no holdback, no eviction), priorities passed.
+GATEWAY = Arm("overhead", "the gateway, no holdback, priorities passed",
+              "engine: {schedulingPolicy: priority, maxNumSeqs: %d}\nusageLimit: {policy: static, threshold: 1.0}\n"
+              "eviction: {policy: none}\n")
 
 
 async def first_tokens(url: str, n: int, rng: random.Random) -> list[float]:
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--requests", type=int, default=40, help="sequential first-token requests per target and pass")
+    p.add_argument("--requests", type=int, default=100, help="sequential first-token requests per target and pass")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of throughput per target and pass")
     p.add_argument("--slots", type=int, default=8, help="the replica's --max-num-seqs (and the streams kept)")
     p.add_argument("--seed", type=int, default=5)

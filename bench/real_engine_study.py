@@ -58,6 +58,8 @@ NICE = -15
 SLOTS = 8
 # The CPU backend's KV block (tokens) unless --block-size says otherwise: only whole blocks are prefix-cached.
 CPU_BLOCK_TOKENS = 128
+# The status a stream gets when its connection broke after the headers.
+BROKEN = 0
 # Every ratio is taken against these two, run next to the arm.
 BASELINES = ("realtime-only", "vllm-priority")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
@@ -120,6 +122,7 @@ class Record:
     batch_tokens: int = 0
     batch_failed: int = 0
     evictions: int = 0
+    broken: int = 0  # batch streams whose connection broke mid-stream (resumed, as an eviction is)
 
 
 # -- the engine -----------------------------------------------------------------------------------------------
@@ -264,36 +267,53 @@ class Streamed:
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Streamed:
-    """POST a streamed completion and read it to its end (an error event ends it as evicted: 429)."""
+    """POST a streamed completion and read it to its end (an error event ends it as evicted: 429; a connection
+    broken mid-stream as BROKEN). A pooled connection the server had closed before the request went out (its
+    keep-alive ran out) is retried once on a new one, as any HTTP client retries a stale connection."""
     start = time.monotonic()
-    async with session.post(url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True},
-                            headers=headers) as resp:
+    for stale in (False, True):
+        try:
+            resp = await session.post(url + "/v1/completions", headers=headers,
+                                      json={**body, "stream": True, "return_token_ids": True})
+            break
+        except aiohttp.ServerDisconnectedError:
+            if stale:
+                raise
+    async with resp:
         out = Streamed(resp.status)
         if resp.status != 200:
             await resp.read()
             return out
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                out.status = 429  # the gateway's eviction notice ends the stream
-                return out
-            for choice in event.get("choices", ()):
-                if choice.get("prompt_token_ids"):
-                    out.prompt_ids = choice["prompt_token_ids"]
-                if choice.get("text") is not None:
-                    if out.first is None:
-                        out.first = time.monotonic() - start
-                    out.texts.append(choice["text"])
-                    ids = choice.get("token_ids")  # [] on an event with no new token (the last, often)
-                    out.output_ids = out.output_ids + ids if out.output_ids is not None and ids is not None else None
-                if choice.get("finish_reason") in ("length", "stop"):
-                    out.finished = True
+        try:
+            await read_events(resp, out, start)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            out.status = BROKEN
     return out
+
+
+async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float) -> None:
+    """The stream's events into `out`, to [DONE] or the gateway's eviction event."""
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            out.status = 429  # the gateway's eviction notice ends the stream
+            return
+        for choice in event.get("choices", ()):
+            if choice.get("prompt_token_ids"):
+                out.prompt_ids = choice["prompt_token_ids"]
+            if choice.get("text") is not None:
+                if out.first is None:
+                    out.first = time.monotonic() - start
+                out.texts.append(choice["text"])
+                ids = choice.get("token_ids")  # [] on an event with no new token (the last, often)
+                out.output_ids = out.output_ids + ids if out.output_ids is not None and ids is not None else None
+            if choice.get("finish_reason") in ("length", "stop"):
+                out.finished = True
 
 
 async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float, rec: Record) -> None:
@@ -334,7 +354,8 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
                 if window[0] <= time.monotonic() <= window[1]:
                     rec.batch_completed += 1
                 break
-            if got.status not in (200, 429):
+            rec.broken += got.status == BROKEN
+            if got.status not in (200, 429, BROKEN):
                 rec.batch_failed += 1  # refused: this request is given up, the loop goes on with the next
                 break
             rec.evictions += got.status == 429
@@ -439,7 +460,7 @@ def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argpars
     rec.engine, rec.group = engine, group
     print(f"{engine} round {rnd} group {group} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
           f"{rec.batch_completed} ({rec.batch_tokens} tokens, {rec.batch_failed} refused), evictions "
-          f"{rec.evictions}, realtime failed {rec.realtime_failed}", file=sys.stderr, flush=True)
+          f"{rec.evictions}, broken {rec.broken}, realtime failed {rec.realtime_failed}", file=sys.stderr, flush=True)
     for proc in gateway:  # the next arm gets a gateway of its own; this one's drain is not waited for
         proc.kill()
         proc.wait(30)
