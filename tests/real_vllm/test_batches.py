@@ -167,3 +167,30 @@ def test_prefix_cache_is_not_shared_across_tenants(backend, tmp_path, vllm):
         assert send("hb-real-tenant-a") >= 2 * 128, "tenant A's own prompt is cached for tenant A"
     finally:
         s.close()
+
+
+def test_with_a_stream_interval_vllm_joins_tokens_and_the_batch_answer_is_unchanged(backend, tmp_path, vllm):
+    """vLLM sends a stream's tokens `stream_interval` at a time (the first at once); a worker that asks for it
+    assembles the same answer vLLM gives a plain request."""
+    body = {"model": "tiny", "prompt": PROMPT_WORDS, "max_tokens": 21, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_interval": 5, "return_token_ids": True}
+    with httpx.stream("POST", f"{vllm.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    per_event = [len(e["choices"][0]["token_ids"] or []) for e in events if e.get("choices")]
+    assert per_event[0] == 1 and sum(per_event) == 21 and max(per_event) == 5, per_event
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_interval", "return_token_ids")}
+    direct = httpx.post(f"{vllm.url}/v1/completions", json=plain, timeout=60).json()["choices"][0]["text"]
+
+    s = RealStack(backend, tmp_path, [vllm.url], worker_args=("--stream-interval", "5"))
+    try:
+        s.wait_identified()
+        batch = s.wait(s.submit([completion("joined", PROMPT_WORDS, max_tokens=21, ignore_eos=True, temperature=0)],
+                                endpoint="/v1/completions"))
+        assert batch.status == "completed" and batch.request_counts.completed == 1, (batch, s.logs())
+        (line,) = s.lines(batch.output_file_id).values()
+        got = line["response"]["body"]
+        assert got["choices"][0]["text"] == direct and got["usage"]["completion_tokens"] == 21
+    finally:
+        s.close()
