@@ -276,7 +276,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: 
             resp = await session.post(url + "/v1/completions", headers=headers,
                                       json={**body, "stream": True, "return_token_ids": True})
             break
-        except aiohttp.ServerDisconnectedError:
+        except aiohttp.ClientConnectionError:  # disconnected, or the body could not be written
             if stale:
                 raise
     async with resp:
@@ -346,8 +346,12 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
         prompt_now: str | list[int] = prompt(rng, 40)
         owed = rng.randint(*tokens)
         while owed > 0 and time.monotonic() < window[1]:
-            got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
-                                              "ignore_eos": True, **interval}, headers)
+            try:
+                got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
+                                                  "ignore_eos": True, **interval}, headers)
+            except aiohttp.ClientConnectionError:
+                got = Streamed(BROKEN)  # not even sent twice: this loop tries again shortly, it does not end
+                await asyncio.sleep(0.05)
             if time.monotonic() >= window[0]:
                 rec.batch_tokens += got.tokens
             if got.status == 200 and got.finished:
