@@ -30,9 +30,9 @@ from pathlib import Path
 import aiohttp
 
 from bench.lib.processes import Children
-from bench.real_engine_study import (ENGINE_CPU, NICE, RELAY_CPU, Arm, engine_paths, favour, prompt, start_engine,
-                                     start_gateway, stream)
-from bench.stats import bootstrap_median, verdict
+from bench.real_engine_study import ENGINE_CPU, NICE, RELAY_CPU, engine_paths, favour, start_engine, start_gateway
+from bench.real_engine_traffic import Arm, prompt, stream
+from bench.stats import Estimate, bootstrap_median, verdict
 
 # The relay's cost, not a policy's: every request may run (no holdback, no eviction), priorities passed.
 GATEWAY = Arm("overhead", "the gateway, no holdback, priorities passed",
@@ -76,6 +76,13 @@ async def throughput(url: str, streams: int, seconds: float, rng: random.Random)
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(loop(session) for _ in range(streams)))
     return counted / seconds
+
+
+def shown(est: Estimate) -> str:
+    """A figure and its interval (none from one round)."""
+    if est.lo is None or est.hi is None:
+        return f"{est.value:.3f} ({est.method})"
+    return f"{est.value:.3f} [{est.lo:.3f}, {est.hi:.3f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,10 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               "ttft_p50_added_ms": ttft_added.as_dict(), "verdict_ttft": verdict(ttft_added, 2.0, at_least=False),
               "tokens_ratio": tokens.as_dict(), "verdict_tokens": verdict(tokens, 0.97, at_least=True)}
     print(f"engine on CPU {ENGINE_CPU}, gateway and load on CPU {RELAY_CPU}, {args.rounds} rounds (A B B A)")
-    print(f"TTFT p50 added by the gateway: {ttft_added.value:.2f} ms [{ttft_added.lo:.2f}, {ttft_added.hi:.2f}] "
-          f"(goal ≤ 2 ms: {result['verdict_ttft']})")
-    print(f"output tokens/s through the gateway ÷ direct: {tokens.value:.3f} [{tokens.lo:.3f}, {tokens.hi:.3f}] "
-          f"(goal ≥ 0.97: {result['verdict_tokens']})")
+    print(f"TTFT p50 added by the gateway: {shown(ttft_added)} ms (goal ≤ 2 ms: {result['verdict_ttft']})")
+    print(f"output tokens/s through the gateway ÷ direct: {shown(tokens)} (goal ≥ 0.97: {result['verdict_tokens']})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -21,7 +21,8 @@ Each round runs every arm once, in a seeded shuffled order, and each arm in a gr
 just before or after it: the engine's speed on a shared machine drifts by a fifth within a minute, so a ratio is
 taken only between runs that met the same machine. A group's ratios are its arm's realtime p95 ÷ the group's
 realtime-alone p95 and its batch completions (and tokens) ÷ the group's vLLM-priority ones; the report gives each
-ratio's median over the groups with a bootstrap interval, and the goals' verdicts.
+ratio's median over the groups with a bootstrap interval, and the goals' verdicts. The traffic itself is
+bench/real_engine_traffic.py.
 
     python -m tests.real_vllm.engine_env ensure      # prints HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=...
     HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_study --rounds 3 \\
@@ -41,16 +42,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
+from bench.real_engine_traffic import Arm, Record, prompt, run_arm, stream
 from bench.report.real_engine import fidelity, markdown
 from bench.stats import bootstrap_median, percentile, verdict
-from holdback.contract import OBJECTIVE_HEADER
 
 ENGINE_CPU, RELAY_CPU = 0, 1
 # The study's processes run ahead of whatever else shares the machine (when allowed: see `favour`).
@@ -58,26 +59,14 @@ NICE = -15
 SLOTS = 8
 # The CPU backend's KV block (tokens) unless --block-size says otherwise: only whole blocks are prefix-cached.
 CPU_BLOCK_TOKENS = 128
-# The status a stream gets when its connection broke after the headers.
-BROKEN = 0
 # Every ratio is taken against these two, run next to the arm.
 BASELINES = ("realtime-only", "vllm-priority")
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 # The gateway's keyless callers may use both objectives; KV admission off: request slots are what is compared.
 BASE_CONFIG = """
 anonymous: {enabled: true, objectives: [realtime, batch], defaultObjective: batch}
 admission: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: %(slots)d}
 """
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    title: str
-    gateway: str | None  # extra gateway YAML; None: straight to vLLM
-    batch: bool = True
-    default: bool = True  # False: run only when named in --arms
 
 
 def arms(slots: int) -> list[Arm]:
@@ -108,21 +97,6 @@ def arms(slots: int) -> list[Arm]:
             "{margin: 0.0, halfLifeSeconds: 2, peakWindowSeconds: 3}}\n"
             "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
     ]
-
-
-@dataclass
-class Record:
-    arm: str
-    round: int
-    engine: str = "vllm"
-    group: int = 0  # the run of the two baselines and one arm, adjacent in time, its ratios are taken within
-    ttft: list[float] = field(default_factory=list)  # seconds; inf: no first token
-    realtime_failed: int = 0
-    batch_completed: int = 0
-    batch_tokens: int = 0
-    batch_failed: int = 0
-    evictions: int = 0
-    broken: int = 0  # batch streams whose connection broke mid-stream (resumed, as an eviction is)
 
 
 # -- the engine -----------------------------------------------------------------------------------------------
@@ -239,160 +213,6 @@ def start_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bo
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p, timeout=60, what="holdback sim")
     return url
-
-
-# -- the traffic ----------------------------------------------------------------------------------------------
-
-def prompt(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-@dataclass
-class Streamed:
-    """One streamed completion: its status, the text of each token event, the prompt's and the output's token ids
-    (vLLM's `return_token_ids`; None where the server sent none), whether it finished, seconds to first text."""
-
-    status: int
-    texts: list[str] = field(default_factory=list)
-    prompt_ids: list[int] | None = None
-    output_ids: list[int] | None = field(default_factory=list)
-    finished: bool = False
-    first: float | None = None
-
-    @property
-    def tokens(self) -> int:
-        """Output tokens received: the ids' count where every event carried them (an event may carry several,
-        with a stream interval), else one per text event."""
-        return len(self.output_ids) if self.output_ids is not None else len(self.texts)
-
-
-async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Streamed:
-    """POST a streamed completion and read it to its end (an error event ends it as evicted: 429; a connection
-    broken mid-stream as BROKEN). A pooled connection the server had closed before the request went out (its
-    keep-alive ran out) is retried once on a new one, as any HTTP client retries a stale connection."""
-    start = time.monotonic()
-    for stale in (False, True):
-        try:
-            resp = await session.post(url + "/v1/completions", headers=headers,
-                                      json={**body, "stream": True, "return_token_ids": True})
-            break
-        except aiohttp.ClientConnectionError:  # disconnected, or the body could not be written
-            if stale:
-                raise
-    async with resp:
-        out = Streamed(resp.status)
-        if resp.status != 200:
-            await resp.read()
-            return out
-        try:
-            await read_events(resp, out, start)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            out.status = BROKEN
-    return out
-
-
-async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float) -> None:
-    """The stream's events into `out`, to [DONE] or the gateway's eviction event."""
-    async for line in resp.content:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        event = json.loads(data)
-        if "error" in event:
-            out.status = 429  # the gateway's eviction notice ends the stream
-            return
-        for choice in event.get("choices", ()):
-            if choice.get("prompt_token_ids"):
-                out.prompt_ids = choice["prompt_token_ids"]
-            if choice.get("text") is not None:
-                if out.first is None:
-                    out.first = time.monotonic() - start
-                out.texts.append(choice["text"])
-                ids = choice.get("token_ids")  # [] on an event with no new token (the last, often)
-                out.output_ids = out.output_ids + ids if out.output_ids is not None and ids is not None else None
-            if choice.get("finish_reason") in ("length", "stop"):
-                out.finished = True
-
-
-async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float, rec: Record) -> None:
-    headers = {"X-Vllm-Priority": "-100"} if arm.gateway is None else {OBJECTIVE_HEADER: "realtime"}
-
-    async def one(at: float, text: str) -> None:
-        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-        got = await stream(session, url, {"model": "tiny", "prompt": text, "max_tokens": 8}, headers)
-        status, first = got.status, got.first
-        if status != 200 or first is None:
-            rec.realtime_failed += 1
-            rec.ttft.append(float("inf"))
-        else:
-            rec.ttft.append(first)
-
-    rng = random.Random(7)
-    await asyncio.gather(*(one(at, prompt(rng, 24)) for at in arrivals))
-
-
-async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
-                tokens: tuple[int, int], stream_interval: int = 1) -> None:
-    """One of the batch loops: a request after another until the window ends; an evicted one is resumed as the
-    workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
-    sent none), for the tokens it still owes."""
-    headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
-    # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
-    interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}
-    rng = random.Random(seed)
-    while time.monotonic() < window[1]:
-        prompt_now: str | list[int] = prompt(rng, 40)
-        owed = rng.randint(*tokens)
-        while owed > 0 and time.monotonic() < window[1]:
-            try:
-                got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
-                                                  "ignore_eos": True, **interval}, headers)
-            except aiohttp.ClientConnectionError:
-                got = Streamed(BROKEN)  # not even sent twice: this loop tries again shortly, it does not end
-                await asyncio.sleep(0.05)
-            if time.monotonic() >= window[0]:
-                rec.batch_tokens += got.tokens
-            if got.status == 200 and got.finished:
-                if window[0] <= time.monotonic() <= window[1]:
-                    rec.batch_completed += 1
-                break
-            rec.broken += got.status == BROKEN
-            if got.status not in (200, 429, BROKEN):
-                rec.batch_failed += 1  # refused: this request is given up, the loop goes on with the next
-                break
-            rec.evictions += got.status == 429
-            if got.prompt_ids is not None and got.output_ids is not None:
-                prompt_now = got.prompt_ids + got.output_ids
-            elif isinstance(prompt_now, str):
-                prompt_now += "".join(got.texts)
-            owed -= got.tokens
-
-
-async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Record:
-    rec = Record(arm.name, rnd)
-    rng = random.Random(args.seed)
-    arrivals = [0.0] * args.burst
-    t = 0.0
-    while True:
-        t += rng.expovariate(args.rate)
-        if t >= args.window:
-            break
-        arrivals.append(t)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        start = time.monotonic()
-        t0 = start + (args.lead if arm.batch else 1.0)
-        window = (t0, t0 + args.window)
-        loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
-                                           args.batch_stream_interval))
-                 for i in range(args.batch_inflight if arm.batch else 0)]
-        await realtime(session, url, arm, arrivals, t0, rec)
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-    return rec
 
 
 # -- the report -----------------------------------------------------------------------------------------------
