@@ -39,13 +39,17 @@ def listener_pids(port: int) -> set[int] | None:
         if not proc.name.isdigit():
             continue
         try:
-            for fd in (proc / "fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    pids.add(int(proc.name))
-                    break
+            fds = list((proc / "fd").iterdir())
         except OSError:
             continue  # exited meanwhile, or not ours to read
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue  # closed since the listing: the process's other descriptors still count
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                pids.add(int(proc.name))
+                break
     return pids
 
 
