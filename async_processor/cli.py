@@ -76,8 +76,8 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=env.stream_interval,
                    help="ask vLLM to send a resumable (streamed) request's tokens this many per event: fewer events "
                         "cost the replica's API server, the gateway and the worker less per token; an eviction "
-                        "loses at most this many unsent tokens. Needs a vLLM that knows stream_interval (0.11 or "
-                        "later); 1 sends every token and not the field (HOLDBACK_WORKER_STREAM_INTERVAL; default "
+                        "loses at most this many unsent tokens. Needs a vLLM that knows the per-request "
+                        "stream_interval (0.32 does); 1 sends every token and not the field (HOLDBACK_WORKER_STREAM_INTERVAL; default "
                         "%(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="DEBUG also logs every successful request (default %(default)s)")

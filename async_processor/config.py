@@ -32,7 +32,7 @@ class WorkerSettings(BaseSettings):
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
     probe_interval: float = Field(1.0, description="seconds between probes of the gateway while its circuit is open")
     resume: bool = Field(True, description="an evicted streamed request continues from its partial output")
-    stream_interval: int = Field(1, ge=1, description="tokens per event of a resumable stream (vLLM's "
+    stream_interval: int = Field(1, description="tokens per event of a resumable stream (vLLM's "
                                  "stream_interval; 1: every token, the field not sent)")
 
 

@@ -34,10 +34,11 @@ from bench.real_engine_study import ENGINE_CPU, NICE, RELAY_CPU, engine_paths, f
 from bench.real_engine_traffic import Arm, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
-# The relay's cost, not a policy's: every request may run (no holdback, no eviction), priorities passed.
-GATEWAY = Arm("overhead", "the gateway, no holdback, priorities passed",
-              "engine: {schedulingPolicy: priority, maxNumSeqs: %d}\nusageLimit: {policy: static, threshold: 1.0}\n"
-              "eviction: {policy: none}\n")
+def gateway_arm(slots: int) -> Arm:
+    """The relay's cost, not a policy's: every request may run (no holdback, no eviction), priorities passed."""
+    return Arm("overhead", "the gateway, no holdback, priorities passed",
+               f"engine: {{schedulingPolicy: priority, maxNumSeqs: {slots}}}\n"
+               "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: none}\n")
 
 
 async def first_tokens(url: str, n: int, rng: random.Random) -> list[float]:
@@ -106,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     added, ratio, rows = [], [], []
     try:
         engine = start_engine(children, tmp, python, model, args.slots)
-        arm = Arm(GATEWAY.name, GATEWAY.title, GATEWAY.gateway % args.slots)
-        gateway = start_gateway(children, tmp, arm, engine, args.slots)
+        gateway = start_gateway(children, tmp, gateway_arm(args.slots), engine, args.slots)
         asyncio.run(first_tokens(engine, 5, rng))  # warm both paths: the first requests compile and connect
         asyncio.run(first_tokens(gateway, 5, rng))
         for rnd in range(args.rounds):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from bench.lib.traffic import schedule
 from holdback.contract import OBJECTIVE_HEADER
 
 # The status a stream gets when its connection broke after the headers.
@@ -174,14 +175,7 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
 
 async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Record:
     rec = Record(arm.name, rnd)
-    rng = random.Random(args.seed)
-    arrivals = [0.0] * args.burst
-    t = 0.0
-    while True:
-        t += rng.expovariate(args.rate)
-        if t >= args.window:
-            break
-        arrivals.append(t)
+    arrivals = schedule(args.seed, args.burst, args.rate, args.window)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.monotonic()
