@@ -227,7 +227,7 @@ def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
     out: dict = {}
     for arm in arm_list:
         mine = [(g[arm.name], g) for _, g in sorted(groups.items()) if arm.name in g]
-        lat, work, tokens, vs_vllm = [], [], [], []
+        lat, work, tokens, vs_vllm, per_step = [], [], [], [], []
         for rec, group in mine:
             alone, vllm = group.get("realtime-only"), group.get("vllm-priority")
             if alone is not None:
@@ -237,18 +237,23 @@ def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
             if vllm is not None and arm.batch and vllm.batch_completed:
                 work.append(rec.batch_completed / vllm.batch_completed)
                 tokens.append(rec.batch_tokens / vllm.batch_tokens)
+                if rec.steps and vllm.steps and vllm.batch_tokens:
+                    per_step.append((rec.batch_tokens / rec.steps) / (vllm.batch_tokens / vllm.steps))
         recs = [rec for rec, _ in mine]
         latency, completed, produced = bootstrap_median(lat), bootstrap_median(work), bootstrap_median(tokens)
+        stepped = bootstrap_median(per_step)
         out[arm.name] = {
             "title": arm.title, "p95_ms": [round(percentile(r.ttft, 0.95) * 1000, 1) for r in recs],
             "batch_completed": [r.batch_completed for r in recs], "evictions": [r.evictions for r in recs],
             "realtime_failed": [r.realtime_failed for r in recs], "batch_failed": [r.batch_failed for r in recs],
-            "batch_tokens": [r.batch_tokens for r in recs],
+            "batch_tokens": [r.batch_tokens for r in recs], "steps": [r.steps for r in recs],
+            "tokens_per_step_ratio": asdict(stepped),
             "p95_ratio": asdict(latency), "batch_ratio": asdict(completed), "tokens_ratio": asdict(produced),
             "p95_vs_vllm": asdict(bootstrap_median(vs_vllm)),
             "verdict_p95": verdict(latency, 1.25, at_least=False) if arm.batch else None,
             "verdict_batch": verdict(completed, 1.0, at_least=True) if arm.batch else None,
             "verdict_tokens": verdict(produced, 1.0, at_least=True) if arm.batch else None,
+            "verdict_per_step": verdict(stepped, 1.0, at_least=True) if arm.batch and per_step else None,
         }
     return out
 
@@ -280,7 +285,7 @@ def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argpars
         before = len(children.procs)
         target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned)
         gateway = children.procs[before:]
-    rec = asyncio.run(run_arm(target, arm, rnd, args))
+    rec = asyncio.run(run_arm(target, arm, rnd, args, engine=url))
     rec.engine, rec.group = engine, group
     print(f"{engine} round {rnd} group {group} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
           f"{rec.batch_completed} ({rec.batch_tokens} tokens, {rec.batch_failed} refused), evictions "

@@ -11,6 +11,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -44,6 +45,9 @@ class Record:
     batch_failed: int = 0
     evictions: int = 0
     broken: int = 0  # batch streams whose connection broke mid-stream (resumed, as an eviction is)
+    # The engine's steps within the window (vLLM's vllm:iteration_tokens_total count; None: not scraped): the
+    # batch tokens per step compare arms in the engine's own time, whatever the machine's speed meanwhile.
+    steps: float | None = None
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -69,10 +73,14 @@ class Streamed:
         return len(self.output_ids) if self.output_ids is not None else len(self.texts)
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Streamed:
+async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
+                 arrived: Callable[[int], None] | None = None,
+                 until: Callable[[Streamed], bool] | None = None) -> Streamed:
     """POST a streamed completion and read it to its end (an error event ends it as evicted: 429; a connection
-    broken mid-stream as BROKEN). A pooled connection the server had closed before the request went out (its
-    keep-alive ran out) is retried once on a new one, as any HTTP client retries a stale connection."""
+    broken mid-stream as BROKEN); `arrived` gets each event's new tokens when they come; once `until` says so
+    after an event, the connection is closed there (the server aborts the request, as when the gateway evicts
+    it). A pooled connection the server had closed before the request went out (its keep-alive ran out) is
+    retried once on a new one, as any HTTP client retries a stale connection."""
     start = time.monotonic()
     for stale in (False, True):
         try:
@@ -88,14 +96,18 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, headers: 
             await resp.read()
             return out
         try:
-            await read_events(resp, out, start)
+            if await read_events(resp, out, start, arrived, until):
+                resp.close()
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             out.status = BROKEN
     return out
 
 
-async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float) -> None:
-    """The stream's events into `out`, to [DONE] or the gateway's eviction event."""
+async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float,
+                      arrived: Callable[[int], None] | None = None,
+                      until: Callable[[Streamed], bool] | None = None) -> bool:
+    """The stream's events into `out`, to [DONE] or the gateway's eviction event; True when `until` stopped it
+    before its end."""
     async for line in resp.content:
         if not line.startswith(b"data: "):
             continue
@@ -105,7 +117,7 @@ async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float)
         event = json.loads(data)
         if "error" in event:
             out.status = 429  # the gateway's eviction notice ends the stream
-            return
+            return False
         for choice in event.get("choices", ()):
             if choice.get("prompt_token_ids"):
                 out.prompt_ids = choice["prompt_token_ids"]
@@ -115,8 +127,13 @@ async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float)
                 out.texts.append(choice["text"])
                 ids = choice.get("token_ids")  # [] on an event with no new token (the last, often)
                 out.output_ids = out.output_ids + ids if out.output_ids is not None and ids is not None else None
+                if arrived is not None:
+                    arrived(len(ids) if ids is not None else 1)
             if choice.get("finish_reason") in ("length", "stop"):
                 out.finished = True
+        if until is not None and not out.finished and until(out):
+            return True
+    return False
 
 
 async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float, rec: Record) -> None:
@@ -140,10 +157,15 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
                 tokens: tuple[int, int], stream_interval: int = 1) -> None:
     """One of the batch loops: a request after another until the window ends; an evicted one is resumed as the
     workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
-    sent none), for the tokens it still owes."""
+    sent none), for the tokens it still owes. Tokens count when they arrive within the window (an attempt that
+    straddles its start or end counts only its part inside), completions when they end within it."""
     headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
     # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
     interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}
+    def arrived(n: int) -> None:
+        if window[0] <= time.monotonic() <= window[1]:
+            rec.batch_tokens += n
+
     rng = random.Random(seed)
     while time.monotonic() < window[1]:
         prompt_now: str | list[int] = prompt(rng, 40)
@@ -151,12 +173,10 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
         while owed > 0 and time.monotonic() < window[1]:
             try:
                 got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
-                                                  "ignore_eos": True, **interval}, headers)
+                                                  "ignore_eos": True, **interval}, headers, arrived)
             except aiohttp.ClientConnectionError:
                 got = Streamed(BROKEN)  # not even sent twice: this loop tries again shortly, it does not end
                 await asyncio.sleep(0.05)
-            if time.monotonic() >= window[0]:
-                rec.batch_tokens += got.tokens
             if got.status == 200 and got.finished:
                 if window[0] <= time.monotonic() <= window[1]:
                     rec.batch_completed += 1
@@ -173,7 +193,30 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
             owed -= got.tokens
 
 
-async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Record:
+async def count_steps(session: aiohttp.ClientSession, engine: str, window: tuple[float, float]) -> float | None:
+    """The engine's steps between the window's start and end."""
+    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+    before = await engine_steps(session, engine)
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    after = await engine_steps(session, engine)
+    return after - before if before is not None and after is not None else None
+
+
+async def engine_steps(session: aiohttp.ClientSession, engine: str) -> float | None:
+    """The engine's steps so far: the count of its vllm:iteration_tokens_total histogram (None: it has none)."""
+    try:
+        async with session.get(engine + "/metrics") as resp:
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:iteration_tokens_total_count")]
+    return sum(counts) if counts else None
+
+
+async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace, engine: str | None = None) -> Record:
+    """One run of `arm` against `url`; `engine`, the replica behind it, is asked for its step count at the
+    window's start and end."""
     rec = Record(arm.name, rnd)
     arrivals = schedule(args.seed, args.burst, args.rate, args.window)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -184,7 +227,10 @@ async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace) -> Rec
         loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
                                            args.batch_stream_interval))
                  for i in range(args.batch_inflight if arm.batch else 0)]
+        steps = asyncio.create_task(count_steps(session, engine, window)) if engine else None
         await realtime(session, url, arm, arrivals, t0, rec)
+        if steps is not None:
+            rec.steps = await steps
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

@@ -32,16 +32,16 @@ def _fig(est: dict) -> str:
 
 def table(summary: dict) -> list[str]:
     lines = ["| arm | realtime p95 per repeat (ms) | p95 ÷ alone | p95 ÷ vLLM priority | batch done per repeat | "
-             "batch done ÷ vLLM priority | batch tokens ÷ vLLM priority | evictions | verdicts (p95 ≤ 1.25; done, "
-             "tokens ≥ 1.0) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "batch done ÷ vLLM priority | batch tokens ÷ vLLM priority | batch tokens per engine step ÷ vLLM "
+             "priority's | evictions | verdicts (p95 ≤ 1.25; done, tokens, tokens per step ≥ 1.0) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for a in summary.values():
-        verdicts = (f"{a['verdict_p95']}; {a['verdict_batch']}; {a.get('verdict_tokens')}" if a["verdict_p95"]
-                    else "—")
+        verdicts = (f"{a['verdict_p95']}; {a['verdict_batch']}; {a.get('verdict_tokens')}; "
+                    f"{a.get('verdict_per_step') or '—'}" if a["verdict_p95"] else "—")
         lines.append(f"| {a['title']} | {', '.join(str(p) for p in a['p95_ms'])} | {_fig(a['p95_ratio'])} | "
                      f"{_fig(a['p95_vs_vllm'])} | "
                      f"{', '.join(str(b) for b in a['batch_completed'])} | {_fig(a['batch_ratio'])} | "
-                     f"{_fig(a.get('tokens_ratio', {}))} | "
+                     f"{_fig(a.get('tokens_ratio', {}))} | {_fig(a.get('tokens_per_step_ratio', {}))} | "
                      f"{', '.join(str(e) for e in a['evictions'])} | {verdicts} |")
     return lines
 

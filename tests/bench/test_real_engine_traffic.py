@@ -1,0 +1,102 @@
+"""The real-engine study's batch accounting: a batch token counts when it arrives within the window, whatever the
+attempt that carried it did before or after (an attempt that straddles the window's start or end counts only
+its part inside: counted whole, an arm whose loops ran on past the window, as vLLM's slow realtime kept them,
+was credited with work done outside it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from bench import real_engine_traffic as traffic
+
+
+class Clock:
+    """The study's clock in these tests: each event the fake replica sends carries the time it arrives at (`t`),
+    and the clock reads it when the study's code parses that event, so what arrives when is the test's choice,
+    however the two sides of the connection are scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def loads(self, data: bytes | str) -> object:
+        doc = json.loads(data)
+        if isinstance(doc, dict) and "t" in doc:
+            self.now = doc["t"]
+        return doc
+
+
+def event(t: float, token: int, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": f" t{token}", "token_ids": [token], "finish_reason": finish}
+    return b"data: " + json.dumps({"t": t, "choices": [choice]}).encode() + b"\n\n"
+
+
+def evicted(t: float) -> bytes:
+    return b"data: " + json.dumps({"t": t, "error": {"code": "evicted"}}).encode() + b"\n\n"
+
+
+async def serve(answers: list[list[bytes]], calls: list[dict]) -> tuple[web.AppRunner, str]:
+    """A replica answering its n-th streamed completion with `answers[n]` (the last one again past the end)."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        calls.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in answers[min(len(calls), len(answers)) - 1]:
+            await resp.write(chunk)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+def run_batch(monkeypatch, answers: list[list[bytes]], owed: int) -> tuple[traffic.Record, list[dict]]:
+    """One batch loop of the study against the fake replica, for the window 10–20."""
+    clock = Clock()
+    monkeypatch.setattr(traffic, "time", clock)
+    monkeypatch.setattr(traffic, "json", clock)
+    calls: list[dict] = []
+
+    async def main() -> traffic.Record:
+        runner, url = await serve(answers, calls)
+        rec = traffic.Record("arm", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await asyncio.wait_for(traffic.batch(session, url, traffic.Arm("arm", "an arm", ""), 1,
+                                                     (10.0, 20.0), rec, (owed, owed)), 30)
+        finally:
+            await runner.cleanup()
+        return rec
+
+    return asyncio.run(main()), calls
+
+
+def test_an_attempt_across_the_window_counts_only_its_tokens_inside_it(monkeypatch) -> None:
+    # Three tokens before the window, four inside it, three after it: one attempt carries them all, and the
+    # loop ends with it (its clock is past the window).
+    times = [1.0, 2.0, 3.0, 11.0, 12.0, 13.0, 14.0, 25.0, 26.0, 27.0]
+    answer = [event(t, i + 2, "length" if i == len(times) - 1 else None) for i, t in enumerate(times)]
+    rec, calls = run_batch(monkeypatch, [answer + [b"data: [DONE]\n\n"]], len(times))
+    assert len(calls) == 1
+    assert (rec.batch_tokens, rec.batch_completed) == (4, 0)  # it finished at 27, after the window
+
+
+def test_an_evicted_attempt_counts_its_tokens_inside_the_window_and_its_resume_completes(monkeypatch) -> None:
+    first = [event(4.0, 2), event(8.0, 3), event(11.0, 4), event(12.0, 5), evicted(12.5)]  # 2 before, 2 inside
+    resume = [event(14.0, 6), event(15.0, 7), event(16.0, 8, "length"), b"data: [DONE]\n\n"]  # the 3 still owed
+    after = [event(30.0, 9), event(31.0, 10, "length"), b"data: [DONE]\n\n"]  # the next request, past the window
+    rec, calls = run_batch(monkeypatch, [first, resume, after], 7)
+    assert (rec.evictions, rec.batch_completed, rec.batch_tokens) == (1, 1, 5)
+    assert calls[1]["max_tokens"] == 3 and calls[1]["prompt"].endswith(" t2 t3 t4 t5")
+    assert len(calls) == 3
