@@ -13,6 +13,9 @@ victims strictly below the demand — or, when the bands below hold capacity on 
 a band's floor is the ceiling it keeps at any demand (gateway/policies/holdback.py), and requests it runs beyond
 floor ÷ credit were dispatched on the understanding that a higher band takes them back when it needs them, so
 the whole loan comes back in one decision instead of `maxPerDecision` at a time.
+A blocked band's victims are those that hold an engine slot first: where the gateway keeps requests waiting
+inside a replica (`engine.queueAllowance`), evicting one of those frees no slot, and the realtime request sent in
+its place would wait inside and take a second victim (`waits_inside`).
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
 and a short grace for the detector to see the freed capacity has passed — unless the controller hands each
 victim's slot on when it is chosen (`paced = False`, the concurrency detector): then the reading already
@@ -104,6 +107,8 @@ class Evictor:
         wanted = max(wanted, demand.queued)
         limit = max(self.max_per_decision, min(wanted, borrowed_requests(bands, demand.priority, credit)))
         eligible = self._ordered([r for r in self.candidates if r.priority < demand.priority], now)
+        # Those that hold an engine slot first: one waiting inside its replica (the queue allowance) frees none.
+        eligible = [r for r in eligible if not waits_inside(r)] + [r for r in eligible if waits_inside(r)]
         victims = eligible[:min(wanted, limit)]
         if not victims:
             return None
@@ -165,6 +170,14 @@ class Evictor:
         if late and not self.pending:
             self.last_settled = now
         return late
+
+
+def waits_inside(req: FlowRequest) -> bool:
+    """Whether `req` may be waiting inside its replica for an engine slot: its replica's slots are known and it
+    holds more requests than them (the queue allowance), and `req`, streamed, has not answered yet."""
+    slots = getattr(req.replica, "max_num_seqs", None)
+    return (slots is not None and req.replica.in_flight > slots  # type: ignore[union-attr]
+            and req.streamed and not req.streaming_started)
 
 
 def borrowed_requests(bands: Sequence[BandDemand], below: int, credit: float) -> int:

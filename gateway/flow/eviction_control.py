@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from gateway.config import Eviction
-from gateway.flow.eviction import BandDemand, Evictor, plain_view
+from gateway.flow.eviction import BandDemand, Evictor, plain_view, waits_inside
 from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
 from gateway.policies.saturation import SaturationDetector
@@ -49,6 +49,10 @@ class EvictionControl:
         # Dispatched non-sheddable requests whose answer has not begun, on replicas whose engine slots are known
         # (maxNumSeqs): each may be waiting inside vLLM behind running batch work.
         self.awaiting: set[FlowRequest] = set()
+        # Engine slots a blocked-band decision freed on each replica, stamped with the cycle's time: the request
+        # that decision was for is dispatched in the same cycle and takes one, so it is not also counted as
+        # waiting inside that replica (which would evict a second running request for it).
+        self.freed: dict[Replica, tuple[float, int]] = {}
         self._grace_timer: asyncio.TimerHandle | None = None
 
     def configure(self, ev: Eviction, detector: SaturationDetector, affinity: bool) -> None:
@@ -84,7 +88,11 @@ class EvictionControl:
         decision = self.evictor.decide(saturation, bands, blocked.priority, fc.in_flight, now)
         if decision is None:
             return False
+        self.freed = {}
         for victim in decision.victims:
+            replica = victim.replica
+            if isinstance(replica, Replica) and replica.max_num_seqs is not None and not waits_inside(victim):
+                self.freed[replica] = (now, self.freed.get(replica, (now, 0))[1] + 1)
             self.evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
                        demand_band=decision.demand_priority, saturation=round(saturation, 4),
                        deficit=round(decision.deficit, 4), victims=len(decision.victims))
@@ -140,6 +148,10 @@ class EvictionControl:
     def dispatched(self, req: FlowRequest) -> None:
         if not req.sheddable and getattr(req.replica, "max_num_seqs", None) is not None:
             self.awaiting.add(req)
+            stamped, slots = self.freed.get(req.replica, (None, 0))  # type: ignore[call-overload]
+            if slots and stamped == req.dispatched_at:  # a running victim's slot, freed for it in this cycle
+                req.slot_freed = True
+                self.freed[req.replica] = (stamped, slots - 1)  # type: ignore[index]
 
     def answering(self, req: FlowRequest) -> None:
         """Its first body chunk went out (or it ended): it waits for no slot."""

@@ -142,6 +142,27 @@ def test_a_running_victim_goes_before_one_still_waiting_inside():
     run(main())
 
 
+def test_realtime_at_a_full_allowance_evicts_one_running_batch_request_and_no_more():
+    async def main():
+        # The slots run batch and batch fills the allowance too: realtime is blocked at the gateway's capacity.
+        fc, clock = controller("{schedulingPolicy: priority, maxNumSeqs: 2, queueAllowance: 1}")
+        running = [dispatch(fc, clock, "batch") for _ in range(2)]
+        inside = dispatch(fc, clock, "batch", streaming=False)  # the newest: it waits inside vLLM, holding no slot
+        rt = request(clock, "realtime")
+        rt.streamed, rt.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        assert fc.submit(rt) is Outcome.QUEUED
+        fc.cycle()
+        # The victim is one that runs (evicting the waiting one would free no engine slot, and realtime, waiting
+        # inside then, would take a second victim); realtime goes in with that slot counted as its own.
+        assert rt.status is Status.DISPATCHED and rt.slot_freed and inside.drop_reason is None
+        assert [r for r in running if r.drop_reason is DropReason.EVICTED] == [running[-1]]
+        fc.cycle()
+        assert fc.tally.evictions.get("issued", 0) == 1
+        for r in (*running, inside, rt):
+            r.task.cancel()
+    run(main())
+
+
 def test_no_streamed_request_that_has_not_answered_is_a_victim_and_the_decision_waits_for_one_that_streams():
     async def main():
         # The realtime request reaches the replica before any batch request there has answered: the gateway
