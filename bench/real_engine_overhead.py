@@ -7,7 +7,9 @@ order and then in reverse (A B B A), so the machine's drift meets both alike:
 - time to first token: `--requests` streamed completions of 1 token, one at a time (no queueing anywhere); the
   figure is the gateway's p50 − direct p50 within the round (goal ≤ 2 ms);
 - throughput: the replica's slots kept full of streamed 200-token completions for `--seconds`; the figure is
-  tokens/s through the gateway ÷ direct within the round (goal ≥ 0.97).
+  tokens/s through the gateway ÷ direct within the round (goal ≥ 0.97), and beside it the same tokens per step
+  of the engine (its vllm:iteration_tokens_total count): what the relay makes of the steps the engine had,
+  which the machine's drift within a round does not reach.
 
 The report gives each figure's median over rounds with a bootstrap interval, and the verdict.
 
@@ -31,7 +33,7 @@ import aiohttp
 
 from bench.lib.processes import Children
 from bench.real_engine_study import ENGINE_CPU, NICE, RELAY_CPU, engine_paths, favour, start_engine, start_gateway
-from bench.real_engine_traffic import Arm, prompt, stream
+from bench.real_engine_traffic import Arm, count_steps, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
 def gateway_arm(slots: int) -> Arm:
@@ -52,8 +54,10 @@ async def first_tokens(url: str, n: int, rng: random.Random) -> list[float]:
         return out
 
 
-async def throughput(url: str, streams: int, seconds: float, rng: random.Random) -> float:
-    """Output tokens/s with `streams` completions kept in flight, counted over `seconds` after a 2 s warm-up."""
+async def throughput(url: str, engine: str, streams: int, seconds: float,
+                     rng: random.Random) -> tuple[float, float | None]:
+    """Output tokens/s with `streams` completions kept in flight, counted over `seconds` after a 2 s warm-up, and
+    the same tokens per step of the `engine` behind `url` (None when it reports no step count)."""
     counted = 0
     start = time.monotonic()
     window = (start + 2.0, start + 2.0 + seconds)
@@ -75,8 +79,10 @@ async def throughput(url: str, streams: int, seconds: float, rng: random.Random)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
+        steps = asyncio.create_task(count_steps(session, engine, window))
         await asyncio.gather(*(loop(session) for _ in range(streams)))
-    return counted / seconds
+        taken = await steps
+    return counted / seconds, (counted / taken if taken else None)
 
 
 def shown(est: Estimate) -> str:
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     children = Children()
     tmp = Path(tempfile.mkdtemp(prefix="hb-real-overhead-"))
     rng, order_rng = random.Random(args.seed), random.Random(args.seed + 1)
-    added, ratio, rows = [], [], []
+    added, ratio, per_step, rows = [], [], [], []
     try:
         engine = start_engine(children, tmp, python, model, args.slots)
         gateway = start_gateway(children, tmp, gateway_arm(args.slots), engine, args.slots)
@@ -115,25 +121,36 @@ def main(argv: list[str] | None = None) -> int:
             order_rng.shuffle(targets)
             ttft: dict[str, list[float]] = {"direct": [], "gateway": []}
             rate: dict[str, list[float]] = {"direct": [], "gateway": []}
+            stepped: dict[str, list[float]] = {"direct": [], "gateway": []}
             for name, url in targets + targets[::-1]:
                 ttft[name] += asyncio.run(first_tokens(url, args.requests // 2, rng))
-                rate[name].append(asyncio.run(throughput(url, args.slots, args.seconds / 2, rng)))
+                tokens_per_s, tokens_per_step = asyncio.run(throughput(url, engine, args.slots, args.seconds / 2, rng))
+                rate[name].append(tokens_per_s)
+                if tokens_per_step is not None:
+                    stepped[name].append(tokens_per_step)
             p50 = {k: statistics.median(v) * 1000 for k, v in ttft.items()}
             tps = {k: statistics.mean(v) for k, v in rate.items()}
+            tpstep = {k: statistics.mean(v) for k, v in stepped.items() if v}
             added.append(p50["gateway"] - p50["direct"])
             ratio.append(tps["gateway"] / tps["direct"])
-            rows.append({"round": rnd, "ttft_p50_ms": p50, "tokens_per_s": tps})
+            if len(tpstep) == 2:
+                per_step.append(tpstep["gateway"] / tpstep["direct"])
+            rows.append({"round": rnd, "ttft_p50_ms": p50, "tokens_per_s": tps, "tokens_per_step": tpstep})
             print(f"round {rnd}: TTFT p50 direct {p50['direct']:.1f} ms, gateway {p50['gateway']:.1f} ms; "
                   f"tokens/s direct {tps['direct']:.0f}, gateway {tps['gateway']:.0f}", file=sys.stderr, flush=True)
     finally:
         children.close()
-    ttft_added, tokens = bootstrap_median(added), bootstrap_median(ratio)
+    ttft_added, tokens, steps = bootstrap_median(added), bootstrap_median(ratio), bootstrap_median(per_step)
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "favoured": favoured, "rounds": rows,
               "ttft_p50_added_ms": ttft_added.as_dict(), "verdict_ttft": verdict(ttft_added, 2.0, at_least=False),
-              "tokens_ratio": tokens.as_dict(), "verdict_tokens": verdict(tokens, 0.97, at_least=True)}
+              "tokens_ratio": tokens.as_dict(), "verdict_tokens": verdict(tokens, 0.97, at_least=True),
+              "tokens_per_step_ratio": steps.as_dict(), "verdict_per_step": verdict(steps, 0.97, at_least=True)}
     print(f"engine on CPU {ENGINE_CPU}, gateway and load on CPU {RELAY_CPU}, {args.rounds} rounds (A B B A)")
     print(f"TTFT p50 added by the gateway: {shown(ttft_added)} ms (goal ≤ 2 ms: {result['verdict_ttft']})")
     print(f"output tokens/s through the gateway ÷ direct: {shown(tokens)} (goal ≥ 0.97: {result['verdict_tokens']})")
+    if per_step:
+        print(f"the same per engine step (the machine's drift removed): {shown(steps)} (goal ≥ 0.97: "
+              f"{result['verdict_per_step']})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
