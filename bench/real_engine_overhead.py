@@ -33,7 +33,7 @@ import aiohttp
 
 from bench.lib.processes import Children
 from bench.real_engine_study import ENGINE_CPU, NICE, RELAY_CPU, engine_paths, favour, start_engine, start_gateway
-from bench.real_engine_traffic import Arm, count_steps, prompt, stream
+from bench.real_engine_traffic import Arm, counters_in, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
 def gateway_arm(slots: int) -> Arm:
@@ -79,9 +79,9 @@ async def throughput(url: str, engine: str, streams: int, seconds: float,
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        steps = asyncio.create_task(count_steps(session, engine, window))
+        counters = asyncio.create_task(counters_in(session, engine, window))
         await asyncio.gather(*(loop(session) for _ in range(streams)))
-        taken = await steps
+        taken = ((await counters) or {}).get("steps")
     return counted / seconds, (counted / taken if taken else None)
 
 

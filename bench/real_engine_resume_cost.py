@@ -3,25 +3,26 @@ the tokens its prefix cache does not hold.
 
 One vLLM server (the real-engine tier's CPU build, `--max-num-seqs 8`) pinned to CPU 0; this process (the load)
 on CPU 1. Batch loops, one per slot, keep streamed completions of 200–400 tokens (`ignore_eos`) in flight
-straight to the engine (no gateway: only the engine's cost is measured). Three arms, the same seeded traffic:
+straight to the engine (no gateway: only the engine's cost is measured). Four arms, the same seeded traffic:
 
 - `steady`: no request is cut;
+- `split`: each request asks for the output up to `cut-1`'s position (`max_tokens`) and ends there, and is
+  continued from its token ids as `cut-1` resumes it: the same requests and prefill without an abort;
 - `cut-1`: each request is cut once (its connection closed, as the gateway's eviction closes it; vLLM aborts
   it) at the first position past a random point where its prompt and received output fill whole KV blocks
-  plus one token, and resumed at once from the prompt's and output's token ids for the tokens it still owes: the
-  prefix cache holds everything but the one token vLLM always computes again;
+  plus one token, and resumed at once from the prompt's and output's token ids for the tokens it still owes:
+  the prefix cache holds everything but the one token vLLM always computes again;
 - `cut-block`: the same, cut where prompt and output fill whole blocks exactly: the resume computes the last
-  block's `--block-size` tokens again;
-- `split`: each request asks for the output up to `cut-1`'s position (`max_tokens`) and ends there, and is
-  continued from its token ids as `cut-1` resumes it: the same requests and prefill without an abort.
+  block's `--block-size` tokens again.
 
 `steady` against `split` is what one more request costs (vLLM's API server handling it on the engine's core,
-the round trip); `split` against `cut-1` is what the abort costs beyond it; `cut-1` against `cut-block` is what a
-block of re-prefill costs. The figure is batch output tokens received in the window; each round runs the three arms back to back in
-a shuffled order and the ratios are taken within the round (the engine's speed drifts on a shared machine),
-medians with 95% bootstrap intervals, and the batch work one cut loses, as the milliseconds of one slot's
-steady output it equals. Prompts are token ids (40 drawn at random from the tiny model's 817), so every arm sends the same tokens and
-a prompt's length is known without asking the engine.
+the round trip); `split` against `cut-1` is what the abort costs beyond it; `cut-1` against `cut-block` is what
+a block of re-prefill costs. The figures are batch output tokens received in the window, the same per engine
+step (vLLM's step count: the machine's drift does not reach it), the tokens the engine generated meanwhile,
+and the batch work one cut loses as the milliseconds of one slot's steady output it equals. Each round runs
+the arms back to back in a shuffled order and the ratios are taken within the round; medians with 95%
+bootstrap intervals. Prompts are token ids (40 drawn at random from the tiny model's 817), so every arm sends
+the same tokens and a prompt's length is known without asking the engine.
 
     HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_resume_cost --rounds 5
 """
@@ -38,14 +39,14 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
 from bench.lib.processes import Children
 from bench.real_engine_study import CPU_BLOCK_TOKENS, NICE, RELAY_CPU, SLOTS, engine_paths, favour, start_engine
-from bench.real_engine_traffic import Streamed, engine_steps, stream
+from bench.real_engine_traffic import Streamed, counters_in, stream
 from bench.stats import bootstrap_median
 
 ARMS = ("steady", "split", "cut-1", "cut-block")
@@ -120,14 +121,6 @@ async def batch_loop(session, url: str, arm: str, seed: int, window: tuple[float
             run.completed += 1
 
 
-async def generated_tokens(session: aiohttp.ClientSession, url: str) -> float:
-    """The engine's count of output tokens generated so far (vllm:generation_tokens_total)."""
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
 async def run_arm(url: str, arm: str, rnd: int, args: argparse.Namespace) -> Run:
     run = Run(arm, rnd)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
@@ -136,11 +129,8 @@ async def run_arm(url: str, arm: str, rnd: int, args: argparse.Namespace) -> Run
         window = (t0, t0 + args.window)
         loops = [asyncio.create_task(batch_loop(session, url, arm, args.seed * 100 + i, window, run, args.block))
                  for i in range(args.slots)]
-        await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-        before, steps = await generated_tokens(session, url), await engine_steps(session, url)
-        await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-        run.generated = await generated_tokens(session, url) - before
-        run.steps = (await engine_steps(session, url) or 0.0) - (steps or 0.0)
+        moved = await counters_in(session, url, window) or {}
+        run.generated, run.steps = moved.get("generated", 0.0), moved.get("steps", 0.0)
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

@@ -193,25 +193,36 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
             owed -= got.tokens
 
 
-async def count_steps(session: aiohttp.ClientSession, engine: str, window: tuple[float, float]) -> float | None:
-    """The engine's steps between the window's start and end."""
-    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-    before = await engine_steps(session, engine)
-    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-    after = await engine_steps(session, engine)
-    return after - before if before is not None and after is not None else None
+# The engine's running counters read from its /metrics: its steps (each observes vllm:iteration_tokens_total once)
+# and the output tokens it generated.
+ENGINE_COUNTERS = {"steps": "vllm:iteration_tokens_total_count", "generated": "vllm:generation_tokens_total"}
 
 
-async def engine_steps(session: aiohttp.ClientSession, engine: str) -> float | None:
-    """The engine's steps so far: the count of its vllm:iteration_tokens_total histogram (None: it has none)."""
+async def engine_counters(session: aiohttp.ClientSession, engine: str) -> dict[str, float] | None:
+    """The engine's ENGINE_COUNTERS so far, from one scrape (None: unreachable, or it reports no steps)."""
     try:
         async with session.get(engine + "/metrics") as resp:
             text = await resp.text()
     except aiohttp.ClientError:
         return None
-    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:iteration_tokens_total_count")]
-    return sum(counts) if counts else None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for key, name in ENGINE_COUNTERS.items():
+            if line.startswith(name):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out if "steps" in out else None
+
+
+async def counters_in(session: aiohttp.ClientSession, engine: str,
+                      window: tuple[float, float]) -> dict[str, float] | None:
+    """How far the engine's ENGINE_COUNTERS moved between the window's start and end."""
+    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+    before = await engine_counters(session, engine)
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    after = await engine_counters(session, engine)
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
 async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace, engine: str | None = None) -> Record:
@@ -227,10 +238,10 @@ async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace, engine
         loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
                                            args.batch_stream_interval))
                  for i in range(args.batch_inflight if arm.batch else 0)]
-        steps = asyncio.create_task(count_steps(session, engine, window)) if engine else None
+        counters = asyncio.create_task(counters_in(session, engine, window)) if engine else None
         await realtime(session, url, arm, arrivals, t0, rec)
-        if steps is not None:
-            rec.steps = await steps
+        if counters is not None:
+            rec.steps = ((await counters) or {}).get("steps")
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

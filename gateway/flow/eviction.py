@@ -108,7 +108,7 @@ class Evictor:
         limit = max(self.max_per_decision, min(wanted, borrowed_requests(bands, demand.priority, credit)))
         eligible = self._ordered([r for r in self.candidates if r.priority < demand.priority], now)
         # Those that hold an engine slot first: one waiting inside its replica (the queue allowance) frees none.
-        eligible = [r for r in eligible if not waits_inside(r)] + [r for r in eligible if waits_inside(r)]
+        eligible.sort(key=waits_inside)  # stable: the policy's order within each group
         victims = eligible[:min(wanted, limit)]
         if not victims:
             return None

@@ -49,10 +49,11 @@ class EvictionControl:
         # Dispatched non-sheddable requests whose answer has not begun, on replicas whose engine slots are known
         # (maxNumSeqs): each may be waiting inside vLLM behind running batch work.
         self.awaiting: set[FlowRequest] = set()
-        # Engine slots a blocked-band decision freed on each replica, stamped with the cycle's time: the request
-        # that decision was for is dispatched in the same cycle and takes one, so it is not also counted as
+        # Engine slots the last blocked-band decision freed on each replica, and that decision's time: the request
+        # it was for is dispatched in the same cycle (the same time) and takes one, so it is not also counted as
         # waiting inside that replica (which would evict a second running request for it).
-        self.freed: dict[Replica, tuple[float, int]] = {}
+        self.freed: collections.Counter[Replica] = collections.Counter()
+        self.freed_at = -1.0
         self._grace_timer: asyncio.TimerHandle | None = None
 
     def configure(self, ev: Eviction, detector: SaturationDetector, affinity: bool) -> None:
@@ -88,11 +89,12 @@ class EvictionControl:
         decision = self.evictor.decide(saturation, bands, blocked.priority, fc.in_flight, now)
         if decision is None:
             return False
-        self.freed = {}
+        self.freed.clear()
+        self.freed_at = now
         for victim in decision.victims:
             replica = victim.replica
             if isinstance(replica, Replica) and replica.max_num_seqs is not None and not waits_inside(victim):
-                self.freed[replica] = (now, self.freed.get(replica, (now, 0))[1] + 1)
+                self.freed[replica] += 1
             self.evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
                        demand_band=decision.demand_priority, saturation=round(saturation, 4),
                        deficit=round(decision.deficit, 4), victims=len(decision.victims))
@@ -148,10 +150,9 @@ class EvictionControl:
     def dispatched(self, req: FlowRequest) -> None:
         if not req.sheddable and getattr(req.replica, "max_num_seqs", None) is not None:
             self.awaiting.add(req)
-            stamped, slots = self.freed.get(req.replica, (None, 0))  # type: ignore[call-overload]
-            if slots and stamped == req.dispatched_at:  # a running victim's slot, freed for it in this cycle
-                req.slot_freed = True
-                self.freed[req.replica] = (stamped, slots - 1)  # type: ignore[index]
+            if req.dispatched_at == self.freed_at and self.freed[req.replica] > 0:  # type: ignore[index]
+                req.slot_freed = True  # a running victim's slot, freed for it in this cycle
+                self.freed[req.replica] -= 1  # type: ignore[index]
 
     def answering(self, req: FlowRequest) -> None:
         """Its first body chunk went out (or it ended): it waits for no slot."""
