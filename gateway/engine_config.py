@@ -31,6 +31,10 @@ class ReplicaEngine(_Model):
     # saturation.maxConcurrency there), and a realtime request the gateway sees waiting inside vLLM for a slot
     # evicts a running batch one on that replica.
     maxNumSeqs: int | None = Field(default=None, gt=0)
+    # With maxNumSeqs unset: learn it from the replica's metrics, which vLLM does not report as such. A replica
+    # that keeps requests waiting while its KV is mostly free is running all it may: its running count, seen
+    # alike at three scrapes in a row, is its slots (gateway/README.md, "Engine slots").
+    learnMaxNumSeqs: bool = True
     # Requests beyond maxNumSeqs the gateway may keep waiting inside vLLM (its queue, priority-ordered there
     # under `priority`): a freed slot is filled within the engine's next step instead of a relay's round trip.
     queueAllowance: int = Field(default=0, ge=0)
@@ -41,6 +45,7 @@ class ReplicaEngineOverride(_Model):
 
     schedulingPolicy: Literal["fcfs", "priority"] | None = None
     maxNumSeqs: int | None = Field(default=None, gt=0)
+    learnMaxNumSeqs: bool | None = None
     queueAllowance: int | None = Field(default=None, ge=0)
 
 

@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import aiohttp
@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("gateway.replicas")
 
+# Learning a replica's slots (Replica.see_slots): requests waiting while its KV is at most this full, seen at
+# this many scrapes in a row.
+LEARN_KV_BELOW = 0.5
+LEARN_SIGHTINGS = 3
 # A replica's answers that mean the gateway's key is missing or wrong.
 UNAUTHORIZED = (401, 403)
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
@@ -49,6 +53,11 @@ class Replica:
     # detector's saturation.maxConcurrency).
     max_num_seqs: int | None = None
     capacity: int | None = None
+    # Its slots as learned from its metrics (engine.learnMaxNumSeqs, used while maxNumSeqs is unset), and the
+    # running counts of the last scrapes in a row that showed it full (`see_slots`).
+    learned_slots: int | None = None
+    slot_sightings: list[int] = field(default_factory=list)
+    engine: ReplicaEngine | None = None
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc averaged over data-parallel engines
     kv_usage_max: float | None = None  # ... and the fullest engine's (one full engine preempts alone)
@@ -88,9 +97,48 @@ class Replica:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
 
     def take_engine(self, engine: ReplicaEngine) -> None:
-        """Its engine's slots (maxNumSeqs) and the gateway's capacity there (with the queue allowance)."""
-        self.max_num_seqs = engine.maxNumSeqs
-        self.capacity = engine.maxNumSeqs + engine.queueAllowance if engine.maxNumSeqs is not None else None
+        """Its engine's slots (maxNumSeqs, else the learned ones) and the gateway's capacity there (with the
+        queue allowance, which needs maxNumSeqs set)."""
+        self.engine = engine
+        if engine.maxNumSeqs is not None:
+            self.max_num_seqs = engine.maxNumSeqs
+            self.capacity = engine.maxNumSeqs + engine.queueAllowance
+        else:
+            self.max_num_seqs = self.capacity = self.learned_slots if engine.learnMaxNumSeqs else None
+
+    def see_slots(self) -> bool:
+        """Learn its engine's slots from the metrics just scraped; True when they changed.
+
+        vLLM runs at most --max-num-seqs requests and queues the rest, but it also queues a request its KV cannot
+        hold or its step's token budget has no room for. So a scrape counts only when requests wait while the KV
+        is at most half used (no request waits for KV then, short of one needing half the pool), and the slots
+        are learned once three such scrapes come in a row (a step's budget is spent within a step, never for
+        three scrape intervals). vLLM never runs more than its slots, so any running count is a floor: the
+        slots learned are the most seen running, and grow when more are seen, until the replica goes down (it
+        may come back with other flags: `forget_slots`)."""
+        if self.running is None or self.running < 1:
+            self.slot_sightings.clear()
+            return False
+        kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
+        if self.waiting and self.waiting >= 1 and kv is not None and kv <= LEARN_KV_BELOW:
+            self.slot_sightings = [*self.slot_sightings[-(LEARN_SIGHTINGS - 1):], int(self.running)]
+        else:
+            self.slot_sightings.clear()
+        if self.learned_slots is None and len(self.slot_sightings) < LEARN_SIGHTINGS:
+            return False
+        seen = max([int(self.running), *self.slot_sightings])
+        if self.learned_slots is not None and seen <= self.learned_slots:
+            return False
+        self.learned_slots = seen
+        if self.engine is not None:
+            self.take_engine(self.engine)
+        return True
+
+    def forget_slots(self) -> None:
+        self.learned_slots = None
+        self.slot_sightings.clear()
+        if self.engine is not None:
+            self.take_engine(self.engine)
 
     def serves_no_embeddings(self) -> bool:
         return self.no_embeddings_model is not None and self.no_embeddings_model == (self.model or "")
@@ -204,6 +252,7 @@ class ReplicaPool:
         """Take a replica out at once (its port refused a connection, or it died before answering)."""
         replica.failures = max(replica.failures, self.failures_to_down)
         replica.identified = False  # it may come back restarted, with another model or key
+        replica.forget_slots()  # ... and other engine flags
         if replica.healthy:
             replica.healthy = False
             log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason)
@@ -302,6 +351,7 @@ class ReplicaPool:
         if replica.healthy and (refused or replica.failures >= self.failures_to_down):
             replica.healthy = False
             replica.identified = False
+            replica.forget_slots()
             log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason,
                       failures=replica.failures)
             self.on_change()
@@ -361,6 +411,9 @@ class ReplicaPool:
         replica.kv_usage_max = values.get("kv_cache_usage_max")
         replica.waiting = values.get("vllm:num_requests_waiting")
         replica.running = values.get("vllm:num_requests_running")
+        if replica.see_slots() and replica.max_num_seqs == replica.learned_slots:
+            log_event(logger, "replica_slots_learned", replica=replica.url, slots=replica.learned_slots,
+                      running=replica.running, waiting=replica.waiting, kv_usage=replica.kv_usage_max)
         if "num_gpu_blocks" in values:
             replica.num_gpu_blocks = int(values["num_gpu_blocks"])
         if "block_size" in values:
