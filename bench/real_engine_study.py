@@ -62,11 +62,13 @@ CPU_BLOCK_TOKENS = 128
 # Every ratio is taken against these two, run next to the arm.
 BASELINES = ("realtime-only", "vllm-priority")
 # The gateway's keyless callers may use both objectives; KV admission off: request slots are what is compared.
-BASE_CONFIG = """
-anonymous: {enabled: true, objectives: [realtime, batch], defaultObjective: batch}
-admission: {enabled: false}
+CALLERS = "anonymous: {enabled: true, objectives: [realtime, batch], defaultObjective: batch}\n"
+BASE_CONFIG = CALLERS + """admission: {enabled: false}
 saturation: {detector: concurrency, maxConcurrency: %(slots)d}
 """
+
+
+HOLDBACK_50 = "usageLimit: {policy: priority-holdback, minCeiling: 0.5}\n"
 
 
 def arms(slots: int) -> list[Arm]:
@@ -77,18 +79,26 @@ def arms(slots: int) -> list[Arm]:
         Arm("vllm-priority", "vLLM priority alone (no gateway)", None),
         Arm("no-controls", "gateway, no holdback, no eviction",
             "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: none}\n"),
-        # The default priority-holdback: batch at half the slots, realtime and standard the whole of them.
-        Arm("holdback-50", "holdback 50%, no eviction", engine + "eviction: {policy: none}\n"),
+        # priority-holdback: batch at half the slots, realtime and standard the whole of them.
+        Arm("holdback-50", "holdback 50%, no eviction", engine + HOLDBACK_50 + "eviction: {policy: none}\n"),
         Arm("evict-priority", "no reserve, eviction, slots = maxNumSeqs, priorities passed", engine
             + "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: newest-first, maxPerDecision: 16}\n"),
         Arm("evict-allowance", "the same + queueAllowance 2 (realtime waits inside vLLM, evicts there)",
             f"engine: {{schedulingPolicy: priority, maxNumSeqs: {slots}, queueAllowance: 2}}\n"
             "usageLimit: {policy: static, threshold: 1.0}\neviction: {policy: newest-first, maxPerDecision: 16}\n",
             default=False),
-        Arm("holdback-50-evict", "holdback 50% + eviction, priorities passed", engine
+        # gateway/default.yaml's settings, nothing said about the engine: KV admission on, 48 requests a replica
+        # until its slots are learned from its metrics, no reserve, eviction.
+        Arm("shipped-default", "the shipped default: no engine settings, slots learned", "", shared=False),
+        # The default before 2026-12-04: holdback 50% of maxConcurrency (48) + eviction, slots not learned.
+        Arm("previous-default", "the previous default: holdback 50% of 48 + eviction, nothing learned",
+            "usageLimit: {policy: priority-holdback, minCeiling: 0.5}\nengine: {learnMaxNumSeqs: false}\n",
+            shared=False, default=False),
+        Arm("holdback-50-evict", "holdback 50% + eviction, priorities passed", engine + HOLDBACK_50
             + "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
         Arm("adaptive-evict", "adaptive reserve (floor 50%) + eviction, priorities passed", engine
-            + "usageLimit: {policy: adaptive-reserve, minCeiling: 0.5, maxCeiling: 1.0}\n"
+            + "usageLimit: {policy: adaptive-reserve, minCeiling: 0.5, maxCeiling: 1.0, adaptive: "
+            "{margin: 0.1, halfLifeSeconds: 10, peakWindowSeconds: 30}}\n"
             "eviction: {policy: newest-first, maxPerDecision: 16}\n"),
         # The reserve is realtime's own recent peak (no margin, no floor, a 3 s window): the slot realtime keeps
         # using stays free for it, and only an arrival beyond that peak evicts.
@@ -142,7 +152,7 @@ def start_engine(children: Children, tmp: Path, python: str, model: str, slots: 
 def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int, pin: bool = True) -> str:
     port = free_port()
     path = tmp / f"{arm.name}.yaml"
-    path.write_text(BASE_CONFIG % {"slots": slots} + (arm.gateway or ""))
+    path.write_text((BASE_CONFIG % {"slots": slots} if arm.shared else CALLERS) + (arm.gateway or ""))
     p = children.start([*pinned(RELAY_CPU, pin), *holdback(
         "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", "WARNING")],
         tmp / f"{arm.name}-gateway.log")

@@ -30,6 +30,7 @@ class Arm:
     gateway: str | None  # extra gateway YAML; None: straight to vLLM
     batch: bool = True
     default: bool = True  # False: run only when named in --arms
+    shared: bool = True  # False: the gateway runs `gateway` alone, without the study's common settings
 
 
 @dataclass

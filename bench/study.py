@@ -99,6 +99,9 @@ class Scenario:
     max_ceiling: float = 1.0
     # False: no realtime traffic; the window only measures batch alone (the harvest's denominator).
     realtime: bool = True
+    # True: the gateway's KV admission on, with gateway/default.yaml's settings but no per-tenant share (the
+    # study's batch is one tenant's), off in the seed's scenarios, which compare request-count control only.
+    kv_admission: bool = False
     # The gateway's picker.evictedAffinity: an evicted request's retry goes back to the replica it ran on.
     evicted_affinity: bool = True
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
@@ -127,6 +130,8 @@ class Scenario:
             "eviction": {"enabled": self.eviction, "maxPerDecision": 2,
                          **({"policy": self.eviction_policy} if self.eviction_policy else {})},
             **({} if self.evicted_affinity else {"picker": {"evictedAffinity": False}}),
+            **({"admission": {"enabled": True, "tenantMaxShare": 1.0, "tenantSoftShare": 1.0}}
+               if self.kv_admission else {}),
         }
 
 
@@ -137,6 +142,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("holdback_50", "Priority holdback (50% reserve)", batch_ceiling=0.5),
     Scenario("holdback_50_evict", "Holdback (50%) + eviction and retry", batch_ceiling=0.5, eviction=True),
     Scenario("reserve_25_evict", "Reserve 25% + eviction", batch_ceiling=0.75, eviction=True),
+    # No reserve at all: batch may fill the pool, and realtime takes its slots back by eviction (the real-engine
+    # study's best configuration, gateway/default.yaml's since it measured best there).
+    Scenario("no_reserve_evict", "No reserve + eviction", batch_ceiling=None, eviction=True),
+    # gateway/default.yaml against the seed's default, both with the default's KV admission.
+    Scenario("no_reserve_evict_kv", "No reserve + eviction, KV admission", batch_ceiling=None, eviction=True,
+             kv_admission=True),
+    Scenario("holdback_50_evict_kv", "Holdback (50%) + eviction, KV admission", batch_ceiling=0.5, eviction=True,
+             kv_admission=True),
     Scenario("reserve_75_evict", "Reserve 75% + eviction", batch_ceiling=0.25, eviction=True),
     Scenario("reserve_25_noevict", "Reserve 25%, eviction off", batch_ceiling=0.75, eviction=False),
     Scenario("two_replicas", "Holdback (50%) + eviction, two replicas", batch_ceiling=0.5, eviction=True, replicas=2),
