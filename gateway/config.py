@@ -91,14 +91,15 @@ class AdaptiveReserve(_Model):
 
     # Bands at or above this priority are the demand the reserve protects; bands below are limited.
     protectedPriority: int = 0
-    # Pool share kept free above the forecast.
-    margin: float = Field(default=0.1, ge=0, lt=1)
-    halfLifeSeconds: float = Field(default=10.0, gt=0)
-    peakWindowSeconds: float = Field(default=30.0, ge=0)
+    # Pool share kept free above the forecast. The defaults are the simulator study's (docs/study/full): eviction
+    # covers the forecast's error, so a short window and a small margin lend batch more.
+    margin: float = Field(default=0.05, ge=0, lt=1)
+    halfLifeSeconds: float = Field(default=5.0, gt=0)
+    peakWindowSeconds: float = Field(default=5.0, ge=0)
 
 
 class UsageLimit(_Model):
-    policy: Literal["priority-holdback", "static", "adaptive-reserve"] = "priority-holdback"
+    policy: Literal["priority-holdback", "static", "adaptive-reserve"] = "adaptive-reserve"
     minCeiling: float = Field(default=0.5, ge=0, lt=1)
     maxCeiling: float = Field(default=1.0, gt=0, le=1)
     domain: Literal["rank", "value"] = "rank"

@@ -26,9 +26,14 @@ class Clock:
         return self.t
 
 
+HOLDBACK = "usageLimit: {policy: priority-holdback}\n"
+
+
 def controller(extra="", replicas=1, max_concurrency=4):
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
-    text = f"replicas: {urls}\nsaturation: {{maxConcurrency: {max_concurrency}}}\n{extra}"
+    # The fixed 50% reserve these tests count in (the shipped default's reserve follows realtime demand).
+    usage = "" if "usageLimit" in extra else HOLDBACK
+    text = f"replicas: {urls}\nsaturation: {{maxConcurrency: {max_concurrency}}}\n{usage}{extra}"
     pool = ReplicaPool(urls)
     for r in pool.replicas:
         r.healthy = True
@@ -318,7 +323,7 @@ def test_reload_keeps_queued_requests_and_applies_new_ceilings():
         fc.submit(waiting)
         assert fc.bands.ceilings[-10] == pytest.approx(0.5)
         fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
-                                     "usageLimit: {minCeiling: 0.75}", "reloaded"))
+                                     "usageLimit: {policy: priority-holdback, minCeiling: 0.75}", "reloaded"))
         assert fc.bands.ceilings[-10] == pytest.approx(0.75) and fc.loaded.source == "reloaded"
         fc.cycle()
         assert waiting.status is Status.DISPATCHED
@@ -337,7 +342,7 @@ def test_a_reloaded_band_ttl_expires_requests_already_queued_counted_from_their_
         assert fc.submit(young) is Outcome.QUEUED
         clock.t += 0.5
         fc.apply_config(parse_config("replicas: ['http://127.0.0.1:9000']\nsaturation: {maxConcurrency: 4}\n"
-                                     "flowControl: {bands: [{priority: -10, ttl: 2}]}", "reloaded"))
+                                     + HOLDBACK + "flowControl: {bands: [{priority: -10, ttl: 2}]}", "reloaded"))
         fc.cycle()
         assert old.status is Status.REJECTED and old.drop_reason is DropReason.TTL_EXPIRED
         assert young.status is Status.QUEUED and fc.bands[-10].queued == 1

@@ -43,8 +43,8 @@ async def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02):
 
 def test_batch_in_flight_never_exceeds_its_ceiling(stack):
     sims = stack.sim(2)
-    # 2 replicas x maxConcurrency 4 = 8 slots; the default holdback gives batch a 0.5 ceiling: 4 in flight.
-    gw = stack.gateway(sims, "saturation: {maxConcurrency: 4}\n")
+    # 2 replicas x maxConcurrency 4 = 8 slots; priority-holdback gives batch a 0.5 ceiling: 4 in flight.
+    gw = stack.gateway(sims, "saturation: {maxConcurrency: 4}\nusageLimit: {policy: priority-holdback}\n")
     assert gw.band(-10)["ceiling"] == 0.5
 
     async def main():
@@ -344,7 +344,8 @@ def test_sighup_rejects_a_bad_config_and_applies_a_good_one(stack):
     assert gw.proc.poll() is None
     assert httpx.post(gw.url + "/v1/completions", json=body(2), timeout=10).status_code == 200
 
-    gw.config_path.write_text("saturation: {maxConcurrency: 8}\nusageLimit: {minCeiling: 0.25}\n")
+    gw.config_path.write_text("saturation: {maxConcurrency: 8}\n"
+                              "usageLimit: {policy: priority-holdback, minCeiling: 0.25}\n")
     gw.reload()
     deadline = time.monotonic() + 10
     while gw.state()["config"]["digest"] == first and time.monotonic() < deadline:

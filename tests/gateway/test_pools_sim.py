@@ -94,8 +94,8 @@ def test_each_models_traffic_reaches_only_its_pool_and_an_unknown_model_is_answe
 
 
 def test_holdback_and_eviction_in_one_pool_never_touch_the_other_pools_requests(stack):
-    # pool-b: 2 slots, batch held at half of them (1); pool-a: 2 x 48 slots.
-    sims_a, sim_b, gw = two_pools(stack, ", saturation: {maxConcurrency: 2}")
+    # pool-b: 2 slots, batch held at half of them (1, the fixed reserve); pool-a: 2 x 48 slots.
+    sims_a, sim_b, gw = two_pools(stack, ", saturation: {maxConcurrency: 2}, usageLimit: {policy: priority-holdback}")
 
     def band(pool: str, priority: int) -> dict:
         return next(b for b in gw.state()["pools"][pool]["bands"] if b["priority"] == priority)

@@ -175,3 +175,36 @@ def test_realtime_waiting_inside_vllm_evicts_the_running_batch_request_which_vll
     assert len(run.after) >= run.queued - 1, run
     poll(lambda: evicted[0] in priority_vllm.aborted(), 30, "vLLM to log the evicted request's abort",
          priority_vllm.log_tail)
+
+
+async def learn_slots(server: VllmServer, requests: int) -> int | None:
+    """`requests` long batch requests through a gateway told nothing of the engine: the slots it learned from
+    vLLM's metrics by the time they all ended (None: none)."""
+    done: list[tuple[str, float, str]] = []
+    config = ALLOWANCE + "metrics: {scrapeIntervalSeconds: 0.1}\n"
+    async with in_process_gateway([server.url], config) as (gw, url), httpx.AsyncClient(timeout=120) as client:
+        deadline = time.monotonic() + 60
+        while not gw.pool.healthy():
+            assert time.monotonic() < deadline, "the gateway never identified the replica"
+            await asyncio.sleep(0.05)
+        replica = gw.pool.replicas[0]
+        assert replica.capacity is None  # maxConcurrency until learned
+        await asyncio.gather(*(completion(client, url, "batch", 480, done, f"learn-batch-{i}")
+                               for i in range(requests)))
+        assert all(how == "length" for _n, _at, how in done), done
+        if replica.learned_slots is not None:
+            assert replica.capacity == replica.max_num_seqs == replica.learned_slots
+        return replica.learned_slots
+
+
+def test_the_gateway_learns_the_engines_max_num_seqs_from_its_metrics(priority_vllm):
+    """One slot (`--max-num-seqs 1`) and a gateway allowed 48 there: 16 streams of 480 tokens keep vLLM's queue
+    full for seconds, long enough for three scrapes in a row to see requests waiting. On a loaded machine vLLM's
+    /metrics can answer late while it streams, so a run whose scrapes all came late is run again (twice more at
+    most)."""
+    for _ in range(3):
+        learned = asyncio.run(learn_slots(priority_vllm, 16))
+        if learned is not None:
+            assert learned == 1
+            return
+    raise AssertionError("three runs with vLLM's queue full and the slots never learned")
