@@ -183,7 +183,7 @@ class FlowController:
             return self._reject(req, DropReason.TTL_EXPIRED, band)
         # KV admission at arrival, whatever is queued: what can never run is refused before it queues, and a wait
         # for KV room is timed from now.
-        kv = self.admission.decide(self._demand(req), healthy, now) if self.admission is not None else None
+        kv = self.admission.decide(self.demand(req), healthy, now) if self.admission is not None else None
         if kv is not None and kv.outcome is KvOutcome.REJECT:
             return self._reject_kv(req, kv, band)
         kv_wait = kv is not None and kv.outcome is KvOutcome.QUEUE
@@ -277,7 +277,7 @@ class FlowController:
         admission, res = self.admission, req.reservation
         if admission is not None and isinstance(res, Reservation):
             # Its blocks are held on the old replica; quotas already count them, only room matters here.
-            demand = admission.within_context(self._demand(req), others)
+            demand = admission.within_context(self.demand(req), others)
             fits = lambda r: admission.fits(demand, admission.kv_tokens(demand, r), r)  # noqa: E731
         new = self.picker.pick(others, self.detector, self.clock(), fits)
         if new is None:
@@ -361,6 +361,8 @@ class FlowController:
                     break
                 if placed.verdict is Verdict.WAIT_KV:
                     self._start_kv_wait(req, now)
+                    if self.eviction.enabled:
+                        self.eviction.for_kv_wait(req, healthy, now)
                     break  # head-of-line: this band and the ones below wait for KV room
                 band.pop(req)
                 self.total_queued -= 1
@@ -387,7 +389,7 @@ class FlowController:
             return BLOCKED
         if self.admission is not None:
             if kv is None:
-                kv = self.admission.decide(self._demand(req), healthy, now)
+                kv = self.admission.decide(self.demand(req), healthy, now)
             if kv.outcome is KvOutcome.REJECT:
                 return Placement(Verdict.REJECT, kv=kv)
             if kv.outcome is KvOutcome.QUEUE:
@@ -406,7 +408,7 @@ class FlowController:
             self.tally.affinity_kept += 1
         if self.admission is not None and self.ledger is not None:
             # As the replica runs it: the output clamped to the context, every sequence's own.
-            demand = self.admission.within_context(self._demand(req), self.pool.healthy())
+            demand = self.admission.within_context(self.demand(req), self.pool.healthy())
             req.reservation = self.ledger.reserve(
                 request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
                 priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
@@ -436,7 +438,7 @@ class FlowController:
 
     def _reject_kv(self, req: FlowRequest, decision: Decision | None, band: PriorityBand) -> Outcome:
         assert decision is not None and decision.reason is not None
-        self.tally.kv_rejection(decision.reason, self._demand(req).held_tokens)
+        self.tally.kv_rejection(decision.reason, self.demand(req).held_tokens)
         return self._reject(req, decision.reason, band, decision.message)
 
     def _expire(self, now: float) -> None:
@@ -471,7 +473,7 @@ class FlowController:
             return replica.kv_usage or 0.0
         return self.admission.occupancy(replica) / self.admission.pool_tokens(replica)
 
-    def _demand(self, req: FlowRequest) -> Demand:
+    def demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
                       sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact)
 

@@ -1,8 +1,9 @@
 """Eviction as flow control carries it out: the two triggers, the Evictor's decision, each victim's eviction.
 
 The triggers are a dispatch cycle stopped at a blocked band (`for_blocked_band`), a replica whose KV
-occupancy reached the hard watermark (`over_hard_watermark`), and a higher-priority request waiting inside its
-replica for an engine slot (`for_waiting_inside`); the `Evictor` (gateway/flow/eviction.py) sizes the
+occupancy reached the hard watermark (`over_hard_watermark`), a request above batch that KV admission keeps
+waiting (`for_kv_wait`), and a higher-priority request waiting inside its replica for an engine slot
+(`for_waiting_inside`); the `Evictor` (gateway/flow/eviction.py) sizes the
 decision and the configured victim policy orders the candidates. Evicting a victim keeps its place in line and
 its replica for the retry that comes back with the same request id (the worker's row id), hands its slot on at
 once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
@@ -118,6 +119,36 @@ class EvictionControl:
                            occupancy=round(admission.occupancy(replica) / pool, 4))
             if victims:
                 return
+
+    def for_kv_wait(self, req: FlowRequest, healthy: list[Replica], now: float) -> None:
+        """A request above batch that KV admission keeps waiting: evict batch work for it, as for one waiting
+        for a request slot. The replica is the one where the least must be freed and the batch reservations
+        there cover it; the victims' reservations must cover the shortfall (the policy's order, at most
+        `maxPerDecision`, paced as the hard-watermark trigger: the freed blocks show after a scrape)."""
+        admission = self.fc.admission
+        if req.sheddable or admission is None or not self.evictor.candidates:
+            return
+        demand = admission.within_context(self.fc.demand(req), healthy)
+        soft = admission.soft_over(req.fairness_id, sum(admission.pool_tokens(r) for r in healthy)) > 0
+        held: collections.Counter[Replica] = collections.Counter()
+        for victim in self.evictor.candidates:
+            if victim.priority < req.priority and victim.reservation is not None:
+                held[victim.replica] += victim.reservation.kv_tokens  # type: ignore[index]
+        choice: tuple[float, Replica] | None = None
+        for replica in healthy:
+            short = admission.shortfall(demand, replica, soft)
+            if short <= 0:
+                return  # it fits there: what holds it back is not KV
+            if held[replica] >= short and (choice is None or short < choice[0]):
+                choice = (short, replica)
+        if choice is None:
+            return
+        short, replica = choice
+        grace = max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
+        victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now)
+        for victim in victims:
+            self.evict(victim, now, replica=replica.url, trigger="kv-wait", waiting=req.request_id,
+                       shortfall_tokens=round(short))
 
     def for_waiting_inside(self, now: float) -> None:
         """Higher-priority requests waiting inside their replica for an engine slot, as surely as in our queue.

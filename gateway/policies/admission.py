@@ -9,7 +9,8 @@ occupancy after adding its reservation stays under the step of the pressure ladd
   priority ≤ 0, long       ≤ admissionWatermark (0.82)   (long: prompt + n × max new ≥ longRequestTokens)
   batch class              ≤ batchPauseWatermark (0.88), and batch reservations ≤ (1 − interactiveReserve)
   tenant over its soft share: only while the replica stays under admissionWatermark
-Above hardWatermark the flow controller evicts recoverable batch work. The context limit rejects only what vLLM
+Above hardWatermark the flow controller evicts recoverable batch work, and a request above batch that waits
+for KV room evicts batch work where the least must be freed for it (`shortfall`). The context limit rejects only what vLLM
 rejects (a prompt that fills the context, an explicit output limit above it); an output limit that runs past
 the context is reserved as vLLM clamps it, to the context's end. Quotas (hard tenant share, reserved tokens,
 active sequences, context length, token-seconds) reject with the quota's name, limit and usage.
@@ -160,6 +161,12 @@ class KvAdmission:
         if soft_over:
             cap = min(cap, cfg.admissionWatermark)
         return cap
+
+    def shortfall(self, d: Demand, replica: ReplicaView, soft_over: bool = False) -> float:
+        """KV tokens to free on `replica` before `d` (within the context) fits there under its step of the
+        ladder; 0 when it fits."""
+        need = self.kv_tokens(d, replica)
+        return max(0.0, self.occupancy(replica) + need - self._cap(d, soft_over) * self.pool_tokens(replica))
 
     def fits(self, d: Demand, kv_tokens: int, replica: ReplicaView, soft_over: bool = False) -> bool:
         pool = self.pool_tokens(replica)

@@ -179,6 +179,29 @@ def test_batch_is_evicted_when_the_replica_passes_the_hard_watermark(stack):
     asyncio.run(main())
 
 
+def test_realtime_waiting_for_kv_evicts_the_batch_work_holding_it(stack):
+    """Batch holds 700 of 1000 blocks (under its 750); a realtime request of 300 would take the replica past the
+    hard watermark (920), so KV admission queues it, and it evicts the batch request (trigger kv-wait) rather
+    than wait for it to end."""
+    [sim] = stack.sim(1, *SIM_ARGS)
+    gw = stack.gateway([sim], BASE)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            await wait_until(lambda: kv(gw, sim)["total_blocks"] == 1000)
+            batch = Held(client, blocks_body(700, 3000), hdr("batch", "bulk"))
+            await wait_until(lambda: batch.chunks)
+            rt = await client.post("/v1/completions", json=blocks_body(300, 20, stream=False),
+                                   headers=hdr("realtime", "app"))
+            assert rt.status_code == 200, rt.text
+            await wait_until(lambda: batch.task.done(), timeout=60)
+            assert batch.status == 200 and '"code": "evicted"' in batch.text  # cut mid-stream, told why
+            assert gw.state()["totals"]["evictions"]["issued"] == 1
+            assert '"trigger":"kv-wait"' in gw.log()
+
+    asyncio.run(main())
+
+
 def test_release_on_finish_cancel_and_disconnect(stack):
     [sim] = stack.sim(1, *SIM_ARGS)
     gw = stack.gateway([sim], BASE)

@@ -1,0 +1,79 @@
+"""A request above batch that KV admission keeps waiting evicts batch work for it (trigger `kv-wait`), as one
+waiting for a request slot does: on the replica where the least must be freed, victims whose reservations
+cover the shortfall, paced until the freed blocks show."""
+
+import asyncio
+
+from gateway.flow.interface import Outcome
+from gateway.flow.request import DropReason, Status
+from tests.gateway.test_flow_control import controller, req
+
+# 100 KV blocks of 16 tokens; batch reserves at most 75 of them, realtime up to the hard watermark (92).
+KV = ("admission: {enabled: true, kvPoolBlocks: 100, tenantMaxShare: 1.0, tenantSoftShare: 1.0}\n"
+      "usageLimit: {policy: static}\neviction: {policy: newest-first, maxPerDecision: 2}\n")
+
+
+def sized(fc, clock, objective, blocks):
+    r = req(fc, clock, objective, fid=objective)  # each its own tenant: no share binds
+    r.prompt_tokens, r.max_new_tokens = blocks * 16 - 16, 16
+    r.task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+    clock.t += 0.01
+    return r
+
+
+def test_realtime_waiting_for_kv_evicts_the_batch_work_that_covers_it_and_no_more():
+    async def main():
+        fc, clock = controller(KV, max_concurrency=8)
+        old, new, small = (sized(fc, clock, "batch", n) for n in (40, 25, 5))
+        assert [fc.submit(r) for r in (old, new, small)] == [Outcome.DISPATCHED] * 3  # 70 of 75
+        rt = sized(fc, clock, "realtime", 40)
+        assert fc.submit(rt) is Outcome.QUEUED  # 70 + 40 > 92
+        fc.cycle()
+        # 18 blocks short: newest first, the 5-block request is not enough, the 25-block one covers the rest.
+        assert small.drop_reason is DropReason.EVICTED and new.drop_reason is DropReason.EVICTED
+        assert old.drop_reason is None and rt.status is Status.QUEUED
+        assert fc.snapshot()["totals"]["evictions"]["issued"] == 2
+        fc.cycle()  # nothing more while the victims' reservations are held
+        assert old.drop_reason is None
+        fc.finish(small)
+        fc.finish(new)
+        clock.t += 1.0  # past the grace in which the freed blocks show in a scrape
+        fc.cycle()
+        assert rt.status is Status.DISPATCHED and old.status is Status.DISPATCHED
+        for r in (old, new, small, rt):
+            r.task.cancel()
+    asyncio.run(main())
+
+
+def test_batch_waiting_for_kv_evicts_nothing_and_neither_does_realtime_that_no_batch_could_make_room_for():
+    async def main():
+        fc, clock = controller(KV, max_concurrency=8)
+        held = sized(fc, clock, "batch", 70)
+        assert fc.submit(held) is Outcome.DISPATCHED
+        more = sized(fc, clock, "batch", 10)
+        assert fc.submit(more) is Outcome.QUEUED  # 80 > 75: batch waits for batch
+        fc.cycle()
+        assert held.drop_reason is None
+        rt = sized(fc, clock, "realtime", 20)
+        assert fc.submit(rt) is Outcome.DISPATCHED  # 90 <= 92
+        big = sized(fc, clock, "standard", 80)
+        assert fc.submit(big) is Outcome.QUEUED  # 90 + 80 - 92 = 78 short, batch holds 70: evicting it would not do
+        fc.cycle()
+        assert held.drop_reason is None and fc.snapshot()["totals"]["evictions"].get("issued", 0) == 0
+        for r in (held, more, rt, big):
+            r.task.cancel()
+    asyncio.run(main())
+
+
+def test_with_eviction_off_realtime_waits_for_kv():
+    async def main():
+        fc, clock = controller(KV.replace("newest-first", "none"), max_concurrency=8)
+        batch = sized(fc, clock, "batch", 70)
+        assert fc.submit(batch) is Outcome.DISPATCHED
+        rt = sized(fc, clock, "realtime", 40)
+        assert fc.submit(rt) is Outcome.QUEUED
+        fc.cycle()
+        assert batch.drop_reason is None and rt.status is Status.QUEUED
+        for r in (batch, rt):
+            r.task.cancel()
+    asyncio.run(main())
