@@ -143,13 +143,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("holdback_50_evict", "Holdback (50%) + eviction and retry", batch_ceiling=0.5, eviction=True),
     Scenario("reserve_25_evict", "Reserve 25% + eviction", batch_ceiling=0.75, eviction=True),
     # No reserve at all: batch may fill the pool, and realtime takes its slots back by eviction (the real-engine
-    # study's best configuration, gateway/default.yaml's since it measured best there).
+    # study's best configuration; docs/study/no-reserve/ says why it is not the default).
     Scenario("no_reserve_evict", "No reserve + eviction", batch_ceiling=None, eviction=True),
-    # gateway/default.yaml against the seed's default, both with the default's KV admission.
+    # The same, the fixed 50% reserve and the adaptive one (gateway/default.yaml's usageLimit), each with KV
+    # admission as the default has it.
     Scenario("no_reserve_evict_kv", "No reserve + eviction, KV admission", batch_ceiling=None, eviction=True,
              kv_admission=True),
     Scenario("holdback_50_evict_kv", "Holdback (50%) + eviction, KV admission", batch_ceiling=0.5, eviction=True,
              kv_admission=True),
+    Scenario("adaptive_evict_kv", "Adaptive reserve + eviction, KV admission", batch_ceiling=0.5, eviction=True,
+             adaptive=True, kv_admission=True),
     Scenario("reserve_75_evict", "Reserve 75% + eviction", batch_ceiling=0.25, eviction=True),
     Scenario("reserve_25_noevict", "Reserve 25%, eviction off", batch_ceiling=0.75, eviction=False),
     Scenario("two_replicas", "Holdback (50%) + eviction, two replicas", batch_ceiling=0.5, eviction=True, replicas=2),
