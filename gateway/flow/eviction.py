@@ -115,15 +115,18 @@ class Evictor:
         self._mark(victims, now)
         return EvictionDecision(victims, demand.priority, deficit, credit)
 
-    def decide_kv(self, replica: object, excess_blocks: float, grace: float, now: float) -> list[FlowRequest]:
-        """Victims on `replica` whose reservations cover `excess_blocks` (KV occupancy over the hard watermark)."""
+    def decide_kv(self, replica: object, excess_blocks: float, grace: float, now: float,
+                  limit: int | None = None) -> list[FlowRequest]:
+        """Victims on `replica` whose reservations cover `excess_blocks` (KV occupancy over the hard watermark, or
+        what requests waiting for KV need), at most `limit` (None: `maxPerDecision`)."""
         if self.pending or now < self.last_settled + grace:
             return []
         eligible = self._ordered([r for r in self.candidates if r.replica is replica], now)
         victims: list[FlowRequest] = []
         freed = 0
+        most = self.max_per_decision if limit is None else limit
         for req in eligible:
-            if freed >= excess_blocks or len(victims) >= self.max_per_decision:
+            if freed >= excess_blocks or len(victims) >= most:
                 break
             victims.append(req)
             freed += getattr(req.reservation, "blocks", 0)

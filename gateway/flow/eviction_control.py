@@ -123,8 +123,9 @@ class EvictionControl:
     def for_kv_wait(self, req: FlowRequest, healthy: list[Replica], now: float) -> None:
         """A request above batch that KV admission keeps waiting: evict batch work for it, as for one waiting
         for a request slot. The replica is the one where the least must be freed and the batch reservations
-        there cover it; the victims' reservations must cover the shortfall (the policy's order, at most
-        `maxPerDecision`, paced as the hard-watermark trigger: the freed blocks show after a scrape)."""
+        there cover it. The victims (the policy's order) cover its shortfall and what every other request above
+        batch queued behind it needs there, in one decision: a burst is not served `maxPerDecision` victims a
+        scrape. Decisions are paced as the hard-watermark trigger's (the freed blocks show after a scrape)."""
         admission = self.fc.admission
         if req.sheddable or admission is None or not self.evictor.candidates:
             return
@@ -144,8 +145,15 @@ class EvictionControl:
         if choice is None:
             return
         short, replica = choice
+        for band in self.fc.bands.desc:
+            if band.priority < 0:
+                break  # the sheddable bands wait for batch's own room
+            for other in band.waiting():
+                if other is not req:
+                    short += admission.kv_tokens(admission.within_context(self.fc.demand(other), healthy), replica)
         grace = max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
-        victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now)
+        victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now,
+                                         limit=len(self.evictor.candidates))
         for victim in victims:
             self.evict(victim, now, replica=replica.url, trigger="kv-wait", waiting=req.request_id,
                        shortfall_tokens=round(short))

@@ -45,6 +45,26 @@ def test_realtime_waiting_for_kv_evicts_the_batch_work_that_covers_it_and_no_mor
     asyncio.run(main())
 
 
+def test_a_burst_waiting_for_kv_is_covered_in_one_decision_beyond_max_per_decision():
+    async def main():
+        fc, clock = controller(KV, max_concurrency=8)
+        batch = [sized(fc, clock, "batch", 14) for _ in range(5)]
+        assert [fc.submit(r) for r in batch] == [Outcome.DISPATCHED] * 5  # 70 of 75
+        burst = [sized(fc, clock, "realtime", 30) for _ in range(2)]
+        assert [fc.submit(r) for r in burst] == [Outcome.QUEUED] * 2  # 70 + 30 > 92
+        fc.cycle()
+        # Both need 70 + 60 - 92 = 38 blocks: three 14-block victims at once (maxPerDecision is 2), newest first.
+        assert [r.drop_reason is DropReason.EVICTED for r in batch] == [False, False, True, True, True]
+        for victim in batch[2:]:
+            fc.finish(victim)
+        clock.t += 1.0
+        fc.cycle()
+        assert [r.status for r in burst] == [Status.DISPATCHED] * 2
+        for r in (*batch, *burst):
+            r.task.cancel()
+    asyncio.run(main())
+
+
 def test_batch_waiting_for_kv_evicts_nothing_and_neither_does_realtime_that_no_batch_could_make_room_for():
     async def main():
         fc, clock = controller(KV, max_concurrency=8)
