@@ -32,8 +32,8 @@ class ReplicaEngine(_Model):
     # evicts a running batch one on that replica.
     maxNumSeqs: int | None = Field(default=None, gt=0)
     # With maxNumSeqs unset: learn it from the replica's metrics, which vLLM does not report as such. A replica
-    # that keeps requests waiting while its KV is mostly free is running all it may: its running count, seen
-    # alike at three scrapes in a row, is its slots (gateway/README.md, "Engine slots").
+    # that keeps requests waiting for 2 s while its KV is mostly free and the same number, its most, run is
+    # running all it may: that number is its slots (gateway/README.md, "Engine slots learned").
     learnMaxNumSeqs: bool = True
     # Requests beyond maxNumSeqs the gateway may keep waiting inside vLLM (its queue, priority-ordered there
     # under `priority`): a freed slot is filled within the engine's next step instead of a relay's round trip.

@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import aiohttp
@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("gateway.replicas")
 
-# Learning a replica's slots (Replica.see_slots): requests waiting while its KV is at most this full, seen at
-# this many scrapes in a row.
+# Learning a replica's slots (Replica.see_slots): requests waiting while its KV is at most this full and the
+# same number running, at every scrape for this long.
 LEARN_KV_BELOW = 0.5
-LEARN_SIGHTINGS = 3
+LEARN_SECONDS = 2.0
 # A replica's answers that mean the gateway's key is missing or wrong.
 UNAUTHORIZED = (401, 403)
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
@@ -53,10 +53,11 @@ class Replica:
     # detector's saturation.maxConcurrency).
     max_num_seqs: int | None = None
     capacity: int | None = None
-    # Its slots as learned from its metrics (engine.learnMaxNumSeqs, used while maxNumSeqs is unset), and the
-    # running counts of the last scrapes in a row that showed it full (`see_slots`).
+    # Its slots as learned from its metrics (engine.learnMaxNumSeqs, used while maxNumSeqs is unset), when and at
+    # what running count the scrapes in a row that show it full began, and the most it has run (`see_slots`).
     learned_slots: int | None = None
-    slot_sightings: list[int] = field(default_factory=list)
+    slots_seen: tuple[float, int] | None = None
+    peak_running: int = 0
     engine: ReplicaEngine | None = None
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc averaged over data-parallel engines
@@ -106,37 +107,43 @@ class Replica:
         else:
             self.max_num_seqs = self.capacity = self.learned_slots if engine.learnMaxNumSeqs else None
 
-    def see_slots(self) -> bool:
-        """Learn its engine's slots from the metrics just scraped; True when they changed.
+    def see_slots(self, now: float) -> bool:
+        """Learn its engine's slots from the metrics just scraped at `now` (monotonic); True when they changed.
 
         vLLM runs at most --max-num-seqs requests and queues the rest, but it also queues a request its KV cannot
-        hold or its step's token budget has no room for. So a scrape counts only when requests wait while the KV
-        is at most half used (no request waits for KV then, short of one needing half the pool), and the slots
-        are learned once three such scrapes come in a row (a step's budget is spent within a step, never for
-        three scrape intervals). vLLM never runs more than its slots, so any running count is a floor: the
-        slots learned are the most seen running, and grow when more are seen, until the replica goes down (it
-        may come back with other flags: `forget_slots`)."""
-        if self.running is None or self.running < 1:
-            self.slot_sightings.clear()
-            return False
-        kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
-        if self.waiting and self.waiting >= 1 and kv is not None and kv <= LEARN_KV_BELOW:
-            self.slot_sightings = [*self.slot_sightings[-(LEARN_SIGHTINGS - 1):], int(self.running)]
+        hold or its step's token budget has no room for, and a replica whose metrics are read between steps
+        (the simulator) shows the requests that arrived during a step as waiting. Only a slot limit pins the
+        running count while requests wait: so the slots are learned from scrapes in a row, spanning
+        LEARN_SECONDS, at which requests waited, the KV was at most half used (no request waits for KV then,
+        short of one needing half the pool), and the same number ran, the most this replica has run since it
+        came up. vLLM never runs more than its slots, so a running count above the learned slots raises them.
+        Learned slots are forgotten when the replica goes down (it may come back with other flags)."""
+        running = int(self.running) if self.running is not None else 0
+        self.peak_running = max(self.peak_running, running)
+        if self.learned_slots is not None:
+            if running <= self.learned_slots:
+                return False
+            self.learned_slots = running
         else:
-            self.slot_sightings.clear()
-        if self.learned_slots is None and len(self.slot_sightings) < LEARN_SIGHTINGS:
-            return False
-        seen = max([int(self.running), *self.slot_sightings])
-        if self.learned_slots is not None and seen <= self.learned_slots:
-            return False
-        self.learned_slots = seen
+            kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
+            full = (running >= 1 and running == self.peak_running and (self.waiting or 0) >= 1
+                    and kv is not None and kv <= LEARN_KV_BELOW)
+            if not full or (self.slots_seen and self.slots_seen[1] != running):
+                self.slots_seen = (now, running) if full else None
+                return False
+            if self.slots_seen is None:
+                self.slots_seen = (now, running)
+            if now - self.slots_seen[0] < LEARN_SECONDS:
+                return False
+            self.learned_slots = running
         if self.engine is not None:
             self.take_engine(self.engine)
         return True
 
     def forget_slots(self) -> None:
         self.learned_slots = None
-        self.slot_sightings.clear()
+        self.slots_seen = None
+        self.peak_running = 0
         if self.engine is not None:
             self.take_engine(self.engine)
 
@@ -411,7 +418,7 @@ class ReplicaPool:
         replica.kv_usage_max = values.get("kv_cache_usage_max")
         replica.waiting = values.get("vllm:num_requests_waiting")
         replica.running = values.get("vllm:num_requests_running")
-        if replica.see_slots() and replica.max_num_seqs == replica.learned_slots:
+        if replica.see_slots(time.monotonic()) and replica.max_num_seqs == replica.learned_slots:
             log_event(logger, "replica_slots_learned", replica=replica.url, slots=replica.learned_slots,
                       running=replica.running, waiting=replica.waiting, kv_usage=replica.kv_usage_max)
         if "num_gpu_blocks" in values:

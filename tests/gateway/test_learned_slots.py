@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.config import parse_config
-from gateway.replicas import LEARN_SIGHTINGS, Replica
+from gateway.replicas import LEARN_SECONDS, Replica
 from tests.gateway.test_gateway_sim import wait_until
 
 A = "http://127.0.0.1:9100"
@@ -22,79 +22,92 @@ def replica(engine: str = "{}") -> Replica:
     return r
 
 
-def scrape(r: Replica, running: float, waiting: float, kv: float = 0.1) -> bool:
-    r.running, r.waiting, r.kv_usage, r.kv_usage_max = running, waiting, kv, kv
-    return r.see_slots()
+class Scrapes:
+    """Scrapes of one replica a quarter second apart."""
+
+    def __init__(self, r: Replica):
+        self.r, self.t = r, 100.0
+
+    def __call__(self, running: float, waiting: float, kv: float = 0.1) -> bool:
+        self.t += 0.25
+        r = self.r
+        r.running, r.waiting, r.kv_usage, r.kv_usage_max = running, waiting, kv, kv
+        return r.see_slots(self.t)
+
+    def full_for(self, seconds: float, running: float, waiting: float = 2, kv: float = 0.1) -> list[bool]:
+        return [self(running, waiting, kv) for _ in range(round(seconds / 0.25))]
 
 
-def test_slots_are_learned_from_three_full_scrapes_in_a_row():
+def test_slots_are_learned_when_the_same_number_runs_while_requests_wait_for_two_seconds():
     r = replica()
+    scrape = Scrapes(r)
     assert r.capacity is None and r.max_num_seqs is None
-    for _ in range(LEARN_SIGHTINGS - 1):
-        assert not scrape(r, 8, 5)
-        assert r.capacity is None
-    assert scrape(r, 8, 5)
+    seen = scrape.full_for(LEARN_SECONDS + 0.25, 8)
+    assert seen[:-1] == [False] * (len(seen) - 1) and seen[-1]  # learned at the first scrape 2 s on
     assert (r.learned_slots, r.max_num_seqs, r.capacity) == (8, 8, 8)
-    assert not scrape(r, 8, 5)  # seen again: nothing changes
+    assert not scrape(8, 5)  # seen again: nothing changes
 
 
-def test_a_scrape_without_waiting_or_with_kv_half_used_breaks_the_run():
+def test_a_scrape_without_waiting_with_kv_half_used_or_another_running_count_starts_again():
     r = replica()
-    scrape(r, 8, 5)
-    scrape(r, 8, 5)
-    scrape(r, 8, 0)  # nothing waits: the replica may have room
-    scrape(r, 8, 5)
-    scrape(r, 8, 5)
+    scrape = Scrapes(r)
+    scrape.full_for(1.5, 8)
+    scrape(8, 0)  # nothing waits: the replica may have room
+    scrape.full_for(1.5, 8)
+    scrape(8, 3, kv=0.9)  # waiting for KV, not for a slot
+    scrape.full_for(1.5, 8)
+    scrape(7, 3)  # one ended and its slot is not refilled: a slot limit pins the count
+    scrape(8, 3)
     assert r.learned_slots is None
-    scrape(r, 6, 5, kv=0.9)  # waiting for KV, not for a slot
-    scrape(r, 8, 5)
-    scrape(r, 8, 5)
-    assert r.learned_slots is None
-    assert scrape(r, 8, 5)
+    assert any(scrape.full_for(2.25, 8))
     assert r.learned_slots == 8
 
 
-def test_the_most_running_in_the_run_is_learned_and_a_larger_running_count_raises_it():
+def test_requests_waiting_while_fewer_run_than_once_did_teach_nothing():
+    """A replica read between steps (the simulator) shows arrivals as waiting, and a step's token budget
+    queues prefills: neither pins the running count at the most the replica has run."""
     r = replica()
-    scrape(r, 6, 3)
-    scrape(r, 7, 3)
-    assert scrape(r, 5, 3)  # a step's token budget spent: fewer run for a moment
-    assert r.capacity == 7  # vLLM never runs more than its slots: 7 ran
-    assert not scrape(r, 5, 0)  # fewer running, nothing waiting: learned slots never shrink
-    assert scrape(r, 8, 0)  # 8 running is a floor whatever waits
+    scrape = Scrapes(r)
+    scrape(32, 0)  # a burst ran 32 at once
+    assert not any(scrape.full_for(10, 6, waiting=1))
+    assert r.learned_slots is None and r.capacity is None
+
+
+def test_a_larger_running_count_raises_learned_slots_and_they_never_shrink():
+    r = replica()
+    scrape = Scrapes(r)
+    scrape.full_for(2.25, 7)
+    assert r.capacity == 7
+    assert not scrape(5, 0)
+    assert scrape(8, 0)  # vLLM never runs more than its slots: 8 ran
     assert r.capacity == 8
 
 
-def test_running_alone_teaches_nothing_until_slots_were_learned():
+def test_running_alone_teaches_nothing():
     r = replica()
-    for _ in range(5):
-        assert not scrape(r, 8, 0)
+    scrape = Scrapes(r)
+    assert not any(scrape.full_for(5, 8, waiting=0))
     assert r.learned_slots is None and r.capacity is None
 
 
 def test_maxnumseqs_set_wins_and_learning_can_be_turned_off():
     r = replica("{maxNumSeqs: 4, queueAllowance: 1}")
-    for _ in range(LEARN_SIGHTINGS):
-        scrape(r, 8, 5)
+    Scrapes(r).full_for(3, 8)
     assert (r.max_num_seqs, r.capacity) == (4, 5)
     r = replica("{learnMaxNumSeqs: false}")
-    for _ in range(LEARN_SIGHTINGS):
-        scrape(r, 8, 5)
+    Scrapes(r).full_for(3, 8)
     assert (r.max_num_seqs, r.capacity) == (None, None)
     per_replica = replica(f"{{replicas: {{{A}: {{learnMaxNumSeqs: false}}}}}}")
-    for _ in range(LEARN_SIGHTINGS):
-        scrape(per_replica, 8, 5)
+    Scrapes(per_replica).full_for(3, 8)
     assert per_replica.capacity is None
 
 
 def test_a_replica_that_went_down_is_learned_again():
     r = replica()
-    for _ in range(LEARN_SIGHTINGS):
-        scrape(r, 8, 5)
+    Scrapes(r).full_for(3, 8)
     r.forget_slots()
     assert (r.learned_slots, r.capacity) == (None, None)
-    for _ in range(LEARN_SIGHTINGS):
-        scrape(r, 4, 5)
+    Scrapes(r).full_for(3, 4)  # restarted with fewer slots: the most it ran is forgotten too
     assert r.capacity == 4
 
 

@@ -198,12 +198,12 @@ async def learn_slots(server: VllmServer, requests: int) -> int | None:
 
 
 def test_the_gateway_learns_the_engines_max_num_seqs_from_its_metrics(priority_vllm):
-    """One slot (`--max-num-seqs 1`) and a gateway allowed 48 there: 16 streams of 480 tokens keep vLLM's queue
-    full for seconds, long enough for three scrapes in a row to see requests waiting. On a loaded machine vLLM's
+    """One slot (`--max-num-seqs 1`) and a gateway allowed 48 there: 32 streams of 480 tokens keep vLLM's queue
+    full for several seconds, longer than the 2 s of scrapes that must see one running and requests waiting. On a loaded machine vLLM's
     /metrics can answer late while it streams, so a run whose scrapes all came late is run again (twice more at
     most)."""
     for _ in range(3):
-        learned = asyncio.run(learn_slots(priority_vllm, 16))
+        learned = asyncio.run(learn_slots(priority_vllm, 32))
         if learned is not None:
             assert learned == 1
             return
