@@ -99,7 +99,7 @@ class AdaptiveReserve(_Model):
 
 
 class UsageLimit(_Model):
-    policy: Literal["priority-holdback", "static", "adaptive-reserve"] = "adaptive-reserve"
+    policy: Literal["priority-holdback", "static", "adaptive-reserve"] = "static"
     minCeiling: float = Field(default=0.5, ge=0, lt=1)
     maxCeiling: float = Field(default=1.0, gt=0, le=1)
     domain: Literal["rank", "value"] = "rank"

@@ -24,10 +24,10 @@ def test_shipped_default_is_the_seed_operating_point():
         0.25, 0.15, 8000, 1024)
     assert (adm.kvPoolGiB, adm.blockTokens) == (52, 16)
     assert cfg.anonymous.objectives == ["batch"] and cfg.eviction.policy == "newest-first"
-    # The adaptive reserve with the simulator study's forecast, slots learned: the same as an empty file's.
+    # No reserve (eviction takes back what realtime needs), slots learned: the same as an empty file's.
     empty = parse_config("", "empty.yaml").config
-    assert cfg.usageLimit == empty.usageLimit.model_copy(update={"adaptive": empty.usageLimit.reserve()})
-    assert cfg.usageLimit.policy == "adaptive-reserve" and cfg.engine == empty.engine
+    assert cfg.usageLimit == empty.usageLimit and cfg.engine == empty.engine
+    assert (cfg.usageLimit.policy, cfg.usageLimit.threshold, cfg.engine.learnMaxNumSeqs) == ("static", 1.0, True)
 
 
 def test_key_env_resolves_from_the_given_environment():
@@ -37,7 +37,7 @@ def test_key_env_resolves_from_the_given_environment():
 
 def test_empty_file_means_built_in_defaults():
     cfg = parse_config("", "empty.yaml").config
-    assert cfg.usageLimit.policy == "adaptive-reserve" and cfg.usageLimit.minCeiling == 0.5
+    assert cfg.usageLimit.policy == "static" and cfg.usageLimit.threshold == 1.0
     assert cfg.usageLimit.reserve().margin == 0.05 and cfg.engine.learnMaxNumSeqs is True
     assert cfg.flowControl.defaultRequestTTL == 60
     assert cfg.admission.enabled is True and cfg.admission.queueDeadlineMs == 8000

@@ -30,7 +30,7 @@ def test_a_pools_own_keys_replace_the_top_level_ones_and_the_rest_are_the_top_le
     assert a.replicas == [A1, A2] and b.replicas == [B]
     assert a.saturation.maxConcurrency == 8 and b.saturation.maxConcurrency == 2
     assert b.saturation.detector == a.saturation.detector == "concurrency"  # merged key by key
-    assert (a.usageLimit.policy, b.usageLimit.policy, b.usageLimit.threshold) == ("adaptive-reserve", "static", 0.9)
+    assert (a.usageLimit.threshold, b.usageLimit.policy, b.usageLimit.threshold) == (1.0, "static", 0.9)
     assert b.engine.maxNumSeqs == 4 and a.engine.maxNumSeqs is None and b.capacity(B) == 4
     assert a.admission.enabled is b.admission.enabled is False
     assert cfg.pools[1].endpoints == ["/v1/completions"] and cfg.pools[0].endpoints is None
