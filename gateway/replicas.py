@@ -128,10 +128,10 @@ class Replica:
             kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
             full = (running >= 1 and running == self.peak_running and (self.waiting or 0) >= 1
                     and kv is not None and kv <= LEARN_KV_BELOW)
-            if not full or (self.slots_seen and self.slots_seen[1] != running):
-                self.slots_seen = (now, running) if full else None
+            if not full:
+                self.slots_seen = None
                 return False
-            if self.slots_seen is None:
+            if self.slots_seen is None or self.slots_seen[1] != running:
                 self.slots_seen = (now, running)
             if now - self.slots_seen[0] < LEARN_SECONDS:
                 return False
@@ -139,6 +139,12 @@ class Replica:
         if self.engine is not None:
             self.take_engine(self.engine)
         return True
+
+    @property
+    def slots_learned(self) -> bool:
+        """Whether its slots and capacity are the learned ones (maxNumSeqs unset, learning on, slots learned)."""
+        return (self.learned_slots is not None and self.engine is not None and self.engine.maxNumSeqs is None
+                and self.engine.learnMaxNumSeqs)
 
     def forget_slots(self) -> None:
         self.learned_slots = None
@@ -418,7 +424,7 @@ class ReplicaPool:
         replica.kv_usage_max = values.get("kv_cache_usage_max")
         replica.waiting = values.get("vllm:num_requests_waiting")
         replica.running = values.get("vllm:num_requests_running")
-        if replica.see_slots(time.monotonic()) and replica.max_num_seqs == replica.learned_slots:
+        if replica.see_slots(time.monotonic()) and replica.slots_learned:
             log_event(logger, "replica_slots_learned", replica=replica.url, slots=replica.learned_slots,
                       running=replica.running, waiting=replica.waiting, kv_usage=replica.kv_usage_max)
         if "num_gpu_blocks" in values:

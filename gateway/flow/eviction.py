@@ -80,6 +80,11 @@ class Evictor:
             return True
         return not self.pending and now >= self.last_settled + self.grace
 
+    def kv_gate_open(self, now: float, grace: float) -> bool:
+        """Whether a KV decision may follow: every earlier victim's upstream closed, and `grace` (a scrape, for
+        the freed blocks to show) passed since."""
+        return not self.pending and now >= self.last_settled + grace
+
     def decide(self, saturation: float, bands: Sequence[BandDemand], blocked_priority: int,
                tracked_in_flight: int, now: float) -> EvictionDecision | None:
         """Victims to evict so the blocked band (or a lower one still above the victims) can dispatch."""
@@ -119,7 +124,7 @@ class Evictor:
                   limit: int | None = None) -> list[FlowRequest]:
         """Victims on `replica` whose reservations cover `excess_blocks` (KV occupancy over the hard watermark, or
         what requests waiting for KV need), at most `limit` (None: `maxPerDecision`)."""
-        if self.pending or now < self.last_settled + grace:
+        if not self.kv_gate_open(now, grace):
             return []
         eligible = self._ordered([r for r in self.candidates if r.replica is replica], now)
         victims: list[FlowRequest] = []

@@ -105,8 +105,7 @@ class EvictionControl:
         """Per replica at or above the hard watermark: evict recoverable batch work until under it."""
         admission = self.fc.admission
         assert admission is not None
-        # The scraped usage shows the freed blocks only after a scrape: wait that long between decisions.
-        grace = max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
+        grace = self.kv_grace()
         for replica in healthy:
             pool = admission.pool_tokens(replica)
             excess = admission.occupancy(replica) - admission.cfg.hardWatermark * pool
@@ -127,13 +126,15 @@ class EvictionControl:
         batch queued behind it needs there, in one decision: a burst is not served `maxPerDecision` victims a
         scrape. Decisions are paced as the hard-watermark trigger's (the freed blocks show after a scrape)."""
         admission = self.fc.admission
-        if req.sheddable or admission is None or not self.evictor.candidates:
+        grace = self.kv_grace()
+        if (req.sheddable or admission is None or not self.evictor.candidates
+                or not self.evictor.kv_gate_open(now, grace)):
             return
         demand = admission.within_context(self.fc.demand(req), healthy)
         soft = admission.soft_over(req.fairness_id, sum(admission.pool_tokens(r) for r in healthy)) > 0
         held: collections.Counter[Replica] = collections.Counter()
-        for victim in self.evictor.candidates:
-            if victim.priority < req.priority and victim.reservation is not None:
+        for victim in self.evictor.candidates:  # all sheddable: below `req`
+            if victim.reservation is not None:
                 held[victim.replica] += victim.reservation.kv_tokens  # type: ignore[index]
         choice: tuple[float, Replica] | None = None
         for replica in healthy:
@@ -151,12 +152,16 @@ class EvictionControl:
             for other in band.waiting():
                 if other is not req:
                     short += admission.kv_tokens(admission.within_context(self.fc.demand(other), healthy), replica)
-        grace = max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
         victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now,
                                          limit=len(self.evictor.candidates))
         for victim in victims:
             self.evict(victim, now, replica=replica.url, trigger="kv-wait", waiting=req.request_id,
                        shortfall_tokens=round(short))
+
+    def kv_grace(self) -> float:
+        """How long after a KV trigger's victims closed before the next: the scraped usage shows the freed
+        blocks only after a scrape."""
+        return max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
 
     def for_waiting_inside(self, now: float) -> None:
         """Higher-priority requests waiting inside their replica for an engine slot, as surely as in our queue.

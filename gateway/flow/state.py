@@ -40,8 +40,7 @@ def snapshot(fc: FlowController) -> dict:
         "replicas": [
             {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
              "limit": (r.capacity or cfg.saturation.maxConcurrency) * (1 + cfg.saturation.headroom),
-             "max_num_seqs": r.max_num_seqs, "slots_learned": r.learned_slots is not None
-             and r.max_num_seqs == r.learned_slots and (r.engine is None or r.engine.maxNumSeqs is None),
+             "max_num_seqs": r.max_num_seqs, "slots_learned": r.slots_learned,
              "kv_usage": r.kv_usage, "kv_usage_max": r.kv_usage_max, "waiting": r.waiting,
              "running": r.running, "model": r.model, "model_root": r.model_root,
              "max_model_len": r.max_model_len, "refused": r.refused, "unauthorized": r.unauthorized,
