@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -125,3 +126,28 @@ def test_a_failed_job_without_a_reason_writes_no_result(layout):
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_stock_rq_worker_tears_down_after_its_pubsub_thread_has_read_the_unsubscribe(backend):
+    # RQ's worker listens for commands on a pubsub thread that waits up to 60 s for a subscription, and its
+    # teardown stops that thread expecting `stop()` to return at once (it joins for 1 s itself). redis-py 8.2
+    # made `stop()` join without a bound, so once the thread has read the unsubscribe reply a burst
+    # `rq worker` hung up to 60 s on exit; pyproject keeps redis below that release. Put the thread in that
+    # state deterministically and require the teardown to finish well inside the 60 s.
+    sync = backend.redis()
+    worker = Worker([Queue(f"{backend.namespace}-teardown", connection=sync)], connection=sync)
+    worker.subscribe()
+    try:
+        deadline = time.monotonic() + 30
+        while not worker.pubsub.subscribed:
+            assert time.monotonic() < deadline, "the worker's pubsub thread never subscribed"
+            time.sleep(0.05)
+        worker.pubsub.unsubscribe()
+        while worker.pubsub.subscribed:
+            assert time.monotonic() < deadline, "the worker's pubsub thread never read the unsubscribe reply"
+            time.sleep(0.05)
+        done = threading.Event()
+        threading.Thread(target=lambda: (worker.unsubscribe(), done.set()), daemon=True).start()
+        assert done.wait(15), "RQ's worker teardown waited on its pubsub thread (redis-py's stop() joins)"
+    finally:
+        sync.close()
