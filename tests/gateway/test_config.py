@@ -61,6 +61,8 @@ def test_band_settings_merge_over_default_band():
     ("defaultObjective: gold", "gold"),
     ("- just\n- a list", "mapping"),
     ("replicas: [", "YAML"),
+    ("usageLimit: {policy: static}\nusageLimit: {policy: adaptive-reserve}", "'usageLimit' twice.*line 1"),
+    ("saturation:\n  maxConcurrency: 4\n  maxConcurrency: 8", "'maxConcurrency' twice.*line 2"),
     ("flowControl: {bands: [{maxRequests: 3}]}", "priority"),
     ("usageLimit: {policy: adaptive}", "'adaptive-reserve'"),
     ("usageLimit: {policy: static, adaptive: {margin: 0.2}}", "only applies to policy adaptive-reserve"),
@@ -73,6 +75,12 @@ def test_band_settings_merge_over_default_band():
 def test_bad_config_is_refused_with_a_message_naming_the_problem(text, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config(text, "bad.yaml")
+
+
+def test_a_merge_key_may_be_overridden_by_an_explicit_key():
+    loaded = parse_config("saturation:\n  <<: {maxConcurrency: 4, kvCacheUtilThreshold: 0.9}\n"
+                          "  maxConcurrency: 8\n", "merge.yaml")
+    assert (loaded.config.saturation.maxConcurrency, loaded.config.saturation.kvCacheUtilThreshold) == (8, 0.9)
 
 
 def test_digest_changes_with_content_and_replicas_flag_keeps_it():
