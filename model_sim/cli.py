@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fixed cost of every step")
     tim.add_argument("--prefill-ms-per-token", type=float, default=_DEFAULT_TIMING.prefill_ms_per_token,
                      help="cost of each prompt token computed in a step")
+    tim.add_argument("--prefill-base-ms", type=float, default=_DEFAULT_TIMING.prefill_base_ms,
+                     help="cost of a step that computes any prompt (vLLM on CPU: most of a first token)")
+    tim.add_argument("--prefill-ms-per-seq", type=float, default=_DEFAULT_TIMING.prefill_ms_per_seq,
+                     help="extra cost per request whose prompt a step computes, whatever its length")
     tim.add_argument("--decode-base-ms", type=float, default=_DEFAULT_TIMING.decode_base_ms,
                      help="cost of a step that decodes at least one sequence")
     tim.add_argument("--decode-ms-per-seq", type=float, default=_DEFAULT_TIMING.decode_ms_per_seq,
@@ -132,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_ms_per_seq=args.decode_ms_per_seq,
         load_ms_per_token=args.load_ms_per_token,
         jitter=args.jitter,
+        prefill_base_ms=args.prefill_base_ms,
+        prefill_ms_per_seq=args.prefill_ms_per_seq,
     )
     return SimConfig(
         model=args.model,

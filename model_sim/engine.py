@@ -180,7 +180,7 @@ class Engine:
         modeled = 0.0
         if not out.is_empty:
             modeled = self.timing.step_time(out.num_prefill_tokens, out.num_decode_seqs, self._rng,
-                                            out.num_loaded_tokens)
+                                            out.num_loaded_tokens, out.num_prefill_seqs)
         self._last_deadline = started + modeled if not out.is_empty else None
         await _sleep_until(started + modeled, self._spin)
         ended = time.perf_counter()

@@ -25,6 +25,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    # Requests whose prompt (or a chunk of it) this step computes.
+    num_prefill_seqs: int = 0
     # Prompt tokens whose KV is copied back from the offload tier for requests admitted in this step.
     num_loaded_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
@@ -170,6 +172,7 @@ class Scheduler:
                 out.num_decode_seqs += 1
             else:
                 out.num_prefill_tokens += n
+                out.num_prefill_seqs += 1
             out.scheduled.append((request, n))
         return out
 

@@ -64,7 +64,8 @@ def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu:
              *table(result["engine"])]
     if "sim" in result:
         t = result["timing"]
-        lines += ["", f"### The simulator, fitted to the engine (prefill {t['prefill_ms_per_token']:.4f} ms/token, "
+        lines += ["", f"### The simulator, fitted to the engine (prefill {t.get('prefill_base_ms', 0.0):.2f} ms + "
+                  f"{t.get('prefill_ms_per_seq', 0.0):.2f} ms/request + {t['prefill_ms_per_token']:.4f} ms/token, "
                   f"decode {t['decode_base_ms']:.2f} ms + {t['decode_ms_per_seq']:.3f} ms/sequence)", "",
                   *table(result["sim"]), "",
                   "| arm | sim ÷ engine: p95 ratio | batch done ratio | batch tokens ratio | tokens per step ratio | "

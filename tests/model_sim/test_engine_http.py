@@ -285,3 +285,21 @@ def test_kv_usage_history_samples_usage_over_time(start_sim):
     later = sim.http.get("/admin/state", params={"history_since": history[-1][0]}).json()["kv_usage_history"]
     assert later and later[0][0] >= history[-1][0]
     assert sim.http.get("/admin/state", params={"history_since": "soon"}).status_code == 400
+
+
+def test_steps_that_compute_prompts_pay_the_prefill_base_and_per_request_cost(start_sim):
+    # 60 ms for any step computing prompts and 10 ms per prompt, nothing else: however a burst of four splits
+    # over steps (which the arrivals' timing decides), every reply waits at least one such step (70 ms), and
+    # the last waits for all four prompts' share (60 + 4 x 10 ms at least). Time can only add to these bounds.
+    sim = start_sim(timing=TimingModel(step_overhead_ms=0.0, prefill_ms_per_token=0.0, decode_base_ms=0.0,
+                                       decode_ms_per_seq=0.0, prefill_base_ms=60.0, prefill_ms_per_seq=10.0))
+
+    def one(i: int) -> float:
+        start = time.monotonic()
+        r = httpx.post(sim.url + "/v1/completions", json={"prompt": f"burst {i}", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200, r.text
+        return (time.monotonic() - start) * 1000
+
+    with ThreadPoolExecutor(4) as pool:
+        took = sorted(pool.map(one, range(4)))
+    assert took[0] >= 70 and took[-1] >= 100, took

@@ -30,6 +30,17 @@ def test_step_time_formula_and_defaults():
         TimingModel(decode_base_ms=-1).validate()
 
 
+def test_a_step_that_computes_prompts_pays_the_prefill_base_and_per_request_cost():
+    t = TimingModel(step_overhead_ms=0, prefill_ms_per_token=0.01, decode_base_ms=3, decode_ms_per_seq=0.1,
+                    prefill_base_ms=8, prefill_ms_per_seq=1)
+    assert t.predict(0, 4) == pytest.approx((3 + 0.4) / 1000)  # decode only: no prefill base
+    assert t.predict(100, 0, prefill_seqs=1) == pytest.approx((8 + 1 + 1) / 1000)
+    assert t.predict(100, 4, prefill_seqs=3) == pytest.approx((8 + 3 + 1 + 3 + 0.4) / 1000)
+    assert not t.is_zero and not TimingModel(0, 0, 0, 0, 0, prefill_ms_per_seq=1).is_zero
+    with pytest.raises(ValueError, match="prefill_base_ms must not be negative"):
+        TimingModel(prefill_base_ms=-1).validate()
+
+
 def test_tokenizer_round_trips_and_counts_words():
     tok = Tokenizer()
     for text in ("", "hello world", "  spaces\tand\nnewlines  ", "supercalifragilistic", "naïve café — ok?!",
