@@ -149,13 +149,14 @@ def start_engine(children: Children, tmp: Path, python: str, model: str, slots: 
     return url
 
 
-def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int, pin: bool = True) -> str:
+def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int, pin: bool = True,
+                  log_level: str = "WARNING", log_name: str | None = None) -> str:
     port = free_port()
     path = tmp / f"{arm.name}.yaml"
     path.write_text((BASE_CONFIG % {"slots": slots} if arm.shared else CALLERS) + (arm.gateway or ""))
     p = children.start([*pinned(RELAY_CPU, pin), *holdback(
-        "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", "WARNING")],
-        tmp / f"{arm.name}-gateway.log")
+        "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", log_level)],
+        tmp / f"{log_name or arm.name}-gateway.log")
     favour(p.pid, NICE)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p, timeout=60, what=f"gateway {arm.name}")
@@ -323,7 +324,8 @@ def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argpars
     target, gateway = url, []
     if arm.gateway is not None:
         before = len(children.procs)
-        target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned)
+        target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned,
+                               log_level=args.gateway_log_level, log_name=f"{engine}-{group}-{arm.name}")
         gateway = children.procs[before:]
     rec = asyncio.run(run_arm(target, arm, rnd, args, engine=url))
     rec.engine, rec.group = engine, group
@@ -370,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                    "resumed request's prefill is what its prefix-cached blocks do not cover")
     p.add_argument("--unpinned", action="store_true", help="pin nothing: the engine, the gateway and the load "
                    "share both cores (the regime where the relay's own CPU counts)")
+    p.add_argument("--gateway-log-level", default="WARNING", help="each gateway's log level (INFO shows its "
+                   "decisions: slots learned, evictions); the logs stay in the temporary directory printed at the end")
     p.add_argument("--out", type=Path, help="write raw.json, summary.json and report.md here")
     args = p.parse_args(argv)
     python, model = engine_paths(p)

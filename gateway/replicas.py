@@ -114,9 +114,12 @@ class Replica:
         hold or its step's token budget has no room for, and a replica whose metrics are read between steps
         (the simulator) shows the requests that arrived during a step as waiting. Only a slot limit pins the
         running count while requests wait: so the slots are learned from scrapes in a row, spanning
-        LEARN_SECONDS, at which requests waited, the KV was at most half used (no request waits for KV then,
-        short of one needing half the pool), and the same number ran, the most this replica has run since it
-        came up. vLLM never runs more than its slots, so a running count above the learned slots raises them.
+        LEARN_SECONDS, at which the KV was at most half used (no request waits for KV then, short of one needing
+        half the pool) and the same number ran, the most this replica has run since it came up, with requests
+        waiting at the first and the last of them. A scrape in between at which none waited is neither: two
+        requests beyond the slots leave none waiting for a moment whenever two end close together. Any other
+        scrape starts again; an engine with free slots runs a request that waited at its next step, so a
+        running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never runs more than its slots, so a running count above the learned slots raises them.
         Learned slots are forgotten when the replica goes down (it may come back with other flags)."""
         running = int(self.running) if self.running is not None else 0
         self.peak_running = max(self.peak_running, running)
@@ -126,10 +129,13 @@ class Replica:
             self.learned_slots = running
         else:
             kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
-            full = (running >= 1 and running == self.peak_running and (self.waiting or 0) >= 1
-                    and kv is not None and kv <= LEARN_KV_BELOW)
-            if not full:
+            pinned = running >= 1 and running == self.peak_running and kv is not None and kv <= LEARN_KV_BELOW
+            if not pinned:
                 self.slots_seen = None
+                return False
+            if (self.waiting or 0) < 1:
+                # The peak still runs, but nothing waits at this instant: a slot limit with few requests beyond
+                # it (two ended before the clients sent their next) looks so. It neither starts a run nor ends one.
                 return False
             if self.slots_seen is None or self.slots_seen[1] != running:
                 self.slots_seen = (now, running)

@@ -94,7 +94,23 @@ def sim_metric(url: str, name: str) -> float:
     return total
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+    return report
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def stack(tmp_path, gateway_workers):
+def stack(request, tmp_path, gateway_workers):
     with Processes(log_dir=tmp_path / "logs") as procs:
         yield Stack(procs, tmp_path, gateway_workers)
+        if request.node.stash.get(_CALL_FAILED, False):
+            # A failure on a loaded machine is read from what the children logged, not rerun: pytest shows this
+            # in the test's teardown output.
+            for name in ("gateway", "sim"):
+                print(f"--- {name} log (last 20000 characters) ---\n{procs.log(name, tail=20000)}")

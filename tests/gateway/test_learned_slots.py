@@ -48,11 +48,28 @@ def test_slots_are_learned_when_the_same_number_runs_while_requests_wait_for_two
     assert not scrape(8, 5)  # seen again: nothing changes
 
 
-def test_a_scrape_without_waiting_with_kv_half_used_or_another_running_count_starts_again():
+def test_a_moment_with_nothing_waiting_neither_starts_nor_ends_a_run():
+    # Ten requests on eight slots: whenever two end before their clients send the next, none waits for a moment.
     r = replica()
     scrape = Scrapes(r)
-    scrape.full_for(1.5, 8)
-    scrape(8, 0)  # nothing waits: the replica may have room
+    assert not any([scrape(8, 0), scrape(8, 0)])  # nothing waited yet: no run starts
+    scrape.full_for(1.0, 8)
+    scrape(8, 0)
+    scrape(8, 1)
+    scrape(8, 0)
+    assert r.learned_slots is None
+    assert any(scrape.full_for(0.75, 8))  # 2 s after the first scrape at which requests waited
+    assert r.learned_slots == 8
+    r = replica()
+    scrape = Scrapes(r)
+    scrape.full_for(1.0, 8)
+    assert not any(scrape.full_for(3.0, 8, waiting=0))  # a run needs requests waiting at its end too
+    assert r.learned_slots is None
+
+
+def test_kv_half_used_or_another_running_count_starts_again():
+    r = replica()
+    scrape = Scrapes(r)
     scrape.full_for(1.5, 8)
     scrape(8, 3, kv=0.9)  # waiting for KV, not for a slot
     scrape.full_for(1.5, 8)
