@@ -18,6 +18,7 @@ from typing import Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.config_yaml import load_yaml
 from gateway.keys import UPSTREAM_KEY_ENV, AdminKey, Anonymous, ApiKey, KeyEntry, ReplicaKey, resolve_keys
 from gateway.engine_config import Engine, ReplicaEngine, by_replica_url  # noqa: F401  (the config's own keys)
 from gateway.pool_config import PoolSettings, check_pools, pool_config, replica_urls
@@ -420,34 +421,11 @@ class LoadedConfig:
         return None
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (YAML's last-one-wins would silently drop the
-    first, e.g. one of two `usageLimit:` blocks)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` keys may be overridden by explicit ones
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node)
-                except TypeError:  # an unhashable key: SafeLoader's own error names it
-                    continue
-                if first is not key_node:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found the key {key!r} twice (first on line {first.start_mark.line + 1}); keep one",
-                        key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
 def parse_config(text: str, source: str, env: Mapping[str, str] | None = None) -> LoadedConfig:
     """Validate YAML text; raise ConfigError naming the offending key."""
     env = os.environ if env is None else env
     try:
-        raw = yaml.load(text, Loader=_StrictLoader) if text.strip() else {}
+        raw = load_yaml(text) if text.strip() else {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
     if raw is None:

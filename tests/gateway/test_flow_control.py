@@ -33,7 +33,8 @@ def controller(extra="", replicas=1, max_concurrency=4):
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
     # The fixed 50% reserve these tests count in (the shipped default's reserve follows realtime demand).
     usage = "" if "usageLimit" in extra else HOLDBACK
-    text = f"replicas: {urls}\nsaturation: {{maxConcurrency: {max_concurrency}}}\n{usage}{extra}"
+    saturation = "" if "saturation" in extra else f"saturation: {{maxConcurrency: {max_concurrency}}}\n"
+    text = f"replicas: {urls}\n{saturation}{usage}{extra}"
     pool = ReplicaPool(urls)
     for r in pool.replicas:
         r.healthy = True
