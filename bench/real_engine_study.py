@@ -184,10 +184,10 @@ class Timing:
 
 def prefill_steps(bursts: dict[int, float]) -> tuple[float, float]:
     """The prefill step's base and per-request cost (ms) from the last first token of bursts of short prompts at
-    idle, one time per burst size (a median over repeats): the line through two sizes, as the simulator, which
-    starts a burst in one step, would reproduce them. On the engine the first request of a burst starts a step of
-    its own while vLLM's API server, on the same core, takes in the rest; the last first token is what both cost
-    together, and what a realtime burst's tail waits."""
+    idle, one time per burst size (a median over repeats; a burst of one is a lone prompt's first token): the
+    line through two sizes, as the simulator, which starts a burst in one step, would reproduce them. On the
+    engine the first request of a burst starts a step of its own while vLLM's API server, on the same core, takes
+    in the rest; the last first token is what both cost together, and what a realtime burst's tail waits."""
     sizes = sorted(bursts)
     if len(sizes) < 2 or sizes[0] < 1:
         raise ValueError(f"needs two burst sizes of at least 1, got {sizes}")
@@ -234,8 +234,8 @@ async def fit_timing(url: str, slots: int) -> Timing:
 
         one_seq, full = await gaps(1), await gaps(slots)
         short, long = await first_token(8), await first_token(300)
-        sizes = sorted({1, max(2, slots)})
-        base, per_request = prefill_steps({n: await burst(n) for n in sizes})
+        # A lone short prompt's first token is the burst of one.
+        base, per_request = prefill_steps({1: short, max(2, slots): await burst(max(2, slots))})
     per_seq = max(0.0, (full - one_seq) / (slots - 1))
     # A word here is about one token of the tiny model's tokenizer (its prompt count is in vLLM's usage).
     return Timing(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq, base, per_request)

@@ -119,8 +119,9 @@ class Replica:
         waiting at the first and the last of them. A scrape in between at which none waited is neither: two
         requests beyond the slots leave none waiting for a moment whenever two end close together. Any other
         scrape starts again; an engine with free slots runs a request that waited at its next step, so a
-        running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never runs more than its slots, so a running count above the learned slots raises them.
-        Learned slots are forgotten when the replica goes down (it may come back with other flags)."""
+        running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never runs more
+        than its slots, so a running count above the learned slots raises them. Learned slots are forgotten when
+        the replica goes down (it may come back with other flags)."""
         running = int(self.running) if self.running is not None else 0
         self.peak_running = max(self.peak_running, running)
         if self.learned_slots is not None:

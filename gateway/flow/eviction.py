@@ -76,9 +76,7 @@ class Evictor:
         self.candidates.discard(req)
 
     def gate_open(self, now: float) -> bool:
-        if not self.paced:
-            return True
-        return not self.pending and now >= self.last_settled + self.grace
+        return not self.paced or self.kv_gate_open(now, self.grace)
 
     def kv_gate_open(self, now: float, grace: float) -> bool:
         """Whether a KV decision may follow: every earlier victim's upstream closed, and `grace` (a scrape, for
