@@ -57,6 +57,7 @@ class Replica:
     # what running count the scrapes in a row that show it full began, and the most it has run (`see_slots`).
     learned_slots: int | None = None
     slots_seen: tuple[float, int] | None = None
+    slots_dipped: bool = False  # the last scrape of that run showed fewer running while requests waited
     peak_running: int = 0
     engine: ReplicaEngine | None = None
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
@@ -116,12 +117,13 @@ class Replica:
         running count while requests wait: so the slots are learned from scrapes in a row, spanning
         LEARN_SECONDS, at which the KV was at most half used (no request waits for KV then, short of one needing
         half the pool) and the same number ran, the most this replica has run since it came up, with requests
-        waiting at the first and the last of them. A scrape in between at which none waited is neither: two
-        requests beyond the slots leave none waiting for a moment whenever two end close together. Any other
-        scrape starts again; an engine with free slots runs a request that waited at its next step, so a
-        running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never runs more
-        than its slots, so a running count above the learned slots raises them. Learned slots are forgotten when
-        the replica goes down (it may come back with other flags)."""
+        waiting at the first and the last of them. A scrape in between at which none waited is neither, whatever
+        ran (nothing waiting says nothing of slots), and so is one that shows fewer running while requests wait
+        unless the next does too (vLLM's numbers may be read between a step's finishes and the next step's
+        refill). Any other scrape starts again; an engine with free slots runs a request that waited at its next
+        step, so a running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never
+        runs more than its slots, so a running count above the learned slots raises them. Learned slots are
+        forgotten when the replica goes down (it may come back with other flags)."""
         running = int(self.running) if self.running is not None else 0
         self.peak_running = max(self.peak_running, running)
         if self.learned_slots is not None:
@@ -130,15 +132,30 @@ class Replica:
             self.learned_slots = running
         else:
             kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
-            pinned = running >= 1 and running == self.peak_running and kv is not None and kv <= LEARN_KV_BELOW
+            kv_free = kv is not None and kv <= LEARN_KV_BELOW
+            if kv_free and (self.waiting or 0) < 1:
+                # Nothing waits: no sign of a slot limit or of its absence. Ten requests on eight slots leave
+                # none waiting whenever two end close together, and a fast engine runs nothing at all for a moment
+                # while the next requests are still on their way to it. It neither starts a run nor ends one.
+                return False
+            pinned = kv_free and running >= 1 and running == self.peak_running
+            if not pinned and kv_free and self.slots_seen is not None and not self.slots_dipped:
+                # Fewer run while requests wait, once: vLLM's numbers are taken after a step's finished requests
+                # left and before the next step gives their slots to the waiting ones, so a scrape may land there.
+                # Two such scrapes in a row are no longer one step's moment.
+                self.slots_dipped = True
+                return False
+            self.slots_dipped = False
             if not pinned:
+                if self.slots_seen is not None:
+                    log_event(logger, "replica_slots_run_broken", level=logging.DEBUG, replica=self.url,
+                              running=running, peak_running=self.peak_running, waiting=self.waiting, kv_usage=kv,
+                              run_seconds=round(now - self.slots_seen[0], 3))
                 self.slots_seen = None
                 return False
-            if (self.waiting or 0) < 1:
-                # The peak still runs, but nothing waits at this instant: a slot limit with few requests beyond
-                # it (two ended before the clients sent their next) looks so. It neither starts a run nor ends one.
-                return False
             if self.slots_seen is None or self.slots_seen[1] != running:
+                log_event(logger, "replica_slots_run_started", level=logging.DEBUG, replica=self.url,
+                          running=running, waiting=self.waiting, kv_usage=kv)
                 self.slots_seen = (now, running)
             if now - self.slots_seen[0] < LEARN_SECONDS:
                 return False
@@ -156,6 +173,7 @@ class Replica:
     def forget_slots(self) -> None:
         self.learned_slots = None
         self.slots_seen = None
+        self.slots_dipped = False
         self.peak_running = 0
         if self.engine is not None:
             self.take_engine(self.engine)

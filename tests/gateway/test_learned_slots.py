@@ -73,11 +73,43 @@ def test_kv_half_used_or_another_running_count_starts_again():
     scrape.full_for(1.5, 8)
     scrape(8, 3, kv=0.9)  # waiting for KV, not for a slot
     scrape.full_for(1.5, 8)
-    scrape(7, 3)  # one ended and its slot is not refilled: a slot limit pins the count
-    scrape(8, 3)
+    scrape(7, 3)  # one ended and its slot is not refilled at the next scrape either: no slot limit pins the count
+    scrape(7, 3)
+    scrape.full_for(1.75, 8)
     assert r.learned_slots is None
-    assert any(scrape.full_for(2.25, 8))
+    assert any(scrape.full_for(0.5, 8))
     assert r.learned_slots == 8
+
+
+def test_one_scrape_between_a_steps_finishes_and_the_next_refill_does_not_end_a_run():
+    """vLLM takes its numbers after a step's finished requests left its slots and before the next step gives them
+    to the waiting ones: a scrape may show fewer running while requests wait for that moment."""
+    r = replica()
+    scrape = Scrapes(r)
+    scrape.full_for(1.0, 8)
+    scrape(7, 3)
+    scrape.full_for(0.5, 8)
+    scrape(5, 4)  # another such moment, not the scrape after the last one
+    assert r.learned_slots is None
+    assert any(scrape.full_for(0.5, 8))  # 2 s after the run began
+    assert r.learned_slots == 8
+
+
+def test_a_moment_with_nothing_running_or_waiting_neither_starts_nor_ends_a_run():
+    """A fast engine finishes what it runs before the clients' next requests reach it: for a moment it runs
+    nothing, with ten requests in flight on the way to it and back."""
+    r = replica()
+    scrape = Scrapes(r)
+    scrape.full_for(1.0, 8)
+    assert not scrape(0, 0, kv=0.0)
+    assert not scrape(3, 0)
+    assert r.learned_slots is None
+    assert any(scrape.full_for(0.75, 8))
+    assert r.learned_slots == 8
+    r = replica()
+    scrape = Scrapes(r)
+    assert not any(scrape.full_for(3.0, 0, waiting=0))  # nothing ever waited: nothing is learned
+    assert r.learned_slots is None
 
 
 def test_requests_waiting_while_fewer_run_than_once_did_teach_nothing():
