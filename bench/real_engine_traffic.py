@@ -142,7 +142,10 @@ async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float
 
     async def one(at: float, text: str) -> None:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-        got = await stream(session, url, {"model": "tiny", "prompt": text, "max_tokens": 8}, headers)
+        try:
+            got = await stream(session, url, {"model": "tiny", "prompt": text, "max_tokens": 8}, headers)
+        except aiohttp.ClientConnectionError:  # dropped twice before an answer: a failed request, not the run's end
+            got = Streamed(BROKEN)
         status, first = got.status, got.first
         if status != 200 or first is None:
             rec.realtime_failed += 1

@@ -100,3 +100,32 @@ def test_an_evicted_attempt_counts_its_tokens_inside_the_window_and_its_resume_c
     assert (rec.evictions, rec.batch_completed, rec.batch_tokens) == (1, 1, 5)
     assert calls[1]["max_tokens"] == 3 and calls[1]["prompt"].endswith(" t2 t3 t4 t5")
     assert len(calls) == 3
+
+
+def test_a_realtime_request_the_server_drops_twice_is_counted_failed_and_the_run_goes_on() -> None:
+    """A replica that closes every connection before answering (as vLLM's API server did once under load): each
+    realtime request is a failure in the record, and the arm's run ends normally instead of raising."""
+
+    async def main() -> traffic.Record:
+        async def drop(request: web.Request) -> web.StreamResponse:
+            request.transport.close()  # type: ignore[union-attr]
+            raise web.HTTPInternalServerError()  # never sent: the connection is gone
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", drop)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        rec = traffic.Record("arm", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await asyncio.wait_for(traffic.realtime(session, url, traffic.Arm("arm", "an arm", ""),
+                                                        [0.0, 0.0, 0.0], 0.0, rec), 30)
+        finally:
+            await runner.cleanup()
+        return rec
+
+    rec = asyncio.run(main())
+    assert rec.realtime_failed == 3 and len(rec.ttft) == 3 and all(t == float("inf") for t in rec.ttft)
