@@ -46,7 +46,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 
+from bench.lib.process_cpu import CpuSampler
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
 from bench.real_engine_traffic import Arm, Record, prompt, run_arm, stream
@@ -291,6 +293,8 @@ def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
             "tokens_per_step_ratio": asdict(stepped),
             "p95_ratio": asdict(latency), "batch_ratio": asdict(completed), "tokens_ratio": asdict(produced),
             "p95_vs_vllm": asdict(bootstrap_median(vs_vllm)),
+            "cpu": {role: round(statistics.median(r.cpu.get(role, 0.0) for r in recs), 3)
+                    for role in sorted({role for r in recs for role in r.cpu})},
             "verdict_p95": verdict(latency, 1.25, at_least=False) if arm.batch else None,
             "verdict_batch": verdict(completed, 1.0, at_least=True) if arm.batch else None,
             "verdict_tokens": verdict(produced, 1.0, at_least=True) if arm.batch else None,
@@ -319,6 +323,23 @@ def run_rounds(url: str, engine: str, arm_list: list[Arm], rounds: int, args: ar
     return records
 
 
+def cpu_role(proc: psutil.Process) -> str | None:
+    """What a process of the study is, for its CPU share: this process (the load), a gateway, vLLM's API server or
+    its engine (the engine core and its worker, which vLLM names `VLLM::...`), or a simulator."""
+    if proc.pid == os.getpid():
+        return "load"
+    name, cmd = proc.name(), " ".join(proc.cmdline())
+    if name.startswith("VLLM::") or cmd.startswith("VLLM::"):
+        return "vLLM engine"
+    if "vllm.entrypoints" in cmd:
+        return "vLLM API server"
+    if "holdback" in cmd and " gateway " in f" {cmd} ":
+        return "gateway"
+    if "holdback" in cmd and " sim " in f" {cmd} ":
+        return "simulator"
+    return None
+
+
 def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argparse.Namespace,
             children: Children, tmp: Path) -> Record:
     target, gateway = url, []
@@ -327,11 +348,14 @@ def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argpars
         target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned,
                                log_level=args.gateway_log_level, log_name=f"{engine}-{group}-{arm.name}")
         gateway = children.procs[before:]
-    rec = asyncio.run(run_arm(target, arm, rnd, args, engine=url))
+    with CpuSampler(cpu_role, interval=0.5) as sampler:
+        rec = asyncio.run(run_arm(target, arm, rnd, args, engine=url))
     rec.engine, rec.group = engine, group
+    rec.cpu = {role: round(cores, 3) for role, cores in sampler.shares.by_role.items()}  # type: ignore[union-attr]
     print(f"{engine} round {rnd} group {group} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
           f"{rec.batch_completed} ({rec.batch_tokens} tokens, {rec.batch_failed} refused), evictions "
-          f"{rec.evictions}, broken {rec.broken}, realtime failed {rec.realtime_failed}", file=sys.stderr, flush=True)
+          f"{rec.evictions}, broken {rec.broken}, realtime failed {rec.realtime_failed}; cores: "
+          + ", ".join(f"{role} {cores:.2f}" for role, cores in sorted(rec.cpu.items())), file=sys.stderr, flush=True)
     for proc in gateway:  # the next arm gets a gateway of its own; this one's drain is not waited for
         proc.kill()
         proc.wait(30)

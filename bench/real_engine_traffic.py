@@ -49,6 +49,9 @@ class Record:
     # The engine's steps within the window (vLLM's vllm:iteration_tokens_total count; None: not scraped): the
     # batch tokens per step compare arms in the engine's own time, whatever the machine's speed meanwhile.
     steps: float | None = None
+    # Cores each role used over the run, lead included (bench.real_engine_study.cpu_role: the load, the gateway,
+    # vLLM's API server, its engine, the simulator).
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 def prompt(rng: random.Random, words: int) -> str:

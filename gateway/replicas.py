@@ -34,6 +34,16 @@ LEARN_KV_BELOW = 0.5
 LEARN_SECONDS = 2.0
 # A replica's answers that mean the gateway's key is missing or wrong.
 UNAUTHORIZED = (401, 403)
+# The gauges the gateway reads from a replica's /metrics, and how it asks for them alone. vLLM's GET /metrics (a
+# prometheus-fastapi-instrumentator route) answers the whole exposition, about 50 KB of histograms built by its API
+# server, which shares the host's CPU with the engine, at every scrape; its /metrics/ mount is prometheus_client's
+# own app, which answers `name[]=` with those series alone. A replica that does not serve that (a 404, or no
+# gauge in the answer) is scraped at /metrics from then on, until it goes down.
+GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
+          "vllm:num_requests_running")
+METRICS_QUERY = "?" + "&".join(f"name[]={name}" for name in (*GAUGES, "vllm:cache_config_info"))
+FILTERED_METRICS = "/metrics/" + METRICS_QUERY
+METRICS_HEADERS = {"Accept-Encoding": "identity"}  # prometheus_client's app gzips for a client that accepts it
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _ENGINE = re.compile(r'[{,]engine="([^"]*)"')
 # `(?<![a-z_])`: `block_size` must not match inside `mamba_block_size` or `user_specified_block_size`.
@@ -94,6 +104,8 @@ class Replica:
     # work the scraped numbers cannot show yet.
     dispatches: int = 0
     dispatches_at_scrape: int = 0
+    # Whether its /metrics/ answers the gateway's series alone (FILTERED_METRICS; None: not asked yet).
+    metrics_filtered: bool | None = None
 
     def metrics_fresh(self, now: float, staleness: float) -> bool:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
@@ -191,8 +203,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     summed `num_gpu_blocks` over the engines and kept `kv_cache_size_tokens` per engine
     (vLLM's engine client, `_apply_ready_response`): so the blocks are read once, the tokens summed
     over the engines. Without `kv_cache_size_tokens` (the simulator, older vLLM) it is blocks x block size."""
-    wanted = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
-              "vllm:num_requests_running")
+    wanted = GAUGES
     out: dict[str, float] = {}
     counts: dict[str, int] = {}
     peaks: dict[str, float] = {}
@@ -291,6 +302,7 @@ class ReplicaPool:
         replica.failures = max(replica.failures, self.failures_to_down)
         replica.identified = False  # it may come back restarted, with another model or key
         replica.forget_slots()  # ... and other engine flags
+        replica.metrics_filtered = None  # ... or as another server
         if replica.healthy:
             replica.healthy = False
             log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason)
@@ -390,6 +402,7 @@ class ReplicaPool:
             replica.healthy = False
             replica.identified = False
             replica.forget_slots()
+            replica.metrics_filtered = None
             log_event(logger, "replica_down", level=logging.WARNING, replica=replica.url, reason=reason,
                       failures=replica.failures)
             self.on_change()
@@ -432,18 +445,25 @@ class ReplicaPool:
         try:
             timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
             dispatches_before = replica.dispatches
-            async with self._session.get(replica.url + "/metrics", timeout=timeout) as resp:
+            filtered = replica.metrics_filtered is not False
+            path = FILTERED_METRICS if filtered else "/metrics"
+            async with self._session.get(replica.url + path, headers=METRICS_HEADERS, timeout=timeout) as resp:
                 if resp.status in UNAUTHORIZED:
                     self.mark_unauthorized(replica, "/metrics", resp.status)
                     return
                 if resp.status >= 300:
+                    if filtered and replica.metrics_filtered is None and resp.status in (404, 405):
+                        replica.metrics_filtered = False  # no such route: the whole /metrics from the next scrape
                     return
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
             return
         values = parse_vllm_metrics(text)
         if "vllm:kv_cache_usage_perc" not in values and "vllm:num_requests_waiting" not in values:
+            if filtered and replica.metrics_filtered is None:
+                replica.metrics_filtered = False  # it answered something else there
             return
+        replica.metrics_filtered = filtered
         pool_before = (replica.num_gpu_blocks, replica.kv_block_size, replica.kv_cache_size_tokens)
         replica.kv_usage = values.get("vllm:kv_cache_usage_perc")
         replica.kv_usage_max = values.get("kv_cache_usage_max")

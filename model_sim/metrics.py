@@ -79,6 +79,10 @@ class _EngineStateCollector(Collector):
         self.model_name = model_name
         self.created = time.time()
 
+    def describe(self) -> list[Metric]:
+        """Its series' names, so the registry can answer a `name[]` filter with them (as vLLM's does)."""
+        return list(self.collect())
+
     def collect(self) -> Iterator[Metric]:
         sched = self.engine.scheduler
         stats = sched.stats
@@ -244,5 +248,6 @@ class ReplicaMetrics:
             self.params_n.observe(r.n)
             self.max_generation_tokens.observe(r.max_tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: list[str] | None = None) -> bytes:
+        """The exposition; `names`: those series alone, as vLLM's prometheus_client app answers `name[]=`."""
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)

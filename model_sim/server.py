@@ -67,6 +67,7 @@ def build_app(replica: "Replica") -> web.Application:
     app.router.add_get("/health", routes.health)
     app.router.add_get("/version", routes.version)
     app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/metrics/", routes.metrics)
     app.router.add_get("/admin/state", routes.admin_state)
     app.router.add_get("/admin/faults", routes.get_faults)
     app.router.add_post("/admin/faults", routes.set_faults)
@@ -412,7 +413,10 @@ class Routes:
         return json_response({"version": "model_sim"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.replica.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        # As vLLM: its /metrics route answers everything; its /metrics/ mount (prometheus_client's app) answers
+        # `name[]=` with those series alone.
+        names = request.query.getall("name[]", []) if request.path == "/metrics/" else []
+        return web.Response(body=self.replica.metrics.render(names), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     # -- admin ----------------------------------------------------------------------------------
 

@@ -46,6 +46,20 @@ def table(summary: dict) -> list[str]:
     return lines
 
 
+def cpu_table(summary: dict) -> list[str]:
+    """Cores each of the study's processes used over an arm's runs (lead included), medians over the runs."""
+    roles = sorted({role for a in summary.values() for role in a.get("cpu", {})})
+    if not roles:
+        return []
+    lines = ["", "Cores used over a run (medians over its runs; the machine has 2):", "",
+             "| arm | " + " | ".join(roles) + " | all |", "|---" * (len(roles) + 2) + "|"]
+    for a in summary.values():
+        cpu = a.get("cpu", {})
+        lines.append(f"| {a['title']} | " + " | ".join(f"{cpu.get(r, 0.0):.2f}" for r in roles)
+                     + f" | {sum(cpu.values()):.2f} |")
+    return lines
+
+
 def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu: int) -> str:
     blocks = f" --block-size {args.block_size}" if getattr(args, "block_size", None) else ""
     lines = [f"One vLLM replica (CPU build, tiny model, `--max-num-seqs {args.slots} --scheduling-policy priority"
@@ -61,7 +75,7 @@ def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu:
              + ("ran at nice −15, their sessions too (ahead of other work on the machine)."
                 if result.get("favoured") else "could not be favoured over other work (not root)."),
              "", "### The engine", "",
-             *table(result["engine"])]
+             *table(result["engine"]), *cpu_table(result["engine"])]
     if "sim" in result:
         t = result["timing"]
         lines += ["", f"### The simulator, fitted to the engine (prefill {t.get('prefill_base_ms', 0.0):.2f} ms + "

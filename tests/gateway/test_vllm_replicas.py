@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from pathlib import Path
 
 import httpx
@@ -92,8 +93,9 @@ class FakeVllm:
     answers 401 (the replica was restarted with another key after it was identified)."""
 
     def __init__(self, api_key: str | None = None, dies: bool = False, refuses: bool = False,
-                 metrics: str = METRICS, full: bool = False):
+                 metrics: str = METRICS, full: bool = False, mount: bool = True):
         self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
+        self.mount = mount  # /metrics/ answers `name[]=` (vLLM's prometheus_client mount); else it is a 404
         self.full = full  # inference answers vLLM's 503 for a full queue (--max-num-queued-reqs)
         self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
         self.bodies: list[dict] = []  # inference bodies
@@ -108,6 +110,8 @@ class FakeVllm:
         app = web.Application(middlewares=[self._authenticate])
         app.router.add_get("/health", self._answer(lambda: web.Response()))
         app.router.add_get("/metrics", self._answer(lambda: web.Response(text=self.metrics)))
+        if self.mount:
+            app.router.add_get("/metrics/", self._filtered_metrics)
         app.router.add_get("/version", self._answer(lambda: web.json_response({"version": "0.32.0"})))
         app.router.add_post("/tokenize", self._answer(lambda: web.json_response(
             {"count": 9, "max_model_len": 512, "tokens": list(range(9))})))
@@ -134,6 +138,12 @@ class FakeVllm:
         if request.path == "/v1/embeddings":
             return web.json_response(ERRORS["embeddings_on_generation_server_404"], status=404)
         return await handler(request)
+
+    async def _filtered_metrics(self, request: web.Request) -> web.Response:
+        names = set(request.query.getall("name[]", []))
+        kept = [line for line in self.metrics.splitlines()
+                if (line.split(" ")[2] if line.startswith("# ") else re.split(r"[{ ]", line, 1)[0]) in names]
+        return web.Response(text="\n".join(kept) + "\n")
 
     @staticmethod
     def _answer(make):  # noqa: ANN001, ANN205
@@ -179,6 +189,40 @@ def test_a_scrape_sets_the_replicas_kv_pool_and_usage_of_every_engine():
     replica = asyncio.run(main())
     assert (replica.num_gpu_blocks, replica.kv_block_size, replica.kv_cache_size_tokens) == (32768, 128, 4_194_304)
     assert round(replica.kv_usage, 6) == 0.2 and replica.kv_usage_max == 0.3
+
+
+def test_the_scrape_asks_vllms_metrics_mount_for_the_gateways_series_alone():
+    """vLLM's GET /metrics answers ~50 KB of histograms built by its API server at every scrape; its /metrics/
+    mount (prometheus_client's app) answers `name[]=` with those series alone: the gateway asks there."""
+    async def main():
+        async with FakeVllm(metrics=data_parallel(METRICS, [0.1, 0.3])) as vllm, \
+                gateway([vllm.url], "metrics: {scrapeIntervalSeconds: 0.05}\n") as (gw, _url):
+            await wait_for(lambda: vllm.count("/metrics/") >= 3)
+            return gw.pool.replicas[0], vllm
+
+    replica, vllm = asyncio.run(main())
+    assert vllm.count("/metrics") == 0 and replica.metrics_filtered is True
+    assert (replica.num_gpu_blocks, replica.kv_block_size, replica.kv_cache_size_tokens) == (32768, 128, 4_194_304)
+    assert round(replica.kv_usage, 6) == 0.2 and replica.kv_usage_max == 0.3
+
+
+def test_a_replica_without_the_metrics_mount_is_scraped_at_metrics_after_one_404():
+    async def main():
+        async with FakeVllm(mount=False) as vllm, \
+                gateway([vllm.url], "metrics: {scrapeIntervalSeconds: 0.05}\n") as (gw, _url):
+            await wait_for(lambda: vllm.count("/metrics") >= 3)
+            return gw.pool.replicas[0], vllm
+
+    replica, vllm = asyncio.run(main())
+    assert vllm.count("/metrics/") == 1 and replica.metrics_filtered is False
+    assert (replica.num_gpu_blocks, replica.kv_block_size) == (16384, 128)
+
+
+async def wait_for(check, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 # -- item: /admin/state names the served model ------------------------------------------------------------------
@@ -247,7 +291,7 @@ def test_the_configured_key_goes_on_every_call_and_the_replica_is_identified_onc
     assert streamed.status_code == 200 and streamed.content == CHAT_SSE
     assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "tiny"
     paths = {path for path, _auth in vllm.calls}
-    assert {"/health", "/metrics", "/v1/models", "/version", "/tokenize", "/v1/chat/completions"} <= paths
+    assert {"/health", "/metrics/", "/v1/models", "/version", "/tokenize", "/v1/chat/completions"} <= paths
     assert {auth for _path, auth in vllm.calls} == {"Bearer vk"}
     # Identified at the first health check; the scrapes after it do not ask again (the passthrough list is one).
     assert vllm.count("/v1/models") == 2 and vllm.count("/version") == 1

@@ -213,3 +213,21 @@ def test_metrics_exposition_uses_vllm_names_and_model_label(sim):
     assert "vllm:gpu_cache_usage_perc" not in text, "vLLM dropped the legacy name"
     assert m["vllm:inter_token_latency_seconds_count"] == 2
     assert json.loads(sim.http.get("/admin/state").text)["generation_tokens"] == 3
+
+
+def test_metrics_slash_answers_name_filters_with_those_series_alone_as_vllms_mount_does(sim):
+    """vLLM's GET /metrics answers everything whatever the query; its /metrics/ mount (prometheus_client's app)
+    answers `name[]=` with those series alone, which is what the gateway's scrape asks for."""
+    from gateway.replicas import FILTERED_METRICS, GAUGES, METRICS_QUERY, parse_vllm_metrics
+
+    sim.http.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": 3})
+    full = sim.http.get("/metrics").text
+    one = sim.http.get("/metrics/", params=[("name[]", "vllm:num_requests_running")]).text
+    assert {line.split("{")[0] for line in one.splitlines() if line.startswith("vllm:")} == \
+        {"vllm:num_requests_running"}
+    assert len(sim.http.get("/metrics" + METRICS_QUERY).text) > len(full) // 2  # the route ignores the query
+    scraped = sim.http.get(FILTERED_METRICS).text
+    names = {line.split("{")[0].split(" ")[0] for line in scraped.splitlines() if line.startswith("vllm:")}
+    assert names == {name for name in (*GAUGES, "vllm:cache_config_info") if name in full}
+    assert parse_vllm_metrics(scraped) == parse_vllm_metrics(full)  # everything the gateway reads, in a tenth
+    assert len(scraped) * 10 < len(full)

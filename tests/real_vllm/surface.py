@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from gateway.replicas import FILTERED_METRICS, METRICS_QUERY
+
 # Deliberate differences of model_sim from vLLM 0.32 (model_sim/README.md, "Known differences from vLLM", lists the
 # same). A key is a record path `diff` skips (a case, or `case.field...`), or a name for what the probe cannot see.
 DELIBERATE: dict[str, str] = {
@@ -134,6 +136,9 @@ SUITE: tuple[Case, ...] = (
     Case("models", "GET", "/v1/models"),
     Case("no_api_key", "GET", "/v1/models", authorized=False),
     Case("metrics", "GET", "/metrics"),
+    # vLLM's /metrics route ignores a `name[]` filter; its /metrics/ mount answers it, as the gateway's scrape asks.
+    Case("metrics_filter_ignored", "GET", "/metrics" + METRICS_QUERY),
+    Case("metrics_gateway_scrape", "GET", FILTERED_METRICS),
 )
 
 
@@ -355,7 +360,7 @@ def probe(base_url: str, model: str, api_key: str | None = None, timeout: float 
                 resp = client.request(case.method, case.path, json=body)
             else:
                 resp = httpx.request(case.method, base_url.rstrip("/") + case.path, json=body, timeout=timeout)
-            if case.path == "/metrics":
+            if case.path.startswith("/metrics"):
                 records[case.name] = {"status": resp.status_code, "series": metrics_record(resp.text)}
                 continue
             record = response_record(resp)
