@@ -442,8 +442,8 @@ class ReplicaPool:
 
     async def _scrape(self, replica: Replica) -> None:
         assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
         try:
-            timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
             dispatches_before = replica.dispatches
             filtered = replica.metrics_filtered is not False
             path = FILTERED_METRICS if filtered else "/metrics"
@@ -456,7 +456,9 @@ class ReplicaPool:
                         replica.metrics_filtered = False  # no such route: the whole /metrics from the next scrape
                     return
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError) as exc:
+            log_event(logger, "replica_scrape_failed", level=logging.DEBUG, replica=replica.url,
+                      error=type(exc).__name__, timeout_s=timeout.total)
             return
         values = parse_vllm_metrics(text)
         if "vllm:kv_cache_usage_perc" not in values and "vllm:num_requests_waiting" not in values:
