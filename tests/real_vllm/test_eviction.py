@@ -111,7 +111,19 @@ def test_realtime_evicts_batch_vllm_aborts_it_and_the_chat_resumes_from_its_kept
     for attempt in resumed:
         row = rows[attempt.request_id]
         text = out[row.custom_id]["response"]["body"]["choices"][0]["message"]["content"]
-        assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40]), (attempt.partial_output[:80], text[:80])
+        final = [a for a in attempts if a.request_id == attempt.request_id and a.outcome == "success"]
+        trail = [(a.number, a.outcome, a.evicted, a.tokens_kept, a.output_tokens, (a.partial_output or "")[:30])
+                 for a in attempts if a.request_id == attempt.request_id]
+        assert len(final) == 1, trail
+        if not final[0].tokens_kept:
+            # The attempt after the cut restarted from the caller's body, as a resume does when the cut kept no
+            # answer text but broken characters, or when it had produced the whole output limit already (the
+            # tiny model outruns the relay: the eviction came after the last token, before the finish).
+            assert (not attempt.partial_output.rstrip("\ufffd")
+                    or attempt.tokens_kept + attempt.output_tokens >= 440), trail
+            continue
+        assert text.startswith(attempt.partial_output.rstrip("\ufffd")[:40]), (attempt.partial_output[:80], text[:80],
+                                                                                trail)
         body = out[row.custom_id]["response"]["body"]
         # It ran on to a limit and never past the caller's. Not always all 440: the random weights write bytes
         # that are not UTF-8, which vLLM streams as U+FFFD; a trailing one is given up and generated again, and
