@@ -45,6 +45,7 @@ def test_the_cores_each_process_used_are_summarised_per_arm_and_reported():
 def test_the_study_s_processes_are_told_apart_by_their_command_lines():
     import subprocess
     import sys
+    import time
 
     import psutil
 
@@ -59,9 +60,20 @@ def test_the_study_s_processes_are_told_apart_by_their_command_lines():
     for argv, role in cases.items():
         proc = subprocess.Popen([sys.executable, "-c", wait, *argv], stdin=subprocess.PIPE)
         try:
-            cmd = [sys.executable, "-c", wait, *argv]
             found = psutil.Process(proc.pid)
-            assert found.cmdline() == cmd
+            deadline = time.monotonic() + 30
+            while found.cmdline()[1:3] != ["-c", wait]:  # empty, or the parent's, until the child has exec'd
+                assert time.monotonic() < deadline, found.cmdline()
+                time.sleep(0.01)
             assert cpu_role(found) == role, argv
         finally:
             proc.communicate(b"")
+
+
+def test_the_scrape_cost_bench_asks_vllm_for_the_series_the_gateway_scrapes():
+    """The bench spells the gateway's query itself (a benchmark uses public interfaces only): it must not drift."""
+    from bench.real_engine_scrape_cost import FILTERED, SERIES
+    from gateway.replicas import FILTERED_METRICS, GAUGES
+
+    assert set(SERIES) == {*GAUGES, "vllm:cache_config_info"}
+    assert FILTERED == FILTERED_METRICS
