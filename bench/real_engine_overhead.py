@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.lib.processes import Children
-from bench.real_engine_study import ENGINE_CPU, NICE, RELAY_CPU, engine_paths, favour, start_engine, start_gateway
+from bench.real_engine_study import ENGINE_CPU, RELAY_CPU, engine_paths, pin_load, start_engine, start_gateway
 from bench.real_engine_traffic import Arm, counters_in, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
@@ -103,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args(argv)
     python, model = engine_paths(p)
-    if len(os.sched_getaffinity(0)) < 2:
-        p.error("needs two CPUs: the engine and the relay are pinned to one core each")
-    os.sched_setaffinity(0, {RELAY_CPU})
-    favoured = favour(os.getpid(), NICE)
+    favoured = pin_load(p)
     children = Children()
     tmp = Path(tempfile.mkdtemp(prefix="hb-real-overhead-"))
     rng, order_rng = random.Random(args.seed), random.Random(args.seed + 1)

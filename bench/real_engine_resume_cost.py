@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -45,7 +43,7 @@ from typing import Callable
 import aiohttp
 
 from bench.lib.processes import Children
-from bench.real_engine_study import CPU_BLOCK_TOKENS, NICE, RELAY_CPU, SLOTS, engine_paths, favour, start_engine
+from bench.real_engine_study import CPU_BLOCK_TOKENS, SLOTS, engine_paths, pin_load, start_engine
 from bench.real_engine_traffic import Streamed, counters_in, stream
 from bench.stats import bootstrap_median
 
@@ -203,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write summary.json and report.md here")
     args = p.parse_args(argv)
     python, model = engine_paths(p)
-    if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
-        p.error("needs two CPUs and `taskset` (util-linux): the engine and the load are pinned to one core each")
-    os.sched_setaffinity(0, {RELAY_CPU})
-    favour(os.getpid(), NICE)
+    pin_load(p)
     children, tmp = Children(), Path(tempfile.mkdtemp(prefix="hb-resume-cost-"))
     runs: list[Run] = []
     rng = random.Random(args.seed)

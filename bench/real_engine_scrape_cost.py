@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
 import psutil
 
 from bench.lib.processes import Children
-from bench.real_engine_study import NICE, RELAY_CPU, SLOTS, engine_paths, favour, start_engine
+from bench.real_engine_study import SLOTS, engine_paths, pin_load, start_engine
 from bench.real_engine_traffic import stream
 from bench.stats import Estimate, bootstrap_median
 # The series the gateway reads (gateway/README.md, "The scrape"), asked of vLLM's prometheus_client mount as the
@@ -138,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     python, model = engine_paths(p)
-    if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
-        p.error("needs two CPUs and taskset: the engine is pinned to CPU 0, this process to CPU 1")
-    os.sched_setaffinity(0, {RELAY_CPU})
-    favour(os.getpid(), NICE)
+    pin_load(p)
     tmp = Path(tempfile.mkdtemp(prefix="hb-scrape-cost-"))
     children = Children()
     try:

@@ -124,6 +124,16 @@ def favour(pid: int, nice: int) -> bool:
         return False
 
 
+def pin_load(p: argparse.ArgumentParser, pin: bool = True) -> bool:
+    """Check the machine can keep the engine and the load apart (two CPUs, `taskset`), put this process (the load)
+    on RELAY_CPU when `pin`, and favour it; True when it could be favoured."""
+    if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
+        p.error("needs two CPUs and `taskset` (util-linux): the engine and the load are pinned to one core each")
+    if pin:
+        os.sched_setaffinity(0, {RELAY_CPU})
+    return favour(os.getpid(), NICE)
+
+
 def pinned(cpu: int, pin: bool) -> list[str]:
     """The prefix that runs a command on `cpu` alone (none when unpinned)."""
     return ["taskset", "-c", str(cpu)] if pin else []
@@ -401,11 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write raw.json, summary.json and report.md here")
     args = p.parse_args(argv)
     python, model = engine_paths(p)
-    if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
-        p.error("needs two CPUs and `taskset` (util-linux): the engine and the relay are pinned to one core each")
-    if not args.unpinned:
-        os.sched_setaffinity(0, {RELAY_CPU})
-    favoured = favour(os.getpid(), NICE)
+    favoured = pin_load(p, pin=not args.unpinned)
     arm_list = arms(args.slots)
     if args.arms:
         wanted = set(args.arms.split(",")) | set(BASELINES)

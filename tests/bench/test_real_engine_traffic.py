@@ -52,6 +52,11 @@ async def serve(answers: list[list[bytes]], calls: list[dict]) -> tuple[web.AppR
             await resp.write(chunk)
         return resp
 
+    return await replica(completions)
+
+
+async def replica(completions) -> tuple[web.AppRunner, str]:  # noqa: ANN001 - an aiohttp handler
+    """A replica on a port of this process whose /v1/completions is `completions`."""
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app, access_log=None)
@@ -111,13 +116,7 @@ def test_a_realtime_request_the_server_drops_twice_is_counted_failed_and_the_run
             request.transport.close()  # type: ignore[union-attr]
             raise web.HTTPInternalServerError()  # never sent: the connection is gone
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", drop)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, url = await replica(drop)
         rec = traffic.Record("arm", 0)
         try:
             async with aiohttp.ClientSession() as session:
