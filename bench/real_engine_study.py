@@ -4,7 +4,8 @@ One vLLM server (the real-engine tier's CPU build and tiny model, `--scheduling-
 --max-num-seqs 8`) runs for the whole study, pinned to CPU 0 (`taskset`, `VLLM_CPU_OMP_THREADS_BIND`); each
 arm's `holdback gateway` and this process (the load generator) are pinned to CPU 1, so the relay does not
 compete with the engine for its core; all of them run at nice −15 in sessions of that nice (`favour`), ahead of
-other work on a shared machine. Every arm sends the same seeded traffic:
+other work on a shared machine. With `--replicas 2`, one server per core, the relay unpinned beside them, and
+the traffic doubled. Every arm sends the same seeded traffic:
 
 - realtime: a burst of `--burst` requests (larger than the replica's slots) at the start of the window, then
   Poisson arrivals at `--rate`/s, each a streamed completion of 8 tokens; the figure is its time to first token;
@@ -140,34 +141,35 @@ def pinned(cpu: int, pin: bool) -> list[str]:
 
 
 def start_engine(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
-                 block_size: int | None = None) -> str:
-    """vLLM on CPU 0 alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
+                 block_size: int | None = None, cpu: int = ENGINE_CPU) -> str:
+    """vLLM on `cpu` alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
     blocks' tokens (None: the CPU backend's 128)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if pin:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CPU)
-    cmd = [*pinned(ENGINE_CPU, pin), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    cmd = [*pinned(cpu, pin), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(slots),
            "--scheduling-policy", "priority"] + (["--block-size", str(block_size)] if block_size else [])
-    proc = subprocess.Popen(cmd, env=env, stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT,
+    log = tmp / f"vllm-{cpu}.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     children.procs.append(proc)
     favour(proc.pid, NICE)  # before its engine process starts: that one inherits both
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, timeout=600, what=f"vLLM (log: {tmp / 'vllm.log'})")
+    wait_http(url + "/health", proc, timeout=600, what=f"vLLM (log: {log})")
     return url
 
 
-def start_gateway(children: Children, tmp: Path, arm: Arm, engine: str, slots: int, pin: bool = True,
+def start_gateway(children: Children, tmp: Path, arm: Arm, engines: list[str], slots: int, pin: bool = True,
                   log_level: str = "WARNING", log_name: str | None = None) -> str:
     port = free_port()
     path = tmp / f"{arm.name}.yaml"
     path.write_text((BASE_CONFIG % {"slots": slots} if arm.shared else CALLERS) + (arm.gateway or ""))
     p = children.start([*pinned(RELAY_CPU, pin), *holdback(
-        "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", log_level)],
+        "gateway", "--config", str(path), "--port", str(port), "--replicas", ",".join(engines), "--log-level", log_level)],
         tmp / f"{log_name or arm.name}-gateway.log")
     favour(p.pid, NICE)
     url = f"http://127.0.0.1:{port}"
@@ -254,14 +256,14 @@ async def fit_timing(url: str, slots: int) -> Timing:
 
 
 def start_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
-              block_size: int = CPU_BLOCK_TOKENS) -> str:
+              block_size: int = CPU_BLOCK_TOKENS, cpu: int = ENGINE_CPU) -> str:
     """The simulator configured like the engine: its slots, context, policy, prefix cache and block size."""
     port = free_port()
-    p = children.start([*pinned(ENGINE_CPU, pin), *holdback(
+    p = children.start([*pinned(cpu, pin), *holdback(
         "sim", "--port", str(port), "--model", "tiny", "--max-model-len", "512", "--max-num-seqs", str(slots),
         "--block-size", str(block_size),
         "--scheduling-policy", "priority", "--enable-prefix-caching", "--runner", "generate", "--log-level",
-        "WARNING", *timing.sim_args())], tmp / "sim.log")
+        "WARNING", *timing.sim_args())], tmp / f"sim-{cpu}.log")
     favour(p.pid, NICE)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p, timeout=60, what="holdback sim")
@@ -313,10 +315,10 @@ def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
     return out
 
 
-def run_rounds(url: str, engine: str, arm_list: list[Arm], rounds: int, args: argparse.Namespace,
+def run_rounds(urls: list[str], engine: str, arm_list: list[Arm], rounds: int, args: argparse.Namespace,
                children: Children, tmp: Path) -> list[Record]:
     """Per round, every arm once in a seeded shuffled order, each in a group with the two baselines run just
-    before or after it (the group's order shuffled too), against the replica at `url`."""
+    before or after it (the group's order shuffled too), against the replicas at `urls`."""
     records = []
     order_rng = random.Random(args.seed)
     baselines = [a for a in arm_list if a.name in BASELINES]
@@ -328,7 +330,7 @@ def run_rounds(url: str, engine: str, arm_list: list[Arm], rounds: int, args: ar
             runs = baselines + [arm]
             order_rng.shuffle(runs)
             for one in runs:
-                records.append(run_one(url, engine, one, rnd, group, args, children, tmp))
+                records.append(run_one(urls, engine, one, rnd, group, args, children, tmp))
             group += 1
     return records
 
@@ -350,16 +352,19 @@ def cpu_role(proc: psutil.Process) -> str | None:
     return None
 
 
-def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argparse.Namespace,
+def run_one(urls: list[str], engine: str, arm: Arm, rnd: int, group: int, args: argparse.Namespace,
             children: Children, tmp: Path) -> Record:
-    target, gateway = url, []
+    """One run of `arm`: through a gateway of its own in front of the replicas, or (no gateway) each request to
+    the next replica in turn."""
+    target: str | list[str] = urls
+    gateway: list = []
     if arm.gateway is not None:
         before = len(children.procs)
-        target = start_gateway(children, tmp, arm, url, args.slots, pin=not args.unpinned,
+        target = start_gateway(children, tmp, arm, urls, args.slots, pin=relay_pinned(args),
                                log_level=args.gateway_log_level, log_name=f"{engine}-{group}-{arm.name}")
         gateway = children.procs[before:]
     with CpuSampler(cpu_role, interval=0.5) as sampler:
-        rec = asyncio.run(run_arm(target, arm, rnd, args, engine=url))
+        rec = asyncio.run(run_arm(target, arm, rnd, args, engine=urls))
     rec.engine, rec.group = engine, group
     rec.cpu = {role: round(cores, 3) for role, cores in sampler.shares.by_role.items()}  # type: ignore[union-attr]
     print(f"{engine} round {rnd} group {group} {arm.name}: p95 {percentile(rec.ttft, 0.95) * 1000:.0f} ms, batch "
@@ -371,6 +376,12 @@ def run_one(url: str, engine: str, arm: Arm, rnd: int, group: int, args: argpars
         proc.wait(30)
         children.procs.remove(proc)
     return rec
+
+
+def relay_pinned(args: argparse.Namespace) -> bool:
+    """Whether the gateway and the load have a core of their own: one replica, pinned. Two replicas take a core
+    each, and the relay runs beside them."""
+    return not args.unpinned and args.replicas == 1
 
 
 def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
@@ -390,9 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                    "%(default)s: it is steadier)")
     p.add_argument("--window", type=float, default=30.0, help="seconds of realtime traffic per arm")
     p.add_argument("--lead", type=float, default=5.0, help="seconds batch runs before the window")
-    p.add_argument("--burst", type=int, default=10, help="realtime requests at the window's start")
-    p.add_argument("--rate", type=float, default=3.0, help="realtime Poisson arrivals per second after it")
-    p.add_argument("--batch-inflight", type=int, default=10, help="batch requests kept in flight")
+    p.add_argument("--replicas", type=int, default=1, help="vLLM replicas (default %(default)s), each pinned to a "
+                   "core of its own; with two, the gateway and the load run beside them on both cores, and vLLM "
+                   "priority alone is sent each request to the next replica in turn (a plain load balancer)")
+    p.add_argument("--burst", type=int, default=10, help="realtime requests at the window's start, per replica")
+    p.add_argument("--rate", type=float, default=3.0, help="realtime Poisson arrivals per second after it, per "
+                   "replica")
+    p.add_argument("--batch-inflight", type=int, default=10, help="batch requests kept in flight, per replica")
     p.add_argument("--batch-tokens", type=lambda v: tuple(int(x) for x in v.split(",")), default=(200, 400),
                    help="batch output tokens, uniform between LO,HI (default 200,400; the context is 512)")
     p.add_argument("--batch-stream-interval", type=int, default=1, help="batch streams carry this many tokens "
@@ -411,7 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write raw.json, summary.json and report.md here")
     args = p.parse_args(argv)
     python, model = engine_paths(p)
-    favoured = pin_load(p, pin=not args.unpinned)
+    if not 1 <= args.replicas <= len(os.sched_getaffinity(0)):
+        p.error(f"--replicas {args.replicas}: each replica takes a core of its own; this machine lets the study use "
+                f"{len(os.sched_getaffinity(0))}")
+    # The traffic grows with the replicas: each meets what one meets alone.
+    args.burst, args.rate, args.batch_inflight = (args.burst * args.replicas, args.rate * args.replicas,
+                                                  args.batch_inflight * args.replicas)
+    favoured = pin_load(p, pin=relay_pinned(args))
     arm_list = arms(args.slots)
     if args.arms:
         wanted = set(args.arms.split(",")) | set(BASELINES)
@@ -426,17 +447,18 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "favoured": favoured}
     records: list[Record] = []
     try:
-        engine = start_engine(children, tmp, python, model, args.slots, pin=not args.unpinned,
-                              block_size=args.block_size)
-        timing = asyncio.run(fit_timing(engine, args.slots))
+        cpus = [ENGINE_CPU + i for i in range(args.replicas)]
+        engines = [start_engine(children, tmp, python, model, args.slots, pin=not args.unpinned,
+                                block_size=args.block_size, cpu=cpu) for cpu in cpus]
+        timing = asyncio.run(fit_timing(engines[0], args.slots))  # the replicas are alike: one is measured
         result["timing"] = asdict(timing)
-        records += run_rounds(engine, "vllm", arm_list, args.rounds, args, children, tmp)
+        records += run_rounds(engines, "vllm", arm_list, args.rounds, args, children, tmp)
         children.close()
         children.procs.clear()
         if not args.no_sim:
-            sim = start_sim(children, tmp, timing, args.slots, pin=not args.unpinned,
-                            block_size=args.block_size or CPU_BLOCK_TOKENS)
-            records += run_rounds(sim, "sim", arm_list, args.sim_rounds, args, children, tmp)
+            sims = [start_sim(children, tmp, timing, args.slots, pin=not args.unpinned,
+                              block_size=args.block_size or CPU_BLOCK_TOKENS, cpu=cpu) for cpu in cpus]
+            records += run_rounds(sims, "sim", arm_list, args.sim_rounds, args, children, tmp)
     finally:
         children.close()
     result["engine"] = summarise([r for r in records if r.engine == "vllm"], arm_list)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import aiohttp
 
@@ -56,6 +57,21 @@ class Record:
 
 def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class RoundRobin:
+    """Where each request goes: the gateway, or with no gateway each replica in turn, as a plain load balancer in
+    front of replicas spreads requests (a resumed request goes wherever the next turn points, its cached prefix
+    or not)."""
+
+    def __init__(self, urls: str | Sequence[str]):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("needs at least one URL")
+        self._turn = itertools.count()
+
+    def __call__(self) -> str:
+        return self.urls[next(self._turn) % len(self.urls)]
 
 
 @dataclass
@@ -140,13 +156,15 @@ async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float,
     return False
 
 
-async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float, rec: Record) -> None:
+async def realtime(session, url: str | RoundRobin, arm: Arm, arrivals: list[float], t0: float,
+                   rec: Record) -> None:
+    target = url if isinstance(url, RoundRobin) else RoundRobin(url)
     headers = {"X-Vllm-Priority": "-100"} if arm.gateway is None else {OBJECTIVE_HEADER: "realtime"}
 
     async def one(at: float, text: str) -> None:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         try:
-            got = await stream(session, url, {"model": "tiny", "prompt": text, "max_tokens": 8}, headers)
+            got = await stream(session, target(), {"model": "tiny", "prompt": text, "max_tokens": 8}, headers)
         except aiohttp.ClientConnectionError:  # dropped twice before an answer: a failed request, not the run's end
             got = Streamed(BROKEN)
         status, first = got.status, got.first
@@ -160,12 +178,13 @@ async def realtime(session, url: str, arm: Arm, arrivals: list[float], t0: float
     await asyncio.gather(*(one(at, prompt(rng, 24)) for at in arrivals))
 
 
-async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
+async def batch(session, url: str | RoundRobin, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
                 tokens: tuple[int, int], stream_interval: int = 1) -> None:
     """One of the batch loops: a request after another until the window ends; an evicted one is resumed as the
     workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
     sent none), for the tokens it still owes. Tokens count when they arrive within the window (an attempt that
     straddles its start or end counts only its part inside), completions when they end within it."""
+    target = url if isinstance(url, RoundRobin) else RoundRobin(url)
     headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
     # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
     interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}
@@ -179,7 +198,7 @@ async def batch(session, url: str, arm: Arm, seed: int, window: tuple[float, flo
         owed = rng.randint(*tokens)
         while owed > 0 and time.monotonic() < window[1]:
             try:
-                got = await stream(session, url, {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
+                got = await stream(session, target(), {"model": "tiny", "prompt": prompt_now, "max_tokens": owed,
                                                   "ignore_eos": True, **interval}, headers, arrived)
             except aiohttp.ClientConnectionError:
                 got = Streamed(BROKEN)  # not even sent twice: this loop tries again shortly, it does not end
@@ -220,21 +239,34 @@ async def engine_counters(session: aiohttp.ClientSession, engine: str) -> dict[s
     return out if "steps" in out else None
 
 
-async def counters_in(session: aiohttp.ClientSession, engine: str,
+async def all_counters(session: aiohttp.ClientSession, engines: Sequence[str]) -> dict[str, float] | None:
+    """ENGINE_COUNTERS summed over `engines` (None when any cannot say)."""
+    out: dict[str, float] = {}
+    for counters in await asyncio.gather(*(engine_counters(session, e) for e in engines)):
+        if counters is None:
+            return None
+        for key, value in counters.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+async def counters_in(session: aiohttp.ClientSession, engine: str | Sequence[str],
                       window: tuple[float, float]) -> dict[str, float] | None:
-    """How far the engine's ENGINE_COUNTERS moved between the window's start and end."""
+    """How far the engine's (or the engines' summed) ENGINE_COUNTERS moved between the window's start and end."""
+    engines = [engine] if isinstance(engine, str) else list(engine)
     await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-    before = await engine_counters(session, engine)
+    before = await all_counters(session, engines)
     await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-    after = await engine_counters(session, engine)
+    after = await all_counters(session, engines)
     if before is None or after is None:
         return None
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace, engine: str | None = None) -> Record:
-    """One run of `arm` against `url`; `engine`, the replica behind it, is asked for its step count at the
-    window's start and end."""
+async def run_arm(url: str | Sequence[str], arm: Arm, rnd: int, args: argparse.Namespace,
+                  engine: str | Sequence[str] | None = None) -> Record:
+    """One run of `arm` against `url` (several: each request to the next in turn); `engine`, the replica or
+    replicas behind it, is asked for its step count at the window's start and end."""
     rec = Record(arm.name, rnd)
     arrivals = schedule(args.seed, args.burst, args.rate, args.window)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -242,11 +274,12 @@ async def run_arm(url: str, arm: Arm, rnd: int, args: argparse.Namespace, engine
         start = time.monotonic()
         t0 = start + (args.lead if arm.batch else 1.0)
         window = (t0, t0 + args.window)
-        loops = [asyncio.create_task(batch(session, url, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
+        target = RoundRobin(url)  # one turn for realtime and batch alike, as one load balancer has
+        loops = [asyncio.create_task(batch(session, target, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
                                            args.batch_stream_interval))
                  for i in range(args.batch_inflight if arm.batch else 0)]
         counters = asyncio.create_task(counters_in(session, engine, window)) if engine else None
-        await realtime(session, url, arm, arrivals, t0, rec)
+        await realtime(session, target, arm, arrivals, t0, rec)
         if counters is not None:
             rec.steps = ((await counters) or {}).get("steps")
         for task in loops:

@@ -62,14 +62,23 @@ def cpu_table(summary: dict) -> list[str]:
 
 def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu: int) -> str:
     blocks = f" --block-size {args.block_size}" if getattr(args, "block_size", None) else ""
-    lines = [f"One vLLM replica (CPU build, tiny model, `--max-num-seqs {args.slots} --scheduling-policy priority"
-             f"{blocks}`) "
-             + ("unpinned: the engine, the gateway and the load share both cores. " if getattr(args, "unpinned", False)
-                else f"pinned to CPU {engine_cpu}; gateway and load on CPU {relay_cpu}. ")
+    replicas = getattr(args, "replicas", 1)
+    if getattr(args, "unpinned", False):
+        placed = "unpinned: the engine, the gateway and the load share both cores. "
+    elif replicas > 1:
+        placed = (f"each pinned to a core of its own (CPUs {engine_cpu}–{engine_cpu + replicas - 1}); the gateway and "
+                  "the load run beside them, unpinned; with no gateway, each request goes to the next replica in "
+                  "turn. ")
+    else:
+        placed = f"pinned to CPU {engine_cpu}; gateway and load on CPU {relay_cpu}. "
+    lines = [("One vLLM replica" if replicas == 1 else f"{replicas} vLLM replicas")
+             + f" (CPU build, tiny model, `--max-num-seqs {args.slots} --scheduling-policy priority{blocks}`) "
+             + placed
              + f"Realtime: burst {args.burst} + "
              f"Poisson {args.rate}/s for {args.window:.0f} s, 8 tokens streamed. Batch: {args.batch_inflight} in "
              f"flight, {args.batch_tokens[0]}–{args.batch_tokens[1]} tokens, resumed when evicted. {args.rounds} "
-             f"rounds on the engine ({args.sim_rounds} on the simulator), each arm run in a group with the two "
+             f"rounds on the engine" + ("" if getattr(args, "no_sim", False) else f" ({args.sim_rounds} on the "
+                                        "simulator)") + ", each arm run in a group with the two "
              "baselines next to it in time; medians of the per-group ratios with 95% bootstrap intervals. The "
              "study's processes "
              + ("ran at nice −15, their sessions too (ahead of other work on the machine)."

@@ -55,10 +55,13 @@ async def serve(answers: list[list[bytes]], calls: list[dict]) -> tuple[web.AppR
     return await replica(completions)
 
 
-async def replica(completions) -> tuple[web.AppRunner, str]:  # noqa: ANN001 - an aiohttp handler
-    """A replica on a port of this process whose /v1/completions is `completions`."""
+async def replica(completions=None, metrics=None) -> tuple[web.AppRunner, str]:  # noqa: ANN001 - aiohttp handlers
+    """A replica on a port of this process whose /v1/completions is `completions` and /metrics `metrics`."""
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    if completions is not None:
+        app.router.add_post("/v1/completions", completions)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -128,3 +131,54 @@ def test_a_realtime_request_the_server_drops_twice_is_counted_failed_and_the_run
 
     rec = asyncio.run(main())
     assert rec.realtime_failed == 3 and len(rec.ttft) == 3 and all(t == float("inf") for t in rec.ttft)
+
+
+def test_with_no_gateway_in_front_of_two_replicas_each_request_goes_to_the_next_one() -> None:
+    """vLLM priority alone in front of two replicas: the load balancer the study stands in for sends each request
+    to the next replica in turn, realtime and batch sharing one turn."""
+    answer = [event(0.0, 2, "length"), b"data: [DONE]\n\n"]
+
+    async def main() -> tuple[list[dict], list[dict], traffic.Record]:
+        seen: tuple[list[dict], list[dict]] = ([], [])
+        runners = [await serve([answer], calls) for calls in seen]
+        rec = traffic.Record("arm", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                turn = traffic.RoundRobin([url for _, url in runners])
+                await asyncio.wait_for(traffic.realtime(session, turn, traffic.Arm("arm", "an arm", None),
+                                                        [0.0] * 5, 0.0, rec), 30)
+        finally:
+            for runner, _ in runners:
+                await runner.cleanup()
+        return seen[0], seen[1], rec
+
+    first, second, rec = asyncio.run(main())
+    assert (len(first), len(second)) == (3, 2)
+    assert rec.realtime_failed == 0 and len(rec.ttft) == 5
+
+
+def test_the_engines_counters_are_summed_over_the_replicas() -> None:
+    """Two replicas' steps and generated tokens add up; a replica that cannot say makes the sum unknown (a step
+    count missing one replica's steps would credit the arm with work per step it did not do)."""
+
+    async def main() -> tuple[dict | None, dict | None]:
+        runners = []
+        for steps, generated in ((10, 80), (30, 240)):
+            async def metrics(request: web.Request, steps: int = steps, generated: int = generated) -> web.Response:
+                return web.Response(text=f"vllm:iteration_tokens_total_count{{engine=\"0\"}} {steps}.0\n"
+                                         f"vllm:generation_tokens_total{{engine=\"0\"}} {generated}.0\n")
+
+            runners.append(await replica(metrics=metrics))
+        try:
+            async with aiohttp.ClientSession() as session:
+                urls = [url for _, url in runners]
+                both = await traffic.all_counters(session, urls)
+                missing = await traffic.all_counters(session, [*urls, "http://127.0.0.1:9"])
+        finally:
+            for runner, _ in runners:
+                await runner.cleanup()
+        return both, missing
+
+    both, missing = asyncio.run(main())
+    assert both == {"steps": 40.0, "generated": 320.0}
+    assert missing is None
