@@ -304,9 +304,12 @@ class FlowController:
     def started_streaming(self, req: FlowRequest) -> None:
         """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
         req.streaming_started = True
+        awaited = req in self.eviction.awaiting
         self.eviction.answering(req)
-        if req.sheddable and self.eviction.awaiting:
-            self.wake()  # a request waiting inside this replica may now have a victim that runs
+        if (req.sheddable and self.eviction.awaiting) or (awaited and self.total_queued):
+            # A request waiting inside this replica may now have a victim that runs; or lower-priority ones held
+            # back from this replica while this one waited (`holds_back`) may go.
+            self.wake()
 
     def count_mid_stream_eviction(self) -> None:
         self.tally.eviction("mid_stream")
@@ -395,6 +398,9 @@ class FlowController:
             if kv.outcome is KvOutcome.QUEUE:
                 return WAIT_KV
         fits = _within(kv) if kv is not None else None
+        if self.eviction.awaiting:  # a higher-priority request not answering yet keeps lower ones off its replica
+            within, control = fits, self.eviction
+            fits = lambda r: (within is None or within(r)) and not control.holds_back(r, req.priority)  # noqa: E731
         replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity)
         return Placement(Verdict.RUN, replica) if replica is not None else BLOCKED
 

@@ -15,7 +15,9 @@ floor ÷ credit were dispatched on the understanding that a higher band takes th
 the whole loan comes back in one decision instead of `maxPerDecision` at a time.
 A blocked band's victims are those that hold an engine slot first: where the gateway keeps requests waiting
 inside a replica (`engine.queueAllowance`), evicting one of those frees no slot, and the realtime request sent in
-its place would wait inside and take a second victim (`waits_inside`).
+its place would wait inside and take a second victim (`waits_inside`). When a running victim frees a slot for a
+higher-priority request, the lower-priority requests waiting inside that replica go too (`queued_on`): vLLM
+hands the slot to whatever it holds at its next step, and the victim's abort may reach it first.
 Pacing is stop-and-wait: no new decision until every earlier victim's upstream has closed (or timed out)
 and a short grace for the detector to see the freed capacity has passed — unless the controller hands each
 victim's slot on when it is chosen (`paced = False`, the concurrency detector): then the reading already
@@ -149,6 +151,16 @@ class Evictor:
         victims = victims[:max(0, min(wanted, self.max_per_decision))]
         self._mark(victims, now)
         return victims
+
+    def queued_on(self, replica: object, below: int, now: float) -> list[FlowRequest]:
+        """The requests below priority `below` that may be waiting in `replica`'s own queue (`waits_inside`),
+        chosen as victims. A slot freed there goes to whatever vLLM holds when its next step is scheduled, and
+        the request it was freed for may reach vLLM after the victim's abort does: any of these would take it
+        first. Waiting, they hold no slot and have produced nothing; one still in its first step (no answer
+        yet, but running) loses that step."""
+        waiting = [r for r in self.candidates if r.replica is replica and r.priority < below and waits_inside(r)]
+        self._mark(waiting, now)
+        return waiting
 
     def _ordered(self, requests: list[FlowRequest], now: float) -> list[FlowRequest]:
         by_seq = {r.seq: r for r in requests}

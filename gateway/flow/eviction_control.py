@@ -96,9 +96,14 @@ class EvictionControl:
             replica = victim.replica
             if isinstance(replica, Replica) and replica.max_num_seqs is not None and not waits_inside(victim):
                 self.freed[replica] += 1
+        # Read before any victim's slot is handed on: `waits_inside` counts the replica's requests.
+        queued = {replica: self.evictor.queued_on(replica, decision.demand_priority, now) for replica in self.freed}
+        for victim in decision.victims:
             self.evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
                        demand_band=decision.demand_priority, saturation=round(saturation, 4),
                        deficit=round(decision.deficit, 4), victims=len(decision.victims))
+        for replica, waiting in queued.items():
+            self.clear_queue(replica, waiting, now, demand_band=decision.demand_priority)
         return fc.detector.release_on_decision
 
     def over_hard_watermark(self, healthy: list[Replica], now: float) -> None:
@@ -184,12 +189,34 @@ class EvictionControl:
                 waiting.setdefault(replica, []).append(req)
         for replica, reqs in waiting.items():
             wanted = min(len(reqs), replica.in_flight - replica.max_num_seqs)  # type: ignore[operator]
-            victims = self.evictor.decide_on(replica, wanted, min(r.priority for r in reqs), now)
+            below = min(r.priority for r in reqs)
+            victims = self.evictor.decide_on(replica, wanted, below, now)
+            if not victims:
+                continue
+            queued = self.evictor.queued_on(replica, below, now)
             for req in sorted(reqs, key=lambda r: r.dispatched_at)[:len(victims)]:
                 req.slot_freed = True
             for victim in victims:
                 self.evict(victim, now, replica=replica.url, trigger="waiting-in-replica",
                            in_flight=replica.in_flight, slots=replica.max_num_seqs)
+            self.clear_queue(replica, queued, now, demand_band=below)
+
+    def clear_queue(self, replica: Replica, waiting: list[FlowRequest], now: float, **fields: object) -> None:
+        """Evict `waiting` (`Evictor.queued_on`), lower-priority requests in `replica`'s own queue, as a slot there
+        is freed for a higher-priority one: whichever vLLM holds at its next step takes that slot. Their retries
+        come back behind the request the slot was freed for, and no lower-priority request is sent to the
+        replica until it answers (`holds_back`)."""
+        for req in waiting:
+            self.evict(req, now, replica=replica.url, trigger="replica-queue", **fields)
+
+    def holds_back(self, replica: Replica, priority: int) -> bool:
+        """Whether a request of `priority` must not go to `replica` now: every engine slot there is held and a
+        higher-priority request sent there has not answered yet. Sent now, it could reach vLLM's queue before
+        that request does and take the slot freed for it; once that request answers, it runs."""
+        slots = replica.max_num_seqs
+        if slots is None or replica.in_flight < slots:
+            return False
+        return any(r.replica is replica and r.priority > priority for r in self.awaiting)
 
     def dispatched(self, req: FlowRequest) -> None:
         if not req.sheddable and getattr(req.replica, "max_num_seqs", None) is not None:

@@ -129,20 +129,23 @@ def test_realtime_within_the_slots_evicts_nothing():
     run(main())
 
 
-def test_a_running_victim_goes_before_one_still_waiting_inside():
+def test_a_running_victim_goes_before_one_still_waiting_inside_and_that_one_goes_too():
     async def main():
         fc, clock = controller("{maxNumSeqs: 2, queueAllowance: 2}")
         running = [dispatch(fc, clock, "batch") for _ in range(2)]
         queued_inside = dispatch(fc, clock, "batch", streaming=False)  # newest, but it holds no slot
         dispatch(fc, clock, "realtime", streaming=False)
-        assert queued_inside.drop_reason is None
+        # One running victim frees the slot; the batch request waiting inside vLLM would take it if the victim's
+        # abort reached vLLM before the realtime request, so it is evicted as well.
         assert [r for r in running if r.drop_reason is DropReason.EVICTED] == [running[-1]]
+        assert queued_inside.drop_reason is DropReason.EVICTED
+        assert fc.tally.evictions["issued"] == 2
         for r in (*running, queued_inside):
             r.task.cancel()
     run(main())
 
 
-def test_realtime_at_a_full_allowance_evicts_one_running_batch_request_and_no_more():
+def test_realtime_at_a_full_allowance_evicts_one_running_batch_request_and_clears_the_replicas_queue():
     async def main():
         # The slots run batch and batch fills the allowance too: realtime is blocked at the gateway's capacity.
         fc, clock = controller("{schedulingPolicy: priority, maxNumSeqs: 2, queueAllowance: 1}")
@@ -152,13 +155,50 @@ def test_realtime_at_a_full_allowance_evicts_one_running_batch_request_and_no_mo
         rt.streamed, rt.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
         assert fc.submit(rt) is Outcome.QUEUED
         fc.cycle()
-        # The victim is one that runs (evicting the waiting one would free no engine slot, and realtime, waiting
-        # inside then, would take a second victim); realtime goes in with that slot counted as its own.
-        assert rt.status is Status.DISPATCHED and rt.slot_freed and inside.drop_reason is None
+        # The victim is one that runs (evicting only the waiting one would free no engine slot); realtime goes in
+        # with that slot counted as its own. The one waiting inside goes too: it would take the freed slot
+        # whenever the victim's abort reaches vLLM before the realtime request does.
+        assert rt.status is Status.DISPATCHED and rt.slot_freed
         assert [r for r in running if r.drop_reason is DropReason.EVICTED] == [running[-1]]
+        assert inside.drop_reason is DropReason.EVICTED
         fc.cycle()
-        assert fc.tally.evictions.get("issued", 0) == 1
+        assert fc.tally.evictions.get("issued", 0) == 2  # no second running victim for the same request
         for r in (*running, inside, rt):
+            r.task.cancel()
+    run(main())
+
+
+def test_no_lower_priority_request_joins_a_full_replicas_queue_before_the_realtime_one_there_answers():
+    async def main():
+        fc, clock = controller("{schedulingPolicy: priority, maxNumSeqs: 2, queueAllowance: 2}")
+        running = [dispatch(fc, clock, "batch") for _ in range(2)]
+        rt = dispatch(fc, clock, "realtime", streaming=False)  # into the allowance; a running victim is evicted
+        assert [r for r in running if r.drop_reason is DropReason.EVICTED] == [running[-1]]
+        fc.finish(running[-1])
+        # A batch request (the victim's retry, say) would reach vLLM's queue before or after the realtime one;
+        # sent before, it takes the freed slot. It waits at the gateway until the realtime request answers.
+        later = request(clock, "batch")
+        later.streamed, later.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        assert fc.submit(later) is Outcome.QUEUED
+        fc.cycle()
+        assert later.status is not Status.DISPATCHED
+        fc._wake.clear()
+        fc.started_streaming(rt)
+        assert fc._wake.is_set()
+        fc.cycle()
+        assert later.status is Status.DISPATCHED
+        for r in (*running, rt, later):
+            r.task.cancel()
+    run(main())
+
+
+def test_a_replica_with_a_free_slot_takes_batch_while_realtime_waits_for_its_first_token():
+    async def main():
+        fc, clock = controller("{schedulingPolicy: priority, maxNumSeqs: 3, queueAllowance: 2}")
+        dispatch(fc, clock, "realtime", streaming=False)  # in a free slot: it needs none freed
+        ok = [dispatch(fc, clock, "batch") for _ in range(2)]  # the other slots are free too: they run at once
+        assert all(r.status is Status.DISPATCHED for r in ok)
+        for r in ok:
             r.task.cancel()
     run(main())
 
@@ -176,7 +216,9 @@ def test_no_streamed_request_that_has_not_answered_is_a_victim_and_the_decision_
         fc.started_streaming(batch[1])  # this one runs (it reached vLLM first): it is the victim
         assert fc._wake.is_set()  # the dispatch loop decides again now
         fc.cycle()
-        assert [r for r in batch if r.drop_reason is DropReason.EVICTED] == [batch[1]] and rt.slot_freed
+        # The running one frees the slot; the two still waiting inside go too (either would take it).
+        assert batch[1].drop_reason is DropReason.EVICTED and rt.slot_freed
+        assert fc.tally.evictions["issued"] == 3
         for r in batch:
             r.task.cancel()
     run(main())
