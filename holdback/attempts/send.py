@@ -50,10 +50,16 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
             if resp.status >= 300 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return StreamedReply(Reply(resp.status, resp.headers, await resp.read()), assembly, cut=False,
                                      events=False)
-            async for line in resp.content:
-                if line.startswith(b"data:"):
-                    assembly.feed(line[5:].strip())
-            if assembly.complete:
+            try:
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        assembly.feed(line[5:].strip())
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+                if not assembly.answered:
+                    raise
+            # A stream cut after its answer finished is that answer: a resume would have nothing to continue and
+            # a restart would compute the whole output again.
+            if assembly.complete or assembly.answered:
                 return StreamedReply(Reply(resp.status, resp.headers), assembly, cut=False)
             return StreamedReply(cut_reply(resp.headers, assembly), assembly, cut=True)
     except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:

@@ -135,6 +135,14 @@ class StreamAssembly:
                 and self.finish_reason not in (ABORTED, FAILED))
 
     @property
+    def answered(self) -> bool:
+        """The answer finished (a finish reason other than an abort or a failure), whatever came after it. A
+        stream cut between its finishing chunk and [DONE] (an eviction decided a moment too late, a connection
+        that broke there) lost none of the answer: only the closing usage chunk, whose counts the finishing chunk
+        carries too (`continuous_usage_stats`), and the fields vLLM sets there alone (`system_fingerprint`)."""
+        return bool(self.head) and self.finish_reason is not None and self.finish_reason not in (ABORTED, FAILED)
+
+    @property
     def prompt_tokens(self) -> int:
         return int((self.usage or {}).get("prompt_tokens") or 0)
 

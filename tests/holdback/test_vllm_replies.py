@@ -565,6 +565,23 @@ def test_a_reset_after_output_is_cut_after_output_and_before_output_is_not():
     assert head_only.reply.status is None and not head_only.reply.cut_after_output
 
 
+def test_a_stream_cut_after_its_answer_finished_is_that_answer():
+    """The gateway's eviction notice, or a reset, after the finishing chunk and before the usage chunk and [DONE]:
+    the answer is whole (the finishing chunk carries the usage too), so it is the attempt's success, where a cut
+    would make the next attempt compute the whole output again (nothing is left to continue)."""
+    stream = (FIXTURES / "chat_stream.sse").read_bytes()
+    answer = stream[:stream.index(b"data: [DONE]")].rsplit(b"data:", 1)[0]  # up to the finishing chunk
+    notice = b'data: {"error": {"message": "evicted", "type": "rate_limit_error", "param": null, "code": "evicted"}}\n\n'
+    for sent in (send_over_socket(answer + notice, finish=True), send_over_socket(answer, finish=False)):
+        assert not sent.cut and sent.reply.status == 200, sent.reply
+        body = sent.assembly.body()
+        assert body["choices"][0]["message"]["content"] == "ps{ 670wh"
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 4
+    before_finish = answer.rsplit(b"data:", 1)[0]  # the same cut one chunk earlier: the answer did not finish
+    sent = send_over_socket(before_finish + notice, finish=True)
+    assert sent.cut and sent.reply.status == 429
+
+
 def test_a_stream_cut_after_output_retries_off_the_budget_and_one_without_output_spends_it(db):
     row_id = new_row(db, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     policy = RetryPolicy(base=0.1, cap=1.0, transient_budget=2)
