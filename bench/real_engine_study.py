@@ -93,6 +93,9 @@ def arms(slots: int) -> list[Arm]:
         # gateway/default.yaml's settings, nothing said about the engine: KV admission on, 48 requests a replica
         # until its slots are learned from its metrics, no reserve, eviction.
         Arm("shipped-default", "the shipped default: no engine settings, slots learned", "", shared=False),
+        # The same with two requests kept waiting inside vLLM beyond the slots once they are learned.
+        Arm("shipped-allowance", "the shipped default + queueAllowance 2 beyond the learned slots",
+            "engine: {queueAllowance: 2}\n", shared=False, default=False),
         # The default before 2026-12-04: holdback 50% of maxConcurrency (48) + eviction, slots not learned.
         Arm("previous-default", "the previous default: holdback 50% of 48 + eviction, nothing learned",
             "usageLimit: {policy: priority-holdback, minCeiling: 0.5}\nengine: {learnMaxNumSeqs: false}\n",

@@ -351,11 +351,12 @@ class GatewayConfig(_Model):
         return self
 
     def capacity(self, url: str) -> int:
-        """The requests the gateway may have in flight on the replica at `url`: its maxNumSeqs and queue allowance
-        when set (engine), else saturation.maxConcurrency."""
+        """The most requests the gateway may have in flight on the replica at `url`: its maxNumSeqs and queue
+        allowance when set (engine), else saturation.maxConcurrency (and the allowance beyond slots learned up to
+        it)."""
         engine = self.engine.of(url)
         if engine.maxNumSeqs is None:
-            return self.saturation.maxConcurrency
+            return self.saturation.maxConcurrency + (engine.queueAllowance if engine.learnMaxNumSeqs else 0)
         return engine.maxNumSeqs + engine.queueAllowance
 
     def traffic_class(self, priority: int) -> str:

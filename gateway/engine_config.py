@@ -35,8 +35,9 @@ class ReplicaEngine(_Model):
     # that keeps requests waiting for 2 s while its KV is mostly free and the same number, its most, run is
     # running all it may: that number is its slots (gateway/README.md, "Engine slots learned").
     learnMaxNumSeqs: bool = True
-    # Requests beyond maxNumSeqs the gateway may keep waiting inside vLLM (its queue, priority-ordered there
-    # under `priority`): a freed slot is filled within the engine's next step instead of a relay's round trip.
+    # Requests beyond maxNumSeqs (or the learned slots, once learned) the gateway may keep waiting inside vLLM
+    # (its queue, priority-ordered there under `priority`): a freed slot is filled within the engine's next step
+    # instead of a relay's round trip.
     queueAllowance: int = Field(default=0, ge=0)
 
 
@@ -61,9 +62,10 @@ class Engine(ReplicaEngine):
     @model_validator(mode="after")
     def _allowance_needs_slots(self) -> "Engine":
         for where, settings in [("engine", self), *((f"engine.replicas[{u!r}]", self.of(u)) for u in self.replicas)]:
-            if settings.queueAllowance and settings.maxNumSeqs is None:
-                raise ValueError(f"{where}.queueAllowance counts requests beyond maxNumSeqs: set {where}.maxNumSeqs "
-                                 f"to the replica's --max-num-seqs")
+            if settings.queueAllowance and settings.maxNumSeqs is None and not settings.learnMaxNumSeqs:
+                raise ValueError(f"{where}.queueAllowance counts requests beyond the replica's slots, and with "
+                                 f"learnMaxNumSeqs off they are unknown: set {where}.maxNumSeqs to the replica's "
+                                 f"--max-num-seqs, or turn learnMaxNumSeqs back on")
         return self
 
     def priority_scheduling(self, url: str) -> bool:

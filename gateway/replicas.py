@@ -111,14 +111,14 @@ class Replica:
         return self.metrics_at > 0 and now - self.metrics_at <= staleness
 
     def take_engine(self, engine: ReplicaEngine) -> None:
-        """Its engine's slots (maxNumSeqs, else the learned ones) and the gateway's capacity there (with the
-        queue allowance, which needs maxNumSeqs set)."""
+        """Its engine's slots (maxNumSeqs, else the learned ones) and the gateway's capacity there: the slots and
+        the queue allowance beyond them (None: saturation.maxConcurrency, until slots are known)."""
         self.engine = engine
         if engine.maxNumSeqs is not None:
             self.max_num_seqs = engine.maxNumSeqs
-            self.capacity = engine.maxNumSeqs + engine.queueAllowance
         else:
-            self.max_num_seqs = self.capacity = self.learned_slots if engine.learnMaxNumSeqs else None
+            self.max_num_seqs = self.learned_slots if engine.learnMaxNumSeqs else None
+        self.capacity = None if self.max_num_seqs is None else self.max_num_seqs + engine.queueAllowance
 
     def see_slots(self, now: float) -> bool:
         """Learn its engine's slots from the metrics just scraped at `now` (monotonic); True when they changed.

@@ -61,9 +61,11 @@ def test_engine_settings_per_replica_and_the_capacity_they_give():
     assert not cfg.engine.priority_scheduling(A) and cfg.engine.priority_scheduling(B)
     assert parse_config(f"replicas: [{A}]\n", "t").config.capacity(A) == 48  # unset: saturation.maxConcurrency
     assert connection_limit(cfg) == 256
-    with pytest.raises(ConfigError, match=r"engine.queueAllowance counts requests beyond maxNumSeqs: set "
-                                          r"engine.maxNumSeqs"):
-        parse_config("engine: {queueAllowance: 2}\n", "t")
+    with pytest.raises(ConfigError, match=r"engine.queueAllowance counts requests beyond the replica's slots, "
+                                          r"and with learnMaxNumSeqs off they are unknown: set engine.maxNumSeqs"):
+        parse_config("engine: {queueAllowance: 2, learnMaxNumSeqs: false}\n", "t")
+    learned = parse_config(f"replicas: [{A}]\nengine: {{queueAllowance: 2}}\n", "t").config
+    assert learned.capacity(A) == 50  # maxConcurrency until learned, and the allowance beyond learned slots
     with pytest.raises(ConfigError, match="engine.replicas: 'r1' must be a replica's http"):
         parse_config("engine: {replicas: {r1: {maxNumSeqs: 2}}}\n", "t")
 

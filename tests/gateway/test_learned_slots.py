@@ -48,6 +48,15 @@ def test_slots_are_learned_when_the_same_number_runs_while_requests_wait_for_two
     assert not scrape(8, 5)  # seen again: nothing changes
 
 
+def test_the_queue_allowance_counts_beyond_learned_slots():
+    r = replica("{queueAllowance: 2}")
+    assert r.capacity is None  # saturation.maxConcurrency until the slots are known
+    Scrapes(r).full_for(LEARN_SECONDS + 0.25, 8)
+    assert (r.learned_slots, r.max_num_seqs, r.capacity) == (8, 8, 10)
+    r.forget_slots()  # down: it may come back with other flags
+    assert (r.max_num_seqs, r.capacity) == (None, None)
+
+
 def test_a_moment_with_nothing_waiting_neither_starts_nor_ends_a_run():
     # Ten requests on eight slots: whenever two end before their clients send the next, none waits for a moment.
     r = replica()
