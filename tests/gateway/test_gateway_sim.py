@@ -124,7 +124,9 @@ def test_blocked_realtime_evicts_batch_and_frees_the_replica(stack):
             batch = [asyncio.create_task(client.post("/v1/completions", json=body(3000, PROMPT_LONG),
                                                      headers=obj("batch", **{"x-request-id": f"batch-{i}"})))
                      for i in range(4)]
-            await wait_until(lambda: sim_state(sims[0])["running"] == 4)
+            # Four ~2000-token prompts tokenized, admitted and prefilled: on a loaded two-core machine (the suite's
+            # other workers, two relay processes starting) that once took more than the default 15 s.
+            await wait_until(lambda: sim_state(sims[0])["running"] == 4, timeout=60)
             await asyncio.sleep(0.3)  # let the batch requests grow their KV
             kv_before = sim_metric(sims[0], "vllm:kv_cache_usage_perc")
             running_before = sim_metric(sims[0], "vllm:num_requests_running")
