@@ -109,8 +109,8 @@ class Run:
 
 
 async def realtime_among_waiting_batch(server: VllmServer, config: str, run: str) -> Run:
-    """BATCH long batch requests into the one slot and its queue, then a realtime one; every count and order is
-    read from vLLM's log."""
+    """BATCH long batch requests into the one slot and its queue, then, once one of them answers, a realtime one;
+    every count and order is read from vLLM's log."""
     done: list[tuple[str, float, str]] = []
     log = EngineLog(server, run)
     async with in_process_gateway([server.url], config) as (gw, url), httpx.AsyncClient(timeout=120) as client:
@@ -125,6 +125,11 @@ async def realtime_among_waiting_batch(server: VllmServer, config: str, run: str
         deadline = time.monotonic() + 60
         while sum(r.in_flight for r in gw.pool.replicas) < BATCH:
             assert time.monotonic() < deadline, "the gateway never sent the batch requests on"
+            await asyncio.sleep(0.005)
+        # And one of them runs in the one slot (its answer has begun): a realtime request that reached vLLM
+        # before any batch request was scheduled would simply run first, with nothing to show.
+        while not any(r.streaming_started for r in gw.controller.eviction.evictor.candidates):
+            assert time.monotonic() < deadline, "no batch request began its answer"
             await asyncio.sleep(0.005)
         await completion(client, url, "realtime", 8, done, f"{run}-realtime")
         await asyncio.gather(*batch)
