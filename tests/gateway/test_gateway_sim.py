@@ -31,14 +31,16 @@ def obj(name: str, **extra: str) -> dict:
     return {"x-llm-d-inference-objective": name, **extra}
 
 
-async def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02):
+async def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02, what=None):
+    """`predicate`'s first true value, polled until `timeout`; on failure, `what()` (if given) says what was seen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = await asyncio.to_thread(predicate)
         if value:
             return value
         await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+    seen = f"; seen: {await asyncio.to_thread(what)}" if what is not None else ""
+    raise AssertionError(f"condition not met within {timeout}s: {predicate}{seen}")
 
 
 def test_batch_in_flight_never_exceeds_its_ceiling(stack):

@@ -39,7 +39,7 @@ def test_batch_ceiling_follows_realtime_demand(stack):
             # Four realtime requests are half the pool: the ceiling falls to 1 − 0.5 − 0.125 at once, and
             # eviction frees the slots batch held beyond what was left.
             busy = await wait_until(lambda: (s := gw.state())["holdback"]["ceilings"]["-10"] == 0.375
-                                    and _band(s, 100)["in_flight"] == 4 and s, 30)
+                                    and _band(s, 100)["in_flight"] == 4 and s, 30, what=lambda: _seen(gw.state()))
             for t in realtime:
                 t.cancel()
             await asyncio.gather(*realtime, return_exceptions=True)
@@ -62,6 +62,12 @@ def test_batch_ceiling_follows_realtime_demand(stack):
     assert recovered is True
     assert 'holdback_gateway_reserve_demand{pool="default",reading="forecast"}' in metrics
     assert 'holdback_gateway_band_ceiling{band="-10",pool="default"}' in metrics
+
+
+def _seen(state: dict) -> str:
+    """The figures this test waits on, for its failure message (it failed once in a loaded suite, unexplained)."""
+    bands = {b["priority"]: {k: b[k] for k in ("in_flight", "queued")} for b in state["bands"]}
+    return f"ceilings {state['holdback']['ceilings']}, forecast {state['holdback'].get('forecast')}, bands {bands}"
 
 
 def _band(state: dict, priority: int) -> dict:
