@@ -70,6 +70,11 @@ class RoundRobin:
             raise ValueError("needs at least one URL")
         self._turn = itertools.count()
 
+    @classmethod
+    def of(cls, url: "str | RoundRobin") -> "RoundRobin":
+        """`url` as a turn: itself when it is one already (run_arm's, shared by realtime and batch)."""
+        return url if isinstance(url, RoundRobin) else cls(url)
+
     def __call__(self) -> str:
         return self.urls[next(self._turn) % len(self.urls)]
 
@@ -158,7 +163,7 @@ async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float,
 
 async def realtime(session, url: str | RoundRobin, arm: Arm, arrivals: list[float], t0: float,
                    rec: Record) -> None:
-    target = url if isinstance(url, RoundRobin) else RoundRobin(url)
+    target = RoundRobin.of(url)
     headers = {"X-Vllm-Priority": "-100"} if arm.gateway is None else {OBJECTIVE_HEADER: "realtime"}
 
     async def one(at: float, text: str) -> None:
@@ -184,7 +189,7 @@ async def batch(session, url: str | RoundRobin, arm: Arm, seed: int, window: tup
     workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
     sent none), for the tokens it still owes. Tokens count when they arrive within the window (an attempt that
     straddles its start or end counts only its part inside), completions when they end within it."""
-    target = url if isinstance(url, RoundRobin) else RoundRobin(url)
+    target = RoundRobin.of(url)
     headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
     # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
     interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}

@@ -43,6 +43,14 @@ def request(clock, objective, n=[0]):
     return FlowRequest(f"{objective}-{n[0]}", objective, PRIO[objective], "t", "t", arrived=clock())
 
 
+def queued(fc, clock, objective):
+    """A streamed request submitted while it cannot be dispatched: it waits in the gateway's queue."""
+    r = request(clock, objective)
+    r.streamed, r.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
+    assert fc.submit(r) is Outcome.QUEUED
+    return r
+
+
 def dispatch(fc, clock, objective, *, streaming=True, streamed=True):
     r = request(clock, objective)
     r.streamed = streamed
@@ -153,9 +161,7 @@ def test_realtime_at_a_full_allowance_evicts_one_running_batch_request_and_clear
         fc, clock = controller("{schedulingPolicy: priority, maxNumSeqs: 2, queueAllowance: 1}")
         running = [dispatch(fc, clock, "batch") for _ in range(2)]
         inside = dispatch(fc, clock, "batch", streaming=False)  # the newest: it waits inside vLLM, holding no slot
-        rt = request(clock, "realtime")
-        rt.streamed, rt.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
-        assert fc.submit(rt) is Outcome.QUEUED
+        rt = queued(fc, clock, "realtime")
         fc.cycle()
         # The victim is one that runs (evicting only the waiting one would free no engine slot); realtime goes in
         # with that slot counted as its own. The one waiting inside goes too: it would take the freed slot
@@ -179,9 +185,7 @@ def test_no_lower_priority_request_joins_a_full_replicas_queue_before_the_realti
         fc.finish(running[-1])
         # A batch request (the victim's retry, say) would reach vLLM's queue before or after the realtime one;
         # sent before, it takes the freed slot. It waits at the gateway until the realtime request answers.
-        later = request(clock, "batch")
-        later.streamed, later.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
-        assert fc.submit(later) is Outcome.QUEUED
+        later = queued(fc, clock, "batch")
         fc.cycle()
         assert later.status is not Status.DISPATCHED
         fc._wake.clear()
