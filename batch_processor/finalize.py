@@ -129,6 +129,17 @@ def finalize_batch(
     return result
 
 
+# Characters a JSON string may hold raw that some line splitters take for a line end (Python's str.splitlines,
+# JavaScript before ES2019): the model's text can hold any of them, and a reader that splits the file there
+# gets half a line. json.dumps already escapes the C0 controls among them (\x0b, \x0c, \x1c-\x1e).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def jsonl_line(doc: dict) -> str:
+    """One JSONL line, UTF-8 kept, with nothing inside it any common reader would split it at."""
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
 def _write_file(factory: sessionmaker[Session], store: FileStore, batch_id: str, file_id: str,
                 statuses: tuple[RequestStatus, ...], keepalive: Callable[[], None] | None,
                 chunk: int) -> tuple[int, int]:
@@ -149,9 +160,7 @@ def _write_file(factory: sessionmaker[Session], store: FileStore, batch_id: str,
                     ).all()
                 if not rows:
                     break
-                writer.write("".join(
-                    json.dumps(output_line(row), separators=(",", ":"), ensure_ascii=False) + "\n" for row in rows
-                ).encode())
+                writer.write("".join(jsonl_line(output_line(row)) for row in rows).encode())
                 lines += len(rows)
                 after = rows[-1].line
                 if keepalive is not None:

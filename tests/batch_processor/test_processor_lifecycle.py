@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from sqlalchemy import func, select
@@ -56,6 +57,26 @@ def test_finalize_writes_one_line_per_custom_id(harness: Harness):
         out_file = s.get(File, batch.output_file_id)
         assert (out_file.purpose, out_file.tenant_id, out_file.status) == ("batch_output", batch.tenant_id, "processed")
         assert out_file.bytes == harness.store.size(out_file.storage_key) and out_file.expires_at > time.time()
+
+
+def test_an_answer_holding_unicode_line_separators_stays_on_one_line_for_any_splitter(harness: Harness):
+    # A real model's text holds any character. Python's str.splitlines (which our example client uses) also ends
+    # a line at U+0085, U+2028, U+2029 and the C0 separators; the file escapes them so every reader sees one line
+    # per row, and the text comes back exact.
+    text = "before\u2028mid\u2029after\x85next\x0bvt\x0cff\x1cfs\x1dgs\x1ers \u00e9\u4e2d\U0001f600"
+    batch_id = harness.submit(jsonl([chat(i) for i in range(2)]))
+    p = harness.processor(window=10)
+    p.tick()
+    for row in harness.rows(batch_id):
+        harness.succeed(row.id, content=text)
+    assert p.tick().finished == {batch_id: "completed"}
+    with harness.factory() as s:
+        key = s.get(File, harness.batch(batch_id).output_file_id).storage_key
+    raw = b"".join(harness.store.iter_chunks(key)).decode()
+    lines = raw.splitlines()
+    assert len(lines) == 2, lines
+    assert [json.loads(line)["response"]["body"]["choices"][0]["message"]["content"] for line in lines] == [text] * 2
+    assert "\u00e9\u4e2d" in raw, "UTF-8 stays UTF-8: only the line breaks are escaped"
 
 
 def test_no_output_file_without_successes_and_no_error_file_without_errors(harness: Harness):

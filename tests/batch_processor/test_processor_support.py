@@ -103,12 +103,12 @@ class Harness:
         self.redis.lrem(self.queue.queue.key, 0, row_id)
         self.redis.delete(Job.key_for(row_id))
 
-    def succeed(self, row_id: str, tokens: int = 3) -> None:
+    def succeed(self, row_id: str, tokens: int = 3, content: str = "hi") -> None:
         """What a worker does for a 200: take the job, open the attempt, then the compare-and-set."""
         self.take_job(row_id)
         with transaction(self.factory) as s:
             begin_attempt(s, row_id, "test-worker")
-            body = {"id": "x", "choices": [{"message": {"content": "hi"}}],
+            body = {"id": "x", "choices": [{"message": {"content": content}}],
                     "usage": {"prompt_tokens": 5, "completion_tokens": tokens}}
             assert record_final(s, row_id, FinalResult(RequestStatus.succeeded, 200, body, usage=Usage(5, tokens)))
 
