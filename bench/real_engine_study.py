@@ -314,6 +314,9 @@ def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
             "verdict_batch": verdict(completed, 1.0, at_least=True) if arm.batch else None,
             "verdict_tokens": verdict(produced, 1.0, at_least=True) if arm.batch else None,
             "verdict_per_step": verdict(stepped, 1.0, at_least=True) if arm.batch and per_step else None,
+            # The per-group ratios themselves: the simulator's fidelity resamples them.
+            "per_group": {"p95_ratio": lat, "batch_ratio": work, "tokens_ratio": tokens,
+                          "tokens_per_step_ratio": per_step},
         }
     return out
 
@@ -427,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-log-level", default="WARNING", help="each gateway's log level (INFO shows its "
                    "decisions: slots learned, evictions); the logs stay in the temporary directory printed at the end")
     p.add_argument("--out", type=Path, help="write raw.json, summary.json and report.md here")
+    p.add_argument("--report", type=Path, metavar="DIR", help="run nothing: recompute DIR's summary.json and "
+                   "report.md from its raw.json, with the settings that run recorded")
     args = p.parse_args(argv)
+    if args.report:
+        return rereport(p, args.report)
     python, model = engine_paths(p)
     if not 1 <= args.replicas <= len(os.sched_getaffinity(0)):
         p.error(f"--replicas {args.replicas}: each replica takes a core of its own; this machine lets the study use "
@@ -464,11 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             records += run_rounds(sims, "sim", arm_list, args.sim_rounds, args, children, tmp)
     finally:
         children.close()
-    result["engine"] = summarise([r for r in records if r.engine == "vllm"], arm_list)
-    if not args.no_sim:
-        result["sim"] = summarise([r for r in records if r.engine == "sim"], arm_list)
-        result["fidelity"] = fidelity(result["engine"], result["sim"])
-    report = markdown(result, args, ENGINE_CPU, RELAY_CPU)
+    report = conclude(result, records, arm_list, args)
     print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -477,6 +480,35 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "summary.json").write_text(json.dumps(result, indent=1))
         (args.out / "report.md").write_text(report)
     print(f"logs in {tmp}", file=sys.stderr)
+    return 0
+
+
+def conclude(result: dict, records: list[Record], arm_list: list[Arm], args: argparse.Namespace) -> str:
+    """Fill `result` with each engine's summary and the simulator's fidelity; the report's text."""
+    result["engine"] = summarise([r for r in records if r.engine == "vllm"], arm_list)
+    if any(r.engine == "sim" for r in records):
+        result["sim"] = summarise([r for r in records if r.engine == "sim"], arm_list)
+        result["fidelity"] = fidelity(result["engine"], result["sim"])
+    return markdown(result, args, ENGINE_CPU, RELAY_CPU)
+
+
+def rereport(p: argparse.ArgumentParser, out: Path) -> int:
+    """`--report DIR`: the figures again from DIR's raw records, by today's summary (a run is not repeated to
+    report it better)."""
+    try:
+        raw = json.loads((out / "raw.json").read_text())
+        result = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"--report {out}: needs the raw.json and summary.json a run with --out wrote there ({exc})")
+    args = argparse.Namespace(**{**vars(p.parse_args([])), **result["args"]})
+    records = [Record(**r) for r in raw]
+    ran = {r.arm for r in records}
+    arm_list = [a for a in arms(args.slots) if a.name in ran]
+    result = {k: v for k, v in result.items() if k not in ("engine", "sim", "fidelity")}
+    report = conclude(result, records, arm_list, args)
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(report)
+    print(report)
     return 0
 
 

@@ -77,3 +77,69 @@ def test_the_scrape_cost_bench_asks_vllm_for_the_series_the_gateway_scrapes():
 
     assert set(SERIES) == {*GAUGES, "vllm:cache_config_info"}
     assert FILTERED == FILTERED_METRICS
+
+
+def test_the_simulator_s_fidelity_is_decided_only_when_its_interval_is():
+    """sim ÷ engine per ratio, with an interval from resampling each side's groups: within 15% only when the whole
+    interval is, outside only when none of it is; groups that spread wider than that leave it undecided."""
+    from bench.report.real_engine import fidelity
+
+    def arm(p95: list[float], done: list[float]) -> dict:
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 - odd counts only here
+        return {"p95_ratio": {"value": med(p95)}, "batch_ratio": {"value": med(done)},
+                "per_group": {"p95_ratio": p95, "batch_ratio": done}}
+
+    engine = {"steady": arm([2.0, 2.02, 1.98], [1.0, 1.01, 0.99]), "far": arm([2.0, 2.02, 1.98], [1.0, 1.01, 0.99]),
+              "spread": arm([1.0, 2.0, 3.0], [1.0, 1.01, 0.99]), "one": arm([2.0], [1.0])}
+    sim = {"steady": arm([2.1, 2.08, 2.12], [1.0, 1.0, 1.01]), "far": arm([3.0, 3.1, 2.9], [1.0, 1.0, 1.0]),
+           "spread": arm([2.0, 2.01, 1.99], [1.0, 1.0, 1.0]), "one": arm([2.0], [1.0])}
+    out = fidelity(engine, sim)
+    assert out["steady"]["within_15pct"] == "yes", out["steady"]
+    assert 0.85 <= out["steady"]["p95_ratio"]["lo"] <= out["steady"]["p95_ratio"]["value"] == 1.05
+    assert out["far"]["within_15pct"] == "no" and out["far"]["p95_ratio"]["lo"] > 1.15, out["far"]
+    spread = out["spread"]["p95_ratio"]
+    assert out["spread"]["within_15pct"] == "undecided" and spread["lo"] < 0.85 < 1.15 < spread["hi"], spread
+    # One group a side has no interval: the point decides, as before.
+    assert out["one"]["within_15pct"] == "yes" and out["one"]["p95_ratio"]["lo"] is None
+    assert out["steady"]["tokens_ratio"] is None  # not measured: no verdict from it
+
+
+def test_a_study_s_report_is_recomputed_from_its_raw_records(tmp_path):
+    """`--report DIR` runs nothing: the summary and the report come again from DIR's raw.json, with the settings
+    its summary.json recorded, and say the same figures a run would."""
+    import json
+    from dataclasses import asdict
+
+    from bench.real_engine_study import main
+    from bench.real_engine_traffic import Record
+
+    records = []
+    for engine, rounds in (("vllm", 3), ("sim", 2)):
+        for group in range(rounds):
+            g = group + (10 if engine == "sim" else 0)
+            records += [Record("realtime-only", group, engine, g, ttft=[0.05 + 0.001 * group] * 20),
+                        Record("vllm-priority", group, engine, g, ttft=[0.5] * 20, batch_completed=100,
+                               batch_tokens=30000, steps=4000),
+                        Record("shipped-default", group, engine, g, ttft=[0.06] * 20, batch_completed=95 + group,
+                               batch_tokens=29000, steps=3900, evictions=60)]
+    (tmp_path / "raw.json").write_text(json.dumps([asdict(r) for r in records]))
+    settings = {"rounds": 3, "sim_rounds": 2, "window": 20.0, "lead": 5.0, "replicas": 1, "burst": 10, "rate": 3.0,
+                "batch_inflight": 10, "batch_tokens": [200, 400], "slots": SLOTS, "no_sim": False}
+    (tmp_path / "summary.json").write_text(json.dumps({"args": settings, "favoured": True, "timing": {
+        "prefill_ms_per_token": 0.0, "decode_base_ms": 2.0, "decode_ms_per_seq": 0.1}}))
+    assert main(["--report", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["args"] == settings and summary["engine"]["shipped-default"]["batch_completed"] == [95, 96, 97]
+    assert summary["engine"]["shipped-default"]["per_group"]["batch_ratio"] == [0.95, 0.96, 0.97]
+    assert summary["fidelity"]["shipped-default"]["batch_ratio"]["value"] == round(0.955 / 0.96, 3)
+    report = (tmp_path / "report.md").read_text()
+    assert "95, 96, 97" in report and "### The simulator" in report
+
+
+def test_report_mode_says_what_it_needs_when_the_run_is_not_there(tmp_path, capsys):
+    from bench.real_engine_study import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--report", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "needs the raw.json and summary.json a run with --out wrote there" in capsys.readouterr().err
