@@ -1,13 +1,61 @@
-"""The real-engine study's report (bench/real_engine_study.py): its tables in Markdown, and how far the simulator's
-ratios are from the engine's."""
+"""The real-engine study's report (bench/real_engine_study.py): each arm's figures from the records, its tables in
+Markdown, and how far the simulator's ratios are from the engine's."""
 
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
+from dataclasses import asdict
 
-from bench.stats import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, central_95
+from bench.real_engine_traffic import Arm, Record
+from bench.stats import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, bootstrap_median, central_95, percentile, verdict
+
+
+def summarise(records: list[Record], arm_list: list[Arm]) -> dict:
+    """Per arm: the per-repeat figures, and the medians of the per-repeat ratios with their intervals. A repeat is
+    one group: the arm and the two baselines run next to each other in time, so a ratio compares runs that met
+    the same machine (its speed drifts by a fifth within a minute where other machines share its cores)."""
+    groups: dict[int, dict[str, Record]] = {}
+    for r in records:
+        groups.setdefault(r.group, {})[r.arm] = r
+    out: dict = {}
+    for arm in arm_list:
+        mine = [(g[arm.name], g) for _, g in sorted(groups.items()) if arm.name in g]
+        lat, work, tokens, vs_vllm, per_step = [], [], [], [], []
+        for rec, group in mine:
+            alone, vllm = group.get("realtime-only"), group.get("vllm-priority")
+            if alone is not None:
+                lat.append(percentile(rec.ttft, 0.95) / percentile(alone.ttft, 0.95))
+            if vllm is not None:
+                vs_vllm.append(percentile(rec.ttft, 0.95) / percentile(vllm.ttft, 0.95))
+            if vllm is not None and arm.batch and vllm.batch_completed:
+                work.append(rec.batch_completed / vllm.batch_completed)
+                tokens.append(rec.batch_tokens / vllm.batch_tokens)
+                if rec.steps and vllm.steps and vllm.batch_tokens:
+                    per_step.append((rec.batch_tokens / rec.steps) / (vllm.batch_tokens / vllm.steps))
+        recs = [rec for rec, _ in mine]
+        latency, completed, produced = bootstrap_median(lat), bootstrap_median(work), bootstrap_median(tokens)
+        stepped = bootstrap_median(per_step)
+        out[arm.name] = {
+            "title": arm.title, "p95_ms": [round(percentile(r.ttft, 0.95) * 1000, 1) for r in recs],
+            "batch_completed": [r.batch_completed for r in recs], "evictions": [r.evictions for r in recs],
+            "realtime_failed": [r.realtime_failed for r in recs], "batch_failed": [r.batch_failed for r in recs],
+            "batch_tokens": [r.batch_tokens for r in recs], "steps": [r.steps for r in recs],
+            "tokens_per_step_ratio": asdict(stepped),
+            "p95_ratio": asdict(latency), "batch_ratio": asdict(completed), "tokens_ratio": asdict(produced),
+            "p95_vs_vllm": asdict(bootstrap_median(vs_vllm)),
+            "cpu": {role: round(statistics.median(r.cpu.get(role, 0.0) for r in recs), 3)
+                    for role in sorted({role for r in recs for role in r.cpu})},
+            "verdict_p95": verdict(latency, 1.25, at_least=False) if arm.batch else None,
+            "verdict_batch": verdict(completed, 1.0, at_least=True) if arm.batch else None,
+            "verdict_tokens": verdict(produced, 1.0, at_least=True) if arm.batch else None,
+            "verdict_per_step": verdict(stepped, 1.0, at_least=True) if arm.batch and per_step else None,
+            # The per-group ratios themselves: the simulator's fidelity resamples them.
+            "per_group": {"p95_ratio": lat, "batch_ratio": work, "tokens_ratio": tokens,
+                          "tokens_per_step_ratio": per_step},
+        }
+    return out
 
 
 FIDELITY_KEYS = ("p95_ratio", "batch_ratio", "tokens_ratio", "tokens_per_step_ratio")
