@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     added, ratio, per_step, rows = [], [], [], []
     try:
         engine = start_engine(children, tmp, python, model, args.slots)
-        gateway = start_gateway(children, tmp, gateway_arm(args.slots), engine, args.slots)
+        gateway = start_gateway(children, tmp, gateway_arm(args.slots), [engine], args.slots)
         asyncio.run(first_tokens(engine, 5, rng))  # warm both paths: the first requests compile and connect
         asyncio.run(first_tokens(gateway, 5, rng))
         for rnd in range(args.rounds):
