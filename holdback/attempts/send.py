@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -40,6 +41,23 @@ def transport_reply(exc: BaseException, timeout: float) -> Reply:
     return Reply.transport_error(f"{type(exc).__name__}: {exc}")
 
 
+async def event_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines, each ending in its `\\n` (the last may not), however long: aiohttp's own line reader refuses
+    one longer than twice its read buffer (512 KiB), and one vLLM event can be megabytes (a long prompt's token ids
+    with `return_token_ids`, an echoed prompt's logprobs). Each byte is searched once."""
+    pending = bytearray()
+    async for chunk in content.iter_any():
+        searched = len(pending)  # what is pending holds no line end
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", searched)) != -1:
+            yield bytes(pending[start:end + 1])
+            start = searched = end + 1
+        del pending[:start]
+    if pending:
+        yield bytes(pending)
+
+
 async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
                         timeout: float) -> StreamedReply:
     """POST a `stream: true` body and fold its events; a non-2xx answer comes back as it is."""
@@ -51,7 +69,7 @@ async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, head
                 return StreamedReply(Reply(resp.status, resp.headers, await resp.read()), assembly, cut=False,
                                      events=False)
             try:
-                async for line in resp.content:
+                async for line in event_lines(resp.content):
                     if line.startswith(b"data:"):
                         assembly.feed(line[5:].strip())
             except (asyncio.TimeoutError, aiohttp.ClientError, OSError):

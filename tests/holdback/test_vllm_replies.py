@@ -596,3 +596,40 @@ def test_a_stream_cut_after_output_retries_off_the_budget_and_one_without_output
     outcomes = [one_attempt(db, row_id, before_output, policy)[1] for _ in range(2)]
     assert [o.disposition for o in outcomes] == [Disposition.retry, Disposition.final]
 
+
+
+def test_an_event_larger_than_aiohttp_s_line_limit_is_read_whole():
+    """vLLM puts a long prompt's token ids (`return_token_ids`) or an echoed prompt's logprobs in one event: a line
+    of megabytes, where aiohttp's line reader stops at twice its read buffer (512 KiB) and raises an error the
+    worker would take for its own failure, retrying the row for ever. The worker reads the line whole."""
+    first, *rest = (FIXTURES / "chat_stream.sse").read_bytes().split(b"\n\n", 1)
+    head = json.loads(first[len(b"data: "):])
+    head["prompt_token_ids"] = list(range(200_000, 400_000))  # about 1.4 MB of JSON
+    big = b"data: " + json.dumps(head, separators=(",", ":")).encode() + b"\n\n"
+    assert len(big) > 2**20
+    sent = send_over_socket(big + rest[0], finish=True)
+    whole = send_over_socket((FIXTURES / "chat_stream.sse").read_bytes(), finish=True)
+    assert not sent.cut and sent.reply.status == 200, sent.reply
+    assert sent.assembly.text == whole.assembly.text and sent.assembly.complete
+
+
+def test_event_lines_are_the_same_however_the_body_arrives_in_pieces():
+    from holdback.attempts.send import event_lines
+
+    body = (FIXTURES / "chat_stream.sse").read_bytes().replace(b"\n\n", b"\r\n\r\n", 2) + b"data: [DONE]"
+
+    class Pieces:
+        def __init__(self, size: int):
+            self.size = size
+
+        async def iter_any(self):
+            for at in range(0, len(body), self.size):
+                yield body[at:at + self.size]
+
+    async def lines(size: int) -> list[bytes]:
+        return [line async for line in event_lines(Pieces(size))]  # type: ignore[arg-type]
+
+    expected = body.splitlines(keepends=True)
+    assert expected[0].endswith(b"\r\n") and expected[-1] == b"data: [DONE]"  # CRLF events, and no final line end
+    for size in (1, 2, 7, 64, 1000, len(body)):
+        assert asyncio.run(lines(size)) == expected, size
