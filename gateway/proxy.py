@@ -362,6 +362,8 @@ class Proxy:
         if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
             # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
             fw.ended("cancel" if req.streaming_started else "disconnect", seen, error=exc)
+            log_event(logger, "caller_left", request_id=req.request_id, band=req.priority,
+                      answered=req.streaming_started)
             return
         _uncancel()  # we answer the eviction ourselves
         fw.evicted = True
