@@ -105,11 +105,9 @@ def _within(ratio: dict) -> str:
     return "undecided"
 
 
-def _ratio(r: dict | float | None) -> str:
+def _ratio(r: dict | None) -> str:
     if r is None:
         return "—"
-    if not isinstance(r, dict):  # a summary written before the intervals
-        return str(r)
     return str(r["value"]) if r["lo"] is None else f"{r['value']} [{r['lo']}, {r['hi']}]"
 
 
@@ -186,9 +184,6 @@ def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu:
                   "within 15% (yes: every interval lies within; no: one lies outside; else undecided) |",
                   "|---|---|---|---|---|---|"]
         for name, row in result["fidelity"].items():
-            within = row["within_15pct"]
-            if isinstance(within, bool):  # a summary written before the intervals
-                within = "yes" if within else "no"
             lines.append(f"| {result['engine'][name]['title']} | "
-                         + " | ".join(_ratio(row[key]) for key in FIDELITY_KEYS) + f" | {within} |")
+                         + " | ".join(_ratio(row[key]) for key in FIDELITY_KEYS) + f" | {row['within_15pct']} |")
     return "\n".join(lines) + "\n"

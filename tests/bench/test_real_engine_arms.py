@@ -15,9 +15,8 @@ def test_each_gateway_arm_parses(arm):
 def test_the_cores_each_process_used_are_summarised_per_arm_and_reported():
     """Each run's cores by role (the load, the gateway, vLLM's API server and engine) become the arm's medians over
     its runs, and the report's table lists every role, a role a run lacks counted as 0."""
-    from bench.report.real_engine import summarise
     from bench.real_engine_traffic import Record
-    from bench.report.real_engine import cpu_table
+    from bench.report.real_engine import cpu_table, summarise
 
     arm_list = [a for a in arms(SLOTS) if a.name in ("realtime-only", "vllm-priority", "shipped-default")]
 

@@ -24,7 +24,7 @@ from sqlalchemy import inspect, select, text
 
 from holdback.attempts.resume import (Carryover, Partial, SendPlan, attempt_tokens, plan_attempt, resumable,
                                       streamed_reply)
-from holdback.attempts.send import send_streamed
+from holdback.attempts.send import event_lines, send_streamed
 from holdback.attempts.stream import StreamAssembly, StreamedReply, cut_reply
 from holdback.contract import is_eviction, is_no_endpoints
 from holdback.db import make_engine, make_sessionmaker, transaction
@@ -597,7 +597,6 @@ def test_a_stream_cut_after_output_retries_off_the_budget_and_one_without_output
     assert [o.disposition for o in outcomes] == [Disposition.retry, Disposition.final]
 
 
-
 def test_an_event_larger_than_aiohttp_s_line_limit_is_read_whole():
     """vLLM puts a long prompt's token ids (`return_token_ids`) or an echoed prompt's logprobs in one event: a line
     of megabytes, where aiohttp's line reader stops at twice its read buffer (512 KiB) and raises an error the
@@ -614,8 +613,6 @@ def test_an_event_larger_than_aiohttp_s_line_limit_is_read_whole():
 
 
 def test_event_lines_are_the_same_however_the_body_arrives_in_pieces():
-    from holdback.attempts.send import event_lines
-
     body = (FIXTURES / "chat_stream.sse").read_bytes().replace(b"\n\n", b"\r\n\r\n", 2) + b"data: [DONE]"
 
     class Pieces:
