@@ -339,6 +339,10 @@ class AsyncWorker:
                     await self.queue.move_due()
                     if now >= next_maintenance:
                         next_maintenance = now + cfg.heartbeat_interval
+                        # Our own executions first: after this process stalled past the TTL (starved of CPU,
+                        # or stopped), this loop may wake before the heartbeat loop, and would take our own
+                        # live requests for a dead worker's and deliver them again.
+                        await self.queue.heartbeat(list(self.claims.values()))
                         for row_id in await self.queue.requeue_abandoned():
                             self.metrics.requeued_abandoned.inc()
                             log_event(logger, "requeued_abandoned", level=logging.WARNING, request_id=row_id)

@@ -543,3 +543,24 @@ def test_cli_rejects_bad_flags_with_a_message_saying_what_to_change(argv, messag
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_worker_back_from_a_stall_past_its_ttl_keeps_its_own_requests(stack, scripted):
+    # The worker is stopped (as a process starved of CPU stalls) until its executions' heartbeats have lapsed;
+    # the gateway answers only after it runs again. Its scheduler wakes with the heartbeat loop and must not take
+    # its own live requests for a dead worker's (make test-vllm's worker requeued all it held this way, once).
+    gw = scripted(lambda rid, n: (200, {}, None, 12))
+    _, _, row_ids = stack.batch(2)
+    proc = stack.worker(gw.url, "--heartbeat-ttl", "3")
+    gw.wait_calls(row_ids, 1)
+    started = StartedJobRegistry(queue=stack.queue)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: len(stack.redis.zrangebyscore(started.key, "-inf", time.time())) == 2, 20,
+             "both executions to look abandoned")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    rows = stack.wait_final(row_ids, timeout=60)
+    assert {(r.status, r.attempts) for r in rows} == {("succeeded", 1)}
+    assert all(len(gw.calls[r]) == 1 for r in row_ids)
+    assert metric(proc.metrics_url, "holdback_worker_requeued_abandoned_total") == 0, stack.procs.log("worker")
