@@ -54,6 +54,7 @@ from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
 from bench.real_engine_traffic import Arm, Record, prompt, run_arm, stream
 from bench.report.real_engine import fidelity, markdown, summarise
+from bench.report.real_engine_plots import make_plots
 from bench.stats import percentile
 
 ENGINE_CPU, RELAY_CPU = 0, 1
@@ -423,10 +424,11 @@ def main(argv: list[str] | None = None) -> int:
             records += run_rounds(sims, "sim", arm_list, args.sim_rounds, args, children, tmp)
     finally:
         children.close()
-    report = conclude(result, records, arm_list, args)
-    print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    report = conclude(result, records, arm_list, args, args.out)
+    print(report)
+    if args.out:
         # A realtime request that got no first token is recorded as Infinity (JSON's extension, as Python reads it).
         (args.out / "raw.json").write_text(json.dumps([asdict(r) for r in records], indent=1))
         (args.out / "summary.json").write_text(json.dumps(result, indent=1))
@@ -435,13 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def conclude(result: dict, records: list[Record], arm_list: list[Arm], args: argparse.Namespace) -> str:
-    """Fill `result` with each engine's summary and the simulator's fidelity; the report's text."""
+def conclude(result: dict, records: list[Record], arm_list: list[Arm], args: argparse.Namespace,
+             plots_dir: Path | None) -> str:
+    """Fill `result` with each engine's summary and the simulator's fidelity, draw the plots into `plots_dir`
+    (None: none); the report's text."""
     result["engine"] = summarise([r for r in records if r.engine == "vllm"], arm_list)
     if any(r.engine == "sim" for r in records):
         result["sim"] = summarise([r for r in records if r.engine == "sim"], arm_list)
         result["fidelity"] = fidelity(result["engine"], result["sim"])
-    return markdown(result, args, ENGINE_CPU, RELAY_CPU)
+    plots = make_plots(plots_dir, result, records) if plots_dir is not None else []
+    return markdown(result, args, ENGINE_CPU, RELAY_CPU, plots)
 
 
 def rereport(p: argparse.ArgumentParser, out: Path) -> int:
@@ -457,7 +462,7 @@ def rereport(p: argparse.ArgumentParser, out: Path) -> int:
     ran = {r.arm for r in records}
     arm_list = [a for a in arms(args.slots) if a.name in ran]
     result = {k: v for k, v in result.items() if k not in ("engine", "sim", "fidelity")}
-    report = conclude(result, records, arm_list, args)
+    report = conclude(result, records, arm_list, args, out)
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     (out / "report.md").write_text(report)
     print(report)

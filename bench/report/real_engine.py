@@ -149,7 +149,7 @@ def cpu_table(summary: dict) -> list[str]:
     return lines
 
 
-def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu: int) -> str:
+def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu: int, plots: list[str]) -> str:
     blocks = f" --block-size {args.block_size}" if getattr(args, "block_size", None) else ""
     replicas = getattr(args, "replicas", 1)
     if getattr(args, "unpinned", False):
@@ -186,4 +186,6 @@ def markdown(result: dict, args: argparse.Namespace, engine_cpu: int, relay_cpu:
         for name, row in result["fidelity"].items():
             lines.append(f"| {result['engine'][name]['title']} | "
                          + " | ".join(_ratio(row[key]) for key in FIDELITY_KEYS) + f" | {row['within_15pct']} |")
+    if plots:
+        lines += ["", "### Plots", "", *(f"![{p}]({p})" for p in plots)]
     return "\n".join(lines) + "\n"

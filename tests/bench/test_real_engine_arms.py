@@ -133,6 +133,9 @@ def test_a_study_s_report_is_recomputed_from_its_raw_records(tmp_path):
     assert summary["fidelity"]["shipped-default"]["batch_ratio"]["value"] == round(0.955 / 0.96, 3)
     report = (tmp_path / "report.md").read_text()
     assert "95, 96, 97" in report and "### The simulator" in report
+    # The plots are drawn from the same records and linked from the report.
+    for plot in ("goal_ratios.png", "ttft_cdf.png", "fidelity.png"):
+        assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG") and f"![{plot}]({plot})" in report
 
 
 def test_report_mode_says_what_it_needs_when_the_run_is_not_there(tmp_path, capsys):
