@@ -31,17 +31,25 @@ def _in_flight(s: RealStack, server: VllmServer) -> int:
 STORIES = 16
 
 
+def spare_engine(server: VllmServer) -> str:
+    """Gateway config under which the replica a test kills keeps the batch's requests queued inside vLLM behind its
+    one slot: its slots are not learned, so the gateway shares the batch evenly between the two replicas. Learned
+    (1), they left one request there at a time, so a test waiting for two timed out whenever the slots were learned
+    before its first look (make test-vllm, once)."""
+    return f"engine:\n  replicas:\n    {server.url!r}: {{learnMaxNumSeqs: false}}\n"
+
+
 def test_engine_death_mid_stream_is_a_budgeted_server_error_that_resumes_elsewhere(backend, tmp_path, vllm,
                                                                                    one_at_a_time_vllm):
     spare_vllm = one_at_a_time_vllm
-    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url])
+    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url], gateway_config=spare_engine(spare_vllm))
     try:
         s.wait_identified()
         batch_id = s.submit([chat(f"story-{i}", f"tell me a long story number {i}", max_tokens=440, ignore_eos=True)
                              for i in range(STORIES)])
         # Two in flight there (the gateway's own count, exact at once; vLLM's gauges lag a request this short): one
-        # running and one queued behind it inside vLLM, so the engine dies with requests in flight whatever the
-        # running one's timing.
+        # running and one queued behind it inside vLLM (spare_engine), so the engine dies with requests in flight
+        # whatever the running one's timing.
         poll(lambda: _in_flight(s, spare_vllm) >= 2, 120, "requests in flight on the replica about to fail", s.logs,
              interval=0.02)
         for engine in psutil.Process(spare_vllm.proc.pid).children():  # the EngineCore process
@@ -83,7 +91,8 @@ PATIENT_PROBES = "health: {timeoutSeconds: 10, failuresToDown: 3}\n"
 def test_a_replica_killed_mid_batch_loses_nothing_and_realtime_sees_no_502(backend, tmp_path, vllm,
                                                                            one_at_a_time_vllm):
     spare_vllm = one_at_a_time_vllm
-    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url], gateway_config=PATIENT_PROBES)
+    s = RealStack(backend, tmp_path, [vllm.url, spare_vllm.url],
+                  gateway_config=PATIENT_PROBES + spare_engine(spare_vllm))
     stop, answers = threading.Event(), []
     loops = [threading.Thread(target=_realtime_loop, args=(s.gateway_url, stop, answers), daemon=True)
              for _ in range(3)]
