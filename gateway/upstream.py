@@ -278,9 +278,13 @@ class UpstreamPool:
             self._ssl = ssl.create_default_context()
         loop = asyncio.get_running_loop()
         try:
-            _transport, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: UpstreamConnection(self, url), parts.hostname, parts.port or (443 if secure else 80),
-                ssl=self._ssl if secure else None), self.connect_timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the connection and drops a cancellation
+            # that lands as the connection completes (a caller leaving, an eviction), and the handler then waited
+            # for the whole answer of a request nobody was waiting for, holding its slot.
+            async with asyncio.timeout(self.connect_timeout):
+                _transport, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self, url), parts.hostname, parts.port or (443 if secure else 80),
+                    ssl=self._ssl if secure else None)
         except OSError as exc:
             raise ConnectFailed(url, exc) from exc
         return conn

@@ -44,7 +44,8 @@ class Channel:
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         self.send(("call", call_id, name, *args))
         try:
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for, which drops a cancellation that meets the answer
+                return await future
         finally:
             self._calls.pop(call_id, None)
 
