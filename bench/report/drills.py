@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench.drills.gates import Gate, evaluate, levels
+from bench.report.pyplot import pyplot
 
 WATERMARKS = (("admission", "admissionWatermark", 0.82), ("pause batch", "batchPauseWatermark", 0.88),
               ("hard", "hardWatermark", 0.92))
@@ -126,12 +127,7 @@ def _arg(plan: dict, flag: str) -> str:
 
 
 def make_plots(out_dir: Path, records: list[dict]) -> list[str]:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise SystemExit("holdback bench: plotting needs matplotlib; install it with `pip install 'holdback[bench]'`") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     made = []
 

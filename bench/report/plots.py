@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.report.pyplot import pyplot
 from bench.report.seed import SEED
 from bench.report.summary import FIXED_RESERVE_RUNS, SWEEP
 from bench.study import SCENARIOS
@@ -23,15 +24,7 @@ SHORT = {
 
 def make_plots(out_dir: Path, records: list[dict], summary: dict[str, dict],
                run_figs: list[dict] | None = None, occ: dict | None = None) -> list[str]:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise SystemExit("holdback bench: plotting needs matplotlib; install it with `pip install 'holdback[bench]'` "
-                         "(`make test` and `make up` install it already)") from exc
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     made = []
     names = [n for n in SCENARIOS if n in summary and SCENARIOS[n].realtime]
     labels = [SHORT.get(n, n) for n in names]

@@ -8,24 +8,14 @@ import math
 from pathlib import Path
 
 from bench.real_engine_traffic import Record
+from bench.report.pyplot import pyplot
 
 ENGINE_COLOUR, SIM_COLOUR = "#3b6fb6", "#d07a2b"
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise SystemExit("holdback bench: plotting needs matplotlib; install it with `pip install 'holdback[bench]'` "
-                         "(`make test` and `make up` install it already)") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def make_plots(out_dir: Path, result: dict, records: list[Record]) -> list[str]:
     """Write the plots into `out_dir`; their file names, for the report."""
-    plt = _pyplot()
+    plt = pyplot()
     made = [_goal_ratios(plt, out_dir, result)]
     made.append(_ttft_distribution(plt, out_dir, result["engine"], [r for r in records if r.engine == "vllm"]))
     if result.get("fidelity"):
