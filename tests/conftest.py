@@ -11,6 +11,7 @@ Every test that starts no process (no `backend`, no child processes) is marked `
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +29,7 @@ from holdback.broker import ensure_embedded_redis, stop_embedded_redis
 from holdback.db import make_engine
 from holdback.schema import upgrade
 from holdback.settings import Settings
+from tests import reaper
 
 BACKEND = os.environ.get("HOLDBACK_TEST_BACKEND", "embedded")
 POSTGRES_URL = os.environ.get("HOLDBACK_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -40,7 +42,30 @@ PROCESS_NAMES = ("subprocess", "Processes")
 NOT_UNIT_MARKERS = ("e2e", "browser")
 
 
+# Fixtures whose behaviour depends on the backend (the database, Redis): the services pass runs only the tests that
+# use one, or that are marked `services` (they need the PostgreSQL and Redis servers themselves and run only there);
+# every other test would only repeat the embedded pass.
+BACKEND_FIXTURES = {"backend", "_pg_template"}
+SERVICES_FIXTURES = {"empty_postgres"}
+FAILURE_DIR = os.environ.get("HOLDBACK_TEST_FAILURE_DIR", "")
+_FAILED = pytest.StashKey[list]()
+
+
+def pytest_configure(config):  # noqa: ANN001
+    report_dir = Path(FAILURE_DIR) if FAILURE_DIR else None
+    if report_dir is not None:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    reaper.watch(report_dir)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    for item in items:
+        if SERVICES_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.services)
+    here = [item for item in items if _in_this_pass(item)]
+    if len(here) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not _in_this_pass(item)])
+        items[:] = here
     for item in items:
         if any(item.get_closest_marker(m) for m in NOT_UNIT_MARKERS) or PROCESS_FIXTURES & set(item.fixturenames):
             continue
@@ -48,6 +73,13 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
         if module is not None and any(name in vars(module) for name in PROCESS_NAMES):
             continue
         item.add_marker(pytest.mark.unit)
+
+
+def _in_this_pass(item) -> bool:  # noqa: ANN001
+    on_services = item.get_closest_marker("services") is not None
+    if BACKEND == "services":
+        return on_services or bool(BACKEND_FIXTURES & set(item.fixturenames))
+    return not on_services
 
 
 @pytest.fixture(autouse=True)
@@ -155,3 +187,40 @@ def backend(_pg_template: str | None) -> Iterator[Backend]:
         finally:
             stop_embedded_redis(data_dir)
             shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001
+    """With HOLDBACK_TEST_FAILURE_DIR set (`.ci/run` sets it), a failed test leaves its error and its children's
+    logs there, and a line `BACKEND nodeid: first error line` in failures.txt."""
+    report = yield
+    if FAILURE_DIR:
+        if report.failed:
+            item.stash.setdefault(_FAILED, []).append(report)
+        if report.when == "teardown" and item.stash.get(_FAILED, None):
+            _record_failure(item, item.stash[_FAILED])
+    return report
+
+
+def _record_failure(item, reports) -> None:  # noqa: ANN001
+    root = Path(FAILURE_DIR)
+    here = root / BACKEND / re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[:150]
+    here.mkdir(parents=True, exist_ok=True)
+    with (here / "error.txt").open("w") as out:
+        for report in reports:
+            out.write(f"===== {report.when}: {item.nodeid}\n{report.longreprtext}\n")
+            for title, content in report.sections:
+                out.write(f"----- {title}\n{content}\n")
+    crash = getattr(reports[0].longrepr, "reprcrash", None)
+    first = (crash.message if crash is not None else reports[0].longreprtext).strip().splitlines() or ["?"]
+    with (root / "failures.txt").open("a") as out:
+        out.write(f"{BACKEND} {item.nodeid}: {first[0][:300]}\n")
+    tmp = item.funcargs.get("tmp_path")
+    budget = 50 << 20  # the logs a failure keeps, at most
+    for log in sorted(tmp.rglob("*.log")) if tmp is not None else ():
+        size = log.stat().st_size
+        if log.is_file() and size <= budget:
+            target = here / "logs" / log.relative_to(tmp)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, target)
+            budget -= size
