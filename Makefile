@@ -9,10 +9,6 @@ STAMP := $(VENV)/.installed
 # The second test pass runs against real services; override to point elsewhere.
 TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
-# Tests that touch the database or Redis, run once per backend.
-DB_TESTS ?= tests/batch_api tests/holdback tests/batch_processor tests/async_processor tests/e2e \
-	tests/deploy/test_object_store.py tests/deploy/test_retention.py tests/deploy/test_schema.py \
-	tests/deploy/test_migration_race.py tests/deploy/test_multihost_drill.py
 # Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
 TEST_WORKERS ?= 2
 
@@ -43,18 +39,20 @@ test: $(STAMP)
 
 # The tests that start no process (marked `unit` at collection): seconds, no services needed.
 test-fast: $(STAMP)
-	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q -n $(TEST_WORKERS)
 
 # Pass 1: the embedded defaults (SQLite, embedded Redis), every test.
 test-embedded: $(STAMP)
 	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Pass 2: PostgreSQL and the machine's Redis server, the tests that use them. The browser tests run once, in
-# pass 1: the dashboard's queries and actions are covered on PostgreSQL by tests/batch_api/test_admin_dashboard.py.
+# Pass 2: PostgreSQL and the machine's Redis server, only the tests whose outcome depends on them (those that use
+# the `backend` fixture, or are marked `services`; tests/conftest.py deselects the rest, which pass 1 ran). The
+# browser tests run once, in pass 1: the dashboard's queries and actions are covered on PostgreSQL by
+# tests/batch_api/test_admin_dashboard.py.
 test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
 	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \
-	$(wildcard $(DB_TESTS))
+	--ignore=tests/real_vllm
 
 # The real-engine tier: real vLLM (its CPU build, a tiny random-weight model built here) in front of and behind
 # holdback. The first run builds that environment under ~/.cache/holdback/real-vllm/ (about 2 minutes, 3.6 GB);

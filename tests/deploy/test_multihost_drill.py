@@ -13,16 +13,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from bench.lib.cluster import Cluster, ClusterSpec
-from tests.conftest import BACKEND, POSTGRES_URL, REDIS_URL
+from tests.conftest import POSTGRES_URL, REDIS_URL
 
 LINES = 5_000
 
 
 @pytest.fixture
 def cluster(tmp_path) -> Cluster:  # noqa: ANN001
-    if BACKEND != "services":
-        pytest.skip("the drill runs on PostgreSQL and Redis servers: `make test`'s second pass "
-                    "(HOLDBACK_TEST_BACKEND=services) runs it")
     try:
         create_engine(POSTGRES_URL).connect().close()
     except OperationalError as exc:
@@ -32,6 +29,7 @@ def cluster(tmp_path) -> Cluster:  # noqa: ANN001
 
 
 @pytest.mark.e2e
+@pytest.mark.services  # on PostgreSQL and Redis servers: `make test`'s second pass runs it
 def test_drill_kills_a_worker_host_and_the_owning_processor_and_loses_nothing(cluster: Cluster) -> None:
     print(f"drill hosts: {cluster.network.describe()}")
     batch_id = cluster.submit(LINES, upload_via="api-1", create_via="api-2")

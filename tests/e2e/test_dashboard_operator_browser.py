@@ -13,12 +13,16 @@ import io
 import re
 
 import openai
+import pytest
 from playwright.sync_api import Page, expect
 
 from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures
     Stack, browser, shoot, signed_in, stack,
 )
 from tests.support import chat_lines, poll
+
+# Browser tests run once, in the embedded pass (the Makefile's test-services says why).
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 REFUSED = "n must be at least 1, got 0."
 TERMINAL = ("completed", "cancelled", "failed", "expired")

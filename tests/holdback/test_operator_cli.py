@@ -28,7 +28,10 @@ def in_dir(tmp_path, monkeypatch):
 
 
 def test_make_up_passes_its_args_to_holdback_up():
-    dry = subprocess.run(["make", "-n", "up", "ARGS=--api-port 9000 --sim-replicas 4"], cwd=REPO,
+    # Run as a user runs it, not as a sub-make: under `make test-services` the inherited MAKEFLAGS/MAKELEVEL
+    # would make it print "Leaving directory" after the command.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    dry = subprocess.run(["make", "-n", "up", "ARGS=--api-port 9000 --sim-replicas 4"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.strip().splitlines()[-1].endswith("holdback up --api-port 9000 --sim-replicas 4"), dry.stdout
