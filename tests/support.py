@@ -59,12 +59,27 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
 
-class Processes:
-    """Start `holdback ...` children and stop them all on exit."""
+def renice_session(pid: int, nice: int) -> bool:
+    """Set the CPU priority of `pid`'s session (its autogroup: the kernel shares the CPU between sessions first,
+    then between the processes of one) and of the process itself; False where this process may not (a nice below
+    0 needs root)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except PermissionError:
+        return False
+    with contextlib.suppress(OSError):  # no autogroups (a kernel without them, or switched off): the nice alone
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    return True
 
-    def __init__(self, env: dict[str, str] | None = None, log_dir: Path | None = None):
+
+class Processes:
+    """Start `holdback ...` children and stop them all on exit. Each child leads its own session (so that a
+    stop reaches everything it started), at `nice` when given (see renice_session)."""
+
+    def __init__(self, env: dict[str, str] | None = None, log_dir: Path | None = None, nice: int | None = None):
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
+        self.nice = nice
         self.children: list[tuple[subprocess.Popen, str]] = []
 
     def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -81,6 +96,8 @@ class Processes:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if self.nice is not None:
+            renice_session(proc.pid, self.nice)
         self.children.append((proc, name))
         return proc
 

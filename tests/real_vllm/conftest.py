@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, renice_session
 
 PYTHON = os.environ.get("HOLDBACK_VLLM_PYTHON", "")
 MODEL = os.environ.get("HOLDBACK_VLLM_MODEL", "")
@@ -42,28 +42,60 @@ def require_engine() -> None:
                     "sets HOLDBACK_VLLM_PYTHON and HOLDBACK_VLLM_MODEL")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _needs_the_engine() -> None:
-    require_engine()
-
 # vLLM's environment for this machine: 1 GiB of KV cache, no model hub, no usage reports leaving the machine.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-# The engines' CPU share behind everything else. Two busy vLLM engines kept 21 threads runnable on the two cores
-# and the rest of the machine (the gateway, the worker, Redis, the test itself) got no CPU for 9-12 s at a time:
-# health probes timed out, a worker's heartbeats lapsed and its own requests were requeued, and a test's wait
-# missed the state it waited for. Under a GPU the engine does not compete with the stack for the CPU at all.
-ENGINE_NICE = 19
+# Who gets the CPU first. Two busy vLLM engines kept 21 threads runnable on the two cores and the rest of the
+# machine (the gateway, the worker, Redis, the test itself) got no CPU for 9-12 s at a time: health probes timed out,
+# a worker's heartbeats lapsed and its own requests were requeued, and a test's wait missed the state it waited for.
+# Under a GPU the engine does not compete with the stack for the CPU at all. So the stack under test (this process
+# and the holdback processes the tier starts) runs ahead of the engines, and the engines level with whatever else
+# the machine runs: put behind everything (nice 19), an engine got nothing beside a CPU burner at nice 0 and took
+# 150 s to start. Where this process may not raise the stack (not root), the engines go behind everything instead.
+STACK_NICE, ENGINE_NICE, ENGINE_BEHIND_NICE = -10, 0, 19
+# Each engine runs on one CPU of its own (the API server and its engine processes, and vLLM's OpenMP threads):
+# unpinned, vLLM's engine-core process polled its worker on the other CPU too, and a second engine took both.
+FIRST_CPU, SECOND_CPU = 1, 0
+
+
+@dataclass
+class _Priorities:
+    stack_raised: bool = False
+
+    @property
+    def engine_nice(self) -> int:
+        return ENGINE_NICE if self.stack_raised else ENGINE_BEHIND_NICE
+
+    @property
+    def stack_nice(self) -> int | None:
+        return STACK_NICE if self.stack_raised else None
+
+
+PRIORITIES = _Priorities()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _needs_the_engine() -> Iterator[None]:
+    require_engine()
+    before = _session_nice(os.getpid())
+    PRIORITIES.stack_raised = renice_session(os.getpid(), STACK_NICE)
+    yield
+    if PRIORITIES.stack_raised:  # the session is the shell's that ran make: leave it as it was
+        renice_session(os.getpid(), before)
+
+
+def _session_nice(pid: int) -> int:
+    try:  # "/autogroup-85 nice 0"
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return os.getpriority(os.PRIO_PROCESS, pid)
 
 
 def _behind_the_stack(pid: int) -> None:
-    """Lower the server's priority and its session's (the kernel's autogroups share the CPU between sessions, and
-    the server leads its own); the engine processes it starts later inherit both."""
-    os.setpriority(os.PRIO_PROCESS, pid, ENGINE_NICE)
-    with contextlib.suppress(OSError):  # no autogroups (kernel without them, or switched off): nice alone
-        Path(f"/proc/{pid}/autogroup").write_text(str(ENGINE_NICE))
+    """The server's priority and its session's (the engine processes it starts later inherit both)."""
+    renice_session(pid, PRIORITIES.engine_nice)
 
 
 @dataclass
@@ -176,24 +208,63 @@ def engine_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
 
 
-@pytest.fixture(scope="session")
-def vllm(engine_logs) -> Iterator[VllmServer]:
+@dataclass
+class _SharedEngine:
+    """The tier's shared server, started by the first test that asks for it and stopped after the last one: the
+    tier runs those tests first (see pytest_collection_modifyitems), so the modules with engines of their own
+    run after it is gone."""
+
+    server: VllmServer | None = None
+
+    def get(self, logs: Path) -> VllmServer:
+        if self.server is None:
+            server = VllmServer(logs / "shared.log", cpu=FIRST_CPU, args=("--enable-log-requests",)).start()
+            try:
+                server.wait_ready()
+            except BaseException:
+                server.stop()
+                raise
+            self.server = server
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+SHARED = _SharedEngine()
+
+
+@pytest.fixture
+def vllm(engine_logs) -> VllmServer:
     """The tier's shared server: vLLM's defaults (prefix caching on, no prompt-token details), and a log line for
     each request it aborts (`--enable-log-requests`), which is how a test sees an eviction reach the engine."""
-    server = VllmServer(engine_logs / "shared.log", args=("--enable-log-requests",)).start()
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
+    return SHARED.get(engine_logs)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    """The tier's tests that use the shared server first, each group in its file order: one engine at a time
+    but where a test needs two. (This hook sees the whole suite's items: only the tier's are moved.)"""
+    here = Path(__file__).parent
+    places = [i for i, item in enumerate(items) if here in item.path.parents]
+    ordered = sorted((items[i] for i in places), key=lambda item: "vllm" not in item.fixturenames)
+    for i, item in zip(places, ordered):
+        items[i] = item
+
+
+def pytest_runtest_teardown(item, nextitem):  # noqa: ANN001
+    if nextitem is None or "vllm" not in nextitem.fixturenames:
+        SHARED.stop()
 
 
 @pytest.fixture
 def one_at_a_time_vllm(engine_logs, request) -> Iterator[VllmServer]:
-    """A server a test may kill, started for that test alone, running one sequence at a time
+    """A server a test may kill, started for that test alone on the other CPU, running one sequence at a time
     (`--max-num-seqs 1`): the tiny model streams 480 tokens in under 0.25 s, so only a queue inside vLLM keeps
     requests in flight there long enough for a test to kill it under them."""
-    server = VllmServer(engine_logs / f"{request.node.name}.log", args=("--max-num-seqs", "1")).start()
+    server = VllmServer(engine_logs / f"{request.node.name}.log", cpu=SECOND_CPU, args=("--max-num-seqs", "1"))
     try:
-        yield server.wait_ready()
+        yield server.start().wait_ready()
     finally:
         server.stop()

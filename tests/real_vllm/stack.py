@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 
 from holdback.db import make_engine, make_sessionmaker
 from holdback.models import Attempt, RequestRow
+from tests.real_vllm.conftest import PRIORITIES
 from tests.support import Processes, free_port, poll, wait_http
 
 BATCH_KEY, REALTIME_KEY = "hb-real-batch-gateway-key", "hb-real-realtime-key"
@@ -43,7 +44,7 @@ class RealStack:
         self.api_url = f"http://127.0.0.1:{free_port()}"
         env = {**backend.env, "HOLDBACK_GATEWAY_URL": self.gateway_url, "HOLDBACK_GATEWAY_KEY": BATCH_KEY,
                "HOLDBACK_GATEWAY_BATCH_KEY": BATCH_KEY, "HOLDBACK_GATEWAY_REALTIME_KEY": REALTIME_KEY}
-        self.procs = Processes(env=env, log_dir=tmp_path / "logs")
+        self.procs = Processes(env=env, log_dir=tmp_path / "logs", nice=PRIORITIES.stack_nice)
         self.config_path = tmp_path / "gateway.yaml"
         self.config_path.write_text(keys + gateway_config)
         self.gateway_env = gateway_env or {}

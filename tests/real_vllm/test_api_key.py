@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.real_vllm.conftest import VllmServer
+from tests.real_vllm.conftest import FIRST_CPU, VllmServer
 from tests.real_vllm.stack import RealStack, chat
 from tests.support import poll
 
@@ -21,7 +21,7 @@ REPLICA_KEY = "hb-real-replica-key"
 
 @pytest.fixture(scope="module")
 def keyed_vllm(engine_logs) -> Iterator[VllmServer]:
-    server = VllmServer(engine_logs / "api-key.log", api_key=REPLICA_KEY).start()
+    server = VllmServer(engine_logs / "api-key.log", api_key=REPLICA_KEY, cpu=FIRST_CPU).start()
     try:
         yield server.wait_ready()
     finally:

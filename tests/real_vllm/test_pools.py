@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.real_vllm.conftest import VllmServer
+from tests.real_vllm.conftest import FIRST_CPU, SECOND_CPU, VllmServer
 from tests.support import in_process_gateway, poll
 
 pytestmark = pytest.mark.e2e
@@ -20,13 +20,14 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-pools")
-    # The later --served-model-name wins: model-b is served under two names. One after the other: two engines
-    # starting at once on two cores take longer than one start's deadline.
-    a = VllmServer(logs / "a.log", served="model-a")
-    b = VllmServer(logs / "b.log", served="model-b", args=("--served-model-name", "model-b", "model-b-alias"))
+    # The later --served-model-name wins: model-b is served under two names. Each on a CPU of its own, so they
+    # start side by side (unpinned, two engines starting at once took longer than one start's deadline).
+    a = VllmServer(logs / "a.log", served="model-a", cpu=SECOND_CPU)
+    b = VllmServer(logs / "b.log", served="model-b", args=("--served-model-name", "model-b", "model-b-alias"),
+                   cpu=FIRST_CPU)
     try:
-        a.start().wait_ready()
-        yield a, b.start().wait_ready()
+        a.start(), b.start()
+        yield a.wait_ready(), b.wait_ready()
     finally:
         a.stop()
         b.stop()

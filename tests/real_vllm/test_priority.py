@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.real_vllm.conftest import SERVED, VllmServer
+from tests.real_vllm.conftest import SECOND_CPU, SERVED, VllmServer
 from tests.support import in_process_gateway, poll
 
 pytestmark = pytest.mark.e2e
@@ -34,11 +34,11 @@ ALLOWANCE = f"anonymous: {{enabled: true, objectives: [realtime, batch]}}\nadmis
 def priority_vllm(tmp_path_factory):
     """One engine slot and vLLM's priority policy: everything past the first request waits in vLLM's queue.
 
-    The server and its engine run on CPU 0, leaving the other to this process (the gateway and its clients).
+    The server and its engine run on one CPU, leaving the other to this process (the gateway and its clients).
     Unpinned, vLLM's engine-core process polls its worker on the second CPU: this process then went without
     CPU for seconds at a time, and vLLM had worked through its whole queue before the realtime request came."""
     log = tmp_path_factory.mktemp("vllm-priority") / "vllm.log"
-    server = VllmServer(log, cpu=0, args=("--max-num-seqs", "1", "--scheduling-policy", "priority",
+    server = VllmServer(log, cpu=SECOND_CPU, args=("--max-num-seqs", "1", "--scheduling-policy", "priority",
                                    "--enable-log-requests", "--enable-log-outputs", "--no-enable-log-deltas",
                                    "--max-log-len", "16")).start()
     try:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.real_vllm.conftest import CONTEXT, SERVED
+from tests.real_vllm.conftest import CONTEXT, PRIORITIES, SERVED
 from tests.real_vllm.surface import diff, probe
 from tests.support import Processes, free_port, wait_http
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture
 def sim(tmp_path):
     port = free_port()
-    with Processes(log_dir=tmp_path / "logs") as procs:
+    with Processes(log_dir=tmp_path / "logs", nice=PRIORITIES.stack_nice) as procs:
         proc = procs.start("sim", "--port", str(port), "--model", SERVED, "--max-model-len", str(CONTEXT),
                            "--runner", "generate", "--enable-prefix-caching", "--block-size", "128",
                            "--num-blocks", "16384", name="sim")
