@@ -186,20 +186,39 @@ def test_realtime_waiting_inside_vllm_evicts_the_running_batch_request_which_vll
          priority_vllm.log_tail)
 
 
+# A stream waiting in vLLM's queue gets no answer until its turn, however long that is on a busy CPU: no read
+# deadline on its client (a 120 s one timed out the last of 32 streams through one slot beside a CPU burner). What
+# bounds a run is progress: some stream ends within STALL seconds, or vLLM is stuck.
+STALL = 120.0
+
+
 async def learn_slots(server: VllmServer, requests: int) -> int | None:
-    """`requests` long batch requests through a gateway told nothing of the engine: the slots it learned from
-    vLLM's metrics by the time they all ended (None: none)."""
+    """`requests` long batch requests at once through a gateway told nothing of the engine, so that vLLM's queue
+    stays full: the slots the gateway learned from vLLM's metrics (None: none by the time they all ended). Once it
+    learned them, the streams still waiting are let go (closed by their callers): the queue has shown what it had
+    to."""
     done: list[tuple[str, float, str]] = []
     config = ALLOWANCE + "metrics: {scrapeIntervalSeconds: 0.1}\n"
-    async with in_process_gateway([server.url], config) as (gw, url), httpx.AsyncClient(timeout=120) as client:
+    async with in_process_gateway([server.url], config) as (gw, url), \
+            httpx.AsyncClient(timeout=httpx.Timeout(30, read=None)) as client:
         deadline = time.monotonic() + 60
         while not gw.pool.healthy():
             assert time.monotonic() < deadline, "the gateway never identified the replica"
             await asyncio.sleep(0.05)
         replica = gw.pool.replicas[0]
         assert replica.capacity is None  # maxConcurrency until learned
-        await asyncio.gather(*(completion(client, url, "batch", 480, done, f"learn-batch-{i}")
-                               for i in range(requests)))
+        pending = {asyncio.create_task(completion(client, url, "batch", 480, done, f"learn-batch-{i}"))
+                   for i in range(requests)}
+        last_end = time.monotonic()
+        while pending and replica.learned_slots is None:
+            ended, pending = await asyncio.wait(pending, timeout=0.2)
+            for task in ended:
+                task.result()
+            last_end = time.monotonic() if ended else last_end
+            assert time.monotonic() - last_end < STALL, f"no stream ended in {STALL:.0f} s: {done}"
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         assert all(how == "length" for _n, _at, how in done), done
         if replica.learned_slots is not None:
             assert replica.capacity == replica.max_num_seqs == replica.learned_slots
@@ -208,9 +227,9 @@ async def learn_slots(server: VllmServer, requests: int) -> int | None:
 
 def test_the_gateway_learns_the_engines_max_num_seqs_from_its_metrics(priority_vllm):
     """One slot (`--max-num-seqs 1`) and a gateway allowed 48 there: 32 streams of 480 tokens keep vLLM's queue
-    full for several seconds, longer than the 2 s of scrapes that must see one running and requests waiting. On a loaded machine vLLM's
-    /metrics can answer late while it streams, so a run whose scrapes all came late is run again (twice more at
-    most)."""
+    full for several seconds, longer than the 2 s of scrapes that must see one running and requests waiting. On a
+    loaded machine vLLM's /metrics can answer late while it streams, so a run whose scrapes all came late is run
+    again (twice more at most)."""
     for _ in range(3):
         learned = asyncio.run(learn_slots(priority_vllm, 32))
         if learned is not None:
