@@ -62,9 +62,11 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     for item in items:
         if SERVICES_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.services)
-    here = [item for item in items if _in_this_pass(item)]
-    if len(here) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if not _in_this_pass(item)])
+    here, elsewhere = [], []
+    for item in items:
+        (here if _in_this_pass(item) else elsewhere).append(item)
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
         items[:] = here
     for item in items:
         if any(item.get_closest_marker(m) for m in NOT_UNIT_MARKERS) or PROCESS_FIXTURES & set(item.fixturenames):

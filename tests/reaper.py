@@ -45,8 +45,8 @@ def describe(pid: int) -> str:
         return "?"
 
 
-def sweep(token: str, report: Path | None = None) -> int:
-    """SIGKILL every process carrying `token` until none is left (a dying parent may still fork); how many."""
+def sweep(token: str, report: Path | None = None) -> None:
+    """SIGKILL every process carrying `token` until none is left (a dying parent may still fork)."""
     killed: set[int] = set()
     deadline = time.monotonic() + 30
     while (pids := [p for p in tagged(token) if p not in killed or alive(p)]) and time.monotonic() < deadline:
@@ -60,7 +60,6 @@ def sweep(token: str, report: Path | None = None) -> int:
                 pass
             killed.add(pid)
         time.sleep(0.05)
-    return len(killed)
 
 
 def alive(pid: int) -> bool:

@@ -9,7 +9,6 @@ orphan is reaped too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess

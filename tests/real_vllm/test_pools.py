@@ -26,7 +26,8 @@ def two_models(tmp_path_factory):
     b = VllmServer(logs / "b.log", served="model-b", args=("--served-model-name", "model-b", "model-b-alias"),
                    cpu=FIRST_CPU)
     try:
-        a.start(), b.start()
+        a.start()
+        b.start()
         yield a.wait_ready(), b.wait_ready()
     finally:
         a.stop()
