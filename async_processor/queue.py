@@ -162,7 +162,7 @@ class Finish:
     delete = "delete"  # the row is final (succeeded, or nothing left to do): result_ttl=0, like RQ
     failed = "failed"  # the row failed: keep the job in the FailedJobRegistry for operators
     schedule = "schedule"  # run again at a time: ScheduledJobRegistry
-    requeue = "requeue"  # back to the front of the queue (worker shutting down)
+    requeue = "requeue"  # back to the front of the queue (an evicted row's retry; a worker shutting down)
     none = "none"  # only end this execution (another one of the same job is still running)
 
 

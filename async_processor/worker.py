@@ -260,7 +260,8 @@ class AsyncWorker:
         elif rec.disposition is Disposition.retry:
             m.retries.labels(outcome.kind.value).inc()
             log_event(logger, "retry_scheduled", delay=rec.delay, **fields)
-            await self.queue.finish(claim, Finish.schedule, rec.wake_at)
+            # No wait (an eviction): straight back to the front of the queue, not a scheduler round later.
+            await self.queue.finish(claim, Finish.requeue if not rec.delay else Finish.schedule, rec.wake_at)
         elif rec.disposition is Disposition.closing:
             m.left_for_expiry.inc()
             log_event(logger, "left_for_expiry", **fields)

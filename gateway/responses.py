@@ -13,8 +13,9 @@ from aiohttp import web
 from holdback.contract import DROP_REASON_HEADER, REQUEST_ID_HEADER, DropReason
 
 _DROPS: dict[DropReason, tuple[int, str, str]] = {
-    DropReason.EVICTED: (429, "1", "The request was evicted by flow control to free capacity for "
-                         "higher-priority work; retry it later."),
+    # An eviction is the gateway's own scheduling: the retry may come at once, it keeps its place in line.
+    DropReason.EVICTED: (429, "0", "The request was evicted by flow control to free capacity for "
+                         "higher-priority work; retry it now: it keeps its place in the gateway's queue."),
     DropReason.SATURATED: (429, "1", "The gateway queue for this priority band is full; retry later."),
     DropReason.TTL_EXPIRED: (429, "1", "The request waited in the gateway queue past its TTL or deadline "
                              "without capacity to dispatch it; retry later or allow a longer TTL."),
@@ -48,7 +49,7 @@ def drop_response(reason: DropReason, request_id: str, message: str | None = Non
     status, retry_after, generic = _DROPS[reason]
     err_type = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "service_unavailable")
     headers = {DROP_REASON_HEADER: reason.value}
-    if retry_after:
+    if retry_after != "":
         headers["Retry-After"] = retry_after
     return error_response(status, message or generic, err_type, reason.value, request_id, headers)
 

@@ -127,7 +127,7 @@ _CLAIM = (
     .where(_rows.c.id == bindparam("row_id"))
     .values(attempts=_rows.c.attempts + 1, updated_at=bindparam("now"), next_attempt_at=None)
     .returning(_rows.c.attempts, _rows.c.batch_id, _rows.c.tenant_id, _rows.c.custom_id, _rows.c.url,
-               _rows.c.body, _rows.c.transient_failures,
+               _rows.c.body, _rows.c.transient_failures, _rows.c.evictions,
                select(_batches.c.expires_at).where(_batches.c.id == _rows.c.batch_id).scalar_subquery())
 )
 # The same, only while the row's batch is open and before its deadline (the worker's `begin`).
@@ -161,7 +161,7 @@ _FINISH_ONE = {
 
 def claim(conn: Connection, row_id: str, now: float, *, open_batch_only: bool = False) -> tuple | None:
     """unfinished → running, counting the attempt; returns (attempt number, batch_id, tenant_id, custom_id,
-    url, body, transient_failures, the batch's expires_at), or None if the row is final or gone — or, with
+    url, body, transient_failures, evictions, the batch's expires_at), or None if the row is final or gone — or, with
     `open_batch_only`, if its batch is closing or past its deadline."""
     statement = _CLAIM_IN_OPEN_BATCH if open_batch_only else _CLAIM
     return conn.execute(statement, {"row_id": row_id, "now": now}).one_or_none()

@@ -54,6 +54,7 @@ class OpenAttempt:
     number: int  # 1-based attempt number
     transient_failures: int  # before this attempt
     carryover: Carryover = Carryover()  # read by `open_attempt` for a resumable request's later attempts
+    evictions: int = 0  # earlier attempts the gateway evicted
 
     def headers(self, gateway_key: str | None = None) -> dict[str, str]:
         return request_headers(self.request_id, self.tenant_id, self.deadline, gateway_key)
@@ -122,11 +123,11 @@ def begin_attempt(session: Session, request_id: str, worker: str, *, open_batch_
     row = lifecycle.claim(conn, request_id, now, open_batch_only=open_batch_only)
     if row is None:
         return None
-    number, batch_id, tenant_id, custom_id, url, body, transient_failures, deadline = row
+    number, batch_id, tenant_id, custom_id, url, body, transient_failures, evictions, deadline = row
     attempt_id = conn.execute(_INSERT_ATTEMPT, {"row_id": request_id, "batch_id": batch_id, "number": number,
                                                 "worker": worker, "now": now}).scalar_one()
     return OpenAttempt(request_id, batch_id, tenant_id, custom_id, url, body, deadline, attempt_id, number,
-                       transient_failures)
+                       transient_failures, evictions=evictions)
 
 
 def open_attempt(session: Session, request_id: str, worker: str, *, now: float | None = None) -> OpenAttempt | Skip:
@@ -279,7 +280,7 @@ def failure_reason(result: FinalResult) -> str:
 
 def _retry(session: Session, attempt: OpenAttempt, outcome: ReplyClass, policy: RetryPolicy, now: float,
            rand: Callable[[], float]) -> Recorded:
-    delay = policy.delay(attempt.number, outcome.retry_after, rand)
+    delay = retry_delay(attempt, outcome, policy, rand)
     next_at = now + delay
     closing = attempt.deadline is not None and next_at >= attempt.deadline
     if closing:
@@ -291,6 +292,17 @@ def _retry(session: Session, attempt: OpenAttempt, outcome: ReplyClass, policy: 
     if closing:
         return Recorded(Disposition.closing, outcome, wake_at=next_at + policy.closing_recheck, delay=delay)
     return Recorded(Disposition.retry, outcome, wake_at=next_at, delay=delay)
+
+
+def retry_delay(attempt: OpenAttempt, outcome: ReplyClass, policy: RetryPolicy,
+                rand: Callable[[], float] = random.random) -> float:
+    """Seconds until the row's next attempt. An eviction is the gateway's own scheduling decision, not a failure:
+    the row goes back in line at once, or when the gateway's `Retry-After` says room comes back. Everything else
+    backs off exponentially (a `Retry-After` as its floor), counting only the attempts that were not evicted, so a
+    row evicted four times waits on its first rejection as a row tried once would."""
+    if outcome.evicted:
+        return outcome.retry_after or 0.0
+    return policy.delay(max(1, attempt.number - attempt.evictions), outcome.retry_after, rand)
 
 
 def _record_abort(session: Session, attempt: OpenAttempt, reply: Reply, policy: RetryPolicy, now: float,

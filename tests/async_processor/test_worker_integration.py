@@ -296,6 +296,28 @@ def test_eviction_parks_the_row_honours_retry_after_and_then_succeeds(stack, scr
     assert metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 3
 
 
+def test_an_evicted_row_goes_back_in_line_at_once_whatever_the_backoff(stack, scripted, backend):
+    """An eviction is the gateway's scheduling, not a failure: with `Retry-After: 0` (what holdback's gateway
+    answers) the row's next attempt follows at once, though the failure backoff here is 30-60 s."""
+    def script(rid, n):
+        if n <= 2:
+            return 429, {"x-llm-d-request-dropped-reason": "evicted", "retry-after": "0"}, None, 0
+        return 200, {"x-sim-replica": "replica-b"}, None, 0
+
+    gw = scripted(script)
+    _, _, row_ids = stack.batch(3)
+    proc = stack.worker(gw.url, "--backoff-base", "60", "--backoff-cap", "60")
+    rows = stack.wait_final(row_ids, timeout=25)  # one backoff step would be 30 s at least
+    assert {r.status for r in rows} == {"succeeded"}
+    for row in rows:
+        assert (row.attempts, row.evictions) == (3, 2)
+        attempts = stack.attempts(row.id)
+        gaps = [later.started_at - earlier.ended_at for earlier, later in zip(attempts, attempts[1:])]
+        assert max(gaps) < 25, gaps
+    poll(lambda: metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 6, 20,
+         "six evicted retries counted")
+
+
 def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
     sim = stack.sim("--fault-500-rate", "1.0", "--decode-base-ms", "1")
     _, _, row_ids = stack.batch(2)

@@ -116,12 +116,36 @@ def test_eviction_retries_without_budget_and_keeps_the_drop_reason(db):
     for _ in range(8):  # far past the transient budget: evictions are never budgeted
         d, rec = _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "evicted"}, b"{}"), now=now)
         assert rec.disposition is Disposition.retry and rec.outcome.evicted
-        assert now + 0.05 <= rec.wake_at <= now + 1.0
+        # An eviction is the gateway's scheduling, not a failure: back in line at once, however often it came.
+        assert (rec.delay, rec.wake_at) == (0.0, now)
     with db() as s:
         row = s.get(RequestRow, row_id)
         assert (row.status, row.evictions, row.transient_failures, row.attempts) == ("retry_wait", 8, 0, 8)
         a = s.query(Attempt).filter_by(request_id=row_id, number=8).one()
         assert (a.outcome, a.evicted, a.drop_reason, a.status_code) == ("evicted", True, "evicted", 429)
+
+
+def test_an_eviction_waits_only_for_the_gateways_retry_after(db):
+    _, (row_id,) = _rows(db)
+    now = time.time()
+    reply = Reply(429, {"x-llm-d-request-dropped-reason": "evicted", "Retry-After": "3"}, b"{}")
+    _, rec = _attempt(db, row_id, reply, RetryPolicy(base=10.0, cap=60.0), now=now)
+    assert (rec.disposition, rec.delay, rec.wake_at) == (Disposition.retry, 3.0, now + 3.0)
+
+
+def test_a_rejection_after_evictions_backs_off_as_a_first_try_would(db):
+    """The backoff counts the attempts that were not evicted: four evictions do not make the next rejection
+    wait 2**4 steps."""
+    _, (row_id,) = _rows(db)
+    now = time.time()
+    policy = RetryPolicy(base=1.0, cap=60.0)
+    for _ in range(4):
+        _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "evicted"}, b"{}"), policy, now=now)
+    d, rec = _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "saturated"}, b"{}"), policy, now=now)
+    assert (d.number, d.evictions, rec.outcome.evicted) == (5, 4, False)
+    assert 0.5 <= rec.delay <= 1.0  # the first step's equal jitter: [base/2, base)
+    d, rec = _attempt(db, row_id, Reply(429, {"x-llm-d-request-dropped-reason": "saturated"}, b"{}"), policy, now=now)
+    assert 1.0 <= rec.delay <= 2.0  # the second
 
 
 def test_transient_failures_fail_the_row_when_the_budget_is_spent(db):
