@@ -433,8 +433,8 @@ class FlowController:
     def _reject(self, req: FlowRequest, reason: DropReason, band: PriorityBand,
                 message: str | None = None) -> Outcome:
         req.status = Status.REJECTED
-        req.drop_reason = reason
-        req.drop_message = message
+        req.drop_reason, req.drop_message = reason, message
+        self.eviction.keep_place(req)
         self.tally.rejection(req, reason, band.priority, self.clock())
         log_event(logger, "rejected", request_id=req.request_id, reason=reason.value,
                   band=band.priority, fairness_id=req.fairness_id, detail=message)

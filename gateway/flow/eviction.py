@@ -219,4 +219,5 @@ def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
         deadline=None if req.deadline == math.inf else req.deadline, prompt_tokens=req.prompt_tokens,
         max_new_tokens=req.max_new_tokens, output_tokens=getattr(req.reservation, "output_tokens", 0),
         streaming_started=req.streaming_started, resumable=req.resumable, cached_prefix_tokens=0,
-        tenant_over_soft_quota=0.0, reserved_blocks=getattr(req.reservation, "blocks", 0), seq=req.seq)
+        tenant_over_soft_quota=0.0, reserved_blocks=getattr(req.reservation, "blocks", 0), seq=req.seq,
+        evictions=req.evictions)

@@ -45,8 +45,9 @@ class EvictionControl:
         self.enabled = True
         # An evicted request's retry goes back to the replica its attempt ran on (picker.evictedAffinity).
         self.affinity = True
-        # (fairness id, request id) -> (the victim's place, the replica it ran on), taken by its retry.
-        self.places: collections.OrderedDict[tuple[str, str], tuple[int, str | None]] = collections.OrderedDict()
+        # (fairness id, request id) -> (the victim's place, the replica it ran on, its evictions so far), taken by
+        # its retry.
+        self.places: collections.OrderedDict[tuple[str, str], tuple[int, str | None, int]] = collections.OrderedDict()
         # Dispatched non-sheddable requests whose answer has not begun, on replicas whose engine slots are known
         # (maxNumSeqs): each may be waiting inside vLLM behind running batch work.
         self.awaiting: set[FlowRequest] = set()
@@ -68,10 +69,23 @@ class EvictionControl:
         self.affinity = affinity
 
     def restore_place(self, req: FlowRequest) -> None:
-        """The retry of an evicted request takes back the victim's place in line and its replica."""
-        req.place, req.affinity = self.places.pop((req.fairness_id, req.request_id), (req.seq, None))
+        """The retry of an evicted request takes back the victim's place in line, its replica and its count of
+        evictions."""
+        req.place, req.affinity, req.evictions = self.places.pop((req.fairness_id, req.request_id), (req.seq, None, 0))
         if req.place != req.seq:
             self.fc.tally.places_kept += 1
+
+    def keep_place(self, req: FlowRequest) -> None:
+        """A retry of an evicted request was refused before it ran (its wait ran out, the queue was full): its next
+        retry still comes back to its place."""
+        if req.evictions:
+            self._remember(req.fairness_id, req.request_id, (req.place, req.affinity, req.evictions))
+
+    def _remember(self, fairness_id: str, request_id: str, place: tuple[int, str | None, int]) -> None:
+        places = self.places
+        places[(fairness_id, request_id)] = place
+        while len(places) > EVICTED_PLACES:
+            places.popitem(last=False)
 
     def victim_view(self, req: FlowRequest, now: float) -> VictimCandidate:
         view = plain_view(req, now)
@@ -235,11 +249,8 @@ class EvictionControl:
         victim.evicted_at = now
         # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
         # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
-        places = self.places
         home = getattr(victim.replica, "url", None) if self.affinity else None
-        places[(victim.fairness_id, victim.request_id)] = (victim.place, home)
-        while len(places) > EVICTED_PLACES:
-            places.popitem(last=False)
+        self._remember(victim.fairness_id, victim.request_id, (victim.place, home, victim.evictions + 1))
         self.fc.tally.eviction("issued")
         log_event(logger, "evict", request_id=victim.request_id, band=victim.priority, **fields)
         if self.fc.detector.release_on_decision and victim.status is Status.DISPATCHED:

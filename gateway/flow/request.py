@@ -64,6 +64,8 @@ class FlowRequest:
     # The retry of an evicted request: the replica its evicted attempt ran on, where its prompt and kept output
     # are cached (GPU prefix cache or a host-memory offload tier). The picker prefers it while it has room.
     affinity: str | None = None
+    # How often this request id was evicted before (remembered with its place): victims are the least-evicted first.
+    evictions: int = 0
     status: Status = Status.NEW
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0

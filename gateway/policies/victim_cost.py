@@ -2,7 +2,7 @@
 
 A candidate's cost is the work its eviction throws away (prefill to redo; decode to redo when the caller
 cannot resume it), raised by how urgent it is (time already waited, deadline slack), by having started to
-stream, and lowered by its tenant's excess over the soft quota, then divided by what evicting it gains
+stream, by each time it was evicted before, and lowered by its tenant's excess over the soft quota, then divided by what evicting it gains
 (blocks it alone holds, for the output it still has to produce). Lower priority bands always go first.
 """
 
@@ -80,6 +80,8 @@ class CostRankedPolicy:
             urgency *= 1.0 + SLACK_SCALE_SECONDS / slack
         if c.streaming_started:
             urgency *= STREAMING_FACTOR
+        # Each earlier eviction of this request makes one more as costly again: no request pays for all the others.
+        urgency *= 1.0 + c.evictions
 
         quota_relief = 1.0 + QUOTA_WEIGHT * max(0.0, c.tenant_over_soft_quota)
 

@@ -2,7 +2,8 @@
 
 A policy sees read-only `VictimCandidate` views of running requests and returns them in eviction order; it
 cannot touch queues or requests. `none` is the no-op evictor (it orders nothing, so nothing is evicted);
-`newest-first` is lowest priority first, then most recently dispatched (least work lost).
+`newest-first` is lowest priority first, then the fewest earlier evictions, then the most recently dispatched (least
+work lost).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class VictimCandidate:
     reserved_blocks: int
     # Dispatch order, to break ties and to map the view back to its request.
     seq: int = 0
+    # How often this request was evicted before this attempt.
+    evictions: int = 0
 
 
 class VictimPolicy(Protocol):
@@ -52,12 +55,14 @@ class NoEviction:
 
 
 class NewestFirst:
-    """Lowest priority first, then the most recently dispatched: the least work is thrown away."""
+    """Lowest priority first, then the fewest earlier evictions, then the most recently dispatched: the least work
+    is thrown away, and not always by the same request. A resumed attempt is the newest thing running; ordered by
+    dispatch alone it would be the next victim again and again while requests dispatched before it never are."""
 
     name = "newest-first"
 
     def order(self, candidates: Sequence[VictimCandidate], now: float) -> list[VictimCandidate]:
-        return sorted(candidates, key=lambda c: (c.priority, -c.started_at, -c.seq))
+        return sorted(candidates, key=lambda c: (c.priority, c.evictions, -c.started_at, -c.seq))
 
 
 def _lazy(module: str, attr: str) -> Callable[[], VictimPolicy]:

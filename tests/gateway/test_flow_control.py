@@ -264,6 +264,42 @@ def test_an_evicted_requests_retry_keeps_its_place_ahead_of_batch_queued_after_i
     run(main())
 
 
+def test_a_resumed_attempt_is_not_the_next_victim_and_a_refused_retry_keeps_its_count():
+    # A resumed attempt is the newest thing running: by recency alone it would be evicted again at once. The
+    # victim order puts never-evicted requests first; and a retry refused before it ran (its wait ran out)
+    # leaves its place and count for the next retry.
+    async def main():
+        fc, clock = controller("usageLimit: {policy: static, threshold: 1.0}", max_concurrency=4)
+        loop = asyncio.get_running_loop()
+        batch = dispatched_batch(fc, clock, 4)
+        rt1 = req(fc, clock, "realtime")
+        assert fc.submit(rt1) is Outcome.QUEUED and rt1.status is Status.DISPATCHED
+        first = batch[-1]
+        assert first.drop_reason is DropReason.EVICTED
+        fc.finish(first)
+        fc.finish(rt1)
+        retry = FlowRequest(first.request_id, "batch", PRIO["batch"], first.fairness_id, first.tenant, arrived=clock())
+        retry.task = loop.create_task(asyncio.sleep(60))
+        clock.t += 0.01
+        assert fc.submit(retry) is Outcome.DISPATCHED and retry.evictions == 1
+        rt2 = req(fc, clock, "realtime")
+        assert fc.submit(rt2) is Outcome.QUEUED and rt2.status is Status.DISPATCHED
+        assert retry.drop_reason is None and batch[-2].drop_reason is DropReason.EVICTED
+        # The second victim's retry waits for a slot and its wait runs out: refused, its count is kept.
+        fc.finish(batch[-2])
+        late = FlowRequest(batch[-2].request_id, "batch", PRIO["batch"], "t", "t", arrived=clock())
+        late.expires_at = clock() + 1
+        assert fc.submit(late) is Outcome.QUEUED and late.evictions == 1
+        clock.t += 2
+        fc.cycle()
+        assert late.status is Status.REJECTED and late.drop_reason is DropReason.TTL_EXPIRED
+        again = FlowRequest(late.request_id, "batch", PRIO["batch"], "t", "t", arrived=clock())
+        assert fc.submit(again) is Outcome.QUEUED and (again.evictions, again.place) == (1, batch[-2].place)
+        for r in (*batch, retry):
+            r.task.cancel()
+    run(main())
+
+
 @pytest.mark.parametrize("affinity", [True, False])
 def test_an_evicted_requests_retry_goes_back_to_the_replica_it_ran_on_while_that_replica_has_room(affinity):
     # Its prompt and kept output are cached there (GPU or offload tier), so the retry goes back even though the

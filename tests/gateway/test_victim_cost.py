@@ -36,6 +36,7 @@ def test_it_satisfies_the_victim_policy_protocol():
     (dict(tenant_over_soft_quota=1.0), dict(), "its tenant is over the soft quota"),
     (dict(), dict(deadline=NOW + 5.0), "the other's deadline is close"),
     (dict(), dict(enqueued_at=900.0), "the other already waited long"),
+    (dict(), dict(evictions=1), "the other was evicted before"),
     (dict(output_tokens=10), dict(output_tokens=400), "less output would be thrown away"),
     (dict(max_new_tokens=4000), dict(), "more output still to come: its blocks would stay longer"),
     (dict(), dict(cached_prefix_tokens=480), "the other's shared prefix stays: evicting it frees less"),
