@@ -1,0 +1,442 @@
+"""Makespan: one batch as users run it (the Batch API, the processor, the workers, the shipped gateway), realtime
+arriving throughout, against vLLM's own priority scheduler fed the same lines with the same streaming.
+
+One engine serves the whole run: the simulator (`holdback sim --scheduling-policy priority`, the default) or
+the real-engine tier's vLLM (`--engine vllm`, pinned to CPU 0 with `--scheduling-policy priority`; this process
+and the holdback stack pinned to CPU 1). Each group runs both arms back to back on it, in alternating order, once
+the engine is idle:
+- `vllm-priority`: every line of the batch sent straight to the engine at once as a streamed completion with
+  `X-Vllm-Priority: 10`, realtime with `-100`; makespan = first send → last line finished.
+- `holdback`: `holdback up --replicas ENGINE` with its built-in gateway config (a fresh data dir each group;
+  `--slots-known` adds `engine.maxNumSeqs`, else the gateway learns the engine's slots in its first seconds),
+  the same lines uploaded as a JSONL file and run as one batch; realtime through the gateway with the realtime
+  key; makespan = `POST /v1/batches` → the batch seen `completed`. Afterwards every evicted row's attempts are
+  read from the operator API: evictions per row, and the wait from an evicted attempt's end to the row's next
+  attempt.
+Realtime in both arms: the same seeded Poisson arrivals at `--rate`/s from the arm's start until its batch is
+done, each a streamed completion of 8 tokens; its figure is time to first token.
+Figures: per group, holdback's makespan ÷ vLLM priority's and realtime p95 ÷ vLLM priority's; the report gives
+each ratio's median over the groups with a bootstrap interval and the goals' verdicts (makespan ≤ 1.03×,
+realtime p95 ≤ 0.2×), the most evictions of one row and the longest eviction → next-attempt wait.
+
+    python -m bench.makespan --groups 3                                   # the simulator
+    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.makespan --engine vllm --groups 3 \\
+        --out docs/study/makespan
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import yaml
+
+from bench.lib.processes import Children, holdback
+from bench.lib.readiness import free_port, free_port_block, wait_http
+from bench.lib.traffic import schedule
+from bench.real_engine_study import ENGINE_CPU, RELAY_CPU, engine_paths, pinned, start_engine
+from bench.real_engine_traffic import BROKEN, Streamed, prompt, stream
+from bench.stats import bootstrap_median, percentile, verdict
+
+ARMS = ("vllm-priority", "holdback")
+BUILT_IN_CONFIG = Path(__file__).resolve().parents[1] / "gateway" / "default.yaml"
+MAKESPAN_GOAL, REALTIME_GOAL = 1.03, 0.2
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    group: int
+    makespan: float = 0.0
+    ttft: list[float] = field(default_factory=list)  # seconds; inf: no first token
+    realtime_failed: int = 0
+    lines_failed: int = 0
+    # holdback: seconds from `POST /v1/batches` to the first attempt, and from the last row's end to the batch
+    # seen completed (what the pipeline adds before and after the engine's work)
+    lead_in: float = 0.0
+    lead_out: float = 0.0
+    # holdback: the engine's slots the gateway knew when the measured batch began (told, or learned in the warm-up)
+    slots_known: int | None = None
+    # How far the engine's counters moved during the arm (its steps, prompt and output tokens): where the time went.
+    engine: dict[str, float] = field(default_factory=dict)
+    evictions: list[int] = field(default_factory=list)  # per row (holdback)
+    eviction_waits: list[float] = field(default_factory=list)  # evicted attempt's end → the row's next attempt
+
+
+def batch_lines(seed: int, n: int, tokens: tuple[int, int], model: str) -> list[dict]:
+    """The batch: `n` completions of a 40-word prompt, each of a seeded length in `tokens` (`ignore_eos`)."""
+    rng = random.Random(seed)
+    return [{"model": model, "prompt": prompt(rng, 40), "max_tokens": rng.randint(*tokens), "ignore_eos": True}
+            for _ in range(n)]
+
+
+async def realtime(session: aiohttp.ClientSession, url: str, headers: dict, model: str, rate: float, seed: int,
+                   done: asyncio.Event, run: ArmRun) -> None:
+    """Poisson arrivals at `rate`/s from now until `done`, each a streamed completion of 8 tokens."""
+    start, rng, sent = time.monotonic(), random.Random(seed), []
+
+    async def one(text: str) -> None:
+        try:
+            got = await stream(session, url, {"model": model, "prompt": text, "max_tokens": 8}, headers)
+        except aiohttp.ClientConnectionError:
+            got = Streamed(BROKEN)
+        if got.status != 200 or got.first is None:
+            run.realtime_failed += 1
+            run.ttft.append(float("inf"))
+        else:
+            run.ttft.append(got.first)
+
+    for at in schedule(seed, 0, rate, 7200.0):  # more than any arm lasts
+        try:
+            await asyncio.wait_for(done.wait(), max(0.0, start + at - time.monotonic()))
+            break
+        except asyncio.TimeoutError:
+            sent.append(asyncio.create_task(one(prompt(rng, 24))))
+    await asyncio.gather(*sent)
+
+
+async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, group: int) -> ArmRun:
+    run = ArmRun("vllm-priority", group)
+    before = engine_counters(engine)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        done = asyncio.Event()
+        rt = asyncio.create_task(realtime(session, engine, {"X-Vllm-Priority": "-100"}, lines[0]["model"],
+                                          args.rate, args.seed + group, done, run))
+        start = time.monotonic()
+
+        async def line(body: dict) -> None:
+            got = await stream(session, engine, body, {"X-Vllm-Priority": "10"})
+            run.lines_failed += not (got.status == 200 and got.finished)
+
+        await asyncio.gather(*(line(body) for body in lines))
+        run.makespan = time.monotonic() - start
+        run.engine = counters_since(engine, before)
+        done.set()
+        await rt
+    return run
+
+
+class HoldbackUp:
+    """`holdback up --replicas ENGINE` with a fresh data dir, as an operator starts it; the keys it made."""
+
+    def __init__(self, engine: str, tmp: Path, group: int | str, pin: bool, overrides: dict | None = None):
+        """`overrides`: merged key by key over the built-in gateway config."""
+        self.data = tmp / f"holdback-{group}"
+        config: list[str] = []
+        if overrides:
+            path = tmp / f"gateway-{group}.yaml"
+            path.write_text(yaml.safe_dump(merged(yaml.safe_load(BUILT_IN_CONFIG.read_text()), overrides)))
+            config = ["--gateway-config", str(path)]
+        api = free_port_block(4)
+        gateway, m1, m2 = api + 1, api + 2, api + 3
+        self.api, self.gateway = f"http://127.0.0.1:{api}", f"http://127.0.0.1:{gateway}"
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "HOLDBACK_ADMIN_KEY")}
+        env["HOLDBACK_DATA_DIR"] = str(self.data)
+        self.log = tmp / f"holdback-{group}.log"
+        self.proc = subprocess.Popen(
+            [*pinned(RELAY_CPU, pin), *holdback("up", "--replicas", engine, "--api-port", str(api), "--gateway-port",
+                                                str(gateway), "--processor-metrics-port", str(m1),
+                                                "--worker-metrics-port", str(m2), *config)],
+            env=env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(self.api + "/readyz", self.proc, 120, what=f"holdback up's API (log {self.log})")
+        keys = json.loads((self.data / "local-keys.json").read_text())
+        self.tenant = {"Authorization": f"Bearer {keys['tenant']}"}
+        self.admin = {"Authorization": f"Bearer {keys['admin']}"}
+        self.realtime = {"Authorization": f"Bearer {keys['realtime']}"}
+        wait_http(self.gateway + "/v1/models", self.proc, 120, what=f"holdback up's gateway (log {self.log})",
+                  headers=self.realtime)
+        wait_http(f"http://127.0.0.1:{m2}/readyz", self.proc, 120, what=f"holdback up's workers (log {self.log})")
+
+    def stop(self, keep: Path | None = None) -> None:
+        """Stop it; with `keep`, its components' logs are copied there first."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if keep is not None and (self.data / "logs").is_dir():
+            shutil.copytree(self.data / "logs", keep, dirs_exist_ok=True)
+            shutil.copy(self.log, keep / "up.log")
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def merged(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base`, mapping by mapping."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+async def upload(api: httpx.AsyncClient, lines: list[dict]) -> str:
+    jsonl = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                    + "\n" for i, body in enumerate(lines))
+    file = (await api.post("/v1/files", data={"purpose": "batch"},
+                           files={"file": ("makespan.jsonl", jsonl.encode())})).raise_for_status().json()
+    return file["id"]
+
+
+async def finished(api: httpx.AsyncClient, batch: dict, start: float, args: argparse.Namespace, log: Path) -> dict:
+    while batch["status"] not in TERMINAL:
+        if time.monotonic() - start > args.timeout:
+            raise SystemExit(f"the batch did not finish within {args.timeout} s (log {log})")
+        await asyncio.sleep(0.1)
+        batch = (await api.get(f"/v1/batches/{batch['id']}")).raise_for_status().json()
+    return batch
+
+
+async def warm_up(up: HoldbackUp, lines: list[dict], args: argparse.Namespace) -> int | None:
+    """A first batch with no realtime beside it, as a stack already in service has run: the gateway learns the
+    engine's slots in its first seconds with more requests than slots. Returns the slots it knows then."""
+    async with httpx.AsyncClient(base_url=up.api, headers=up.tenant, timeout=60) as api:
+        file_id = await upload(api, [{**body, "max_tokens": 128} for body in lines[:8 * args.slots]])
+        batch = (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                     "completion_window": "24h"})).raise_for_status().json()
+        await finished(api, batch, time.monotonic(), args, up.log)
+    state = httpx.get(up.gateway + "/admin/state", headers=up.admin, timeout=30).json()
+    replicas = state.get("replicas") or [r for pool in state.get("pools", {}).values() for r in pool["replicas"]]
+    return replicas[0]["max_num_seqs"] if replicas else None
+
+
+async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: argparse.Namespace,
+                       group: int) -> ArmRun:
+    run = ArmRun("holdback", group)
+    if args.warm_up:
+        run.slots_known = await warm_up(up, lines, args)
+        wait_idle(engine)
+    before = engine_counters(engine)
+    async with httpx.AsyncClient(base_url=up.api, headers=up.tenant, timeout=60) as api:
+        file_id = await upload(api, lines)
+        timeout = aiohttp.ClientTimeout(total=args.timeout)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            done = asyncio.Event()
+            rt = asyncio.create_task(realtime(session, up.gateway, up.realtime, lines[0]["model"], args.rate,
+                                              args.seed + group, done, run))
+            start, posted = time.monotonic(), time.time()
+            batch = (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                         "completion_window": "24h"})).raise_for_status().json()
+            batch = await finished(api, batch, start, args, up.log)
+            run.makespan, seen = time.monotonic() - start, time.time()
+            done.set()
+            await rt
+    counts = batch["request_counts"]
+    run.lines_failed = counts["total"] - counts["completed"]
+    run.engine = counters_since(engine, before)
+    rows, run.eviction_waits = eviction_record(up, batch["id"])
+    run.evictions = [row["evictions"] for row in rows]
+    run.lead_in = min(row["first_attempt_at"] or seen for row in rows) - posted
+    run.lead_out = seen - max(row["finished_at"] or posted for row in rows)
+    return run
+
+
+def eviction_record(up: HoldbackUp, batch_id: str) -> tuple[list[dict], list[float]]:
+    """The batch's rows, and each evicted attempt's end → its row's next attempt, from the operator API."""
+    rows, after = [], None
+    with httpx.Client(base_url=up.api, headers=up.admin, timeout=60) as api:
+        while True:
+            page = api.get(f"/admin/batches/{batch_id}/requests",
+                           params={"limit": 1000, **({"after": after} if after else {})}).raise_for_status().json()
+            rows += page["data"]
+            if not page["has_more"]:
+                break
+            after = page["data"][-1]["id"]
+        waits = []
+        for row in rows:
+            if not row["evictions"]:
+                continue
+            attempts = api.get(f"/admin/requests/{row['id']}/attempts").raise_for_status().json()["data"]
+            waits += [later["started_at"] - earlier["ended_at"] for earlier, later in zip(attempts, attempts[1:])
+                      if earlier["evicted"] and earlier["ended_at"] is not None]
+    return rows, waits
+
+
+COUNTERS = {"steps": "vllm:iteration_tokens_total_count", "prompt": "vllm:prompt_tokens_total",
+            "generated": "vllm:generation_tokens_total", "cached": "vllm:prefix_cache_hits"}
+
+
+def engine_counters(engine: str) -> dict[str, float]:
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in httpx.get(engine + "/metrics", timeout=10).text.splitlines():
+        for key, name in COUNTERS.items():
+            if line.startswith(name):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def counters_since(engine: str, before: dict[str, float]) -> dict[str, float]:
+    now = engine_counters(engine)
+    return {k: now[k] - before[k] for k in now}
+
+
+def wait_idle(engine: str, timeout: float = 300.0) -> None:
+    """Until the engine runs and holds nothing (an arm's aborted streams may still be leaving it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(engine + "/metrics", timeout=10).text
+        busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"the engine {engine} still had requests after {timeout} s")
+
+
+def start_sim(children: Children, tmp: Path, args: argparse.Namespace) -> str:
+    port = free_port()
+    # Prefix caching on, as vLLM (V1) has it by default: a resumed request finds its kept prefix cached.
+    proc = children.start(holdback("sim", "--port", str(port), "--replicas", "1", "--scheduling-policy", "priority",
+                                   "--enable-prefix-caching",
+                                   "--max-num-seqs", str(args.slots), *args.sim_arg), tmp / "sim.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, 60, what=f"the simulator (log {tmp / 'sim.log'})")
+    return url
+
+
+def common_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
+    """The flags every bench of a batch beside realtime on one engine takes (this one, bench/starvation.py)."""
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds one batch may take (default %(default)s)")
+    p.add_argument("--sim-arg", action="append", default=[], help="extra `holdback sim` flag (repeatable)")
+    p.add_argument("--unpinned", action="store_true", help="vLLM: no CPU pinning")
+    p.add_argument("--out", type=Path, help="write raw.json and summary.md here")
+
+
+def start_the_engine(p: argparse.ArgumentParser, args: argparse.Namespace, children: Children,
+                     tmp: Path) -> tuple[str, str]:
+    """The run's one engine (`--engine`), and the model it serves; pinned, this process moves to the other CPU."""
+    pin = args.engine == "vllm" and not args.unpinned
+    if pin:
+        os.sched_setaffinity(0, {RELAY_CPU})
+    if args.engine == "vllm":
+        python, model_path = engine_paths(p)
+        engine = start_engine(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU)
+    else:
+        engine = start_sim(children, tmp, args)
+    return engine, httpx.get(engine + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def summarise(runs: list[ArmRun]) -> dict:
+    groups = sorted({r.group for r in runs})
+    by = {(r.arm, r.group): r for r in runs}
+    makespan, latency = [], []
+    for g in groups:
+        ours, theirs = by.get(("holdback", g)), by.get(("vllm-priority", g))
+        if ours is None or theirs is None:
+            continue
+        makespan.append(ours.makespan / theirs.makespan)
+        p95, base = percentile(ours.ttft, 0.95), percentile(theirs.ttft, 0.95)
+        latency.append(p95 / base if base else float("inf"))
+    ours = [r for r in runs if r.arm == "holdback"]
+    m, lat = bootstrap_median(makespan), bootstrap_median(latency)
+    return {
+        "groups": len(makespan),
+        "makespan_ratio": {**m.as_dict(), "per_group": makespan, "goal": MAKESPAN_GOAL,
+                           "verdict": verdict(m, MAKESPAN_GOAL, at_least=False)},
+        "realtime_p95_ratio": {**lat.as_dict(), "per_group": latency, "goal": REALTIME_GOAL,
+                               "verdict": verdict(lat, REALTIME_GOAL, at_least=False)},
+        "most_evictions_of_a_row": max((max(r.evictions, default=0) for r in ours), default=0),
+        "evictions_per_group": [sum(r.evictions) for r in ours],
+        "longest_eviction_wait_s": max((max(r.eviction_waits, default=0.0) for r in ours), default=0.0),
+        "median_eviction_wait_s": percentile([w for r in ours for w in r.eviction_waits], 0.5),
+        "lines_failed": sum(r.lines_failed for r in runs),
+        "realtime_failed": sum(r.realtime_failed for r in runs),
+    }
+
+
+def markdown(summary: dict, args: argparse.Namespace) -> str:
+    def fig(e: dict) -> str:
+        interval = f" [{e['lo']:.3f}, {e['hi']:.3f}]" if e.get("lo") is not None else ""
+        return f"{e['value']:.3f}{interval}" if e.get("value") is not None else "—"
+    m, lat = summary["makespan_ratio"], summary["realtime_p95_ratio"]
+    return "\n".join([
+        f"Makespan ({args.engine}{', slots told' if args.slots_known else ''}"
+        f"{'' if args.warm_up else ', no warm-up'}, {args.lines} lines of {args.tokens[0]}–{args.tokens[1]} tokens, realtime "
+        f"{args.rate}/s, {summary['groups']} groups)",
+        f"- makespan, holdback ÷ vLLM priority: {fig(m)} (per group {', '.join(f'{x:.3f}' for x in m['per_group'])}); "
+        f"goal ≤ {MAKESPAN_GOAL}: {m['verdict']}",
+        f"- realtime p95 TTFT, holdback ÷ vLLM priority: {fig(lat)} (per group "
+        f"{', '.join(f'{x:.3f}' for x in lat['per_group'])}); goal ≤ {REALTIME_GOAL}: {lat['verdict']}",
+        f"- evictions per group {summary['evictions_per_group']}; most of one row {summary['most_evictions_of_a_row']}"
+        f"; eviction → next attempt: median {summary['median_eviction_wait_s'] or 0:.3f} s, longest "
+        f"{summary['longest_eviction_wait_s']:.3f} s",
+        f"- lines not completed {summary['lines_failed']}; realtime without a first token {summary['realtime_failed']}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="the engine (default %(default)s)")
+    p.add_argument("--groups", type=int, default=3, help="groups of both arms (default %(default)s)")
+    p.add_argument("--lines", type=int, default=300, help="the batch's lines (default %(default)s)")
+    p.add_argument("--tokens", type=lambda s: tuple(int(x) for x in s.split(",")), default=(200, 400),
+                   help="each line's output tokens, min,max (default 200,400: the real-engine study's)")
+    p.add_argument("--rate", type=float, default=3.0, help="realtime arrivals per second (default %(default)s)")
+    p.add_argument("--slots", type=int, default=8, help="the engine's --max-num-seqs (default %(default)s)")
+    p.add_argument("--slots-known", action="store_true",
+                   help="give the gateway the engine's slots (`engine.maxNumSeqs`) rather than let it learn them")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="measure a stack's very first batch (by default a first batch without realtime runs before "
+                        "the measured one, as in a stack already serving: the gateway learns the engine's slots)")
+    common_arguments(p, timeout=1800.0)
+    args = p.parse_args(argv)
+    if args.rate <= 0 or args.lines < 1 or args.groups < 1:
+        p.error("--rate, --lines and --groups must be positive")
+    pin = args.engine == "vllm" and not args.unpinned
+    tmp = Path(tempfile.mkdtemp(prefix="hb-makespan-"))
+    children = Children()
+    runs: list[ArmRun] = []
+    try:
+        engine, model = start_the_engine(p, args, children, tmp)
+        lines = batch_lines(args.seed, args.lines, args.tokens, model)
+        for group in range(args.groups):
+            for arm in (ARMS if group % 2 == 0 else ARMS[::-1]):
+                wait_idle(engine)
+                if arm == "vllm-priority":
+                    run = asyncio.run(vllm_arm(engine, lines, args, group))
+                else:
+                    # With --slots-known, the engine's slots told, as an operator who knows them does.
+                    told = {"engine": {"maxNumSeqs": args.slots}} if args.slots_known else None
+                    up = HoldbackUp(engine, tmp, group, pin, told)
+                    try:
+                        run = asyncio.run(holdback_arm(up, engine, lines, args, group))
+                    finally:
+                        up.stop(args.out / "logs" / f"group-{group}" if args.out else None)
+                runs.append(run)
+                print(f"group {group} {arm}: makespan {run.makespan:.1f} s (lead-in {run.lead_in:.1f}, lead-out "
+                      f"{run.lead_out:.1f}), realtime p95 "
+                      f"{percentile(run.ttft, 0.95) or 0:.3f} s ({len(run.ttft)}), evictions {sum(run.evictions)}, "
+                      f"lines failed {run.lines_failed}; engine {run.engine}; slots known {run.slots_known}", flush=True)
+    finally:
+        children.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = summarise(runs)
+    text = markdown(summary, args)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "raw.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                                      "runs": [asdict(r) for r in runs], "summary": summary},
+                                                     indent=1, default=str))
+        (args.out / "summary.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
