@@ -30,6 +30,9 @@ class ProcessorMetrics:
         self.rows_in_flight = Gauge(
             "holdback_processor_rows_in_flight", "Rows queued, running or waiting to retry in owned batches.",
             registry=r)
+        self.batches_at_risk = Gauge(
+            "holdback_processor_batches_at_risk", "Owned batches that will not finish inside their window at their "
+            "pace so far (marked for the gateway's at-risk floor).", registry=r)
         self.queue_depth = Gauge(
             "holdback_processor_queue_depth", "Jobs waiting in the RQ requests queue.", registry=r)
         self.reconciled_rows = Counter(

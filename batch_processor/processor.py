@@ -33,6 +33,7 @@ from holdback import tracing
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
 from batch_processor.reconcile import reconcile
+from batch_processor.risk_marks import RiskMarks
 from batch_processor.step_errors import StepErrors, describe
 from batch_processor.validation import LineError
 from holdback import lifecycle
@@ -136,6 +137,7 @@ class Processor:
         self.collector = FileCollector(self.factory, self.store, grace_seconds=settings.file_retention_grace_seconds,
                                        metrics=RetentionMetrics(self.metrics.registry))
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
+        self.risk = RiskMarks(self.factory, self.redis, settings.redis_namespace, self.metrics)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RoundRobin(self.config.window)
         self.step_errors = StepErrors(log)
@@ -220,6 +222,7 @@ class Processor:
         self._refill_now = None
 
         self._advance_open(in_progress, done)
+        self.risk.update([b.id for b in in_progress if b.id not in done.finished])
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
             self._last_reconcile = time.monotonic()
             self._reconcile([b.id for b in in_progress if b.id not in done.finished], done)
@@ -325,6 +328,7 @@ class Processor:
         with another tenant's large batches does not leave them without queued work while it lasts."""
         if time.monotonic() - self._advanced_at >= (self.config.poll_interval if interval is None else interval):
             self._advance_open(in_progress, done)
+        self.risk.update([b.id for b in in_progress if b.id not in done.finished])
 
     def _advance_open(self, in_progress: list[_Owned], done: Round) -> None:
         """`_advance` for the batches not finished yet this round, and when it was done."""

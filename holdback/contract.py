@@ -23,6 +23,9 @@ TTL_HEADER = "x-holdback-ttl"  # seconds a request may wait in the gateway queue
 TTL_HEADER_ALIASES = ("x-llm-d-inference-ttl",)
 DEADLINE_HEADER = "x-holdback-deadline"  # the batch's expires_at, unix seconds
 RESUMABLE_HEADER = "x-holdback-resumable"  # "1": the caller resumes from partial output if evicted
+# "1": the request's batch will not finish inside its window at its pace so far (holdback.risk); honoured by the
+# gateway only from a trusted relay's key (the workers'), for sheddable work: it may use the at-risk floor.
+AT_RISK_HEADER = "x-holdback-at-risk"
 
 # --- HTTP headers: gateway → worker ------------------------------------------------------------------------
 
@@ -105,6 +108,12 @@ def cancel_channel(namespace: str) -> str:
 def circuit_key(namespace: str) -> str:
     """Why the workers' gateway circuit is open; absent while it is closed."""
     return f"{namespace}:circuit:gateway"
+
+
+def at_risk_key(namespace: str) -> str:
+    """Sorted set: the batches at risk of missing their window, each scored with the time its mark lapses (the
+    processor that owns the batch renews it every round while the batch stays at risk)."""
+    return f"{namespace}:batches:at-risk"
 
 
 def pause_key(namespace: str, queue_name: str) -> str:

@@ -181,6 +181,24 @@ def test_the_banner_names_a_paused_queue_and_an_unreachable_gateway(start_api, b
     assert 'data-alert="paused"' not in client.get("/dashboard/fragments/alerts").text
 
 
+def test_the_banner_warns_of_a_batch_that_will_not_finish_inside_its_window(api, seed):
+    acme = seed.tenant("acme")
+    now = int(time.time())
+    # 100 s in, 1 of 10 finished, 50 s left: the 9 left need ~900 s.
+    late, _ = seed.batch(acme, [{"status": "succeeded"}] + [{}] * 9, created_at=now - 100)
+    on_time, _ = seed.batch(acme, [{}] * 3)  # just started: not judged yet
+    with transaction(seed.db) as s:
+        s.get(Batch, late).expires_at = now + 50
+    client, _ = signed_in(api)
+    banner = client.get("/dashboard/fragments/alerts").text
+    assert f'data-alert="at-risk" data-subject="{late}"' in banner, banner
+    assert f"Batch {late} of acme is at risk of expiring: its 9 requests left" in banner
+    assert f'href="/dashboard/batches/{late}">Batch →' in banner and on_time not in banner
+    with transaction(seed.db) as s:
+        s.get(Batch, late).expires_at = now + 86400
+    assert 'data-alert="at-risk"' not in client.get("/dashboard/fragments/alerts").text
+
+
 def test_search_by_batch_id_custom_id_metadata_and_the_tenant_filter(api, seed):
     acme, beta = seed.tenant("acme"), seed.tenant("beta")
     zebra, _ = seed.batch(acme, [{"custom_id": "invoice-77"}], metadata={"project": "Zebra", "owner": "ana"})
