@@ -25,7 +25,7 @@ from async_processor.queue import Claim, Finish, ClaimQueue
 from async_processor.registration import Registration
 from holdback import tracing
 from holdback.attempts import BATCH_CONTEXTS, AttemptResult, Disposition, InFlight, Runtime, Skip, run_attempt
-from holdback.contract import pause_key
+from holdback.contract import at_risk_key, pause_key
 from holdback.logs import log_event
 from holdback.models import RequestStatus
 from holdback.probes import Heartbeat
@@ -45,6 +45,8 @@ class AsyncWorker:
         self.claims: dict[str, Claim] = {}
         self.tasks: set[asyncio.Task] = set()
         self.cancelled_batches: dict[str, float] = {}
+        # Batches the processor marked at risk of missing their window (holdback.risk): their attempts say so.
+        self.at_risk: set[str] = set()
         self.stopping = asyncio.Event()  # stop claiming, drain
         self.closing = asyncio.Event()  # drained: stop the helper loops
         self.slot_freed = asyncio.Event()
@@ -80,6 +82,7 @@ class AsyncWorker:
                                       self.metrics, cfg.probe_interval)
         try:
             await self.registration.register_birth()
+            await self._read_at_risk()  # before the first claim: an at-risk batch's first attempts say so too
             self.redis_failure = None
             log_event(logger, "worker_started", worker=cfg.name, queue=cfg.queue_name,
                       concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
@@ -193,7 +196,7 @@ class AsyncWorker:
         self.inflight[row_id] = job
         self.claims[row_id] = claim
         try:
-            result = await run_attempt(self.rt, self.http, job, self._was_cancelled)
+            result = await run_attempt(self.rt, self.http, job, self._was_cancelled, self.at_risk.__contains__)
         except asyncio.CancelledError:
             # Shutdown after the drain timeout: the job goes back to the front of the queue; the next
             # delivery's begin closes this attempt as abandoned.
@@ -354,16 +357,28 @@ class AsyncWorker:
             await self._pause(cfg.scheduler_interval if self.holds_scheduler else refresh)
 
     async def _depth_loop(self) -> None:
+        """Every second: the queue's depth gauges (one worker exports them), and the batches marked at risk."""
         while not self.closing.is_set():
             try:
+                await self._read_at_risk()
                 if self.holds_scheduler:  # one worker exports the shared depth, so a sum over workers is right
                     for state, n in (await self.queue.depth()).items():
                         self.metrics.queue_depth.labels(state).set(n)
                 else:
                     self.metrics.queue_depth.clear()
             except RedisError:
-                pass  # the gauges keep their last values; claim/heartbeat log the outage
+                pass  # the gauges and marks keep their last values; claim/heartbeat log the outage
             await self._pause(1.0)
+
+    async def _read_at_risk(self) -> None:
+        """The batches marked at risk; a batch newly marked has its attempts still waiting in the gateway's queue
+        sent again, marked (the gateway then gives them its at-risk floor)."""
+        marked = await self.redis.zrangebyscore(at_risk_key(self.config.namespace), time.time(), "+inf")
+        before, self.at_risk = self.at_risk, {m.decode() if isinstance(m, bytes) else m for m in marked}
+        if newly := self.at_risk - before:
+            again = sum(job.send_again("its batch turned at risk of missing its window: sent again, marked")
+                        for job in list(self.inflight.values()) if job.batch_id in newly)
+            log_event(logger, "batches_at_risk", batches=sorted(newly), sent_again=again)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the worker is closing."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from holdback.contract import (
+    AT_RISK_HEADER,
     BATCH_OBJECTIVE,
     DEADLINE_HEADER,
     FAIRNESS_HEADER,
@@ -25,9 +26,11 @@ def request_headers(
     deadline: float | None,
     gateway_key: str | None = None,
     objective: str = BATCH_OBJECTIVE,
+    *,
+    at_risk: bool = False,
 ) -> dict[str, str]:
     """The headers of every attempt: objective, fairness id, the request id (stable across attempts), deadline,
-    key."""
+    key; and whether its batch is at risk of missing its window."""
     headers = {"content-type": "application/json"}
     for name in (OBJECTIVE_HEADER, *OBJECTIVE_HEADER_ALIASES):
         headers[name] = objective
@@ -36,6 +39,8 @@ def request_headers(
     headers[REQUEST_ID_HEADER] = request_id
     if deadline is not None:
         headers[DEADLINE_HEADER] = str(int(deadline))
+    if at_risk:
+        headers[AT_RISK_HEADER] = "1"
     if gateway_key:
         headers["authorization"] = f"Bearer {gateway_key}"
     return headers

@@ -116,7 +116,8 @@ class Reply:
     headers: Mapping[str, str] = field(default_factory=dict)
     body: bytes | None = None
     error: str | None = None  # transport error, what a stream's error event said, or why we aborted
-    aborted: bool = False  # we closed the connection: the batch was cancelled or expired
+    aborted: bool = False  # we closed the connection: the batch was cancelled or expired, or `resend`
+    resend: bool = False  # we took it back from the gateway's queue to send it again at once
     unreachable: bool = False  # no connection could be opened: the request never left
     cut_after_output: bool = False  # a stream broke after it carried output (see `ReplyClass.cut_after_output`)
 
@@ -127,6 +128,11 @@ class Reply:
     @classmethod
     def cancelled(cls, reason: str = "batch cancelled or expired") -> "Reply":
         return cls(error=reason, aborted=True)
+
+    @classmethod
+    def withdrawn(cls, reason: str) -> "Reply":
+        """Taken back unanswered from the gateway's queue, to be sent again at once."""
+        return cls(error=reason, aborted=True, resend=True)
 
     @property
     def replica(self) -> str | None:

@@ -13,6 +13,7 @@ engine is synchronous. Resumable requests are sent streamed (`holdback.attempts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,15 +85,17 @@ class Runtime:
 
 
 class InFlight:
-    """One job in flight in this process: what a batch cancel needs to abort it."""
+    """One job in flight in this process: what a batch cancel needs to abort it, and whether its answer began."""
 
-    __slots__ = ("request_id", "batch_id", "send_task", "abort_reason", "started")
+    __slots__ = ("request_id", "batch_id", "send_task", "abort_reason", "resend", "answered", "started")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.batch_id: str | None = None  # known once the attempt is open
         self.send_task: asyncio.Task | None = None
         self.abort_reason: str | None = None
+        self.resend = False  # aborted to be sent again at once (see `send_again`)
+        self.answered = False  # the gateway answered: it no longer waits in the gateway's queue
         self.started = time.time()
 
     def abort(self, reason: str) -> bool:
@@ -102,6 +105,14 @@ class InFlight:
             self.send_task.cancel()
             return True
         return False
+
+    def send_again(self, reason: str) -> bool:
+        """Take back an attempt still waiting in the gateway's queue, to send it again at once with what changed
+        (its batch turned at risk): False when its answer began (it runs: nothing to gain, its work to lose)."""
+        if self.answered or self.send_task is None or self.send_task.done():
+            return False
+        self.resend = True
+        return self.abort(reason)
 
 
 @dataclass(frozen=True)
@@ -113,11 +124,15 @@ class AttemptResult:
 
 
 async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
-                      cancelled_batch: Callable[[str], bool] = lambda _batch_id: False) -> AttemptResult:
-    """Open, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises."""
+                      cancelled_batch: Callable[[str], bool] = lambda _batch_id: False,
+                      at_risk: Callable[[str], bool] = lambda _batch_id: False) -> AttemptResult:
+    """Open, send, record. A batch cancel (job.abort) ends it as `cancelled`; a shutdown re-raises. An attempt of
+    a batch `at_risk` says so to the gateway (holdback.risk)."""
     attempt = await rt.db(open_attempt, job.request_id, rt.worker_name)
     if isinstance(attempt, Skip):
         return AttemptResult(skip=attempt)
+    if at_risk(attempt.batch_id):
+        attempt = dataclasses.replace(attempt, at_risk=True)
     plan = plan_attempt(attempt, attempt.carryover, rt.resume, rt.stream_interval)
     job.batch_id = attempt.batch_id
     started = time.monotonic()
@@ -127,10 +142,14 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
         reply = Reply.cancelled("batch cancelled or expired before the request was sent")
     else:
         url = rt.gateway_url + attempt.url
+
+        def answered() -> None:
+            job.answered = True
+
         sending = (
             send_streamed(http, url, plan.body, send_headers(attempt, plan, rt.gateway_key, rt.resume),
-                          rt.request_timeout) if plan.streamed
-            else send_plain(http, url, attempt, rt.gateway_key, rt.request_timeout))
+                          rt.request_timeout, answered) if plan.streamed
+            else send_plain(http, url, attempt, rt.gateway_key, rt.request_timeout, answered))
         if tracing.enabled():
             sending = tracing.traced_attempt(sending, attempt, BATCH_CONTEXTS,
                                              lambda batch_id: rt.db(BATCH_CONTEXTS.load, batch_id))
@@ -141,7 +160,7 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
             current = asyncio.current_task()
             if job.abort_reason is None or (current is not None and current.cancelling()):
                 raise
-            sent = Reply.cancelled(job.abort_reason)
+            sent = Reply.withdrawn(job.abort_reason) if job.resend else Reply.cancelled(job.abort_reason)
         if isinstance(sent, Reply):
             reply = sent
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
@@ -16,11 +16,13 @@ from holdback.attempts.transactions import OpenAttempt
 
 
 async def send_plain(http: aiohttp.ClientSession, url: str, attempt: OpenAttempt, gateway_key: str | None,
-                     timeout: float) -> Reply:
-    """POST the row's body to the gateway; every failure to get a complete answer is a transport error."""
+                     timeout: float, answered: Callable[[], None] = lambda: None) -> Reply:
+    """POST the row's body to the gateway; every failure to get a complete answer is a transport error.
+    `answered` is called when the answer's head arrives (it no longer waits in the gateway's queue)."""
     try:
         async with http.post(url, data=attempt.body.encode(), headers=tracing.inject(attempt.headers(gateway_key)),
                              timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            answered()
             body = await resp.read()
             return Reply(resp.status, resp.headers, body)
     except aiohttp.ClientPayloadError as exc:
@@ -59,12 +61,14 @@ async def event_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 async def send_streamed(http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                        timeout: float) -> StreamedReply:
-    """POST a `stream: true` body and fold its events; a non-2xx answer comes back as it is."""
+                        timeout: float, answered: Callable[[], None] = lambda: None) -> StreamedReply:
+    """POST a `stream: true` body and fold its events; a non-2xx answer comes back as it is. `answered` is
+    called when the answer's head arrives."""
     assembly = StreamAssembly()
     try:
         async with http.post(url, data=body, headers=tracing.inject(headers),
                              timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            answered()
             if resp.status >= 300 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return StreamedReply(Reply(resp.status, resp.headers, await resp.read()), assembly, cut=False,
                                      events=False)

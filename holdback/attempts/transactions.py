@@ -55,9 +55,10 @@ class OpenAttempt:
     transient_failures: int  # before this attempt
     carryover: Carryover = Carryover()  # read by `open_attempt` for a resumable request's later attempts
     evictions: int = 0  # earlier attempts the gateway evicted
+    at_risk: bool = False  # its batch is marked at risk of missing its window (holdback.risk)
 
     def headers(self, gateway_key: str | None = None) -> dict[str, str]:
-        return request_headers(self.request_id, self.tenant_id, self.deadline, gateway_key)
+        return request_headers(self.request_id, self.tenant_id, self.deadline, gateway_key, at_risk=self.at_risk)
 
 
 class Skip(str, enum.Enum):
@@ -312,6 +313,10 @@ def _record_abort(session: Session, attempt: OpenAttempt, reply: Reply, policy: 
     status = session.connection().execute(_ROW_STATUS, {"row_id": attempt.request_id}).scalar()
     if status is None or status in REQUEST_TERMINAL_VALUES:
         return Recorded(Disposition.cancelled, outcome)
+    if reply.resend:  # taken back unanswered to go out again with what changed: back in line at once
+        if schedule_retry(session, attempt.request_id, now, evicted=False, transient=False):
+            return Recorded(Disposition.retry, outcome, wake_at=now, delay=0.0)
+        return Recorded(Disposition.duplicate, outcome)
     # Aborted although nobody closed the row: park it rather than strand it.
     wake_at = now + policy.closing_recheck
     schedule_retry(session, attempt.request_id, wake_at, evicted=False, transient=False)

@@ -28,7 +28,7 @@ from rq.worker import Worker
 
 from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.contract import circuit_key
+from holdback.contract import at_risk_key, circuit_key
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
@@ -316,6 +316,40 @@ def test_an_evicted_row_goes_back_in_line_at_once_whatever_the_backoff(stack, sc
         assert max(gaps) < 25, gaps
     poll(lambda: metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 6, 20,
          "six evicted retries counted")
+
+
+def test_attempts_of_a_batch_marked_at_risk_say_so_to_the_gateway(stack, scripted, backend):
+    """The processor marks a batch at risk of missing its window (holdback.risk) in Redis; the workers' attempts
+    of that batch carry `x-holdback-at-risk: 1` (the gateway's at-risk floor), those of other batches do not."""
+    gw = scripted(lambda rid, n: (200, {}, None, 0))
+    risky_batch, _, risky = stack.batch(2)
+    _, _, plain = stack.batch(2)
+    stack.redis.zadd(at_risk_key(backend.namespace), {risky_batch: time.time() + 600})
+    stack.worker(gw.url)
+    rows = stack.wait_final(risky + plain)
+    assert {r.status for r in rows} == {"succeeded"}
+    for row_id in risky + plain:
+        (call,) = gw.calls[row_id]
+        marked = {k.lower(): v for k, v in call["headers"].items()}.get("x-holdback-at-risk")
+        assert marked == ("1" if row_id in risky else None), row_id
+
+
+def test_a_batch_turning_at_risk_has_its_attempts_waiting_in_the_gateway_sent_again_marked(stack, scripted, backend):
+    """Attempts sent before their batch was marked at risk wait in the gateway's queue unmarked: the worker takes
+    back those whose answer has not begun and sends them again at once, marked, so the gateway's floor sees them."""
+    gw = scripted(lambda rid, n: (200, {}, None, 120 if n == 1 else 0))  # the first attempt waits "in the queue"
+    batch_id, _, row_ids = stack.batch(3)
+    stack.worker(gw.url)
+    poll(lambda: all(gw.calls.get(r) for r in row_ids), 20, "every row's first attempt waiting at the gateway")
+    stack.redis.zadd(at_risk_key(backend.namespace), {batch_id: time.time() + 600})
+    rows = stack.wait_final(row_ids, timeout=60)  # the first attempts would answer only after 120 s
+    assert {r.status for r in rows} == {"succeeded"}
+    for row in rows:
+        first, second = stack.attempts(row.id)
+        assert (first.outcome, second.outcome) == ("cancelled", "success")
+        assert "sent again, marked" in first.error and second.started_at - first.ended_at < 30
+        marks = [{k.lower(): v for k, v in c["headers"].items()}.get("x-holdback-at-risk") for c in gw.calls[row.id]]
+        assert marks == [None, "1"]
 
 
 def test_server_errors_spend_the_budget_then_fail_with_an_error_line(stack):
