@@ -22,6 +22,7 @@ from multidict import CIMultiDictProxy
 from gateway.cache_salt import private_salt
 from gateway.config import LoadedConfig
 from holdback.contract import (
+    AT_RISK_HEADER,
     DEADLINE_HEADER,
     FAIRNESS_HEADER,
     FAIRNESS_HEADER_ALIASES,
@@ -71,6 +72,8 @@ class Classification:
     wait_limit: float
     deadline_in: float
     cache_salt: str | None = None
+    # A trusted relay (the workers' key) says the request's batch is at risk of missing its window.
+    at_risk: bool = False
 
 
 class Classifier:
@@ -162,8 +165,9 @@ class Classifier:
         if deadline is not None:
             deadline_in = _seconds(deadline, DEADLINE_HEADER, "unix time in seconds") - time.time()
             wait_limit = min(wait_limit, deadline_in)
+        at_risk = caller.relays_tenants and headers.get(AT_RISK_HEADER, "").strip() == "1"
         return Classification(objective, self.priorities[objective], fairness, caller.tenant, wait_limit,
-                              deadline_in, salt)
+                              deadline_in, salt, at_risk)
 
     def _first_allowed(self, caller: Caller) -> str:
         if "*" in caller.objectives or self.default_objective in caller.objectives:

@@ -64,6 +64,9 @@ class FlowControl(_Model):
     defaultBand: BandSettings = BandSettings(maxRequests=5000, fairness="global-strict", ordering="fcfs")
     bands: list[BandSettings] = []
     tickSeconds: float = Field(default=0.05, gt=0, le=1)
+    # The share of the pool's request capacity that batch work at risk of missing its window may hold under
+    # saturation (gateway/flow/floor.py); 0: none.
+    atRiskFloor: float = Field(default=0.1, ge=0, le=0.5)
 
     @field_validator("bands")
     @classmethod

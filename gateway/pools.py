@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from gateway.config import LoadedConfig, PoolSettings
-from gateway.flow.controller import HISTORY, FlowController, check_files
+from gateway.flow.controller import HISTORY, FlowController
+from gateway.flow.replica_checks import check_files
 from gateway.replicas import Replica, ReplicaPool
 
 if TYPE_CHECKING:

@@ -157,7 +157,8 @@ class Proxy:
         req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived, pool=pool,
                           expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                           resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
-                          streamed=isinstance(doc, dict) and doc.get("stream") is True)
+                          streamed=isinstance(doc, dict) and doc.get("stream") is True,
+                          at_risk=cls.at_risk and cls.priority < 0)
         if controller.admission_enabled:
             refused = await self._count_tokens(controller, req, doc, request.path)
             if refused is not None:

@@ -17,23 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import math
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
-from gateway.calibration import Profile, load_profile
-from gateway.config import GatewayConfig, LoadedConfig
+from gateway.calibration import Profile
+from gateway.config import LoadedConfig
 from gateway.flow import state
 from gateway.flow.band import PriorityBand
 from gateway.flow.deadlines import Deadlines
 from gateway.flow.eviction_control import EvictionControl
+from gateway.flow.floor import AtRiskFloor
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger, Reservation
+from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
-from gateway.flow.replica_checks import refuse_unmeasured, warn_short_growth_room
+from gateway.flow.replica_checks import check_files, refuse_unmeasured, warn_short_growth_room
 from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.flow.tally import FlowTally
 from gateway.log import log_event
@@ -42,30 +43,10 @@ from gateway.policies.admission import Decision, Demand, KvAdmission, KvOutcome
 from gateway.policies.picker import EndpointPicker
 from gateway.policies.saturation import SaturationDetector, saturation_detector
 from gateway.replicas import Replica, ReplicaPool
-from gateway.tokenization import load_local_tokenizer
 
 logger = logging.getLogger("gateway.flow")
 
 HISTORY = 10
-
-
-class Verdict(enum.Enum):
-    """Whether a request may run now (`_place`)."""
-
-    RUN = "run"  # on the placement's replica
-    REJECT = "reject"  # KV admission refused it: the placement's `kv` says why
-    WAIT_KV = "wait-kv"  # no replica has KV room for it yet
-    BLOCKED = "blocked"  # its band's ceiling is reached, or no replica has room
-
-
-class Placement(NamedTuple):
-    verdict: Verdict
-    replica: Replica | None = None
-    kv: Decision | None = None
-
-
-BLOCKED = Placement(Verdict.BLOCKED)
-WAIT_KV = Placement(Verdict.WAIT_KV)
 
 
 class FlowController:
@@ -84,6 +65,7 @@ class FlowController:
         self.bands = BandRegistry()
         self.tally = FlowTally(metrics, clock, pool_name)
         self.eviction = EvictionControl(self)
+        self.floor = AtRiskFloor()
         self.admission: KvAdmission | None = None
         self.ledger: KvLedger | None = None
         self.profile: Profile | None = None
@@ -135,6 +117,7 @@ class FlowController:
             if replica.model is not None:
                 self._on_identify(replica)
         self.tick = cfg.flowControl.tickSeconds
+        self.floor.share = cfg.flowControl.atRiskFloor
         self.global_max_requests = cfg.flowControl.maxRequests
         self.traffic_classes = {obj.priority: obj.traffic_class() for obj in cfg.objectives.values()}
         self.objective_names: dict[int, list[str]] = {}
@@ -209,6 +192,7 @@ class FlowController:
         req.enqueued_at = now
         req.waiter = asyncio.get_running_loop().create_future()
         band.push(req)
+        self.floor.queued(req)
         self.total_queued += 1
         if req.expires_at < math.inf:
             self.deadlines.push(req)
@@ -246,6 +230,7 @@ class FlowController:
         req.status = Status.EVICTED if evicted else Status.FINISHED
         if not req.slot_released:
             self.release_slot(req)
+        self.floor.ended(req)
         if isinstance(req.reservation, Reservation) and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
                 if evicted:
@@ -350,6 +335,7 @@ class FlowController:
             self.eviction.for_waiting_inside(now)
         if not self.total_queued or not healthy:
             return
+        self._fill_floor(healthy, now)
         while self.total_queued:
             saturation = self.detector.saturation(healthy, now)
             blocked: PriorityBand | None = None
@@ -380,6 +366,18 @@ class FlowController:
                         self.eviction.for_blocked_band(saturation, blocked, now):
                     continue  # the victims' slots were handed on at once: dispatch into them now
                 return
+
+    def _fill_floor(self, healthy: list[Replica], now: float) -> None:
+        """Requests of at-risk batches first, past every band, while the floor has room (gateway/flow/floor.py)."""
+        while (req := self.floor.next(self._capacity(healthy))) is not None:
+            placed = self._place(req, healthy, now, saturation=0.0)  # past its band's ceiling, not past KV or room
+            if placed.verdict is not Verdict.RUN:
+                return
+            band = self.bands[req.priority]
+            band.forget(req)
+            self.total_queued -= 1
+            self.floor.dispatched(req)
+            self._dispatch(req, placed.replica, band, now, "floor")
 
     # -- the decision and the transitions -------------------------------------------------------------------
     def _place(self, req: FlowRequest, healthy: list[Replica], now: float, saturation: float,
@@ -422,7 +420,7 @@ class FlowController:
         band.in_flight += 1
         band.dispatched += 1
         self.in_flight += 1
-        if req.sheddable:
+        if req.sheddable and not req.in_floor:
             self.eviction.evictor.track(req)
         else:
             self.eviction.dispatched(req)
@@ -470,9 +468,12 @@ class FlowController:
             self.deadlines.start_kv_wait(req, now + self.admission.queue_deadline)
 
     # -- readings -------------------------------------------------------------------------------------------
-    def _follow_demand(self, healthy: list[Replica], now: float) -> None:
+    def _capacity(self, healthy: list[Replica]) -> float:
         default = self.loaded.config.saturation.maxConcurrency
-        self.bands.follow_demand(sum(r.capacity or default for r in healthy), now)
+        return sum(r.capacity or default for r in healthy)
+
+    def _follow_demand(self, healthy: list[Replica], now: float) -> None:
+        self.bands.follow_demand(self._capacity(healthy), now)
 
     def _occupancy_share(self, replica: Replica) -> float:
         if self.admission is None:
@@ -482,16 +483,6 @@ class FlowController:
     def demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
                       sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact)
-
-
-def check_files(cfg: GatewayConfig) -> Profile | None:
-    """The files a config names, read (a ConfigError when one cannot be): its calibration profile, returned,
-    and its tokenizer file."""
-    adm = cfg.admission
-    profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
-    if adm.enabled and adm.tokenizer in ("local", "auto") and adm.tokenizerFile:
-        load_local_tokenizer(adm.tokenizerFile)
-    return profile
 
 
 def _within(decision: Decision) -> Callable[[Replica], bool]:

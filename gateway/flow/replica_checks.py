@@ -1,4 +1,5 @@
-"""What flow control checks when a replica says what it serves (and, when it exports it, its KV pool).
+"""What flow control checks when a config names files (read before it applies) and when a replica says what it
+serves (and, when it exports it, its KV pool).
 
 A calibration profile holds only for the model and runtime it was measured on: any other replica is refused
 (its estimate would be false headroom) until it matches. And the hard watermark must leave one scheduling cycle
@@ -9,13 +10,24 @@ from __future__ import annotations
 
 import logging
 
-from gateway.calibration import Profile
+from gateway.calibration import Profile, load_profile
 from gateway.config import GatewayConfig
 from gateway.log import log_event
 from gateway.policies.admission import KvAdmission, reported_pool_tokens
 from gateway.replicas import Replica
+from gateway.tokenization import load_local_tokenizer
 
 logger = logging.getLogger("gateway.flow")
+
+
+def check_files(cfg: GatewayConfig) -> Profile | None:
+    """The files a config names, read (a ConfigError when one cannot be): its calibration profile, returned,
+    and its tokenizer file."""
+    adm = cfg.admission
+    profile = load_profile(adm.calibrationProfile) if adm.calibrationProfile else None
+    if adm.enabled and adm.tokenizer in ("local", "auto") and adm.tokenizerFile:
+        load_local_tokenizer(adm.tokenizerFile)
+    return profile
 
 
 def refuse_unmeasured(profile: Profile, replica: Replica, profile_path: str | None) -> bool:

@@ -66,6 +66,10 @@ class FlowRequest:
     affinity: str | None = None
     # How often this request id was evicted before (remembered with its place): victims are the least-evicted first.
     evictions: int = 0
+    # Its batch will miss its window at its pace so far (the workers' `x-holdback-at-risk`); dispatched into the
+    # at-risk floor (gateway/flow/floor.py), it is no eviction victim.
+    at_risk: bool = False
+    in_floor: bool = False
     status: Status = Status.NEW
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0

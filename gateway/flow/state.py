@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from gateway.flow.request import Status
 from gateway.policies.admission import LEVELS, reported_pool_tokens
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ def snapshot(fc: FlowController) -> dict:
                      "ceilings": {str(p): round(c, 6) for p, c in bands.ceilings.items()}},
         "eviction": {"enabled": fc.eviction.enabled, "pending": len(evictor.pending),
                      "candidates": len(evictor.candidates)},
+        "at_risk_floor": {"share": fc.floor.share, "in_flight": fc.floor.in_flight,
+                          "waiting": sum(r.status is Status.QUEUED for *_k, r in fc.floor.waiting)},
         "admission": fc.admission.state() if fc.admission else {"enabled": False},
         "kv": kv_state(fc, now),
         "totals": {"dispatched": tally.dispatched, "evictions": dict(tally.evictions),

@@ -138,11 +138,11 @@ class RelayLink:
     def _submit(self, pool: str, rid: int, request_id: str, objective: str, priority: int, fairness_id: str,
                 tenant: str, arrived: float, expires_at: float, deadline: float, prompt_tokens: int,
                 max_new_tokens: int, resumable: bool, limit_param: str | None, sequences: int,
-                streamed: bool, prompt_exact: bool) -> None:
+                streamed: bool, prompt_exact: bool, at_risk: bool) -> None:
         req = FlowRequest(request_id, objective, priority, fairness_id, tenant, arrived, pool=pool,
                           expires_at=expires_at, deadline=deadline, prompt_tokens=prompt_tokens,
                           max_new_tokens=max_new_tokens, resumable=resumable, limit_param=limit_param,
-                          sequences=sequences, streamed=streamed, prompt_exact=prompt_exact)
+                          sequences=sequences, streamed=streamed, prompt_exact=prompt_exact, at_risk=at_risk)
         req.task = _Eviction(self, rid, req)  # type: ignore[assignment]
         if pool not in self.pools.pools:  # the relay routed by a description a reload has since replaced
             req.status = Status.REJECTED

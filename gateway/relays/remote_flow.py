@@ -169,7 +169,7 @@ class RemoteFlowController:
         self.channel.send(("submit", self.name, rid, req.request_id, req.objective, req.priority, req.fairness_id,
                            req.tenant, req.arrived, req.expires_at, req.deadline, req.prompt_tokens,
                            req.max_new_tokens, req.resumable, req.limit_param, req.sequences, req.streamed,
-                           req.prompt_exact))
+                           req.prompt_exact, req.at_risk))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:
