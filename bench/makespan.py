@@ -53,6 +53,8 @@ from bench.stats import bootstrap_median, percentile, verdict
 ARMS = ("vllm-priority", "holdback")
 BUILT_IN_CONFIG = Path(__file__).resolve().parents[1] / "gateway" / "default.yaml"
 MAKESPAN_GOAL, REALTIME_GOAL = 1.03, 0.2
+# What the workers ask of a resumable stream besides `return_token_ids` (holdback/attempts/resume.py).
+WORKERS_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -118,8 +120,11 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
                                           args.rate, args.seed + group, done, run))
         start = time.monotonic()
 
+        # With --workers-streaming, the workers' own stream options (a usage object on every event).
+        extra = {"stream_options": WORKERS_STREAM_OPTIONS} if args.workers_streaming else {}
+
         async def line(body: dict) -> None:
-            got = await stream(session, engine, body, {"X-Vllm-Priority": "10"})
+            got = await stream(session, engine, {**body, **extra}, {"X-Vllm-Priority": "10"})
             run.lines_failed += not (got.status == 200 and got.finished)
 
         await asyncio.gather(*(line(body) for body in lines))
@@ -366,6 +371,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
     m, lat = summary["makespan_ratio"], summary["realtime_p95_ratio"]
     return "\n".join([
         f"Makespan ({args.engine}{', slots told' if args.slots_known else ''}"
+        f"{', vLLM fed the workers streaming' if args.workers_streaming else ''}"
         f"{'' if args.warm_up else ', no warm-up'}, {args.lines} lines of {args.tokens[0]}–{args.tokens[1]} tokens, realtime "
         f"{args.rate}/s, {summary['groups']} groups)",
         f"- makespan, holdback ÷ vLLM priority: {fig(m)} (per group {', '.join(f'{x:.3f}' for x in m['per_group'])}); "
@@ -391,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=8, help="the engine's --max-num-seqs (default %(default)s)")
     p.add_argument("--slots-known", action="store_true",
                    help="give the gateway the engine's slots (`engine.maxNumSeqs`) rather than let it learn them")
+    p.add_argument("--workers-streaming", action="store_true",
+                   help="feed vLLM priority the lines with the workers' stream options (a usage object on every "
+                        "event), so the ratio leaves out what those cost the engine's API server")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="measure a stack's very first batch (by default a first batch without realtime runs before "
                         "the measured one, as in a stack already serving: the gateway learns the engine's slots)")
