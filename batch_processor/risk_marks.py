@@ -51,7 +51,8 @@ class RiskMarks:
                     select(Batch.id, Batch.tenant_id, Batch.in_progress_at, Batch.expires_at, Batch.total,
                            Batch.completed, Batch.failed).where(Batch.id.in_(in_progress))).all()
             for row in rows:
-                p = pace(now, row.in_progress_at, row.expires_at, row.total, row.completed + row.failed)
+                p = pace(now, row.in_progress_at, row.expires_at, row.total, row.completed + row.failed,
+                         marked=row.id in self.marked)
                 if p.at_risk:
                     at_risk[row.id] = p
                     if row.id not in self.marked:

@@ -6,15 +6,18 @@ A batch is at risk when, at the pace it has kept since it started (requests fini
 it has left would take longer than what is left of its window, less a margin: the mark must come while the
 gateway's floor can still finish it. A batch that has run for less than a grace (a twentieth of its window, at
 most a minute) is not judged yet: its pace means nothing so early. One that has finished nothing after the grace
-is at risk.
+is at risk. A batch already marked stays at risk until its projection leaves a wider margin (RELEASE): the floor's
+help raises its pace, and a mark dropped at the first sign of that would starve it again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# At risk when the projected finish would use more than this share of the time left.
+# At risk when the projected finish would use more than this share of the time left; once marked, until it uses
+# less than RELEASE of it.
 MARGIN = 0.9
+RELEASE = 0.7
 # No verdict before this share of the window (and at most GRACE_CAP seconds) has passed.
 GRACE_SHARE = 0.05
 GRACE_CAP = 60.0
@@ -31,8 +34,10 @@ class Pace:
     at_risk: bool
 
 
-def pace(now: float, started: float | None, expires_at: float | None, total: int, finished: int) -> Pace:
-    """The pace of a batch in progress since `started` (unix seconds) whose window ends at `expires_at`."""
+def pace(now: float, started: float | None, expires_at: float | None, total: int, finished: int,
+         marked: bool = False) -> Pace:
+    """The pace of a batch in progress since `started` (unix seconds) whose window ends at `expires_at`;
+    `marked`: it was at risk at the last look."""
     left = max(0, total - finished)
     remaining = (expires_at - now) if expires_at is not None else float("inf")
     if started is None or expires_at is None or left == 0 or remaining <= 0:
@@ -42,4 +47,4 @@ def pace(now: float, started: float | None, expires_at: float | None, total: int
         return Pace(left, None, None, remaining, False)
     rate = finished / elapsed if elapsed > 0 else 0.0
     needs = left / rate if rate > 0 else float("inf")
-    return Pace(left, rate, needs, remaining, needs > MARGIN * remaining)
+    return Pace(left, rate, needs, remaining, needs > (RELEASE if marked else MARGIN) * remaining)

@@ -1,6 +1,6 @@
 """holdback.risk: when a batch is at risk of missing its window."""
 
-from holdback.risk import GRACE_CAP, MARGIN, pace
+from holdback.risk import GRACE_CAP, MARGIN, RELEASE, pace
 
 NOW = 1_000_000.0
 
@@ -32,3 +32,11 @@ def test_done_unstarted_or_past_its_window_is_never_at_risk():
     assert not pace(NOW, None, NOW + 10, 10, 0).at_risk
     assert not pace(NOW, NOW - 100, NOW - 1, 10, 0).at_risk  # expiry's business now
     assert not pace(NOW, NOW - 100, None, 10, 0).at_risk
+
+
+def test_a_marked_batch_stays_at_risk_until_its_projection_leaves_the_wider_margin():
+    # 500 left at 5/s need 100 s of the 125 s left: 0.8 of it. Not at risk when first judged; kept when marked.
+    assert not pace(NOW, NOW - 100, NOW + 125, 1000, 500).at_risk
+    assert pace(NOW, NOW - 100, NOW + 125, 1000, 500, marked=True).at_risk
+    assert not pace(NOW, NOW - 100, NOW + 200, 1000, 500, marked=True).at_risk  # 0.5 of it: released
+    assert RELEASE < MARGIN
