@@ -58,6 +58,7 @@ class ArmRun:
     batch_completed: int = 0
     batch_total: int = 0
     at_risk_floor: dict = field(default_factory=dict)  # the gateway's /admin/state `at_risk_floor`, at the end
+    floor_dispatches: float = 0.0  # requests the gateway dispatched into the floor over the arm
 
 
 async def realtime_clients(url: str, headers: dict, model: str, args: argparse.Namespace, run: ArmRun) -> None:
@@ -107,6 +108,9 @@ async def one_arm(arm: str, up: HoldbackUp, warm: list[dict], lines: list[dict],
     await rt
     state = httpx.get(up.gateway + "/admin/state", headers=up.admin, timeout=30).json()
     run.at_risk_floor = state.get("at_risk_floor", {})
+    metrics = httpx.get(up.gateway + "/metrics", headers=up.admin, timeout=30).text
+    run.floor_dispatches = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                               if line.startswith("holdback_gateway_dispatches_total{") and 'path="floor"' in line)
     return run
 
 
@@ -132,7 +136,7 @@ def report(runs: list[ArmRun], args: argparse.Namespace) -> str:
                  f"{r.batch_seconds:.0f} s" if r.batch_seconds is not None else
                  f"; batch {r.batch_status}, {r.batch_completed}/{r.batch_total} done" if r.batch_status else "")
         out.append(f"- {r.arm}: realtime p95 TTFT {p95 or 0:.3f} s{interval} ({len(r.ttft)} requests, "
-                   f"{r.realtime_failed} failed), {ratio}{batch}; floor at the end {r.at_risk_floor}")
+                   f"{r.realtime_failed} failed), {ratio}{batch}; {r.floor_dispatches:g} dispatched into the floor")
     return "\n".join(out)
 
 
