@@ -5,8 +5,9 @@ gateway's at-risk floor) and the dashboard (which warns before the batch expires
 A batch is at risk when, at the pace it has kept since it started (requests finished per second), the requests
 it has left would take longer than what is left of its window, less a margin: the mark must come while the
 gateway's floor can still finish it. A batch that has run for less than a grace (a twentieth of its window, at
-most a minute) is not judged yet: its pace means nothing so early. One that has finished nothing after the grace
-is at risk. A batch already marked stays at risk until its projection leaves a wider margin (RELEASE): the floor's
+most a minute) is not judged yet: its pace means nothing so early. The pace counts one more request as finishing
+now: a batch that has finished nothing is at risk only when even that pace would not finish it (a day's batch
+with nothing done after a minute of saturated realtime is not; one with nothing done after an hour is). A batch already marked stays at risk until its projection leaves a wider margin (RELEASE): the floor's
 help raises its pace, and a mark dropped at the first sign of that would starve it again.
 """
 
@@ -29,7 +30,7 @@ class Pace:
 
     left: int  # requests not final yet
     rate: float | None  # requests finished per second since the batch started (None: not judged yet)
-    needs: float | None  # seconds the requests left need at that rate (inf: nothing finished yet)
+    needs: float | None  # seconds the requests left need at that rate, one more counted as finishing now
     remaining: float  # seconds left of the window
     at_risk: bool
 
@@ -45,6 +46,6 @@ def pace(now: float, started: float | None, expires_at: float | None, total: int
     elapsed = now - started
     if elapsed < min(GRACE_CAP, GRACE_SHARE * (expires_at - started)):
         return Pace(left, None, None, remaining, False)
-    rate = finished / elapsed if elapsed > 0 else 0.0
-    needs = left / rate if rate > 0 else float("inf")
+    rate = finished / elapsed
+    needs = left * elapsed / (finished + 1)
     return Pace(left, rate, needs, remaining, needs > (RELEASE if marked else MARGIN) * remaining)
