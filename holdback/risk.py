@@ -4,10 +4,10 @@ gateway's at-risk floor) and the dashboard (which warns before the batch expires
 
 A batch is at risk when, at the pace it has kept since it started (requests finished per second), the requests
 it has left would take longer than what is left of its window, less a margin: the mark must come while the
-gateway's floor can still finish it. A batch that has run for less than a grace (a twentieth of its window, at
-most a minute) is not judged yet: its pace means nothing so early. The pace counts one more request as finishing
-now: a batch that has finished nothing is at risk only when even that pace would not finish it (a day's batch
-with nothing done after a minute of saturated realtime is not; one with nothing done after an hour is). A batch already marked stays at risk until its projection leaves a wider margin (RELEASE): the floor's
+gateway's floor can still finish it. A batch that has run for less than a twentieth of its window is not judged
+yet: its pace means nothing so early (15 s of a 5-minute window, 72 minutes of a day's). The pace counts one more
+request as finishing now: a batch that has finished nothing is at risk only when even that pace would not
+finish it. A batch already marked stays at risk until its projection leaves a wider margin (RELEASE): the floor's
 help raises its pace, and a mark dropped at the first sign of that would starve it again.
 """
 
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 # less than RELEASE of it.
 MARGIN = 0.9
 RELEASE = 0.7
-# No verdict before this share of the window (and at most GRACE_CAP seconds) has passed.
+# No verdict before this share of the window has passed.
 GRACE_SHARE = 0.05
-GRACE_CAP = 60.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ def pace(now: float, started: float | None, expires_at: float | None, total: int
     if started is None or expires_at is None or left == 0 or remaining <= 0:
         return Pace(left, None, None, max(0.0, remaining), False)
     elapsed = now - started
-    if elapsed < min(GRACE_CAP, GRACE_SHARE * (expires_at - started)):
+    if elapsed < GRACE_SHARE * (expires_at - started):
         return Pace(left, None, None, remaining, False)
     rate = finished / elapsed
     needs = left * elapsed / (finished + 1)
