@@ -328,7 +328,6 @@ class Processor:
         with another tenant's large batches does not leave them without queued work while it lasts."""
         if time.monotonic() - self._advanced_at >= (self.config.poll_interval if interval is None else interval):
             self._advance_open(in_progress, done)
-        self.risk.update([b.id for b in in_progress if b.id not in done.finished])
 
     def _advance_open(self, in_progress: list[_Owned], done: Round) -> None:
         """`_advance` for the batches not finished yet this round, and when it was done."""

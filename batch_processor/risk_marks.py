@@ -44,7 +44,7 @@ class RiskMarks:
             return self.marked
         self._at = time.monotonic()
         now = time.time() if now is None else now
-        at_risk: dict[str, object] = {}
+        at_risk: set[str] = set()
         if in_progress:
             with self.factory() as session:
                 rows = session.execute(
@@ -54,12 +54,12 @@ class RiskMarks:
                 p = pace(now, row.in_progress_at, row.expires_at, row.total, row.completed + row.failed,
                          marked=row.id in self.marked)
                 if p.at_risk:
-                    at_risk[row.id] = p
+                    at_risk.add(row.id)
                     if row.id not in self.marked:
                         log_event(log, "batch_at_risk", level=logging.WARNING, batch_id=row.id, tenant=row.tenant_id,
-                                  left=p.left, rate_per_s=round(p.rate or 0.0, 3), needs_s=_rounded(p.needs),
+                                  left=p.left, rate_per_s=round(p.rate or 0.0, 3), needs_s=round(p.needs or 0.0, 1),
                                   window_left_s=round(p.remaining, 1))
-        cleared = self.marked - set(at_risk)
+        cleared = self.marked - at_risk
         with self.redis.pipeline(transaction=False) as pipe:
             if at_risk:
                 pipe.zadd(self.key, {batch_id: now + LAPSE_SECONDS for batch_id in at_risk})
@@ -69,10 +69,6 @@ class RiskMarks:
             pipe.execute()
         for batch_id in cleared:
             log_event(log, "batch_no_longer_at_risk", batch_id=batch_id)
-        self.marked = set(at_risk)
+        self.marked = at_risk
         self.metrics.batches_at_risk.set(len(self.marked))
         return self.marked
-
-
-def _rounded(seconds: float | None) -> float | None:
-    return None if seconds is None or seconds == float("inf") else round(seconds, 1)
