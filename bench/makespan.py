@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -138,9 +140,12 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
 class HoldbackUp:
     """`holdback up --replicas ENGINE` with a fresh data dir, as an operator starts it; the keys it made."""
 
-    def __init__(self, engine: str, tmp: Path, group: int | str, pin: bool, overrides: dict | None = None):
-        """`overrides`: merged key by key over the built-in gateway config."""
+    def __init__(self, engine: str, tmp: Path, group: int | str, pin: bool, overrides: dict | None = None,
+                 keep: Path | None = None):
+        """`overrides`: merged key by key over the built-in gateway config; `keep`: where its components' logs are
+        copied when it stops. Use as `with HoldbackUp(...) as up:`."""
         self.data = tmp / f"holdback-{group}"
+        self.keep = keep
         config: list[str] = []
         if overrides:
             path = tmp / f"gateway-{group}.yaml"
@@ -166,8 +171,15 @@ class HoldbackUp:
                   headers=self.realtime)
         wait_http(f"http://127.0.0.1:{m2}/readyz", self.proc, 120, what=f"holdback up's workers (log {self.log})")
 
-    def stop(self, keep: Path | None = None) -> None:
-        """Stop it; with `keep`, its components' logs are copied there first."""
+    def __enter__(self) -> "HoldbackUp":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop it, its components' logs copied to `keep` first when given."""
+        keep = self.keep
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -322,18 +334,42 @@ def common_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
     p.add_argument("--out", type=Path, help="write raw.json and summary.md here")
 
 
-def start_the_engine(p: argparse.ArgumentParser, args: argparse.Namespace, children: Children,
-                     tmp: Path) -> tuple[str, str]:
-    """The run's one engine (`--engine`), and the model it serves; pinned, this process moves to the other CPU."""
+@contextlib.contextmanager
+def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Iterator[Engine]:
+    """The run's one engine (`--engine`), stopped with its scratch directory at the end; pinned, this process
+    moves to the other CPU."""
     pin = args.engine == "vllm" and not args.unpinned
     if pin:
         os.sched_setaffinity(0, {RELAY_CPU})
-    if args.engine == "vllm":
-        python, model_path = engine_paths(p)
-        engine = start_engine(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU)
-    else:
-        engine = start_sim(children, tmp, args)
-    return engine, httpx.get(engine + "/v1/models", timeout=30).json()["data"][0]["id"]
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    children = Children()
+    try:
+        if args.engine == "vllm":
+            python, model_path = engine_paths(p)
+            url = start_engine(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU)
+        else:
+            url = start_sim(children, tmp, args)
+        yield Engine(url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], tmp, pin)
+    finally:
+        children.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Engine:
+    url: str
+    model: str  # the model it serves
+    tmp: Path  # the run's scratch directory
+    pin: bool  # pinned to its CPU (the stack and the load on the other)
+
+
+def write_out(args: argparse.Namespace, text: str, record: dict) -> None:
+    """With `--out`: the record (and the run's flags) as raw.json, the report as summary.md."""
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        flags = {k: v for k, v in vars(args).items() if k != "out"}
+        (args.out / "raw.json").write_text(json.dumps({"args": flags, **record}, indent=1, default=str))
+        (args.out / "summary.md").write_text(text + "\n")
 
 
 def summarise(runs: list[ArmRun]) -> dict:
@@ -407,43 +443,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rate <= 0 or args.lines < 1 or args.groups < 1:
         p.error("--rate, --lines and --groups must be positive")
-    pin = args.engine == "vllm" and not args.unpinned
-    tmp = Path(tempfile.mkdtemp(prefix="hb-makespan-"))
-    children = Children()
     runs: list[ArmRun] = []
-    try:
-        engine, model = start_the_engine(p, args, children, tmp)
-        lines = batch_lines(args.seed, args.lines, args.tokens, model)
+    with one_engine(p, args, "hb-makespan-") as engine:
+        lines = batch_lines(args.seed, args.lines, args.tokens, engine.model)
         for group in range(args.groups):
             for arm in (ARMS if group % 2 == 0 else ARMS[::-1]):
-                wait_idle(engine)
+                wait_idle(engine.url)
                 if arm == "vllm-priority":
-                    run = asyncio.run(vllm_arm(engine, lines, args, group))
+                    run = asyncio.run(vllm_arm(engine.url, lines, args, group))
                 else:
                     # With --slots-known, the engine's slots told, as an operator who knows them does.
                     told = {"engine": {"maxNumSeqs": args.slots}} if args.slots_known else None
-                    up = HoldbackUp(engine, tmp, group, pin, told)
-                    try:
-                        run = asyncio.run(holdback_arm(up, engine, lines, args, group))
-                    finally:
-                        up.stop(args.out / "logs" / f"group-{group}" if args.out else None)
+                    with HoldbackUp(engine.url, engine.tmp, group, engine.pin, told,
+                                    args.out / "logs" / f"group-{group}" if args.out else None) as up:
+                        run = asyncio.run(holdback_arm(up, engine.url, lines, args, group))
                 runs.append(run)
                 print(f"group {group} {arm}: makespan {run.makespan:.1f} s (lead-in {run.lead_in:.1f}, lead-out "
                       f"{run.lead_out:.1f}), realtime p95 "
                       f"{percentile(run.ttft, 0.95) or 0:.3f} s ({len(run.ttft)}), evictions {sum(run.evictions)}, "
                       f"lines failed {run.lines_failed}; engine {run.engine}; slots known {run.slots_known}", flush=True)
-    finally:
-        children.close()
-        shutil.rmtree(tmp, ignore_errors=True)
     summary = summarise(runs)
     text = markdown(summary, args)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "raw.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
-                                                      "runs": [asdict(r) for r in runs], "summary": summary},
-                                                     indent=1, default=str))
-        (args.out / "summary.md").write_text(text + "\n")
+    write_out(args, text, {"runs": [asdict(r) for r in runs], "summary": summary})
     return 0
 
 

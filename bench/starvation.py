@@ -25,21 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import aiohttp
 import httpx
 
-from bench.lib.processes import Children
-from bench.makespan import (HoldbackUp, batch_lines, common_arguments, finished, start_the_engine, upload, wait_idle,
-                            warm_up)
+from bench.makespan import (HoldbackUp, batch_lines, common_arguments, finished, one_engine, upload, wait_idle,
+                            warm_up, write_out)
 from bench.real_engine_traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import percentile, quantile_interval
 
@@ -164,38 +159,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--window must be at least 60 (the Batch API's shortest completion window) and --seconds at least "
                 "the window (realtime runs throughout)")
     args.warm_up = True
-    pin = args.engine == "vllm" and not args.unpinned
-    tmp = Path(tempfile.mkdtemp(prefix="hb-starvation-"))
-    children = Children()
     runs: list[ArmRun] = []
-    try:
-        engine, model = start_the_engine(p, args, children, tmp)
-        warm = batch_lines(args.seed + 1, args.slots * 8, args.tokens, model)
+    with one_engine(p, args, "hb-starvation-") as engine:
+        warm = batch_lines(args.seed + 1, args.slots * 8, args.tokens, engine.model)
         if args.lines is None:
-            per_line = asyncio.run(line_seconds(engine, warm, args.slots))
+            per_line = asyncio.run(line_seconds(engine.url, warm, args.slots))
             args.lines = max(1, math.ceil(0.1 * args.slots * args.window / per_line))
             print(f"a line takes {per_line:.2f} s alone: {args.lines} lines need a tenth of the capacity", flush=True)
-        lines = batch_lines(args.seed, args.lines, args.tokens, model)
+        lines = batch_lines(args.seed, args.lines, args.tokens, engine.model)
         for arm in arms:
-            wait_idle(engine)
-            up = HoldbackUp(engine, tmp, arm, pin, NO_FLOOR if arm == "no-floor" else None)
-            try:
+            wait_idle(engine.url)
+            with HoldbackUp(engine.url, engine.tmp, arm, engine.pin, NO_FLOOR if arm == "no-floor" else None,
+                            args.out / "logs" / arm if args.out else None) as up:
                 run = asyncio.run(one_arm(arm, up, warm, lines, args))
-            finally:
-                up.stop(args.out / "logs" / arm if args.out else None)
             runs.append(run)
             print(report([r for r in runs if r.arm == "realtime-alone"] + [run] if arm != "realtime-alone"
                          else [run], args).splitlines()[-1], flush=True)
-    finally:
-        children.close()
-        shutil.rmtree(tmp, ignore_errors=True)
     text = report(runs, args)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "raw.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
-                                                      "runs": [asdict(r) for r in runs]}, indent=1, default=str))
-        (args.out / "summary.md").write_text(text + "\n")
+    write_out(args, text, {"runs": [asdict(r) for r in runs]})
     return 0
 
 
