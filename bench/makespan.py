@@ -209,6 +209,12 @@ async def upload(api: httpx.AsyncClient, lines: list[dict]) -> str:
     return file["id"]
 
 
+async def create_batch(api: httpx.AsyncClient, file_id: str, window: str = "24h") -> dict:
+    """`POST /v1/batches` over an uploaded file of completions."""
+    return (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                "completion_window": window})).raise_for_status().json()
+
+
 async def finished(api: httpx.AsyncClient, batch: dict, start: float, args: argparse.Namespace, log: Path) -> dict:
     while batch["status"] not in TERMINAL:
         if time.monotonic() - start > args.timeout:
@@ -223,8 +229,7 @@ async def warm_up(up: HoldbackUp, lines: list[dict], args: argparse.Namespace) -
     engine's slots in its first seconds with more requests than slots. Returns the slots it knows then."""
     async with httpx.AsyncClient(base_url=up.api, headers=up.tenant, timeout=60) as api:
         file_id = await upload(api, [{**body, "max_tokens": 128} for body in lines[:8 * args.slots]])
-        batch = (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                     "completion_window": "24h"})).raise_for_status().json()
+        batch = await create_batch(api, file_id)
         await finished(api, batch, time.monotonic(), args, up.log)
     state = httpx.get(up.gateway + "/admin/state", headers=up.admin, timeout=30).json()
     replicas = state.get("replicas") or [r for pool in state.get("pools", {}).values() for r in pool["replicas"]]
@@ -246,8 +251,7 @@ async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: arg
             rt = asyncio.create_task(realtime(session, up.gateway, up.realtime, lines[0]["model"], args.rate,
                                               args.seed + group, done, run))
             start, posted = time.monotonic(), time.time()
-            batch = (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                         "completion_window": "24h"})).raise_for_status().json()
+            batch = await create_batch(api, file_id)
             batch = await finished(api, batch, start, args, up.log)
             run.makespan, seen = time.monotonic() - start, time.time()
             done.set()

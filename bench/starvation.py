@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 import httpx
 
-from bench.makespan import (HoldbackUp, batch_lines, common_arguments, finished, one_engine, upload, wait_idle,
+from bench.makespan import (HoldbackUp, batch_lines, common_arguments, create_batch, finished, one_engine, upload, wait_idle,
                             warm_up, write_out)
 from bench.real_engine_traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import percentile, quantile_interval
@@ -90,8 +90,7 @@ async def one_arm(arm: str, up: HoldbackUp, warm: list[dict], lines: list[dict],
         async with httpx.AsyncClient(base_url=up.api, headers=up.tenant, timeout=60) as api:
             file_id = await upload(api, lines)
             start = time.monotonic()
-            batch = (await api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                         "completion_window": window})).raise_for_status().json()
+            batch = await create_batch(api, file_id, window)
             if arm == "not-at-risk":
                 await rt  # its window never closes in this arm: read where it got when realtime ended
                 batch = (await api.get(f"/v1/batches/{batch['id']}")).raise_for_status().json()
