@@ -48,8 +48,8 @@ import yaml
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, free_port_block, wait_http
 from bench.lib.traffic import schedule
-from bench.real_engine_study import ENGINE_CPU, RELAY_CPU, engine_paths, pinned, start_engine
-from bench.real_engine_traffic import BROKEN, Streamed, prompt, stream
+from bench.real_engine.study import ENGINE_CPU, RELAY_CPU, engine_paths, pinned, start_engine
+from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import bootstrap_median, percentile, verdict
 
 ARMS = ("vllm-priority", "holdback")

@@ -35,7 +35,7 @@ import httpx
 
 from bench.makespan import (HoldbackUp, batch_lines, common_arguments, create_batch, finished, one_engine, upload,
                             wait_idle, warm_up, write_out)
-from bench.real_engine_traffic import BROKEN, Streamed, prompt, stream
+from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import percentile, quantile_interval
 
 ARMS = ("realtime-alone", "floor", "no-floor", "not-at-risk")

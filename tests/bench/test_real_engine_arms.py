@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.real_engine_study import BASE_CONFIG, CALLERS, SLOTS, arms
+from bench.real_engine.study import BASE_CONFIG, CALLERS, SLOTS, arms
 from gateway.config import parse_config
 
 
@@ -15,8 +15,8 @@ def test_each_gateway_arm_parses(arm):
 def test_the_cores_each_process_used_are_summarised_per_arm_and_reported():
     """Each run's cores by role (the load, the gateway, vLLM's API server and engine) become the arm's medians over
     its runs, and the report's table lists every role, a role a run lacks counted as 0."""
-    from bench.real_engine_traffic import Record
-    from bench.report.real_engine import cpu_table, summarise
+    from bench.real_engine.traffic import Record
+    from bench.real_engine.report import cpu_table, summarise
 
     arm_list = [a for a in arms(SLOTS) if a.name in ("realtime-only", "vllm-priority", "shipped-default")]
 
@@ -48,7 +48,7 @@ def test_the_study_s_processes_are_told_apart_by_their_command_lines():
 
     import psutil
 
-    from bench.real_engine_study import cpu_role
+    from bench.real_engine.study import cpu_role
 
     assert cpu_role(psutil.Process()) == "load"
     wait = "import sys; sys.stdin.read()"
@@ -71,7 +71,7 @@ def test_the_study_s_processes_are_told_apart_by_their_command_lines():
 
 def test_the_scrape_cost_bench_asks_vllm_for_the_series_the_gateway_scrapes():
     """The bench spells the gateway's query itself (a benchmark uses public interfaces only): it must not drift."""
-    from bench.real_engine_scrape_cost import FILTERED, SERIES
+    from bench.real_engine.scrape_cost import FILTERED, SERIES
     from gateway.replicas import FILTERED_METRICS, GAUGES
 
     assert set(SERIES) == {*GAUGES, "vllm:cache_config_info"}
@@ -81,7 +81,7 @@ def test_the_scrape_cost_bench_asks_vllm_for_the_series_the_gateway_scrapes():
 def test_the_simulator_s_fidelity_is_decided_only_when_its_interval_is():
     """sim ÷ engine per ratio, with an interval from resampling each side's groups: within 15% only when the whole
     interval is, outside only when none of it is; groups that spread wider than that leave it undecided."""
-    from bench.report.real_engine import fidelity
+    from bench.real_engine.report import fidelity
 
     def arm(p95: list[float], done: list[float]) -> dict:
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 - odd counts only here
@@ -109,8 +109,8 @@ def test_a_study_s_report_is_recomputed_from_its_raw_records(tmp_path):
     import json
     from dataclasses import asdict
 
-    from bench.real_engine_study import main
-    from bench.real_engine_traffic import Record
+    from bench.real_engine.study import main
+    from bench.real_engine.traffic import Record
 
     records = []
     for engine, rounds in (("vllm", 3), ("sim", 2)):
@@ -139,7 +139,7 @@ def test_a_study_s_report_is_recomputed_from_its_raw_records(tmp_path):
 
 
 def test_report_mode_says_what_it_needs_when_the_run_is_not_there(tmp_path, capsys):
-    from bench.real_engine_study import main
+    from bench.real_engine.study import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--report", str(tmp_path)])

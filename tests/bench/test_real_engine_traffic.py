@@ -11,7 +11,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from bench import real_engine_traffic as traffic
+from bench.real_engine import traffic
 
 
 class Clock:

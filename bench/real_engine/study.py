@@ -23,10 +23,10 @@ just before or after it: the engine's speed on a shared machine drifts by a fift
 taken only between runs that met the same machine. A group's ratios are its arm's realtime p95 ÷ the group's
 realtime-alone p95 and its batch completions (and tokens) ÷ the group's vLLM-priority ones; the report gives each
 ratio's median over the groups with a bootstrap interval, and the goals' verdicts. The traffic itself is
-bench/real_engine_traffic.py.
+bench/real_engine/traffic.py.
 
     python -m tests.real_vllm.engine_env ensure      # prints HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=...
-    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_study --rounds 3 \\
+    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine.study --rounds 3 \\
         --out docs/study/real-vllm
 """
 
@@ -52,9 +52,9 @@ import psutil
 from bench.lib.process_cpu import CpuSampler
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
-from bench.real_engine_traffic import Arm, Record, prompt, run_arm, stream
-from bench.report.real_engine import fidelity, markdown, summarise
-from bench.report.real_engine_plots import make_plots
+from bench.real_engine.plots import make_plots
+from bench.real_engine.report import fidelity, markdown, summarise
+from bench.real_engine.traffic import Arm, Record, prompt, run_arm, stream
 from bench.stats import percentile
 
 ENGINE_CPU, RELAY_CPU = 0, 1

@@ -1,7 +1,7 @@
 """What the gateway adds in front of one real vLLM replica: time to first token and output tokens per second.
 
 The engine (the real-engine tier's CPU build and tiny model) runs alone on CPU 0, the gateway and this load
-generator on CPU 1, as in bench/real_engine_study.py. Every round measures both targets in a seeded shuffled
+generator on CPU 1, as in bench/real_engine/study.py. Every round measures both targets in a seeded shuffled
 order and then in reverse (A B B A), so the machine's drift meets both alike:
 
 - time to first token: `--requests` streamed completions of 1 token, one at a time (no queueing anywhere); the
@@ -13,7 +13,7 @@ order and then in reverse (A B B A), so the machine's drift meets both alike:
 
 The report gives each figure's median over rounds with a bootstrap interval, and the verdict.
 
-    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_overhead --rounds 5
+    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine.overhead --rounds 5
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 import aiohttp
 
 from bench.lib.processes import Children
-from bench.real_engine_study import ENGINE_CPU, RELAY_CPU, engine_paths, pin_load, start_engine, start_gateway
-from bench.real_engine_traffic import Arm, counters_in, prompt, stream
+from bench.real_engine.study import ENGINE_CPU, RELAY_CPU, engine_paths, pin_load, start_engine, start_gateway
+from bench.real_engine.traffic import Arm, counters_in, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
 def gateway_arm(slots: int) -> Arm:

@@ -1,4 +1,4 @@
-"""The real-engine study's traffic (bench/real_engine_study.py): what an arm is, what one run of it records, and
+"""The real-engine study's traffic (bench/real_engine/study.py): what an arm is, what one run of it records, and
 the load itself: realtime arrivals (a burst, then Poisson) streamed for their first token, and batch loops
 that keep requests in flight and resume an evicted one from its prompt's and output's token ids, as the workers
 do."""
@@ -50,7 +50,7 @@ class Record:
     # The engine's steps within the window (vLLM's vllm:iteration_tokens_total count; None: not scraped): the
     # batch tokens per step compare arms in the engine's own time, whatever the machine's speed meanwhile.
     steps: float | None = None
-    # Cores each role used over the run, lead included (bench.real_engine_study.cpu_role: the load, the gateway,
+    # Cores each role used over the run, lead included (bench.real_engine.study.cpu_role: the load, the gateway,
     # vLLM's API server, its engine, the simulator).
     cpu: dict[str, float] = field(default_factory=dict)
 

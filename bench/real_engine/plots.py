@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.real_engine_traffic import Record
+from bench.real_engine.traffic import Record
 from bench.report.pyplot import pyplot
 
 ENGINE_COLOUR, SIM_COLOUR = "#3b6fb6", "#d07a2b"

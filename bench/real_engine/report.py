@@ -1,4 +1,4 @@
-"""The real-engine study's report (bench/real_engine_study.py): each arm's figures from the records, its tables in
+"""The real-engine study's report (bench/real_engine/study.py): each arm's figures from the records, its tables in
 Markdown, and how far the simulator's ratios are from the engine's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import statistics
 from dataclasses import asdict
 
-from bench.real_engine_traffic import Arm, Record
+from bench.real_engine.traffic import Arm, Record
 from bench.stats import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, bootstrap_median, central_95, percentile, verdict
 
 

@@ -24,7 +24,7 @@ the arms back to back in a shuffled order and the ratios are taken within the ro
 bootstrap intervals. Prompts are token ids (40 drawn at random from the tiny model's 817), so every arm sends
 the same tokens and a prompt's length is known without asking the engine.
 
-    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_resume_cost --rounds 5
+    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine.resume_cost --rounds 5
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Callable
 import aiohttp
 
 from bench.lib.processes import Children
-from bench.real_engine_study import CPU_BLOCK_TOKENS, SLOTS, engine_paths, pin_load, start_engine
-from bench.real_engine_traffic import Streamed, counters_in, stream
+from bench.real_engine.study import CPU_BLOCK_TOKENS, SLOTS, engine_paths, pin_load, start_engine
+from bench.real_engine.traffic import Streamed, counters_in, stream
 from bench.stats import bootstrap_median
 
 ARMS = ("steady", "split", "cut-1", "cut-block")

@@ -10,7 +10,7 @@ around each phase. The figures are the API server's CPU milliseconds per scrape 
 (filtered ÷ whole) per round, the medians over the rounds with 95% bootstrap intervals, the bytes on the wire, and
 what a scrape every 0.25 s (the gateway's default) takes of the engine's core each way.
 
-    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine_scrape_cost --rounds 5
+    HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine.scrape_cost --rounds 5
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import aiohttp
 import psutil
 
 from bench.lib.processes import Children
-from bench.real_engine_study import SLOTS, engine_paths, pin_load, start_engine
-from bench.real_engine_traffic import stream
+from bench.real_engine.study import SLOTS, engine_paths, pin_load, start_engine
+from bench.real_engine.traffic import stream
 from bench.stats import Estimate, bootstrap_median
 # The series the gateway reads (gateway/README.md, "The scrape"), asked of vLLM's prometheus_client mount as the
 # gateway asks: a benchmark speaks vLLM's and holdback's public interfaces only, so the query is spelled here.
