@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from holdback.contract import INFERENCE_PATHS
 from holdback.models import Batch, File
 
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 BATCH_OUTPUT_PURPOSE = "batch_output"
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 EXPIRES_AFTER_MIN = 3600
 EXPIRES_AFTER_MAX = 2_592_000  # 30 days
@@ -80,7 +80,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(description="A file uploaded with purpose=batch.")
-    endpoint: str = Field(description="One of " + ", ".join(BATCH_ENDPOINTS) + ".")
+    endpoint: str = Field(description="One of " + ", ".join(INFERENCE_PATHS) + ".")
     completion_window: str = Field(description="'24h', or as an extension a duration such as '1h', '30m', '2d'.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs; keys ≤64, values ≤512 chars.")
     output_expires_after: ExpiresAfter | None = Field(None, description="Expiry of the output and error files.")
@@ -88,8 +88,8 @@ class BatchCreate(BaseModel):
     @field_validator("endpoint")
     @classmethod
     def _known_endpoint(cls, value: str) -> str:
-        if value not in BATCH_ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}; got {value!r}.")
+        if value not in INFERENCE_PATHS:
+            raise ValueError(f"endpoint must be one of {', '.join(INFERENCE_PATHS)}; got {value!r}.")
         return value
 
     @field_validator("completion_window")

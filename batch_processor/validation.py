@@ -40,7 +40,7 @@ import orjson
 
 from batch_processor.served_models import KnownModels, ModelsUnavailable
 from holdback import strict_json
-from holdback.contract import GATEWAY_OWNED_FIELDS
+from holdback.contract import GATEWAY_OWNED_FIELDS, RESPONSES_ENDPOINT
 
 MAX_ERRORS = 100
 # Column widths in holdback.models: longer values could not be stored.
@@ -49,7 +49,6 @@ MAX_MODEL_CHARS = 256
 # Deepest nesting of arrays and objects a line may have: far beyond any chat or tool schema, well inside
 # what parsing and re-serialising can do without running out of stack.
 MAX_NESTING = 64
-RESPONSES = "/v1/responses"
 
 # A line's shape: digits → "9", "[" and "{" → "[", everything else → " ". orjson reads an integer exactly
 # unless it has 19 digits or more (the longest exact one has 20, the shortest inexact one 19).
@@ -100,7 +99,7 @@ def _responses_problem(body: dict) -> tuple[str, str, str] | None:
 
 
 # The endpoints whose bodies are checked beyond `model`, `stream` and the gateway's fields.
-_BODY_CHECKS = {RESPONSES: _responses_problem}
+_BODY_CHECKS = {RESPONSES_ENDPOINT.path: _responses_problem}
 
 
 class InputValidator:

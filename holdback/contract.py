@@ -1,5 +1,6 @@
-"""Every name two holdback processes must agree on, spelled once: HTTP headers, objective names, drop
-reasons, Redis queue/channel/key names (all under `HOLDBACK_REDIS_NAMESPACE`) and the RQ job function path.
+"""Every name two holdback processes must agree on, spelled once: HTTP headers, the inference endpoints and
+their traits, objective names, drop reasons, Redis queue/channel/key names (all under `HOLDBACK_REDIS_NAMESPACE`)
+and the RQ job function path.
 
 Pure constants and tiny pure functions with no imports of ours, so the gateway and the simulator can use it
 without pulling in the database or Redis clients.
@@ -8,6 +9,7 @@ without pulling in the database or Redis clients.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 # --- HTTP headers: worker → gateway → replica --------------------------------------------------------------
 
@@ -42,6 +44,47 @@ REPLICA_HEADERS = (REPLICA_HEADER, SIM_REPLICA_HEADER, "x-gateway-destination-en
 PRIORITY_FIELD = "priority"
 CACHE_SALT_FIELD = "cache_salt"
 GATEWAY_OWNED_FIELDS = (PRIORITY_FIELD, CACHE_SALT_FIELD)
+
+# --- inference endpoints: what each path is to every process that handles it --------------------------------
+
+
+@dataclass(frozen=True)
+class InferenceEndpoint:
+    """One OpenAI-compatible inference path, with the traits the processes that handle it act on."""
+
+    path: str
+    # It generates output tokens: vLLM serves it with `--runner generate` (else with `--runner pooling`, as
+    # embeddings: no output, no output limit).
+    generates: bool
+    # It reaches vLLM's prefix cache, so it takes a `cache_salt`: the gateway sets the caller's scope on it.
+    salted: bool
+    # A cut stream of it can continue from its partial output (holdback.attempts.resume).
+    resumable: bool
+    # Its body is not a chat, but vLLM renders it to one (Responses: instructions and input), so its prompt is
+    # counted as that chat.
+    rendered_as_chat: bool
+    # The body fields that cap its output, in vLLM's order of precedence (the first one set counts).
+    limit_params: tuple[str, ...]
+
+
+CHAT_ENDPOINT = InferenceEndpoint("/v1/chat/completions", generates=True, salted=True, resumable=True,
+                                  rendered_as_chat=False, limit_params=("max_completion_tokens", "max_tokens"))
+COMPLETIONS_ENDPOINT = InferenceEndpoint("/v1/completions", generates=True, salted=True, resumable=True,
+                                         rendered_as_chat=False, limit_params=("max_tokens",))
+EMBEDDINGS_ENDPOINT = InferenceEndpoint("/v1/embeddings", generates=False, salted=True, resumable=False,
+                                        rendered_as_chat=False, limit_params=())
+RESPONSES_ENDPOINT = InferenceEndpoint("/v1/responses", generates=True, salted=True, resumable=False,
+                                       rendered_as_chat=True, limit_params=("max_output_tokens",))
+# Every inference path, each served by the gateway and accepted as a batch's endpoint, in this order.
+INFERENCE_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT)
+INFERENCE_PATHS = tuple(e.path for e in INFERENCE_ENDPOINTS)
+_BY_PATH = {e.path: e for e in INFERENCE_ENDPOINTS}
+
+
+def inference_endpoint(path: str) -> InferenceEndpoint | None:
+    """The endpoint at `path`, or None when it is not an inference path."""
+    return _BY_PATH.get(path)
+
 
 # --- objectives (the gateway maps each to a priority) ------------------------------------------------------
 

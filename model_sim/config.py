@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from holdback.contract import InferenceEndpoint
 from model_sim.faults import FaultSettings
 from model_sim.generation import OutputLengthMode
 from model_sim.request_queue import SchedulingPolicy
@@ -54,6 +55,9 @@ class Runner(str, enum.Enum):
     @property
     def pools(self) -> bool:
         return self is not Runner.GENERATE
+
+    def serves(self, endpoint: InferenceEndpoint) -> bool:
+        return self.generates if endpoint.generates else self.pools
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from holdback import tracing
-from holdback.contract import REQUEST_ID_HEADER, SIM_REPLICA_HEADER
+from holdback.contract import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, INFERENCE_ENDPOINTS,
+                               REQUEST_ID_HEADER, RESPONSES_ENDPOINT, SIM_REPLICA_HEADER)
 from holdback.logs import log_event
 from model_sim import protocol
 from model_sim.engine import RequestRejected, RequestStream
@@ -55,12 +56,11 @@ def build_app(replica: "Replica") -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[REPLICA_KEY] = replica
     routes = Routes(replica)
-    if replica.config.runner.generates:
-        app.router.add_post("/v1/chat/completions", routes.chat_completions)
-        app.router.add_post("/v1/completions", routes.completions)
-        app.router.add_post("/v1/responses", routes.responses)
-    if replica.config.runner.pools:
-        app.router.add_post("/v1/embeddings", routes.embeddings)
+    inference = {CHAT_ENDPOINT: routes.chat_completions, COMPLETIONS_ENDPOINT: routes.completions,
+                 EMBEDDINGS_ENDPOINT: routes.embeddings, RESPONSES_ENDPOINT: routes.responses}
+    for endpoint in INFERENCE_ENDPOINTS:
+        if replica.config.runner.serves(endpoint):
+            app.router.add_post(endpoint.path, inference[endpoint])
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)

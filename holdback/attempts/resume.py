@@ -21,15 +21,12 @@ from typing import TYPE_CHECKING
 
 from holdback.attempts.outcomes import Reply
 from holdback.attempts.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
-from holdback.contract import RESUMABLE_HEADER
+from holdback.contract import COMPLETIONS_ENDPOINT, RESUMABLE_HEADER, inference_endpoint
 from holdback.results import AttemptFigures
 
 if TYPE_CHECKING:  # the open attempt's module reads a carryover from the database: it imports this one
     from holdback.attempts.transactions import OpenAttempt
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-_LIMITS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens")}
 # Streaming features whose deltas the assembler does not rebuild: such requests restart.
 _CHAT_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format", "audio", "prediction")
 # vLLM's per-chunk ids and rendered prompt, which the assembled body leaves out: a caller who asks for them gets
@@ -41,11 +38,12 @@ REPLACEMENT_CHARACTER = "\ufffd"
 
 def resumable(url: str, body: dict) -> bool:
     """Can this request continue from its partial output with the same final text?"""
-    if url not in _LIMITS or body.get("stream") or (body.get("n") or 1) != 1:
+    endpoint = inference_endpoint(url)
+    if endpoint is None or not endpoint.resumable or body.get("stream") or (body.get("n") or 1) != 1:
         return False
     if any(body.get(k) for k in _STREAM_METADATA):
         return False
-    if url == COMPLETIONS:
+    if url == COMPLETIONS_ENDPOINT.path:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -103,14 +101,14 @@ def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool, strea
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if stream_interval > 1:
         body.setdefault("stream_interval", stream_interval)
-    if attempt.url == COMPLETIONS:
+    if attempt.url == COMPLETIONS_ENDPOINT.path:
         body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
     return SendPlan(True, resumed, json.dumps(body).encode(), point if resumed else carryover)
 
 
 def _resume_point(url: str, body: dict, carryover: Carryover) -> Carryover | None:
     """What a resume continues; None when the request should restart instead."""
-    if url == COMPLETIONS and carryover.context_ids and _text_keeps_up_with_ids(body):
+    if url == COMPLETIONS_ENDPOINT.path and carryover.context_ids and _text_keeps_up_with_ids(body):
         return carryover
     # Resuming by text tokenizes the kept text again. A trailing U+FFFD is a character whose bytes were cut
     # (or were never valid UTF-8): tokenized again it is the replacement character itself, not the bytes the
@@ -136,14 +134,14 @@ def _text_keeps_up_with_ids(body: dict) -> bool:
 
 def _continue(url: str, body: dict, carryover: Carryover) -> bool:
     """Rewrite `body` to continue `carryover.text`; False (body untouched) when the limits are used up."""
-    limits = {k: body[k] for k in _LIMITS[url] if isinstance(body.get(k), int)}
+    limits = {k: body[k] for k in inference_endpoint(url).limit_params if isinstance(body.get(k), int)}
     if any(v - carryover.tokens < 1 for v in limits.values()):
         return False  # the cut stream had produced everything: nothing to continue, so restart
     for k, v in limits.items():
         body[k] = v - carryover.tokens
     if isinstance(body.get("min_tokens"), int):
         body["min_tokens"] = max(0, body["min_tokens"] - carryover.tokens)
-    if url == COMPLETIONS:
+    if url == COMPLETIONS_ENDPOINT.path:
         if carryover.context_ids:
             # vLLM takes a list of ints as the prompt's token ids. Those ids are the prompt as it was already
             # truncated, so truncating them again would cut into the prompt a second time.

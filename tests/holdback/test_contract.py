@@ -73,3 +73,14 @@ def test_every_redis_name_lives_under_the_namespace():
              contract.worker_name(ns, "host", 1)]
     assert all(n.startswith(ns) for n in names) and len(set(names)) == len(names)
     assert contract.requests_queue_name(ns).startswith(contract.queue_name_prefix(ns))
+
+
+def test_the_inference_endpoints_are_one_table_looked_up_by_path():
+    assert len(set(contract.INFERENCE_PATHS)) == len(contract.INFERENCE_ENDPOINTS)
+    for endpoint in contract.INFERENCE_ENDPOINTS:
+        assert contract.inference_endpoint(endpoint.path) is endpoint
+        # What generates has an output limit to read; what does not (embeddings) has none.
+        assert bool(endpoint.limit_params) is endpoint.generates
+    assert contract.inference_endpoint("/v1/models") is None
+    assert [e.path for e in contract.INFERENCE_ENDPOINTS if e.resumable] == ["/v1/chat/completions",
+                                                                            "/v1/completions"]
