@@ -33,7 +33,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -45,7 +44,7 @@ import aiohttp
 import httpx
 import yaml
 
-from bench.lib.processes import Children, holdback
+from bench.lib.processes import Children, holdback, stop_processes
 from bench.lib.readiness import free_port, free_port_block, wait_http
 from bench.lib.traffic import schedule
 from bench.real_engine.study import ENGINE_CPU, RELAY_CPU, engine_paths, pinned, start_engine
@@ -180,13 +179,7 @@ class HoldbackUp:
     def stop(self) -> None:
         """Stop it, its components' logs copied to `keep` first when given."""
         keep = self.keep
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_processes([self.proc], 60)
         if keep is not None and (self.data / "logs").is_dir():
             shutil.copytree(self.data / "logs", keep, dirs_exist_ok=True)
             shutil.copy(self.log, keep / "up.log")

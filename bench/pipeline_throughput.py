@@ -38,7 +38,6 @@ import os
 import resource
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ import redis
 from rq import Queue
 
 from bench.lib.process_cpu import CpuSampler
+from bench.lib.processes import stop_processes
 from bench.lib.readiness import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,26 +159,10 @@ class Bench:
                                        log="processor")
 
     def stop(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_processes([proc], 20)
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM) if proc.args[0] == PY else proc.terminate()
-                except ProcessLookupError:
-                    continue
-        for proc in self.procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(reversed(self.procs), 20)
         if not self.args.keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lib.processes import stop_processes
 from bench.lib.readiness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,9 +281,8 @@ async def amain(args) -> int:
             results.append(result)
     finally:
         prober.close()
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
+        if proc is not None:
+            stop_processes([proc], 15)
     print(table(results))
     worst = max(max(abs(r.itl_ratio - 1), abs(r.ttft_ratio - 1)) for r in results)
     print(f"\nworst deviation from the model: {worst * 100:.1f}% (goal: within {args.tolerance * 100:.0f}%)")

@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.lib.processes import stop_processes
 from bench.lib.readiness import free_port, wait_http
 from bench.lib.s3_server import S3Server
 
@@ -177,13 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         down_digest.update(chunk)
             download_peak = down_sampler.peak
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_processes([proc], 30)
         _stop_embedded_redis(data_dir)
         if s3 is not None:
             s3.stop()

@@ -28,6 +28,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from bench.lib.hosts import HostNetwork
+from bench.lib.processes import stop_processes
 from bench.lib.readiness import Started, free_port, wait_http
 from bench.lib.s3_server import S3Server
 
@@ -193,15 +194,7 @@ class Cluster(Started):
     # -- shutdown -------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_processes(self.procs.values(), 30)
         if self.s3 is not None:
             self.s3.stop()
         self._drop_redis_keys()

@@ -1,5 +1,5 @@
 """Child processes of a benchmark: `holdback` commands (a simulator, a gateway) started from the repository in
-their own sessions, and stopped together (SIGTERM, then SIGKILL)."""
+their own sessions, and the one way bench stops a process: SIGTERM, a deadline, then SIGKILL."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from bench.lib.readiness import free_port, free_port_block, wait_http
@@ -26,14 +28,33 @@ class Children:
         return proc
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        stop_processes(reversed(self.procs), 10)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """Stop `procs` together: SIGTERM to each still running, a wait for all of them within one `timeout` (s), then
+    SIGKILL to what is left. A process that leads its own process group (started in a session of its own) is
+    signalled with its whole group, so what it started goes too."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
 
 
 def holdback(*args: str) -> list[str]:

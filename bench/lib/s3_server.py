@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import boto3
 from botocore.config import Config
 
+from bench.lib.processes import stop_processes
 from bench.lib.readiness import free_port, wait_http
 
 ACCESS_KEY = "holdback-test"
@@ -45,13 +46,8 @@ class S3Server:
         return server
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_processes([self.process], 10)
 
     def client(self):  # noqa: ANN201 - a boto3 S3 client
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.lib.processes import stop_processes
 from bench.lib.prometheus import parse_prometheus
 from bench.lib.readiness import Started, free_port_block, wait_http
 
@@ -157,19 +158,7 @@ class Stack(Started):
                     *self.spec.worker_args)
 
     def stop(self) -> None:
-        for name in reversed(list(self.procs)):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop_processes(reversed(list(self.procs.values())), 20)
         subprocess.run([sys.executable, "-c",
                         "import sys; from pathlib import Path; from holdback.broker import stop_embedded_redis; "
                         "stop_embedded_redis(Path(sys.argv[1]))", str(self.data_dir)],
