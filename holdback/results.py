@@ -23,14 +23,14 @@ from holdback.models import REQUEST_TERMINAL_VALUES, Attempt, Batch, RequestRow,
 
 
 @dataclass(frozen=True)
-class Usage:
+class TokenUsage:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
 
     @classmethod
-    def from_body(cls, body: dict | None) -> "Usage":
+    def from_body(cls, body: dict | None) -> "TokenUsage":
         """Read an OpenAI response's `usage`: chat, completions and embeddings (`prompt_tokens`,
         `prompt_tokens_details`, ...) or /v1/responses (`input_tokens`, `input_tokens_details`, ...)."""
         usage = (body or {}).get("usage") or {}
@@ -53,7 +53,7 @@ class FinalResult:
     response_body: dict | str | None = None
     error_code: str | None = None
     error_message: str | None = None
-    usage: Usage = Usage()
+    usage: TokenUsage = TokenUsage()
 
 
 _attempts = Attempt.__table__
@@ -81,7 +81,7 @@ def end_attempt(
     replica: str | None = None,
     drop_reason: str | None = None,
     evicted: bool = False,
-    usage: Usage = Usage(),
+    usage: TokenUsage = TokenUsage(),
     error: str | None = None,
     figures: AttemptFigures | None = None,
 ) -> None:

@@ -35,7 +35,9 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Usage:
+class TenantLoad:
+    """What a tenant holds against its `Limits`."""
+
     open_batches: int
     enqueued_requests: int
     enqueued_tokens: int
@@ -57,7 +59,7 @@ def limits_for(settings, tenant_name: str) -> Limits:  # noqa: ANN001 (holdback.
                     for f in ("open_batches", "enqueued_requests", "enqueued_tokens")))
 
 
-def usage(session: Session, tenant_id: str, *, excluding: str | None = None) -> Usage:
+def usage(session: Session, tenant_id: str, *, excluding: str | None = None) -> TenantLoad:
     """The tenant's open batches and their unfinished requests and estimated tokens (`excluding` one batch)."""
     remaining = Batch.total - Batch.completed - Batch.failed
     tokens = case((Batch.total > 0, File.bytes * remaining / Batch.total), else_=File.bytes) / BYTES_PER_TOKEN
@@ -67,14 +69,14 @@ def usage(session: Session, tenant_id: str, *, excluding: str | None = None) -> 
     if excluding is not None:
         q = q.where(Batch.id != excluding)
     count, requests, estimated = session.execute(q).one()
-    return Usage(int(count), int(requests), int(estimated))
+    return TenantLoad(int(count), int(requests), int(estimated))
 
 
 def tenant_name(session: Session, tenant_id: str) -> str:
     return session.scalar(select(Tenant.name).where(Tenant.id == tenant_id)) or tenant_id
 
 
-def refuse_new_batch(limits: Limits, used: Usage, tenant: str) -> Refusal | None:
+def refuse_new_batch(limits: Limits, used: TenantLoad, tenant: str) -> Refusal | None:
     """A batch about to be created: refused when the tenant already has its limit of open batches."""
     if limits.open_batches and used.open_batches >= limits.open_batches:
         return Refusal("batch_limit_exceeded", f"Tenant {tenant!r} has {used.open_batches} open batches, its limit "
@@ -83,7 +85,7 @@ def refuse_new_batch(limits: Limits, used: Usage, tenant: str) -> Refusal | None
     return None
 
 
-def refuse_expansion(limits: Limits, used: Usage, tenant: str, requests: int, input_bytes: int) -> Refusal | None:
+def refuse_expansion(limits: Limits, used: TenantLoad, tenant: str, requests: int, input_bytes: int) -> Refusal | None:
     """A validated batch of `requests` lines from `input_bytes` of input, about to be queued."""
     if limits.enqueued_requests and used.enqueued_requests + requests > limits.enqueued_requests:
         return Refusal("request_limit_exceeded", f"Enqueued request limit reached for tenant {tenant!r}: "

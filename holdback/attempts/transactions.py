@@ -33,7 +33,7 @@ from holdback.models import (
     RequestRow,
     RequestStatus,
 )
-from holdback.results import AttemptFigures, FinalResult, Usage, end_attempt, record_final, schedule_retry
+from holdback.results import AttemptFigures, FinalResult, TokenUsage, end_attempt, record_final, schedule_retry
 
 # --- the attempt's first transaction --------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class Recorded:
     final_status: RequestStatus | None = None  # set when disposition is final
     wake_at: float | None = None  # when the job should run again (retry, closing)
     delay: float | None = None  # the backoff chosen (retry)
-    usage: Usage = Usage()
+    usage: TokenUsage = TokenUsage()
     reason: str | None = None  # why the row failed (final failed): what RQ's failed job shows
 
 
@@ -212,7 +212,7 @@ def record_outcome(
     outcome = classify(reply.status, reply.headers, now=now, unreachable=reply.unreachable,
                        cut_after_output=reply.cut_after_output)
     body: dict | str | None = None
-    usage = Usage()
+    usage = TokenUsage()
     error = reply.error
     if reply.body:
         try:
@@ -225,7 +225,7 @@ def record_outcome(
             outcome = ReplyClass(AttemptOutcome.transport_error, reply.status)
             error = "truncated or invalid response body from a 2xx answer"
         else:
-            usage = Usage.from_body(body)
+            usage = TokenUsage.from_body(body)
 
     end_attempt(
         session, attempt.attempt_id, outcome.kind.value, status_code=outcome.status, replica=reply.replica,
@@ -258,7 +258,7 @@ def record_outcome(
 
 
 def _final(session: Session, attempt: OpenAttempt, outcome: ReplyClass, result: FinalResult,
-           usage: Usage = Usage()) -> Recorded:
+           usage: TokenUsage = TokenUsage()) -> Recorded:
     if record_final(session, attempt.request_id, result):
         return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
                         reason=None if result.status is RequestStatus.succeeded else failure_reason(result))

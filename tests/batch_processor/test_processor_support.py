@@ -20,7 +20,7 @@ from batch_processor.processor import Processor, ProcessorConfig
 from holdback.attempts.transactions import begin_attempt
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, File, RequestRow, RequestStatus, new_id
-from holdback.results import FinalResult, Usage, record_final
+from holdback.results import FinalResult, TokenUsage, record_final
 from holdback.storage import open_file_store
 from holdback.tenancy import get_or_create_tenant
 
@@ -110,7 +110,7 @@ class Harness:
             begin_attempt(s, row_id, "test-worker")
             body = {"id": "x", "choices": [{"message": {"content": content}}],
                     "usage": {"prompt_tokens": 5, "completion_tokens": tokens}}
-            assert record_final(s, row_id, FinalResult(RequestStatus.succeeded, 200, body, usage=Usage(5, tokens)))
+            assert record_final(s, row_id, FinalResult(RequestStatus.succeeded, 200, body, usage=TokenUsage(5, tokens)))
 
     def fail(self, row_id: str, status: int = 400) -> None:
         self.take_job(row_id)

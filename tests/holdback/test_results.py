@@ -7,7 +7,7 @@ from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, RequestRow, RequestStatus, Tenant
 from holdback.results import (
     FinalResult,
-    Usage,
+    TokenUsage,
     close_unfinished,
     count_unfinished,
     deferred_batch_counts,
@@ -34,7 +34,7 @@ def _batch_with_rows(factory, n, tenant="t1"):
 
 def _ok(tokens=3):
     return FinalResult(RequestStatus.succeeded, 200, {"usage": {"prompt_tokens": 5, "completion_tokens": tokens}},
-                       usage=Usage(5, tokens))
+                       usage=TokenUsage(5, tokens))
 
 
 def test_second_final_result_is_a_counted_noop(backend):
@@ -127,6 +127,7 @@ def test_usage_reads_the_token_details_of_chat_and_of_responses_bodies():
                       "completion_tokens_details": {"reasoning_tokens": 4}}}
     responses = {"usage": {"input_tokens": 40, "output_tokens": 9, "input_tokens_details": {"cached_tokens": 32},
                            "output_tokens_details": {"reasoning_tokens": 4}}}
-    assert Usage.from_body(chat) == Usage.from_body(responses) == Usage(40, 9, 32, 4)
-    assert Usage.from_body({"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}) == Usage(3, 0, 0, 0)
-    assert Usage.from_body(None) == Usage()
+    assert TokenUsage.from_body(chat) == TokenUsage.from_body(responses) == TokenUsage(40, 9, 32, 4)
+    no_details = {"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}
+    assert TokenUsage.from_body(no_details) == TokenUsage(3, 0, 0, 0)
+    assert TokenUsage.from_body(None) == TokenUsage()
