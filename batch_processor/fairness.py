@@ -37,7 +37,7 @@ def tenant_window(cap: int, tenants: int, capacity: int | None, rounds: float = 
     return min(cap, max(floor, math.ceil(rounds * capacity / tenants)))
 
 
-class RoundRobin:
+class RefillRoundRobin:
     """Remembers who went first, so the head of the queue rotates between tenants and batches."""
 
     def __init__(self, window: int, chunk: int = 16):

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import in_flight_elsewhere, take_due_retries, take_pending, window_counts
-from batch_processor.fairness import QUEUE_ROUNDS, BatchWindow, RoundRobin, jump_ahead, tenant_window
+from batch_processor.fairness import QUEUE_ROUNDS, BatchWindow, RefillRoundRobin, jump_ahead, tenant_window
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
 from batch_processor.handoff import Handoff, open_handoff
 from batch_processor.ingest import expand_batch, fail_batch
@@ -139,7 +139,7 @@ class Processor:
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
         self.risk = RiskMarks(self.factory, self.redis, settings.redis_namespace, self.metrics)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
-        self.fair = RoundRobin(self.config.window)
+        self.fair = RefillRoundRobin(self.config.window)
         self.step_errors = StepErrors(log)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")

@@ -7,7 +7,7 @@ import time
 from rq import Queue
 from sqlalchemy import select
 
-from batch_processor.fairness import BatchWindow, RoundRobin, tenant_window
+from batch_processor.fairness import BatchWindow, RefillRoundRobin, tenant_window
 from holdback.attempts.transactions import begin_attempt
 from holdback.contract import JOB_FUNCTION
 from holdback.db import transaction
@@ -24,7 +24,7 @@ def _statuses(harness: Harness, batch_id: str) -> dict[str, int]:
 
 
 def test_round_robin_interleaves_tenants_then_batches():
-    rr = RoundRobin(window=8, chunk=2)
+    rr = RefillRoundRobin(window=8, chunk=2)
     steps = rr.plan([BatchWindow("a1", "A", 0), BatchWindow("a2", "A", 0), BatchWindow("b1", "B", 7)])
     # The window is the tenant's: B has 1 row to go; A's two batches take turns within A's 8.
     assert steps == [("a1", 2), ("b1", 1), ("a2", 2), ("a1", 2), ("a2", 2)]
@@ -33,7 +33,7 @@ def test_round_robin_interleaves_tenants_then_batches():
 
 
 def test_a_tenant_gets_one_window_however_many_batches_it_splits_its_work_into():
-    rr = RoundRobin(window=12, chunk=4)
+    rr = RefillRoundRobin(window=12, chunk=4)
     batches = [BatchWindow(f"a{i}", "A", 0) for i in range(3)] + [BatchWindow("b1", "B", 0)]
     given: dict[str, int] = {}
     for batch_id, n in rr.plan(batches):
