@@ -50,7 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.migrate_on_start:
             await run_in_threadpool(upgrade, engine)
         context.redis = await run_in_threadpool(connect, settings)
-        sampler = asyncio.create_task(dashboard.Sampler(context).run(), name="dashboard-sampler")
+        sampler = asyncio.create_task(dashboard.DashboardSampler(context).run(), name="dashboard-sampler")
         log_event(
             log, "api.started", database=engine.url.render_as_string(hide_password=True),
             files=settings.files_url or str(settings.files_dir), migrated=settings.migrate_on_start,

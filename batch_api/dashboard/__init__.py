@@ -17,7 +17,7 @@ from starlette.staticfiles import StaticFiles
 from batch_api.dashboard import alerts, keys_page, usage_page
 from batch_api.dashboard.outcomes import OutcomeCollector
 from batch_api.dashboard.pages import router
-from batch_api.dashboard.sampler import Sampler
+from batch_api.dashboard.sampler import DashboardSampler
 
 router.include_router(keys_page.router)
 router.include_router(usage_page.router)
@@ -31,4 +31,4 @@ def static_files() -> StaticFiles:
     return StaticFiles(directory=STATIC_DIR)
 
 
-__all__ = ["router", "static_files", "Sampler", "OutcomeCollector"]
+__all__ = ["router", "static_files", "DashboardSampler", "OutcomeCollector"]

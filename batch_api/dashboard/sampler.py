@@ -103,7 +103,7 @@ def recent_samples(connection: redis.Redis, namespace: str, window: float = WIND
     return sorted(samples, key=lambda s: s.t)
 
 
-class Sampler:
+class DashboardSampler:
     """One per API process; `run()` is its background task."""
 
     def __init__(self, context: ApiContext, interval: float = INTERVAL):

@@ -20,7 +20,7 @@ from rq.worker import Worker
 from batch_api.app import create_app
 from batch_api.dashboard.charts import Series, line_chart, value_ticks
 from batch_api.dashboard.gateway_view import quantile, ttft_buckets
-from batch_api.dashboard.sampler import Sample, Sampler, next_sample, recent_samples, samples_key
+from batch_api.dashboard.sampler import DashboardSampler, Sample, next_sample, recent_samples, samples_key
 from batch_api.dashboard.session import SESSION_SECONDS, issue_session, session_valid
 from holdback.broker import is_paused
 from holdback.contract import requests_queue_name
@@ -251,7 +251,7 @@ def test_two_api_servers_share_one_history_one_sample_per_interval(backend):
     samplers = []
     for app in apps:
         app.state.context.redis = backend.redis()
-        samplers.append(Sampler(app.state.context, interval=3600.0))
+        samplers.append(DashboardSampler(app.state.context, interval=3600.0))
 
     async def both() -> list:
         async with httpx.AsyncClient() as client:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batch_api.dashboard.sampler import Sampler, next_sample, samples_key
+from batch_api.dashboard.sampler import DashboardSampler, next_sample, samples_key
 from holdback.broker import set_paused
 from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
@@ -341,12 +341,12 @@ def test_chart_ranges_and_the_history_of_kv_usage_and_queue_depth(api, backend):
     buckets = {"realtime": [(0.1, 3.0), (float("inf"), 4.0)]}
     quiet = backend.namespace + "-direct"  # the API server's own sampler writes to its namespace meanwhile
     for _ in range(3):
-        Sampler._record(connection, quiet, {"completed": 1, "failed": 0, "cancelled": 0}, buckets, {}, {})
+        DashboardSampler._record(connection, quiet, {"completed": 1, "failed": 0, "cancelled": 0}, buckets, {}, {})
     stored = [json.loads(raw) for raw in connection.lrange(samples_key(quiet), 0, -1)]
     assert len(stored) == 3 and stored[0]["ttft"] is not None, "the newest keeps the buckets to measure against"
     assert [s["ttft"] for s in stored[1:]] == [None, None], "history is kept without them"
     for _ in range(2):
-        Sampler._record(connection, backend.namespace, {"completed": 1, "failed": 0, "cancelled": 0}, None,
+        DashboardSampler._record(connection, backend.namespace, {"completed": 1, "failed": 0, "cancelled": 0}, None,
                         {"http://replica-a": 0.25}, {"queued": 7, "retrying": 1})
     client, _ = signed_in(api)
     hour = client.get("/dashboard/fragments/charts", params={"range": "1h", "show": "gateway"}).text
