@@ -19,7 +19,7 @@ MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class Part:
+class DataDirPart:
     name: str
     bytes: int
     files: int
@@ -41,29 +41,31 @@ def tree_size(path: Path) -> tuple[int, int]:
     return total, count
 
 
-def parts(settings: Settings) -> list[Part]:
+def parts(settings: Settings) -> list[DataDirPart]:
     """The parts of the data dir, in the order they usually grow, each with what bounds it."""
     data = settings.data_dir
-    found = [Part("logs/", *tree_size(data / "logs"),
-                  "grows without bound: each child of `holdback up` appends to its log; `holdback data trim-logs` cuts them")]
+    found = [DataDirPart("logs/", *tree_size(data / "logs"),
+                         "grows without bound: each child of `holdback up` appends to its log; "
+                         "`holdback data trim-logs` cuts them")]
     if settings.files_url is None:
         grace_days = settings.file_retention_grace_seconds / 86400
-        found.append(Part("files/", *tree_size(settings.files_dir),
-                          "bounded by retention: batch inputs and results expire after 30 days (or their expires_after); the "
-                          "processors delete expired bytes every minute (`holdback files gc` now), their rows "
-                          f"{grace_days:g} days later"))
+        found.append(DataDirPart("files/", *tree_size(settings.files_dir),
+                                 "bounded by retention: batch inputs and results expire after 30 days (or their "
+                                 "expires_after); the processors delete expired bytes every minute (`holdback files "
+                                 f"gc` now), their rows {grace_days:g} days later"))
     if settings.database_url is None:
         size = sum(tree_size(data / f"holdback.db{suffix}")[0] for suffix in ("", "-wal", "-shm"))
-        found.append(Part("holdback.db", size, 1 if size else 0,
-                          "grows without bound: every batch, request and attempt is kept for the API and the dashboard; "
-                          "to start afresh, stop `holdback up` and delete the data dir"))
+        found.append(DataDirPart("holdback.db", size, 1 if size else 0,
+                                 "grows without bound: every batch, request and attempt is kept for the API and the "
+                                 "dashboard; to start afresh, stop `holdback up` and delete the data dir"))
     if settings.redis_url is None:
-        found.append(Part("redis/", *tree_size(data / "redis"),
-                          "bounded by the queue: a request's job leaves it when the request ends (a failed one after 7 days)"))
+        found.append(DataDirPart("redis/", *tree_size(data / "redis"),
+                                 "bounded by the queue: a request's job leaves it when the request ends (a failed one "
+                                 "after 7 days)"))
     known = {p.name.rstrip("/") for p in found} | {"holdback.db-wal", "holdback.db-shm"}
     rest = [tree_size(p) for p in (data.iterdir() if data.is_dir() else []) if p.name not in known]
-    found.append(Part("other", sum(b for b, _ in rest), sum(n for _, n in rest),
-                      "the local keys and the lock of `holdback up`"))
+    found.append(DataDirPart("other", sum(b for b, _ in rest), sum(n for _, n in rest),
+                             "the local keys and the lock of `holdback up`"))
     return found
 
 

@@ -32,7 +32,7 @@ class SubmitError(Exception):
 
 
 @dataclass
-class Part:
+class EndpointPart:
     """The lines of one endpoint, and for each the line number it has in the input file."""
 
     endpoint: str
@@ -47,11 +47,11 @@ class Part:
         return self.line_numbers[line - 1]
 
 
-def read_parts(path: Path, model: str | None) -> list[Part]:
+def read_parts(path: Path, model: str | None) -> list[EndpointPart]:
     """Group the file's request lines by endpoint, refusing any line that cannot be grouped."""
     if not path.is_file():
         raise SubmitError(f"{path}: no such file; pass a JSONL file with one request per line, e.g.\n  {EXAMPLE_LINE}")
-    parts: dict[str, Part] = {}
+    parts: dict[str, EndpointPart] = {}
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
@@ -67,7 +67,7 @@ def read_parts(path: Path, model: str | None) -> list[Part]:
         if model is not None and isinstance(request.get("body"), dict):
             request["body"]["model"] = model
             raw = json.dumps(request).encode()
-        part = parts.setdefault(url, Part(url))
+        part = parts.setdefault(url, EndpointPart(url))
         part.lines.append(raw)
         part.line_numbers.append(number)
     if not parts:
@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace, parts: list[Part], api: BatchApi) -> int:
+def _run(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) -> int:
     if len(parts) > 1:
         print(f"{args.file} has lines for {len(parts)} endpoints; a batch has one, so this is "
               f"{len(parts)} batches: " + ", ".join(f"{p.endpoint} ({len(p.lines)})" for p in parts))
@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace, parts: list[Part], api: BatchApi) -> int:
     return 0 if clean else 1
 
 
-def _wait(args: argparse.Namespace, parts: list[Part], api: BatchApi) -> bool:
+def _wait(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) -> bool:
     """Poll every batch until each has ended (True) or --timeout passed (False)."""
     total = sum(len(p.lines) for p in parts)
     progress = Progress(total, "requests", every=max(5.0, args.poll_interval))
@@ -234,7 +234,7 @@ def _wait(args: argparse.Namespace, parts: list[Part], api: BatchApi) -> bool:
         progress.close()
 
 
-def _status_text(parts: list[Part]) -> str:
+def _status_text(parts: list[EndpointPart]) -> str:
     """`in_progress, 3 failed` for one batch; `2 in_progress, 1 completed, 3 failed` for several."""
     failed = sum(_counts(p.batch)["failed"] for p in parts)
     if len(parts) == 1:
@@ -250,7 +250,7 @@ def _counts(batch: dict) -> dict[str, int]:
     return {k: int(counts.get(k) or 0) for k in ("total", "completed", "failed")}
 
 
-def _report(args: argparse.Namespace, part: Part, api: BatchApi) -> bool:
+def _report(args: argparse.Namespace, part: EndpointPart, api: BatchApi) -> bool:
     """Download the batch's files and say what happened; True when every request succeeded."""
     batch, counts = part.batch, _counts(part.batch)
     print(f"\n{batch['id']} {batch['status']} ({part.endpoint}): {counts['completed']} completed, "
