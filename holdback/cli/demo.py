@@ -157,7 +157,9 @@ def histogram_quantile(q: float, before: dict[float, float], after: dict[float, 
     return None
 
 
-class GatewayView:
+class GatewayAdminClient:
+    """What the demo reads from the gateway with the admin key: its admin state and its metrics."""
+
     def __init__(self, url: str, admin_key: str):
         self.url = url
         self.headers = {"Authorization": f"Bearer {admin_key}"}
@@ -264,7 +266,7 @@ def _traffic(args: argparse.Namespace, targets: list[str], key: str | None, mode
     return RealtimeTraffic(targets, key, model, args.burst, args.realtime_rate, args.realtime_seconds)
 
 
-async def _measure(phase: Phase, gateway: GatewayView, http: httpx.AsyncClient) -> None:
+async def _measure(phase: Phase, gateway: GatewayAdminClient, http: httpx.AsyncClient) -> None:
     before = await gateway.buckets(http) if phase.through_gateway else {}
     await phase.traffic.run()
     if phase.through_gateway:
@@ -275,7 +277,7 @@ async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{args.api_url}/v1", api_key=keys["tenant"])
-    gateway = GatewayView(args.gateway_url, keys["admin"])
+    gateway = GatewayAdminClient(args.gateway_url, keys["admin"])
     async with httpx.AsyncClient() as http:
         models = (await http.get(f"{args.gateway_url}/v1/models", timeout=10,
                                  headers={"Authorization": f"Bearer {keys['realtime']}"})).json()
@@ -351,7 +353,8 @@ def _done(batch) -> int:  # noqa: ANN001
     return (counts.completed + counts.failed) if counts else 0
 
 
-async def _status(batch, phase: Phase | None, gateway: GatewayView, http: httpx.AsyncClient) -> str:  # noqa: ANN001
+async def _status(batch, phase: Phase | None, gateway: GatewayAdminClient,  # noqa: ANN001
+                  http: httpx.AsyncClient) -> str:
     failed = batch.request_counts.failed if batch.request_counts else 0
     evictions, why = await gateway.evictions(http)
     if phase is None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from holdback.cli.demo import GatewayView, RealtimeTraffic, _parser, histogram_quantile, quantile, ttft_buckets
+from holdback.cli.demo import GatewayAdminClient, RealtimeTraffic, _parser, histogram_quantile, quantile, ttft_buckets
 from holdback.settings import Settings
 
 
@@ -123,7 +123,7 @@ def test_evictions_read_zero_before_the_first_and_unknown_only_when_unreachable(
 
     async def read(transport):  # noqa: ANN001
         async with httpx.AsyncClient(transport=transport) as client:
-            return await GatewayView("http://gw", "admin").evictions(client)
+            return await GatewayAdminClient("http://gw", "admin").evictions(client)
 
     assert asyncio.run(read(httpx.MockTransport(state))) == (0, "")
     down = httpx.MockTransport(lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused")))
