@@ -34,7 +34,9 @@ def type_for_status(status: int) -> str:
         return "InternalServerError" if status >= 500 else "BadRequestError"
 
 
-class ApiError(Exception):
+class EnvelopeError(Exception):
+    """An answer in vLLM's error envelope: the status, the message, the field at fault and vLLM's type name."""
+
     def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status = status
@@ -43,7 +45,7 @@ class ApiError(Exception):
         self.error_type = error_type or type_for_status(status)
 
 
-class InvalidRequest(ApiError):
+class InvalidRequest(EnvelopeError):
     """400: the caller sent something this server cannot serve; the message says what to change."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -85,7 +87,7 @@ def json_response(body, status: int = 200, headers: dict[str, str] | None = None
                         headers=headers)
 
 
-def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(err: EnvelopeError, headers: dict[str, str] | None = None) -> web.Response:
     return json_response(error_body(err.status, err.message, err.error_type, err.param), err.status, headers)
 
 

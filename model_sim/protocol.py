@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from holdback.sim_tokenizer import (ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat,
                                     responses_messages)
-from model_sim.errors import ApiError, InvalidRequest, ValidationFailed, error_body, type_for_status
+from model_sim.errors import EnvelopeError, InvalidRequest, ValidationFailed, error_body, type_for_status
 
 
 # vLLM's VLLM_MAX_N_SEQUENCES default: the most choices one request may ask for.
@@ -57,7 +57,7 @@ def check_model(body: dict, served: str) -> None:
         return
     if not isinstance(model, str):
         raise InvalidRequest(f"\"model\" must be a string, got {model!r}.", "model")
-    raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
+    raise EnvelopeError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
 
 
 @dataclass(frozen=True)

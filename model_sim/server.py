@@ -27,7 +27,7 @@ from holdback.contract import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_E
 from holdback.logs import log_event
 from model_sim import protocol
 from model_sim.engine import RequestRejected, RequestStream
-from model_sim.errors import ApiError, BareError, InvalidRequest, bare_response, error_response, json_response
+from model_sim.errors import EnvelopeError, BareError, InvalidRequest, bare_response, error_response, json_response
 from model_sim.faults import FORCE_ERROR_HEADER
 from model_sim.generation import continuation_offset, output_text, output_token_text
 from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -99,7 +99,7 @@ async def _trace_middleware(request: web.Request, handler):
 async def _errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
-    except ApiError as err:
+    except EnvelopeError as err:
         headers = {"retry-after": "1"} if err.status in (429, 503) else None
         return error_response(err, headers)
     except BareError as err:
@@ -109,10 +109,10 @@ async def _errors_middleware(request: web.Request, handler):
             raise
         if exc.status in (404, 405):  # FastAPI's answers for an unknown route or method
             return bare_response(BareError(exc.status, {"detail": exc.reason}))
-        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
+        return error_response(EnvelopeError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
     except Exception:
         log_event(log, "unhandled_error", level=logging.ERROR, exc_info=True, method=request.method, path=request.path)
-        return error_response(ApiError(500, "Internal error in the simulator; see its log."))
+        return error_response(EnvelopeError(500, "Internal error in the simulator; see its log."))
 
 
 @web.middleware
@@ -170,7 +170,7 @@ class Routes:
             await asyncio.sleep(faults.delay_seconds)
         status = faults.choose(forced)
         if status is not None:
-            raise ApiError(status, _FAULT_MESSAGES.get(status, f"Injected fault: HTTP {status}."))
+            raise EnvelopeError(status, _FAULT_MESSAGES.get(status, f"Injected fault: HTTP {status}."))
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -250,9 +250,9 @@ class Routes:
             await streams[0].wait()
         failed = next((s.request.error for s in streams if s.request.error is not None), None)
         if failed is not None:
-            raise ApiError(500, failed)
+            raise EnvelopeError(500, failed)
         if any(s.request.status is RequestStatus.FINISHED_ABORTED for s in streams):
-            raise ApiError(503, "The request was aborted because the server is shutting down. Retry it.")
+            raise EnvelopeError(503, "The request was aborted because the server is shutting down. Retry it.")
 
     def _abort_unfinished(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -436,8 +436,9 @@ class Routes:
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "The simulator's /admin/faults needs its admin key: send "
-                           "`Authorization: Bearer KEY` (the key given by --admin-key).", error_type="authentication_error")
+            raise EnvelopeError(401, "The simulator's /admin/faults needs its admin key: send "
+                                "`Authorization: Bearer KEY` (the key given by --admin-key).",
+                                error_type="authentication_error")
 
     async def get_faults(self, request: web.Request) -> web.Response:
         self._check_admin(request)
