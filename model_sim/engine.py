@@ -67,7 +67,10 @@ class RequestStream:
         self._event.clear()
 
 
-class Engine:
+class EngineCore:
+    """The step loop, named after vLLM's own (v1 `EngineCore`): it owns the scheduler and runs its steps; the
+    handlers add and abort requests and wait on their streams."""
+
     def __init__(
         self,
         config: EngineConfig,

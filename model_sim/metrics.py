@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from model_sim.config import EngineConfig
-from model_sim.engine import Engine, StepResult
+from model_sim.engine import EngineCore, StepResult
 from model_sim.request import Request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -74,7 +74,7 @@ def cache_config_labels(cfg: EngineConfig) -> dict[str, str]:
 
 
 class _EngineStateCollector(Collector):
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: EngineCore, model_name: str):
         self.engine = engine
         self.model_name = model_name
         self.created = time.time()
@@ -172,7 +172,7 @@ class _EngineStateCollector(Collector):
 
 
 class ReplicaMetrics:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: EngineCore, model_name: str):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineStateCollector(engine, model_name))
         token_buckets = request_tokens_buckets(engine.config.max_model_len)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from holdback.sim_tokenizer import Tokenizer
 from model_sim.config import SimConfig
-from model_sim.engine import Engine
+from model_sim.engine import EngineCore
 from model_sim.faults import FaultInjector
 from model_sim.generation import OutputLengthSampler
 from model_sim.kv_usage import KvUsageHistory
@@ -33,7 +33,7 @@ class Replica:
         self.name = name if name is not None else str(index)
         seed = config.seed * 1000 + index
         self.tokenizer = Tokenizer()
-        self.engine = Engine(
+        self.engine = EngineCore(
             config.engine,
             config.timing,
             OutputLengthSampler(config.output_length_mode, seed),

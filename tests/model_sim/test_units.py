@@ -8,7 +8,7 @@ import random
 import pytest
 
 from model_sim.config import EngineConfig
-from model_sim.engine import Engine, RequestRejected
+from model_sim.engine import EngineCore, RequestRejected
 from model_sim.generation import OutputLengthMode, OutputLengthSampler, output_text
 from model_sim.request import RequestStatus
 from model_sim.timing import TimingModel
@@ -74,7 +74,7 @@ def test_output_lengths():
 
 
 def test_engine_refuses_requests_that_can_never_run():
-    engine = Engine(EngineConfig(num_blocks=4, block_size=16, max_model_len=1000), TimingModel.zero())
+    engine = EngineCore(EngineConfig(num_blocks=4, block_size=16, max_model_len=1000), TimingModel.zero())
     with pytest.raises(RequestRejected, match="could never run"):
         engine.add_request([1] * 10, max_tokens=60)
     engine.add_request([1] * 10, max_tokens=55)  # 64 tokens in KV at most: exactly 4 blocks
@@ -84,7 +84,7 @@ def test_engine_refuses_requests_that_can_never_run():
 
 def test_zero_latency_engine_still_yields_to_other_tasks():
     async def scenario() -> tuple[int, int]:
-        engine = Engine(EngineConfig(num_blocks=1024), TimingModel.zero())
+        engine = EngineCore(EngineConfig(num_blocks=1024), TimingModel.zero())
         engine.start()
         stream = engine.add_request([1, 2, 3], max_tokens=2000)
         ticks = 0
