@@ -16,7 +16,7 @@ import sys
 from model_sim.config import EngineConfig, Runner, SimConfig
 from model_sim.faults import FaultSettings
 from model_sim.generation import OutputLengthMode
-from model_sim.replica import Replica
+from model_sim.replica import SimReplica
 from model_sim.request_queue import SchedulingPolicy
 from model_sim.timing import TimingModel
 from holdback.env_flags import flags_from_env
@@ -170,10 +170,10 @@ async def serve(config: SimConfig, host: str, port: int, replicas: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    started: list[Replica] = []
+    started: list[SimReplica] = []
     try:
         for i in range(replicas):
-            replica = Replica(config, index=i)
+            replica = SimReplica(config, index=i)
             await replica.start(host, port + i)
             started.append(replica)
             log_event(log, "replica_started", replica=replica.name, model=config.model, url=f"http://{host}:{port + i}")

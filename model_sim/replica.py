@@ -25,7 +25,9 @@ from model_sim.server import build_app
 DEFAULT_HISTORY_SECONDS = 60.0
 
 
-class Replica:
+class SimReplica:
+    """One replica as vLLM's server is one: the engine, its metrics and faults, and the HTTP app over them."""
+
     def __init__(self, config: SimConfig, index: int = 0, name: str | None = None):
         config.validate()
         self.config = config

@@ -34,10 +34,10 @@ from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from model_sim.request import RequestStatus
 
 if TYPE_CHECKING:
-    from model_sim.replica import Replica
+    from model_sim.replica import SimReplica
 
 log = logging.getLogger("model_sim")
-REPLICA_KEY: web.AppKey["Replica"] = web.AppKey("replica")
+REPLICA_KEY: web.AppKey["SimReplica"] = web.AppKey("replica")
 # vLLM 0.32 reads a request's priority from this header before the body's `priority`.
 PRIORITY_HEADER = "X-Vllm-Priority"
 # The paths vLLM's AuthenticationMiddleware guards when --api-key is set.
@@ -50,7 +50,7 @@ _FAULT_MESSAGES = {
 }
 
 
-def build_app(replica: "Replica") -> web.Application:
+def build_app(replica: "SimReplica") -> web.Application:
     # The span middleware is outermost, so a span's status is the answer the caller got; absent when tracing is off.
     middlewares = ([_trace_middleware] if tracing.enabled() else []) + [_errors_middleware, _auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
@@ -142,7 +142,7 @@ def _response_id(prefix: str, request: web.Request) -> str:
 
 
 class Routes:
-    def __init__(self, replica: "Replica"):
+    def __init__(self, replica: "SimReplica"):
         self.replica = replica
         self.config = replica.config
         self.engine = replica.engine

@@ -17,7 +17,7 @@ import pytest
 
 from model_sim.config import EngineConfig, SimConfig
 from model_sim.faults import FaultSettings
-from model_sim.replica import Replica
+from model_sim.replica import SimReplica
 from model_sim.timing import TimingModel
 
 
@@ -27,8 +27,8 @@ class SimServer:
         self.thread = threading.Thread(target=self.loop.run_forever, name="sim-loop", daemon=True)
         self.thread.start()
 
-        async def start() -> tuple[Replica, int]:
-            replica = Replica(config)
+        async def start() -> tuple[SimReplica, int]:
+            replica = SimReplica(config)
             return replica, await replica.start("127.0.0.1", 0)
 
         self.replica, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
