@@ -13,7 +13,8 @@ import threading
 
 from holdback.logs import configure_json_logging, log_event
 from holdback.env_flags import flags_from_env
-from batch_processor.processor import Processor, ProcessorConfig, default_name, log
+from batch_processor.processor import Processor, log
+from batch_processor.processor_config import ProcessorConfig, default_name
 
 _DEFAULTS = ProcessorConfig()
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from sqlalchemy import Engine, delete, select
 
 from batch_processor.ingest import ROW_COLUMNS
-from batch_processor.processor import Processor, ProcessorConfig
+from batch_processor.processor import Processor
+from batch_processor.processor_config import ProcessorConfig
 from batch_processor.validation import InputValidator
 from holdback.broker import connect, stop_embedded_redis
 from holdback.db import make_engine, make_sessionmaker, transaction

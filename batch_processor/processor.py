@@ -10,8 +10,6 @@ before the next starts, so a processor can die anywhere and the next lease holde
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import in_flight_elsewhere, take_due_retries, take_pending, window_counts
-from batch_processor.fairness import QUEUE_ROUNDS, BatchWindow, RefillRoundRobin, jump_ahead, tenant_window
+from batch_processor.fairness import BatchWindow, RefillRoundRobin, jump_ahead, tenant_window
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
 from batch_processor.handoff import Handoff, open_handoff
 from batch_processor.ingest import expand_batch, fail_batch
@@ -32,6 +30,7 @@ from batch_processor.lease import ACTIVE_STATUSES, BatchLease
 from holdback import tracing
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
+from batch_processor.processor_config import ProcessorConfig
 from batch_processor.reconcile import reconcile
 from batch_processor.risk_marks import RiskMarks
 from batch_processor.step_errors import StepErrors, describe
@@ -49,47 +48,6 @@ from holdback.storage import FileStore, open_file_store
 log = logging.getLogger("batch_processor.processor")
 
 LIVENESS_SECONDS = 300.0  # /healthz fails when the main loop has not turned for this long
-
-
-def default_name() -> str:
-    return f"processor-{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class ProcessorConfig:
-    name: str = field(default_factory=default_name)
-    poll_interval: float = 0.2
-    window: int = 256  # most rows of one tenant in flight (queued + running + retry_wait)
-    queue_rounds: float = QUEUE_ROUNDS  # windows shrink so all tenants keep ~this × worker capacity in flight
-    dispatch: str = "async"  # async: RQ jobs for the workers; sync: this process calls the gateway
-    sync_concurrency: int = 64
-    lease_seconds: float = 30.0
-    claim_per_round: int = 16  # new batches claimed per round, so several processors share the work
-    max_batches: int = 1000  # most batches one processor holds
-    reconcile_interval: float = 5.0
-    reconcile_grace: float = 30.0  # a queued / due retry row with no job this long is handed off again
-    running_grace: float = 30.0  # a running row untouched this long with no live job is abandoned
-    backoff_base: float = 2.0  # the sync mode's retry pacing (holdback.attempts.RetryPolicy)
-    backoff_cap: float = 60.0
-    request_timeout: float = 600.0
-    # Seconds of a round's whole-batch steps (expand, cancel, expire, finalize) after which the rest wait for
-    # the next round, so one tenant's many large batches cannot hold up every other batch's dispatch; the
-    # steps are taken one tenant at a time in turn, and at least one goes each round.
-    round_work_seconds: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.dispatch not in ("async", "sync"):
-            raise ValueError(f"dispatch must be 'async' or 'sync', got {self.dispatch!r}")
-        if self.window < 1:
-            raise ValueError(f"window must be at least 1, got {self.window}")
-        if self.queue_rounds < 0:
-            raise ValueError(f"queue rounds must not be negative, got {self.queue_rounds}")
-        if self.round_work_seconds < 0:
-            raise ValueError(f"round work seconds must not be negative, got {self.round_work_seconds}")
-        if self.sync_concurrency < 1:
-            raise ValueError(f"sync concurrency must be at least 1, got {self.sync_concurrency}")
-        if self.poll_interval <= 0 or self.lease_seconds <= 3 * self.poll_interval:
-            raise ValueError("poll interval must be positive and the lease at least three poll intervals long")
 
 
 @dataclass

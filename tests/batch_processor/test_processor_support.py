@@ -16,7 +16,8 @@ from rq.job import Job
 from sqlalchemy import select
 
 from batch_processor.jobqueue import RequestQueue
-from batch_processor.processor import Processor, ProcessorConfig
+from batch_processor.processor import Processor
+from batch_processor.processor_config import ProcessorConfig
 from holdback.attempts.transactions import begin_attempt
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, File, RequestRow, RequestStatus, new_id
