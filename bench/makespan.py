@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import shutil
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,10 +41,10 @@ import aiohttp
 import httpx
 import yaml
 
-from bench.lib.processes import Children, holdback, stop_processes
-from bench.lib.readiness import free_port, free_port_block, wait_http
+from bench.lib.engines import RELAY_CPU, one_engine, pinned, wait_idle
+from bench.lib.processes import holdback, stop_processes
+from bench.lib.readiness import free_port_block, wait_http
 from bench.lib.traffic import schedule
-from bench.real_engine.study import ENGINE_CPU, RELAY_CPU, engine_paths, pinned, start_engine
 from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import bootstrap_median, percentile, verdict
 
@@ -298,30 +295,6 @@ def counters_since(engine: str, before: dict[str, float]) -> dict[str, float]:
     return {k: now[k] - before[k] for k in now}
 
 
-def wait_idle(engine: str, timeout: float = 300.0) -> None:
-    """Until the engine runs and holds nothing (an arm's aborted streams may still be leaving it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = httpx.get(engine + "/metrics", timeout=10).text
-        busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-        if busy == 0:
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"the engine {engine} still had requests after {timeout} s")
-
-
-def start_sim(children: Children, tmp: Path, args: argparse.Namespace) -> str:
-    port = free_port()
-    # Prefix caching on, as vLLM (V1) has it by default: a resumed request finds its kept prefix cached.
-    proc = children.start(holdback("sim", "--port", str(port), "--replicas", "1", "--scheduling-policy", "priority",
-                                   "--enable-prefix-caching",
-                                   "--max-num-seqs", str(args.slots), *args.sim_arg), tmp / "sim.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, 60, what=f"the simulator (log {tmp / 'sim.log'})")
-    return url
-
-
 def common_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
     """The flags every bench of a batch beside realtime on one engine takes (this one, bench/starvation.py)."""
     p.add_argument("--seed", type=int, default=11)
@@ -329,35 +302,6 @@ def common_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
     p.add_argument("--sim-arg", action="append", default=[], help="extra `holdback sim` flag (repeatable)")
     p.add_argument("--unpinned", action="store_true", help="vLLM: no CPU pinning")
     p.add_argument("--out", type=Path, help="write raw.json and summary.md here")
-
-
-@contextlib.contextmanager
-def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Iterator[Engine]:
-    """The run's one engine (`--engine`), stopped with its scratch directory at the end; pinned, this process
-    moves to the other CPU."""
-    pin = args.engine == "vllm" and not args.unpinned
-    if pin:
-        os.sched_setaffinity(0, {RELAY_CPU})
-    tmp = Path(tempfile.mkdtemp(prefix=prefix))
-    children = Children()
-    try:
-        if args.engine == "vllm":
-            python, model_path = engine_paths(p)
-            url = start_engine(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU)
-        else:
-            url = start_sim(children, tmp, args)
-        yield Engine(url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], tmp, pin)
-    finally:
-        children.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class Engine:
-    url: str
-    model: str  # the model it serves
-    tmp: Path  # the run's scratch directory
-    pin: bool  # pinned to its CPU (the stack and the load on the other)
 
 
 def write_out(args: argparse.Namespace, text: str, record: dict) -> None:

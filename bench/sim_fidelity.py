@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lib.engines import pinned
 from bench.lib.processes import stop_processes
 from bench.lib.readiness import free_port
 
@@ -94,8 +95,7 @@ def start_sim(args, timing: Timing, port: int) -> subprocess.Popen:
            "--decode-base-ms", str(timing.decode_base_ms),
            "--decode-ms-per-seq", str(timing.decode_ms_per_seq),
            "--loop", args.sim_loop, "--log-level", "WARNING"]
-    if args.pin and shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(args.sim_cpu), *cmd]
+    cmd = [*pinned(args.sim_cpu, bool(args.pin and shutil.which("taskset"))), *cmd]
     if args.nice and _can_renice(args.nice):
         cmd = ["nice", "-n", str(args.nice), *cmd]
     return subprocess.Popen(cmd, cwd=REPO, start_new_session=True)

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 import httpx
 
-from bench.makespan import (HoldbackUp, batch_lines, common_arguments, create_batch, finished, one_engine, upload,
-                            wait_idle, warm_up, write_out)
+from bench.lib.engines import one_engine, wait_idle
+from bench.makespan import HoldbackUp, batch_lines, common_arguments, create_batch, finished, upload, warm_up, write_out
 from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import percentile, quantile_interval
 

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lib.engines import ENGINE_CPU, RELAY_CPU, engine_paths, pin_load, start_vllm
 from bench.lib.processes import Children
-from bench.real_engine.study import ENGINE_CPU, RELAY_CPU, engine_paths, pin_load, start_engine, start_gateway
+from bench.real_engine.study import start_gateway
 from bench.real_engine.traffic import Arm, counters_in, prompt, stream
 from bench.stats import Estimate, bootstrap_median, verdict
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     rng, order_rng = random.Random(args.seed), random.Random(args.seed + 1)
     added, ratio, per_step, rows = [], [], [], []
     try:
-        engine = start_engine(children, tmp, python, model, args.slots)
+        engine = start_vllm(children, tmp, python, model, args.slots)
         gateway = start_gateway(children, tmp, gateway_arm(args.slots), [engine], args.slots)
         asyncio.run(first_tokens(engine, 5, rng))  # warm both paths: the first requests compile and connect
         asyncio.run(first_tokens(gateway, 5, rng))

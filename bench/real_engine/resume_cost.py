@@ -42,8 +42,8 @@ from typing import Callable
 
 import aiohttp
 
+from bench.lib.engines import CPU_BLOCK_TOKENS, SLOTS, engine_paths, pin_load, start_vllm
 from bench.lib.processes import Children
-from bench.real_engine.study import CPU_BLOCK_TOKENS, SLOTS, engine_paths, pin_load, start_engine
 from bench.real_engine.traffic import Streamed, counters_in, stream
 from bench.stats import bootstrap_median
 
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     rng = random.Random(args.seed)
     try:
-        url = start_engine(children, tmp, python, model, args.slots,
-                           block_size=None if args.block == CPU_BLOCK_TOKENS else args.block)
+        url = start_vllm(children, tmp, python, model, args.slots,
+                         block_size=None if args.block == CPU_BLOCK_TOKENS else args.block)
         for rnd in range(args.rounds):
             order = list(ARMS)
             rng.shuffle(order)

@@ -26,8 +26,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from bench.lib.engines import SLOTS, engine_paths, pin_load, start_vllm
 from bench.lib.processes import Children
-from bench.real_engine.study import SLOTS, engine_paths, pin_load, start_engine
 from bench.real_engine.traffic import stream
 from bench.stats import Estimate, bootstrap_median
 # The series the gateway reads (gateway/README.md, "The scrape"), asked of vLLM's prometheus_client mount as the
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hb-scrape-cost-"))
     children = Children()
     try:
-        url = start_engine(children, tmp, python, model, SLOTS)
+        url = start_vllm(children, tmp, python, model, SLOTS)
         api = psutil.Process(children.procs[-1].pid)  # vLLM's API server; its engine core is a child process
         rounds = asyncio.run(measure(url, api, args))
     finally:

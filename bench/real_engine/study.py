@@ -37,9 +37,7 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from bench.lib.engines import (CPU_BLOCK_TOKENS, ENGINE_CPU, NICE, RELAY_CPU, SLOTS, engine_paths, favour, pin_load,
+                               pinned, start_sim, start_vllm)
 from bench.lib.process_cpu import CpuSampler
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
@@ -57,12 +57,6 @@ from bench.real_engine.report import fidelity, markdown, summarise
 from bench.real_engine.traffic import Arm, Record, prompt, run_arm, stream
 from bench.stats import percentile
 
-ENGINE_CPU, RELAY_CPU = 0, 1
-# The study's processes run ahead of whatever else shares the machine (when allowed: see `favour`).
-NICE = -15
-SLOTS = 8
-# The CPU backend's KV block (tokens) unless --block-size says otherwise: only whole blocks are prefix-cached.
-CPU_BLOCK_TOKENS = 128
 # Every ratio is taken against these two, run next to the arm.
 BASELINES = ("realtime-only", "vllm-priority")
 # The gateway's keyless callers may use both objectives; KV admission off: request slots are what is compared.
@@ -116,56 +110,7 @@ def arms(slots: int) -> list[Arm]:
     ]
 
 
-# -- the engine -----------------------------------------------------------------------------------------------
-
-def favour(pid: int, nice: int) -> bool:
-    """Run `pid`'s session ahead of other work on its core: with the kernel's autogroups a process's nice counts
-    only within its session, so the session's own nice is set too. Needs the right to lower nice (root)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, nice)
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-        return True
-    except (OSError, PermissionError):
-        return False
-
-
-def pin_load(p: argparse.ArgumentParser, pin: bool = True) -> bool:
-    """Check the machine can keep the engine and the load apart (two CPUs, `taskset`), put this process (the load)
-    on RELAY_CPU when `pin`, and favour it; True when it could be favoured."""
-    if len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
-        p.error("needs two CPUs and `taskset` (util-linux): the engine and the load are pinned to one core each")
-    if pin:
-        os.sched_setaffinity(0, {RELAY_CPU})
-    return favour(os.getpid(), NICE)
-
-
-def pinned(cpu: int, pin: bool) -> list[str]:
-    """The prefix that runs a command on `cpu` alone (none when unpinned)."""
-    return ["taskset", "-c", str(cpu)] if pin else []
-
-
-def start_engine(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
-                 block_size: int | None = None, cpu: int = ENGINE_CPU) -> str:
-    """vLLM on `cpu` alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
-    blocks' tokens (None: the CPU backend's 128)."""
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if pin:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-    cmd = [*pinned(cpu, pin), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(slots),
-           "--scheduling-policy", "priority"] + (["--block-size", str(block_size)] if block_size else [])
-    log = tmp / f"vllm-{cpu}.log"
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    children.procs.append(proc)
-    favour(proc.pid, NICE)  # before its engine process starts: that one inherits both
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, timeout=600, what=f"vLLM (log: {log})")
-    return url
-
+# -- each arm's gateway, and the simulator fitted to the engine ---------------------------------------------------
 
 def start_gateway(children: Children, tmp: Path, arm: Arm, engines: list[str], slots: int, pin: bool = True,
                   log_level: str = "WARNING", log_name: str | None = None) -> str:
@@ -259,19 +204,13 @@ async def fit_timing(url: str, slots: int) -> Timing:
     return Timing(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq, base, per_request)
 
 
-def start_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
-              block_size: int = CPU_BLOCK_TOKENS, cpu: int = ENGINE_CPU) -> str:
+def start_fitted_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
+                     block_size: int = CPU_BLOCK_TOKENS, cpu: int = ENGINE_CPU) -> str:
     """The simulator configured like the engine: its slots, context, policy, prefix cache and block size."""
-    port = free_port()
-    p = children.start([*pinned(cpu, pin), *holdback(
-        "sim", "--port", str(port), "--model", "tiny", "--max-model-len", "512", "--max-num-seqs", str(slots),
-        "--block-size", str(block_size),
+    return start_sim(children, tmp, [
+        "--model", "tiny", "--max-model-len", "512", "--max-num-seqs", str(slots), "--block-size", str(block_size),
         "--scheduling-policy", "priority", "--enable-prefix-caching", "--runner", "generate", "--log-level",
-        "WARNING", *timing.sim_args())], tmp / f"sim-{cpu}.log")
-    favour(p.pid, NICE)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p, timeout=60, what="holdback sim")
-    return url
+        "WARNING", *timing.sim_args()], log=f"sim-{cpu}.log", cpu=cpu, pin=pin, favoured=True)
 
 
 def run_rounds(urls: list[str], engine: str, arm_list: list[Arm], rounds: int, args: argparse.Namespace,
@@ -343,15 +282,6 @@ def relay_pinned(args: argparse.Namespace) -> bool:
     return not args.unpinned and args.replicas == 1
 
 
-def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
-    """The real engine's interpreter and model, from the environment (the parser's error when unset)."""
-    python, model = os.environ.get("HOLDBACK_VLLM_PYTHON"), os.environ.get("HOLDBACK_VLLM_MODEL")
-    if not (python and model):
-        p.error("set HOLDBACK_VLLM_PYTHON and HOLDBACK_VLLM_MODEL: `python -m tests.real_vllm.engine_env ensure` "
-                "builds the real engine and prints both")
-    return python, model
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -411,15 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     records: list[Record] = []
     try:
         cpus = [ENGINE_CPU + i for i in range(args.replicas)]
-        engines = [start_engine(children, tmp, python, model, args.slots, pin=not args.unpinned,
-                                block_size=args.block_size, cpu=cpu) for cpu in cpus]
+        engines = [start_vllm(children, tmp, python, model, args.slots, pin=not args.unpinned,
+                              block_size=args.block_size, cpu=cpu) for cpu in cpus]
         timing = asyncio.run(fit_timing(engines[0], args.slots))  # the replicas are alike: one is measured
         result["timing"] = asdict(timing)
         records += run_rounds(engines, "vllm", arm_list, args.rounds, args, children, tmp)
         children.close()
         children.procs.clear()
         if not args.no_sim:
-            sims = [start_sim(children, tmp, timing, args.slots, pin=not args.unpinned,
+            sims = [start_fitted_sim(children, tmp, timing, args.slots, pin=not args.unpinned,
                               block_size=args.block_size or CPU_BLOCK_TOKENS, cpu=cpu) for cpu in cpus]
             records += run_rounds(sims, "sim", arm_list, args.sim_rounds, args, children, tmp)
     finally:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from bench.real_engine.study import BASE_CONFIG, CALLERS, SLOTS, arms
+from bench.lib.engines import SLOTS
+from bench.real_engine.study import BASE_CONFIG, CALLERS, arms
 from gateway.config import parse_config
 
 
