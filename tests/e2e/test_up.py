@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 
 from holdback.cli.instance_lock import InstanceLock
-from holdback.cli.up import Child, Supervisor
+from holdback.cli.supervisor import Child, Supervisor
 from tests.deploy.dashboard_names import dashboard_expressions, exported_names, rule_expressions, unknown_names
 from tests.support import REPO, free_port, free_ports, poll, wait_http
 
