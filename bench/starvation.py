@@ -34,7 +34,8 @@ import aiohttp
 import httpx
 
 from bench.lib.engines import one_engine, wait_idle
-from bench.makespan import HoldbackUp, batch_lines, common_arguments, create_batch, finished, upload, warm_up, write_out
+from bench.lib.holdback_up import HoldbackUp, create_batch, finished, upload, warm_up
+from bench.makespan import batch_lines, common_arguments, write_out
 from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import percentile, quantile_interval
 
