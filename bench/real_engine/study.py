@@ -23,7 +23,7 @@ just before or after it: the engine's speed on a shared machine drifts by a fift
 taken only between runs that met the same machine. A group's ratios are its arm's realtime p95 ÷ the group's
 realtime-alone p95 and its batch completions (and tokens) ÷ the group's vLLM-priority ones; the report gives each
 ratio's median over the groups with a bootstrap interval, and the goals' verdicts. The traffic itself is
-bench/real_engine/traffic.py.
+bench/real_engine/traffic.py, the simulator fitted to the engine bench/real_engine/timing.py.
 
     python -m tests.real_vllm.engine_env ensure      # prints HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=...
     HOLDBACK_VLLM_PYTHON=... HOLDBACK_VLLM_MODEL=... python -m bench.real_engine.study --rounds 3 \\
@@ -37,24 +37,22 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import aiohttp
 import psutil
 
 from bench.lib.engines import (CPU_BLOCK_TOKENS, ENGINE_CPU, NICE, RELAY_CPU, SLOTS, engine_paths, favour, pin_load,
-                               pinned, start_sim, start_vllm)
+                               pinned, start_vllm)
 from bench.lib.process_cpu import CpuSampler
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
 from bench.real_engine.plots import make_plots
 from bench.real_engine.report import fidelity, markdown, summarise
-from bench.real_engine.traffic import Arm, Record, prompt, run_arm, stream
+from bench.real_engine.timing import fit_timing, start_fitted_sim
+from bench.real_engine.traffic import Arm, Record, run_arm
 from bench.stats import percentile
 
 # Every ratio is taken against these two, run next to the arm.
@@ -110,7 +108,7 @@ def arms(slots: int) -> list[Arm]:
     ]
 
 
-# -- each arm's gateway, and the simulator fitted to the engine ---------------------------------------------------
+# -- each arm's gateway ------------------------------------------------------------------------------------------
 
 def start_gateway(children: Children, tmp: Path, arm: Arm, engines: list[str], slots: int, pin: bool = True,
                   log_level: str = "WARNING", log_name: str | None = None) -> str:
@@ -125,92 +123,6 @@ def start_gateway(children: Children, tmp: Path, arm: Arm, engines: list[str], s
     wait_http(url + "/health", p, timeout=60, what=f"gateway {arm.name}")
     wait_http(url + "/v1/models", p, timeout=60, what=f"gateway {arm.name}")  # the replica is identified
     return url
-
-
-@dataclass(frozen=True)
-class Timing:
-    """The engine's step times as the simulator models them (ms), fitted from streams measured on it."""
-
-    prefill_ms_per_token: float
-    decode_base_ms: float
-    decode_ms_per_seq: float
-    prefill_base_ms: float = 0.0
-    prefill_ms_per_seq: float = 0.0
-
-    def sim_args(self) -> list[str]:
-        return ["--step-overhead-ms", "0", "--prefill-ms-per-token", f"{self.prefill_ms_per_token:.4f}",
-                "--prefill-base-ms", f"{self.prefill_base_ms:.3f}",
-                "--prefill-ms-per-seq", f"{self.prefill_ms_per_seq:.3f}",
-                "--decode-base-ms", f"{self.decode_base_ms:.3f}",
-                "--decode-ms-per-seq", f"{self.decode_ms_per_seq:.3f}"]
-
-
-def prefill_steps(bursts: dict[int, float]) -> tuple[float, float]:
-    """The prefill step's base and per-request cost (ms) from the last first token of bursts of short prompts at
-    idle, one time per burst size (a median over repeats; a burst of one is a lone prompt's first token): the
-    line through two sizes, as the simulator, which starts a burst in one step, would reproduce them. On the
-    engine the first request of a burst starts a step of its own while vLLM's API server, on the same core, takes
-    in the rest; the last first token is what both cost together, and what a realtime burst's tail waits."""
-    sizes = sorted(bursts)
-    if len(sizes) < 2 or sizes[0] < 1:
-        raise ValueError(f"needs two burst sizes of at least 1, got {sizes}")
-    a, b = sizes[0], sizes[1]
-    per_seq = max(0.0, (bursts[b] - bursts[a]) / (b - a))
-    return max(0.0, bursts[a] - a * per_seq), per_seq
-
-
-async def fit_timing(url: str, slots: int) -> Timing:
-    """Inter-token gaps of 1 and of `slots` concurrent streams give the decode step (base + per sequence); the
-    first-token times of a short and a long prompt at idle give prefill per token, and of bursts of short prompts
-    the prefill step's base and per-request cost (`prefill_steps`)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        async def gaps(n: int) -> float:
-            async def one() -> list[float]:
-                stamps: list[float] = []
-                async with session.post(url + "/v1/completions", json={
-                        "model": "tiny", "prompt": "count", "max_tokens": 200, "ignore_eos": True,
-                        "stream": True}) as resp:
-                    async for line in resp.content:
-                        if line.startswith(b"data: ") and b'"text"' in line:
-                            stamps.append(time.monotonic())
-                return [b - a for a, b in zip(stamps[1:], stamps[2:])]
-            runs = await asyncio.gather(*(one() for _ in range(n)))
-            return statistics.median([g for run in runs for g in run]) * 1000
-
-        async def first_token(words: int) -> float:
-            times = []
-            for i in range(5):
-                # A prompt of its own each time: a repeated one is a prefix-cache hit, whose prefill costs nothing.
-                got = await stream(session, url, {
-                    "model": "tiny", "prompt": prompt(random.Random(words * 10 + i), words), "max_tokens": 1}, {})
-                times.append((got.first or 0.0) * 1000)
-            return statistics.median(times)
-
-        async def burst(n: int) -> float:
-            lasts = []
-            for k in range(11):
-                got = await asyncio.gather(*(stream(session, url, {
-                    "model": "tiny", "prompt": prompt(random.Random(n * 1000 + k * 10 + i), 8), "max_tokens": 1},
-                    {}) for i in range(n)))
-                lasts.append(max((g.first or 0.0) * 1000 for g in got))
-            return statistics.median(lasts)
-
-        one_seq, full = await gaps(1), await gaps(slots)
-        short, long = await first_token(8), await first_token(300)
-        # A lone short prompt's first token is the burst of one.
-        base, per_request = prefill_steps({1: short, max(2, slots): await burst(max(2, slots))})
-    per_seq = max(0.0, (full - one_seq) / (slots - 1))
-    # A word here is about one token of the tiny model's tokenizer (its prompt count is in vLLM's usage).
-    return Timing(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq, base, per_request)
-
-
-def start_fitted_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
-                     block_size: int = CPU_BLOCK_TOKENS, cpu: int = ENGINE_CPU) -> str:
-    """The simulator configured like the engine: its slots, context, policy, prefix cache and block size."""
-    return start_sim(children, tmp, [
-        "--model", "tiny", "--max-model-len", "512", "--max-num-seqs", str(slots), "--block-size", str(block_size),
-        "--scheduling-policy", "priority", "--enable-prefix-caching", "--runner", "generate", "--log-level",
-        "WARNING", *timing.sim_args()], log=f"sim-{cpu}.log", cpu=cpu, pin=pin, favoured=True)
 
 
 def run_rounds(urls: list[str], engine: str, arm_list: list[Arm], rounds: int, args: argparse.Namespace,

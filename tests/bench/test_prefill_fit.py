@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.real_engine.study import Timing, prefill_steps
+from bench.real_engine.timing import Timing, prefill_steps
 
 
 def test_the_prefill_step_is_the_line_through_two_bursts_last_first_tokens():
