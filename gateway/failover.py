@@ -23,7 +23,7 @@ from gateway.flow.interface import FlowControl
 from gateway.flow.request import DropReason, FlowRequest
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.replicas import UNAUTHORIZED, Replica
+from gateway.replicas import UNAUTHORIZED
 from gateway.responses import drop_response, error_response
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool
 
@@ -54,7 +54,7 @@ class Failover:
         """One send to the request's replica: its connection with the response headers in, the answer when no
         replica is left, or None to send again (to another replica, or on a new connection)."""
         req = s.req
-        replica: Replica = req.replica  # type: ignore[assignment]
+        replica = req.leased().replica
         try:
             conn = await s.pool.open(replica.url, fresh=s.fresh)
         except ConnectFailed as exc:
@@ -92,7 +92,7 @@ class Failover:
             # send it once more on a new connection.
             return None
         # A new connection closed before one byte of an answer: the replica died with the request.
-        failed = self.failure(s.req.replica, exc, s.req.request_id, down=True)
+        failed = self.failure(s.req.leased().replica, exc, s.req.request_id, down=True)
         if s.resent:
             return failed
         s.resent = True
@@ -100,7 +100,7 @@ class Failover:
 
     async def _refused_key(self, s: _Sends, conn: UpstreamConnection) -> web.Response | None:
         """The replica answered 401/403: the caller's key is never forwarded, so it refuses the gateway's own."""
-        replica: Replica = s.req.replica  # type: ignore[assignment]
+        replica = s.req.leased().replica
         status = conn.status
         s.flow.pool.mark_unauthorized(replica, s.request.path, status)
         conn.close()
@@ -117,7 +117,7 @@ class Failover:
         or it could not start the request. The replica is up and nothing of the answer went out: another replica
         with room takes it; with none (or every one answered so), the caller is told to come back, as for a full
         gateway queue (429 `saturated`, Retry-After), never a failure of the replica or of the path to it."""
-        replica: Replica = s.req.replica  # type: ignore[assignment]
+        replica = s.req.leased().replica
         conn.close()
         s.pool.put(conn)
         s.full.add(replica.url)
@@ -135,7 +135,7 @@ class Failover:
         another healthy replica with room, moving its slot and KV reservation (None: send it there); `failed` is
         the answer when none is left."""
         req = s.req
-        old: Replica = req.replica  # type: ignore[assignment]
+        old = req.leased().replica
         replica = await s.flow.reassign(req)
         if replica is None:
             return failed

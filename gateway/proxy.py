@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,11 +36,9 @@ from gateway.cache_salt import PRIORITY_HEADER, salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
-from gateway.flow.ledger import Reservation
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
-from gateway.replicas import Replica
 from gateway.responses import (drop_response, embeddings_not_served, endpoint_not_served, error_response,
                                evicted_sse_event, model_not_found, models_union)
 from gateway.stream_tokens import StreamTokenCount
@@ -95,22 +94,21 @@ class Proxy:
         self.pools.flows()[0].count_tokenizer_fallback()
         self.metrics.tokenizer_fallbacks.inc()
 
-    async def _count_tokens(self, flow: FlowControl, req: FlowRequest, doc: object,
-                            path: str) -> web.Response | None:
-        """Fill the request's prompt and output-limit tokens (on a replica of its pool: its model's
+    async def _count_tokens(self, flow: FlowControl, ask: Ask, doc: object, path: str) -> Ask | web.Response:
+        """The ask with its prompt and output-limit tokens counted (on a replica of its pool: its model's
         tokenizer); an answer when the body is not a JSON object."""
         if not isinstance(doc, dict):
             return error_response(400, "The request body must be a JSON object.", "invalid_request_error",
-                                  "invalid_json", req.request_id)
+                                  "invalid_json", ask.request_id)
         healthy = flow.pool.healthy()
         replica = min(healthy, key=lambda r: r.in_flight) if healthy else None
         counted_doc, counted_path = _responses_as_chat(doc) if path == RESPONSES else (doc, path)
         count = await self.counter.count(counted_doc, counted_path, self.session, replica)
-        req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
-        req.limit_param, req.sequences, req.prompt_exact = count.limit_param, count.sequences, count.exact
-        if path == RESPONSES and req.limit_param is not None:
-            req.limit_param = "max_output_tokens"
-        return None
+        limit_param = count.limit_param
+        if path == RESPONSES and limit_param is not None:
+            limit_param = "max_output_tokens"
+        return dataclasses.replace(ask, prompt_tokens=count.prompt_tokens, max_new_tokens=count.max_new_tokens,
+                                   limit_param=limit_param, sequences=count.sequences, prompt_exact=count.exact)
 
     # -- routes ---------------------------------------------------------------------------------------------
     async def inference(self, request: web.Request) -> web.StreamResponse:
@@ -154,20 +152,23 @@ class Proxy:
             if healthy and all(r.serves_no_embeddings() for r in healthy):
                 return embeddings_not_served(healthy[0], request_id)
         body = salted_body(raw, request.path, cls.cache_salt, doc)
-        req = FlowRequest(request_id, cls.objective, cls.priority, cls.fairness_id, cls.tenant, arrived, pool=pool,
-                          expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
-                          resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
-                          streamed=isinstance(doc, dict) and doc.get("stream") is True,
-                          at_risk=cls.at_risk and cls.priority < 0)
+        ask = Ask(request_id=request_id, objective=cls.objective, priority=cls.priority,
+                  fairness_id=cls.fairness_id, tenant=cls.tenant, arrived=arrived, pool=pool,
+                  expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
+                  resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
+                  streamed=isinstance(doc, dict) and doc.get("stream") is True,
+                  at_risk=cls.at_risk and cls.priority < 0)
         if controller.admission_enabled:
-            refused = await self._count_tokens(controller, req, doc, request.path)
-            if refused is not None:
-                return refused
+            counted = await self._count_tokens(controller, ask, doc, request.path)
+            if isinstance(counted, web.Response):
+                return counted
+            ask = counted
+        req = FlowRequest(ask)
         req.task = asyncio.current_task()
         outcome = controller.submit(req)
         try:
-            if outcome is Outcome.QUEUED:
-                outcome = await req.waiter  # type: ignore[misc]
+            if outcome is Outcome.QUEUED and req.waiter is not None:
+                outcome = await req.waiter
         except asyncio.CancelledError as exc:
             if req.status is Status.QUEUED:  # the caller left while it waited: nothing was dispatched
                 controller.withdraw(req)
@@ -175,7 +176,7 @@ class Proxy:
             # Decided meanwhile (dispatched, maybe evicted already): nothing sent yet, it ends as any cancel does.
             return await self._forward(request, controller, req, body, cancelled=exc)
         if outcome is Outcome.REJECTED:
-            return drop_response(req.drop_reason, request_id, req.drop_message)  # type: ignore[arg-type]
+            return drop_response(req.drop_reason or DropReason.SATURATED, request_id, req.drop_message)
         return await self._forward(request, controller, req, body)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -257,7 +258,7 @@ class Proxy:
                 self._cancelled(fw, exc)
             except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
                 fw.close_upstream()
-                fw.ended("error", time.monotonic(), error=exc)
+                fw.ended(End.ERROR, time.monotonic(), error=exc)
             flow.finish(req, fw.cause, fw.at)
             return await self._conclude(fw)
         finally:
@@ -269,10 +270,10 @@ class Proxy:
         request, req = fw.request, fw.req
         exchanged = await self.failover.exchange(self.upstream, fw.flow, request, req, body)  # type: ignore[arg-type]
         if isinstance(exchanged, web.Response):  # no replica could take it
-            fw.ended("error", time.monotonic(), answer=exchanged)
+            fw.ended(End.ERROR, time.monotonic(), answer=exchanged)
             return
         fw.conn = conn = exchanged
-        replica: Replica = req.replica  # type: ignore[assignment]
+        replica = req.leased().replica
         headers = response_headers(conn.headers, _HOP_BY_HOP)
         headers[REQUEST_ID_HEADER] = req.request_id
         headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
@@ -292,8 +293,8 @@ class Proxy:
         data = conn.take()
         self.metrics.child(self.metrics.ttft, req.pool, req.objective, "false").observe(
             time.monotonic() - req.arrived)
-        fw.ended("end", time.monotonic())
-        replica: Replica = req.replica  # type: ignore[assignment]
+        fw.ended(End.END, time.monotonic())
+        replica = req.leased().replica
         if conn.status == 404 and fw.request.path == EMBEDDINGS and _route_not_found(data):
             # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
             if not replica.serves_no_embeddings():
@@ -325,17 +326,17 @@ class Proxy:
                 await self._relay_body(fw, chunk)
             except ConnectionError:  # the caller closed the stream: a cancel, not a replica failure
                 conn.close()
-                fw.ended("cancel", time.monotonic(), answer=stream)
+                fw.ended(End.CANCEL, time.monotonic(), answer=stream)
                 log_event(logger, "caller_left_stream", request_id=req.request_id)
                 return
-        fw.ended("end", time.monotonic())
+        fw.ended(End.END, time.monotonic())
 
     async def _relay_body(self, fw: _Forwarding, chunk: bytes) -> None:
         """The first chunk carries the headers; then the connection relays the rest by itself, waking this task
         only at the end, on an error, when the caller left or must drain."""
         request, req, conn, stream = fw.request, fw.req, fw.conn, fw.stream
         assert conn is not None and stream is not None
-        res = req.reservation if isinstance(req.reservation, Reservation) else None
+        res = req.reservation
         counter = StreamTokenCount(fw.flow, req, res).count if res is not None else None
         while chunk:
             if counter is not None:
@@ -362,13 +363,13 @@ class Proxy:
         req = fw.req
         if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
             # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
-            fw.ended("cancel" if req.streaming_started else "disconnect", seen, error=exc)
+            fw.ended(End.CANCEL if req.streaming_started else End.DISCONNECT, seen, error=exc)
             log_event(logger, "caller_left", request_id=req.request_id, band=req.priority,
                       answered=req.streaming_started)
             return
         _uncancel()  # we answer the eviction ourselves
         fw.evicted = True
-        fw.ended("evict", None)  # flow control times an eviction from its decision
+        fw.ended(End.EVICT, None)  # flow control times an eviction from its decision
 
     async def _conclude(self, fw: _Forwarding) -> web.StreamResponse:
         """Flow control knows the request ended: finish the answer, or end the handler with the error."""
@@ -411,7 +412,7 @@ class Proxy:
     def _broken(self, fw: _Forwarding, exc: BaseException) -> web.Response:
         """The exchange failed: 502 while nothing went out; after the status and part of the body, dropping the
         connection is the only honest signal."""
-        failed: Replica = fw.req.replica  # type: ignore[assignment]
+        failed = fw.req.leased().replica
         if fw.stream is not None and fw.stream.prepared:
             log_event(logger, "stream_broken", level=logging.WARNING, request_id=fw.req.request_id,
                       replica=failed.url, error=f"{type(exc).__name__}: {exc}")
@@ -429,13 +430,13 @@ class _Forwarding:
         self.conn: UpstreamConnection | None = None
         self.stream: web.StreamResponse | None = None
         # How it ended, for flow control (finish's cause and when it was seen), and what is left to answer.
-        self.cause = "end"
+        self.cause = End.END
         self.at: float | None = None
         self.answer: web.StreamResponse | None = None
         self.error: BaseException | None = None
         self.evicted = False
 
-    def ended(self, cause: str, at: float | None, *, answer: web.StreamResponse | None = None,
+    def ended(self, cause: End, at: float | None, *, answer: web.StreamResponse | None = None,
               error: BaseException | None = None) -> None:
         """`cause` and `at` (monotonic; None: flow control times it, an eviction from its decision) for finish."""
         self.cause, self.at = cause, at

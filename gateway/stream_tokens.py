@@ -27,9 +27,11 @@ class StreamTokenCount:
 
     def __init__(self, controller: FlowControl, req: FlowRequest, res: Reservation):
         self.controller, self.req, self.res = controller, req, res
-        self.ledger = controller.ledger
+        ledger = controller.ledger
+        assert ledger is not None, "a reservation is held: admission is on, so there is a ledger"
+        self.ledger = ledger
         self.tokens = 0
-        self.due = self.ledger.revision_due(res)  # type: ignore[union-attr]  # admission is on: there is a ledger
+        self.due = ledger.revision_due(res)
         self.usage = False  # the stream carries usage: events are not counted any more
 
     def count(self, chunk: bytes) -> None:
@@ -42,7 +44,7 @@ class StreamTokenCount:
         done = _FINISHED in chunk or _FINISHED_SPACED in chunk
         if done or self.tokens >= self.due:
             self.controller.revise(self.req, self.tokens, done=done)
-            self.due = self.ledger.revision_due(self.res)  # type: ignore[union-attr]
+            self.due = self.ledger.revision_due(self.res)
 
 
 def completion_tokens(chunk: bytes) -> int | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -70,7 +71,7 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     tokenizer.json)."""
     from gateway.config import parse_config
     from gateway.flow.controller import FlowController
-    from gateway.flow.request import FlowRequest
+    from gateway.flow.request import Ask, FlowRequest
     from gateway.metrics import GatewayMetrics
     from gateway.replicas import ReplicaPool
     from gateway.tokenization import PromptCounter
@@ -97,10 +98,12 @@ def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     async def one(session, name: str, body: bytes, i: int) -> float:
         fc, counter = variants[name]
         t0 = time.perf_counter()
-        req = FlowRequest(str(i), "standard", 0, "t", "t", time.monotonic())
+        ask = Ask(request_id=str(i), objective="standard", priority=0, fairness_id="t", tenant="t",
+                  arrived=time.monotonic())
         if fc.admission is not None:
             count = await counter.count(json.loads(body), "/v1/completions", session, fc.pool.replicas[0])
-            req.prompt_tokens, req.max_new_tokens = count.prompt_tokens, count.max_new_tokens
+            ask = dataclasses.replace(ask, prompt_tokens=count.prompt_tokens, max_new_tokens=count.max_new_tokens)
+        req = FlowRequest(ask)
         fc.submit(req)
         fc.finish(req)
         return (time.perf_counter() - t0) * 1000

@@ -25,17 +25,17 @@ from typing import Callable
 
 from gateway.calibration import Profile
 from gateway.config import LoadedConfig
-from gateway.flow import state
+from gateway.flow import moves, state
 from gateway.flow.band import PriorityBand
 from gateway.flow.deadlines import Deadlines
 from gateway.flow.eviction_control import EvictionControl
 from gateway.flow.floor import AtRiskFloor
 from gateway.flow.interface import Outcome
-from gateway.flow.ledger import KvLedger, Reservation
+from gateway.flow.ledger import KvLedger
 from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
 from gateway.flow.replica_checks import check_files, refuse_unmeasured, warn_short_growth_room
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status
 from gateway.flow.tally import FlowTally
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
@@ -188,9 +188,7 @@ class FlowController:
             self._start_kv_wait(req, now)
         else:
             req.blocked_on_arrival = not req.sheddable
-        req.status = Status.QUEUED
-        req.enqueued_at = now
-        req.waiter = asyncio.get_running_loop().create_future()
+        moves.queue(req, now, asyncio.get_running_loop().create_future())
         band.push(req)
         self.floor.queued(req)
         self.total_queued += 1
@@ -207,8 +205,7 @@ class FlowController:
         """The caller left while `req` was queued: take it out now."""
         if req.status is not Status.QUEUED:
             return
-        req.status = Status.WITHDRAWN
-        req.drop_reason = DropReason.CONTEXT_CANCELLED
+        moves.withdraw(req)
         band = self.bands[req.priority]
         band.forget(req)
         self.total_queued -= 1
@@ -216,27 +213,26 @@ class FlowController:
         log_event(logger, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
-    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None,
+    def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None,
                closed_at: float | None = None) -> None:
         """A dispatched request is over (completed, failed, client gone or evicted): release its slot and its
-        KV reservation. `cause` (end, cancel, disconnect, evict, error) and `event_at` (monotonic time the
+        KV reservation. `cause` (how it let go) and `event_at` (monotonic time the
         cause was seen) measure release latency. `closed_at`: when an evicted request's upstream connection
         closed, if earlier than now (a relay of `--workers` closes it, then tells flow control)."""
         if req.status is not Status.DISPATCHED:
             return
         now = self.clock()
         closed = min(now, closed_at) if closed_at is not None else now
-        evicted = req.drop_reason is DropReason.EVICTED
-        req.status = Status.EVICTED if evicted else Status.FINISHED
+        evicted = moves.finish(req)
         if not req.slot_released:
             self.release_slot(req)
         self.floor.ended(req)
-        if isinstance(req.reservation, Reservation) and self.ledger is not None:
+        if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
                 if evicted:
                     self.tally.release(req, "evict", req.evicted_at, now, closed)
                 else:
-                    self.tally.release(req, cause, event_at if event_at is not None else now, now)
+                    self.tally.release(req, cause.value, event_at if event_at is not None else now, now)
         self.eviction.finished(req, evicted, closed)
         if self.total_queued:
             self.wake()
@@ -245,8 +241,9 @@ class FlowController:
     def release_slot(self, req: FlowRequest) -> None:
         """Hand the request's slot on: at its end, or when it is chosen as a victim (eviction_control.py)."""
         self.tally.slot_released_at = self.clock()
-        req.slot_released = True
-        req.replica.in_flight -= 1  # type: ignore[union-attr]
+        lease = req.leased()
+        lease.slot_released = True
+        lease.replica.in_flight -= 1
         self.bands[req.priority].in_flight -= 1
         self.in_flight -= 1
 
@@ -256,11 +253,12 @@ class FlowController:
         controller must ask the flow-control process for the answer (gateway/relays/remote_flow.py)."""
         if req.status is not Status.DISPATCHED or req.slot_released:
             return None
-        old: Replica = req.replica  # type: ignore[assignment]
+        lease = req.leased()
+        old = lease.replica
         others = [r for r in self.pool.healthy() if r is not old]
         fits = None
         admission, res = self.admission, req.reservation
-        if admission is not None and isinstance(res, Reservation):
+        if admission is not None and res is not None:
             # Its blocks are held on the old replica; quotas already count them, only room matters here.
             demand = admission.within_context(self.demand(req), others)
             fits = lambda r: admission.fits(demand, admission.kv_tokens(demand, r), r)  # noqa: E731
@@ -270,16 +268,16 @@ class FlowController:
         old.in_flight -= 1
         new.in_flight += 1
         new.dispatches += 1
-        if isinstance(req.reservation, Reservation) and self.ledger is not None:
-            self.ledger.move(req.reservation, new.url, admission.block_size(new) if admission else None)
-        req.replica = new
+        if res is not None and self.ledger is not None:
+            self.ledger.move(res, new.url, admission.block_size(new) if admission else None)
+        lease.replica = new
         self.eviction.dispatched(req)  # it may wait inside the new replica as well
         return new
 
     def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
         """Relayed output so far: the ledger's reservation follows it; a finished generation frees the rest."""
         res = req.reservation
-        if self.ledger is None or not isinstance(res, Reservation) or req.status is not Status.DISPATCHED:
+        if self.ledger is None or res is None or req.status is not Status.DISPATCHED:
             return
         before = res.kv_tokens
         self.ledger.revise(res, output_tokens, self.clock(), done=done)
@@ -288,7 +286,9 @@ class FlowController:
 
     def started_streaming(self, req: FlowRequest) -> None:
         """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
-        req.streaming_started = True
+        if req.lease is None:
+            return
+        req.lease.streaming_started = True
         awaited = req in self.eviction.awaiting
         self.eviction.answering(req)
         if (req.sheddable and self.eviction.awaiting) or (awaited and self.total_queued):
@@ -377,7 +377,7 @@ class FlowController:
             band.forget(req)
             self.total_queued -= 1
             self.floor.dispatched(req)
-            self._dispatch(req, placed.replica, band, now, "floor")
+            self._dispatch(req, placed.replica, band, now, "floor", in_floor=True)
 
     # -- the decision and the transitions -------------------------------------------------------------------
     def _place(self, req: FlowRequest, healthy: list[Replica], now: float, saturation: float,
@@ -402,10 +402,10 @@ class FlowController:
         replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity)
         return Placement(Verdict.RUN, replica) if replica is not None else BLOCKED
 
-    def _dispatch(self, req: FlowRequest, replica: Replica, band: PriorityBand, now: float, path: str) -> None:
-        req.status = Status.DISPATCHED
-        req.dispatched_at = now
-        req.replica = replica
+    def _dispatch(self, req: FlowRequest, replica: Replica, band: PriorityBand, now: float, path: str,
+                  in_floor: bool = False) -> None:
+        lease = Lease(replica, now, in_floor=in_floor)
+        moves.dispatch(req, lease)
         replica.in_flight += 1
         replica.dispatches += 1
         if req.affinity is not None and req.affinity == replica.url:
@@ -413,7 +413,7 @@ class FlowController:
         if self.admission is not None and self.ledger is not None:
             # As the replica runs it: the output clamped to the context, every sequence's own.
             demand = self.admission.within_context(self.demand(req), self.pool.healthy())
-            req.reservation = self.ledger.reserve(
+            lease.reservation = self.ledger.reserve(
                 request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
                 priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
                 max_new_tokens=demand.output_tokens, block_size=self.admission.block_size(replica), now=now)
@@ -430,8 +430,7 @@ class FlowController:
 
     def _reject(self, req: FlowRequest, reason: DropReason, band: PriorityBand,
                 message: str | None = None) -> Outcome:
-        req.status = Status.REJECTED
-        req.drop_reason, req.drop_message = reason, message
+        moves.reject(req, reason, message)
         self.eviction.keep_place(req)
         self.tally.rejection(req, reason, band.priority, self.clock())
         log_event(logger, "rejected", request_id=req.request_id, reason=reason.value,

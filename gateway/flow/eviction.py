@@ -134,7 +134,7 @@ class Evictor:
             if freed >= excess_blocks or len(victims) >= most:
                 break
             victims.append(req)
-            freed += getattr(req.reservation, "blocks", 0)
+            freed += req.reservation.blocks if req.reservation is not None else 0
         self._mark(victims, now)
         return victims
 
@@ -193,8 +193,9 @@ class Evictor:
 def waits_inside(req: FlowRequest) -> bool:
     """Whether `req` may be waiting inside its replica for an engine slot: its replica's slots are known and it
     holds more requests than them (the queue allowance), and `req`, streamed, has not answered yet."""
-    slots = getattr(req.replica, "max_num_seqs", None)
-    return (slots is not None and req.replica.in_flight > slots  # type: ignore[union-attr]
+    replica = req.replica
+    slots = replica.max_num_seqs if replica is not None else None
+    return (replica is not None and slots is not None and replica.in_flight > slots
             and req.streamed and not req.streaming_started)
 
 
@@ -213,11 +214,12 @@ def borrowed_requests(bands: Sequence[BandDemand], below: int, credit: float) ->
 
 def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
     """A view without KV details (tests and the concurrency-only path)."""
+    lease, res = req.leased(), req.reservation
     return VictimCandidate(
         request_id=req.request_id, fairness_id=req.fairness_id, priority=req.priority, objective=req.objective,
-        replica=getattr(req.replica, "url", ""), started_at=req.dispatched_at, enqueued_at=req.enqueued_at,
+        replica=lease.replica.url, started_at=lease.dispatched_at, enqueued_at=req.enqueued_at,
         deadline=None if req.deadline == math.inf else req.deadline, prompt_tokens=req.prompt_tokens,
-        max_new_tokens=req.max_new_tokens, output_tokens=getattr(req.reservation, "output_tokens", 0),
+        max_new_tokens=req.max_new_tokens, output_tokens=res.output_tokens if res is not None else 0,
         streaming_started=req.streaming_started, resumable=req.resumable, cached_prefix_tokens=0,
-        tenant_over_soft_quota=0.0, reserved_blocks=getattr(req.reservation, "blocks", 0), seq=req.seq,
+        tenant_over_soft_quota=0.0, reserved_blocks=res.blocks if res is not None else 0, seq=req.seq,
         evictions=req.evictions)

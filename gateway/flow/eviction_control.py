@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from gateway.config import Eviction
 from gateway.flow.eviction import BandDemand, Evictor, plain_view, waits_inside
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow import moves
+from gateway.flow.request import FlowRequest, Status, Trigger
 from gateway.log import log_event
 from gateway.policies.saturation import SaturationDetector
 from gateway.policies.victims import VictimCandidate, victim_policy
@@ -107,13 +108,13 @@ class EvictionControl:
         self.freed.clear()
         self.freed_at = now
         for victim in decision.victims:
-            replica = victim.replica
-            if isinstance(replica, Replica) and replica.max_num_seqs is not None and not waits_inside(victim):
+            replica = victim.leased().replica
+            if replica.max_num_seqs is not None and not waits_inside(victim):
                 self.freed[replica] += 1
         # Read before any victim's slot is handed on: `waits_inside` counts the replica's requests.
         queued = {replica: self.evictor.queued_on(replica, decision.demand_priority, now) for replica in self.freed}
         for victim in decision.victims:
-            self.evict(victim, now, replica=getattr(victim.replica, "url", None), trigger="blocked-band",
+            self.evict(victim, now, replica=victim.leased().replica.url, trigger=Trigger.BLOCKED_BAND,
                        demand_band=decision.demand_priority, saturation=round(saturation, 4),
                        deficit=round(decision.deficit, 4), victims=len(decision.victims))
         for replica, waiting in queued.items():
@@ -133,7 +134,7 @@ class EvictionControl:
             # The evictor counts the victims' blocks, all of this replica's block size.
             victims = self.evictor.decide_kv(replica, excess / admission.block_size(replica) + 1, grace, now)
             for victim in victims:
-                self.evict(victim, now, replica=replica.url, trigger="kv-hard-watermark",
+                self.evict(victim, now, replica=replica.url, trigger=Trigger.KV_HARD_WATERMARK,
                            occupancy=round(admission.occupancy(replica) / pool, 4))
             if victims:
                 return
@@ -153,8 +154,9 @@ class EvictionControl:
         soft = admission.soft_over(req.fairness_id, sum(admission.pool_tokens(r) for r in healthy)) > 0
         held: collections.Counter[Replica] = collections.Counter()
         for victim in self.evictor.candidates:  # all sheddable: below `req`
-            if victim.reservation is not None:
-                held[victim.replica] += victim.reservation.kv_tokens  # type: ignore[index]
+            res = victim.reservation
+            if res is not None:
+                held[victim.leased().replica] += res.kv_tokens
         choice: tuple[float, Replica] | None = None
         for replica in healthy:
             short = admission.shortfall(demand, replica, soft)
@@ -174,7 +176,7 @@ class EvictionControl:
         victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now,
                                          limit=len(self.evictor.candidates))
         for victim in victims:
-            self.evict(victim, now, replica=replica.url, trigger="kv-wait", waiting=req.request_id,
+            self.evict(victim, now, replica=replica.url, trigger=Trigger.KV_WAIT, waiting=req.request_id,
                        shortfall_tokens=round(short))
 
     def kv_grace(self) -> float:
@@ -196,22 +198,22 @@ class EvictionControl:
             return
         waiting: dict[Replica, list[FlowRequest]] = {}
         for req in self.awaiting:
-            replica = req.replica
-            if req.slot_freed or not isinstance(replica, Replica) or replica.max_num_seqs is None:
+            replica, slots = req.leased().replica, req.leased().replica.max_num_seqs
+            if req.slot_freed or slots is None:
                 continue
-            if replica.in_flight > replica.max_num_seqs:
+            if replica.in_flight > slots:
                 waiting.setdefault(replica, []).append(req)
         for replica, reqs in waiting.items():
-            wanted = min(len(reqs), replica.in_flight - replica.max_num_seqs)  # type: ignore[operator]
+            wanted = min(len(reqs), replica.in_flight - (replica.max_num_seqs or 0))
             below = min(r.priority for r in reqs)
             victims = self.evictor.decide_on(replica, wanted, below, now)
             if not victims:
                 continue
             queued = self.evictor.queued_on(replica, below, now)
             for req in sorted(reqs, key=lambda r: r.dispatched_at)[:len(victims)]:
-                req.slot_freed = True
+                req.leased().slot_freed = True
             for victim in victims:
-                self.evict(victim, now, replica=replica.url, trigger="waiting-in-replica",
+                self.evict(victim, now, replica=replica.url, trigger=Trigger.WAITING_IN_REPLICA,
                            in_flight=replica.in_flight, slots=replica.max_num_seqs)
             self.clear_queue(replica, queued, now, demand_band=below)
 
@@ -221,7 +223,7 @@ class EvictionControl:
         come back behind the request the slot was freed for, and no lower-priority request is sent to the
         replica until it answers (`holds_back`)."""
         for req in waiting:
-            self.evict(req, now, replica=replica.url, trigger="replica-queue", **fields)
+            self.evict(req, now, replica=replica.url, trigger=Trigger.REPLICA_QUEUE, **fields)
 
     def holds_back(self, replica: Replica, priority: int) -> bool:
         """Whether a request of `priority` must not go to `replica` now: every engine slot there is held and a
@@ -233,26 +235,27 @@ class EvictionControl:
         return any(r.replica is replica and r.priority > priority for r in self.awaiting)
 
     def dispatched(self, req: FlowRequest) -> None:
-        if not req.sheddable and getattr(req.replica, "max_num_seqs", None) is not None:
+        lease = req.leased()
+        if not req.sheddable and lease.replica.max_num_seqs is not None:
             self.awaiting.add(req)
-            if req.dispatched_at == self.freed_at and self.freed[req.replica] > 0:  # type: ignore[index]
-                req.slot_freed = True  # a running victim's slot, freed for it in this cycle
-                self.freed[req.replica] -= 1  # type: ignore[index]
+            if lease.dispatched_at == self.freed_at and self.freed[lease.replica] > 0:
+                lease.slot_freed = True  # a running victim's slot, freed for it in this cycle
+                self.freed[lease.replica] -= 1
 
     def answering(self, req: FlowRequest) -> None:
         """Its first body chunk went out (or it ended): it waits for no slot."""
         self.awaiting.discard(req)
 
     # -- one victim -----------------------------------------------------------------------------------------
-    def evict(self, victim: FlowRequest, now: float, **fields: object) -> None:
-        victim.drop_reason = DropReason.EVICTED
-        victim.evicted_at = now
+    def evict(self, victim: FlowRequest, now: float, trigger: Trigger, **fields: object) -> None:
+        moves.evict(victim, now)
         # Like a preempted sequence in vLLM, the victim's retry goes ahead of what was queued after it: it comes
         # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
-        home = getattr(victim.replica, "url", None) if self.affinity else None
+        home = victim.leased().replica.url if self.affinity else None
         self._remember(victim.fairness_id, victim.request_id, (victim.place, home, victim.evictions + 1))
         self.fc.tally.eviction("issued")
-        log_event(logger, "evict", request_id=victim.request_id, band=victim.priority, **fields)
+        log_event(logger, "evict", request_id=victim.request_id, band=victim.priority, trigger=trigger.value,
+                  **fields)
         if self.fc.detector.release_on_decision and victim.status is Status.DISPATCHED:
             # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
             # round later, when the cancelled task closes the upstream. The replica runs the victim a few
@@ -272,7 +275,7 @@ class EvictionControl:
             self.fc.tally.eviction("confirmed")
             self.fc.metrics.child(self.fc.metrics.eviction_confirmation, self.fc.pool_name).observe(latency)
             log_event(logger, "eviction_confirmed", request_id=req.request_id,
-                      replica=req.replica.url, latency_ms=round(latency * 1000, 2))  # type: ignore[union-attr]
+                      replica=req.leased().replica.url, latency_ms=round(latency * 1000, 2))
         if not self.evictor.pending:
             self._schedule_grace_wake()
 

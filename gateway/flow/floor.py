@@ -48,10 +48,9 @@ class AtRiskFloor:
     def dispatched(self, req: FlowRequest) -> None:
         """`req` (the one `next` returned) went into the floor: it is no eviction victim until it ends."""
         heapq.heappop(self.waiting)
-        req.in_floor = True
         self.in_flight += 1
 
     def ended(self, req: FlowRequest) -> None:
-        if req.in_floor:
-            req.in_floor = False
+        if req.lease is not None and req.lease.in_floor:
+            req.lease.in_floor = False
             self.in_flight -= 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from gateway.flow.request import End
+
 if TYPE_CHECKING:
     from gateway.config import LoadedConfig
     from gateway.pools import PoolRouting
@@ -60,8 +62,8 @@ class FlowControl(Protocol):
     def withdraw(self, req: FlowRequest) -> None:
         """The caller left while `req` was queued."""
 
-    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None) -> None:
-        """A dispatched request is over (`cause`: end, cancel, disconnect, evict, error, seen at `event_at`)."""
+    def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None) -> None:
+        """A dispatched request is over (`cause`, seen at `event_at`)."""
 
     async def reassign(self, req: FlowRequest) -> Replica | None:
         """Move a dispatched request, nothing of whose answer went out, off its failed replica; None: no other."""

@@ -1,21 +1,25 @@
-"""The local channel between the flow-control process and its relays (`holdback gateway --workers N`).
+"""The channel between the flow-control process and its relays (`holdback gateway --workers N`).
 
-A Unix domain socket carrying length-prefixed messages: a 4-byte big-endian length, then a pickled tuple whose
-first item names the message. Both ends are processes of one gateway, started by the same parent, and the
-socket lives in a directory only its user can open, so pickle's trust assumption holds here and nowhere else.
-`Channel` sends without awaiting (the single writer must never wait in the middle of a decision) and answers
-calls: `call()` sends ("call", id, name, *args) and awaits the matching ("reply", id, value).
+A Unix domain socket carrying the frames of gateway/relays/messages.py: typed messages, validated as they are
+read. `Channel` sends without awaiting (the single writer must never wait in the middle of a decision) and
+answers calls: `call()` sends a `Call` and awaits the `Reply` with its id. A frame that is not a message of this
+protocol is logged and skipped; one announcing more than the frame limit closes the channel (what follows it
+cannot be found), and the process at the other end is then treated as gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import pickle
-import struct
-from typing import Any, Callable
+import logging
+from typing import Callable
 
-_LENGTH = struct.Struct(">I")
+from gateway.log import log_event
+from pydantic import JsonValue
+
+from gateway.relays.messages import LENGTH, Call, CallName, Malformed, Message, Reply, decode, encode, frame_length
+
+logger = logging.getLogger("gateway.channel")
 
 
 class ChannelClosed(ConnectionError):
@@ -23,48 +27,63 @@ class ChannelClosed(ConnectionError):
 
 
 class Channel:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str = "peer"):
         self.reader = reader
         self.writer = writer
+        # Who is at the other end, for the log line of a frame refused.
+        self.peer = peer
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self.closed = False
+        self.refused = 0
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
         if self.closed:
             return
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.writer.write(_LENGTH.pack(len(data)) + data)
+        self.writer.write(encode(message))
 
-    async def call(self, name: str, *args: Any, timeout: float = 30.0) -> Any:
+    async def call(self, name: CallName, *args: JsonValue, timeout: float = 30.0) -> JsonValue:
         """Ask the other end and wait for its answer."""
         if self.closed:
             raise ChannelClosed("the flow-control channel is closed")
         call_id = next(self._ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self.send(("call", call_id, name, *args))
+        self.send(Call(call_id=call_id, name=name, args=args))
         try:
             async with asyncio.timeout(timeout):  # not wait_for, which drops a cancellation that meets the answer
                 return await future
         finally:
             self._calls.pop(call_id, None)
 
-    def reply(self, call_id: int, value: Any) -> None:
-        self.send(("reply", call_id, value))
+    def reply(self, call_id: int, value: JsonValue) -> None:
+        self.send(Reply(call_id=call_id, value=value))
 
-    async def serve(self, handle: Callable[[tuple], None]) -> None:
+    async def serve(self, handle: Callable[[Message], None]) -> None:
         """Read messages until the other end closes; replies settle calls, everything else goes to `handle`."""
         read = self.reader.readexactly
         try:
             while True:
-                (size,) = _LENGTH.unpack(await read(4))
-                message = pickle.loads(await read(size))
-                if message[0] == "reply":
-                    future = self._calls.get(message[1])
-                    if future is not None and not future.done():
-                        future.set_result(message[2])
+                size = frame_length(await read(LENGTH.size))
+                try:
+                    message = decode(await read(size))
+                except Malformed as exc:
+                    self.refused += 1
+                    log_event(logger, "channel_frame_refused", level=logging.ERROR, peer=self.peer, bytes=size,
+                              error=str(exc))
                     continue
-                handle(message)
+                if isinstance(message, Reply):
+                    future = self._calls.get(message.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(message.value)
+                    continue
+                try:
+                    handle(message)
+                except Exception as exc:  # a message this end could not apply: the next one may be fine
+                    log_event(logger, "channel_message_failed", level=logging.ERROR, peer=self.peer,
+                              kind=message.kind, error=f"{type(exc).__name__}: {exc}")
+        except Malformed as exc:  # an oversized frame: the stream cannot be followed past it
+            log_event(logger, "channel_frame_refused", level=logging.ERROR, peer=self.peer, error=str(exc),
+                      hint="the channel is closed; the relay is replaced")
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -25,17 +25,17 @@ from typing import Awaitable
 
 from gateway.app import Gateway
 from gateway.config import ConfigError
+from gateway.flow import moves
 from gateway.flow.controller import FlowController, Outcome
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
+from gateway.relays import messages as m
 from gateway.relays.channel import Channel
+from gateway.replicas import Replica
 
 logger = logging.getLogger("gateway.flow")
 
-# Fields of a replica the relays need: which ones take work, and what they serve (for prompt counting).
-_REPLICA_VIEW = ("url", "healthy", "refused", "model", "model_root", "runtime_version", "max_model_len", "pool",
-                 "listed")
 # A relay that dies sooner than this after its start is restarted after a growing pause, not at once.
 _QUICK_EXIT = 5.0
 
@@ -59,7 +59,7 @@ class _Eviction:
 
     def cancel(self) -> None:
         self.link.answer(self.rid, self.req)  # the decision before the eviction, if it is still unsent
-        self.link.channel.send(("evict", self.rid))
+        self.link.channel.send(m.Evict(rid=self.rid))
 
 
 class RelayLink:
@@ -85,75 +85,74 @@ class RelayLink:
             return
         if req.status is Status.DISPATCHED:
             self._answered.add(rid)
-            res = req.reservation
-            self.channel.send(("dispatched", rid, req.replica.url, req.dispatched_at,  # type: ignore[union-attr]
-                               req.enqueued_at, req.traffic_class if res is not None else None))
+            lease = req.leased()
+            self.channel.send(m.Dispatched(
+                rid=rid, url=lease.replica.url, dispatched_at=lease.dispatched_at, enqueued_at=req.enqueued_at,
+                traffic_class=req.traffic_class if lease.reservation is not None else None))
         elif req.status is Status.REJECTED:
             self.requests.pop(rid, None)
             self.controllers.pop(rid, None)
-            self.channel.send(("rejected", rid, req.drop_reason.value,  # type: ignore[union-attr]
-                               req.drop_message))
+            reason = req.drop_reason or DropReason.NO_ENDPOINTS
+            self.channel.send(m.Rejected(rid=rid, reason=reason.value, message=req.drop_message))
 
     def _queued(self, rid: int, req: FlowRequest, waiter: asyncio.Future) -> None:
         if not waiter.cancelled():
             self.answer(rid, req)
 
     # -- messages from the relay ----------------------------------------------------------------------------
-    def handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "revise":
-            req = self.requests.get(message[1])
-            if req is not None:
-                self.controllers[message[1]].revise(req, message[2], message[3])
-        elif kind == "submit":
-            self._submit(*message[1:])
-        elif kind == "finish":
-            req = self.requests.pop(message[1], None)
-            controller = self.controllers.pop(message[1], None)
-            self._answered.discard(message[1])
-            if req is not None and controller is not None:
-                controller.finish(req, message[2], message[3], message[4])
-        elif kind == "withdraw":
-            self._withdraw(message[1], message[2])
-        elif kind == "started":
-            req = self.requests.get(message[1])
-            if req is not None:
-                self.controllers[message[1]].started_streaming(req)
-        elif kind == "mid_stream":
-            if message[1] in self.pools.pools:
-                self.pools.flow(message[1]).count_mid_stream_eviction()
-        elif kind == "fallbacks":
-            self.pools.default().controller.tally.tokenizer_fallbacks += message[1]
-        elif kind in ("mark_down", "mark_unauthorized"):
-            replica = next((r for r in self.server.gateway.pool.replicas if r.url == message[1]), None)
-            if replica is not None:
-                getattr(self.server.gateway.pool, kind)(replica, *message[2:])
-        elif kind == "tokenizer":
-            self.tokenizer = message[1]
-        elif kind == "call":
-            self.server.call(self, message[1], message[2], *message[3:])
-        else:
-            log_event(logger, "relay_message_unknown", level=logging.ERROR, relay=self.index, kind=kind)
+    def handle(self, message: m.Message) -> None:
+        match message:
+            case m.Revise(rid=rid, output_tokens=tokens, done=done):
+                if (req := self.requests.get(rid)) is not None:
+                    self.controllers[rid].revise(req, tokens, done)
+            case m.Submit(rid=rid, ask=ask):
+                self._submit(rid, ask)
+            case m.Finish(rid=rid, cause=cause, event_at=event_at, closed_at=closed_at):
+                req = self.requests.pop(rid, None)
+                controller = self.controllers.pop(rid, None)
+                self._answered.discard(rid)
+                if req is not None and controller is not None:
+                    controller.finish(req, End(cause), event_at, closed_at)
+            case m.Withdraw(rid=rid, at=at):
+                self._withdraw(rid, at)
+            case m.Started(rid=rid):
+                if (req := self.requests.get(rid)) is not None:
+                    self.controllers[rid].started_streaming(req)
+            case m.MidStream(pool=pool):
+                if pool in self.pools.pools:
+                    self.pools.flow(pool).count_mid_stream_eviction()
+            case m.Fallbacks(count=count):
+                self.pools.default().controller.tally.tokenizer_fallbacks += count
+            case m.MarkDown(url=url, reason=reason):
+                if (replica := self._replica(url)) is not None:
+                    self.server.gateway.pool.mark_down(replica, reason)
+            case m.MarkUnauthorized(url=url, path=path, status=status):
+                if (replica := self._replica(url)) is not None:
+                    self.server.gateway.pool.mark_unauthorized(replica, path, status)
+            case m.TokenizerReport(state=state):
+                self.tokenizer = state
+            case m.Call():
+                self.server.call(self, message)
+            case _:
+                log_event(logger, "relay_message_unexpected", level=logging.ERROR, relay=self.index,
+                          kind=message.kind)
 
-    def _submit(self, pool: str, rid: int, request_id: str, objective: str, priority: int, fairness_id: str,
-                tenant: str, arrived: float, expires_at: float, deadline: float, prompt_tokens: int,
-                max_new_tokens: int, resumable: bool, limit_param: str | None, sequences: int,
-                streamed: bool, prompt_exact: bool, at_risk: bool) -> None:
-        req = FlowRequest(request_id, objective, priority, fairness_id, tenant, arrived, pool=pool,
-                          expires_at=expires_at, deadline=deadline, prompt_tokens=prompt_tokens,
-                          max_new_tokens=max_new_tokens, resumable=resumable, limit_param=limit_param,
-                          sequences=sequences, streamed=streamed, prompt_exact=prompt_exact, at_risk=at_risk)
-        req.task = _Eviction(self, rid, req)  # type: ignore[assignment]
-        if pool not in self.pools.pools:  # the relay routed by a description a reload has since replaced
-            req.status = Status.REJECTED
-            req.drop_reason = DropReason.NO_ENDPOINTS
+    def _replica(self, url: str) -> Replica | None:
+        return next((r for r in self.server.gateway.pool.replicas if r.url == url), None)
+
+    def _submit(self, rid: int, ask: Ask) -> None:
+        req = FlowRequest(ask)
+        req.task = _Eviction(self, rid, req)
+        if ask.pool not in self.pools.pools:  # the relay routed by a description a reload has since replaced
+            moves.reject(req, DropReason.NO_ENDPOINTS)
             self.requests[rid] = req
             self.answer(rid, req)
             return
-        controller = self.controllers[rid] = self.pools.flow(pool)
+        controller = self.controllers[rid] = self.pools.flow(ask.pool)
         self.requests[rid] = req
         if controller.submit(req) is Outcome.QUEUED:
-            req.waiter.add_done_callback(lambda waiter: self._queued(rid, req, waiter))  # type: ignore[union-attr]
+            assert req.waiter is not None
+            req.waiter.add_done_callback(lambda waiter: self._queued(rid, req, waiter))
         else:
             self.answer(rid, req)
 
@@ -167,7 +166,7 @@ class RelayLink:
         if req.status is Status.QUEUED:
             controller.withdraw(req)
         elif req.status is Status.DISPATCHED:
-            controller.finish(req, "disconnect", at)
+            controller.finish(req, End.DISCONNECT, at)
 
     def release_all(self) -> int:
         """The relay is gone: withdraw what it had queued, finish what it had dispatched."""
@@ -181,7 +180,7 @@ class RelayLink:
             if req.status is Status.QUEUED:
                 controller.withdraw(req)
             elif req.status is Status.DISPATCHED:
-                controller.finish(req, "disconnect", now)
+                controller.finish(req, End.DISCONNECT, now)
         return len(held)
 
 
@@ -198,7 +197,7 @@ class FlowServer:
         self.restarts = 0
         self._relays: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
-        self._pool_view: tuple = ()
+        self._pool_view: m.PoolView | None = None
         self._dir = tempfile.mkdtemp(prefix="holdback-gateway-")
         self.channel_path = str(Path(self._dir) / "flow.sock")
         self._use_relay_tokenizers()
@@ -235,23 +234,25 @@ class FlowServer:
         answers = await asyncio.gather(*(link.channel.call("collect", timeout=5.0) for link in links),
                                        return_exceptions=True)
         for link, answer in zip(links, answers):
-            if not isinstance(answer, BaseException):
+            if isinstance(answer, list):  # the relay's metric families (malformed ones are skipped in the merge)
                 link.families = answer
         relay_families = [link.families for link in links] + self.retired_families
         return merged_exposition(metric_families(self.gateway.metrics.registry), relay_families)
 
     # -- calls from relays ----------------------------------------------------------------------------------
-    def call(self, link: RelayLink, call_id: int, name: str, *args: object) -> None:
-        if name == "state":
+    def call(self, link: RelayLink, call: m.Call) -> None:
+        call_id, arg = call.call_id, call.args[0] if call.args else None
+        if call.name == "state":
             link.channel.reply(call_id, self.snapshot())
-        elif name == "rollback":
+        elif call.name == "rollback":
+            lower = float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
             try:
-                link.channel.reply(call_id, ("ok", self.gateway.rollback(args[0])))  # type: ignore[arg-type]
+                link.channel.reply(call_id, ["ok", self.gateway.rollback(lower)])
             except ConfigError as exc:
-                link.channel.reply(call_id, ("refused", str(exc)))
-        elif name == "reassign":
-            asyncio.ensure_future(self._reassign(link, call_id, args[0]))  # type: ignore[arg-type]
-        elif name == "metrics":
+                link.channel.reply(call_id, ["refused", str(exc)])
+        elif call.name == "reassign" and isinstance(arg, int):
+            asyncio.ensure_future(self._reassign(link, call_id, arg))
+        elif call.name == "metrics":
             asyncio.ensure_future(self._metrics(link, call_id))
         else:
             link.channel.reply(call_id, None)
@@ -262,19 +263,18 @@ class FlowServer:
         link.channel.reply(call_id, replica.url if replica is not None else None)
 
     async def _metrics(self, link: RelayLink, call_id: int) -> None:
-        link.channel.reply(call_id, await self.exposition())
+        link.channel.reply(call_id, (await self.exposition()).decode())
 
     # -- broadcasts -----------------------------------------------------------------------------------------
-    def _config_message(self) -> tuple:
-        """("config", the gateway's config, per pool its name, config and ledger settings)."""
+    def _config_message(self) -> m.Configure:
+        """The gateway's config, and per pool its name, config and ledger settings."""
         pools = []
         for controller in self.pools.flows():
             ledger = controller.ledger
             assert ledger is not None
-            pools.append((controller.pool_name, controller.loaded, {
-                "block_tokens": ledger.block_tokens, "safety_factor": ledger.safety_factor,
-                "window": ledger.meter.window}))
-        return ("config", self.pools.loaded, pools)
+            pools.append(m.PoolConfig(name=controller.pool_name, loaded=controller.loaded, ledger=m.LedgerSettings(
+                block_tokens=ledger.block_tokens, safety_factor=ledger.safety_factor, window=ledger.meter.window)))
+        return m.Configure(loaded=self.pools.loaded, pools=tuple(pools))
 
     def _config_changed(self) -> None:
         self._use_relay_tokenizers()  # the in-process proxy's reconfigure pointed it at its own counter
@@ -282,16 +282,20 @@ class FlowServer:
         for link in self.links.values():
             link.channel.send(message)
 
-    def _views(self) -> list[dict]:
-        return [{name: getattr(r, name) for name in _REPLICA_VIEW} for r in self.gateway.pool.replicas]
+    def _pool_message(self) -> m.PoolView:
+        views = tuple(m.ReplicaView(url=r.url, healthy=r.healthy, refused=r.refused, model=r.model,
+                                    model_root=r.model_root, runtime_version=r.runtime_version,
+                                    max_model_len=r.max_model_len, pool=r.pool, listed=r.listed)
+                      for r in self.gateway.pool.replicas)
+        return m.PoolView(replicas=views, routing=tuple(self.pools.describe()))
 
     def _pool_changed(self) -> None:
         self.pools.wake()
-        views = (self._views(), self.pools.describe())
-        if views != self._pool_view:
-            self._pool_view = views
+        message = self._pool_message()
+        if message != self._pool_view:
+            self._pool_view = message
             for link in self.links.values():
-                link.channel.send(("pool", *views))
+                link.channel.send(message)
 
     def _pools_changed(self) -> None:
         """A pool was added (a replica reported a new model) or a replica changed pools: its config first."""
@@ -302,18 +306,19 @@ class FlowServer:
 
     # -- the channel ----------------------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = Channel(reader, writer)
+        channel = Channel(reader, writer, peer="relay")
         link: RelayLink | None = None
 
-        def handle(message: tuple) -> None:
+        def handle(message: m.Message) -> None:
             nonlocal link
             if link is not None:
                 link.handle(message)
-            elif message[0] == "hello":  # ("hello", pid, index): the relay's first message
-                link = RelayLink(self, channel, message[1], message[2])
+            elif isinstance(message, m.Hello):  # the relay's first message
+                link = RelayLink(self, channel, message.pid, message.index)
+                channel.peer = f"relay {message.index}"
                 self.links[link.index] = link
                 channel.send(self._config_message())
-                channel.send(("pool", self._views(), self.pools.describe()))
+                channel.send(self._pool_message())
 
         await channel.serve(handle)
         if link is not None:

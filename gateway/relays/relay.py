@@ -29,6 +29,7 @@ from gateway.app import (gateway_app, readiness, refuse_admin, rollback_request,
 from gateway.log import configure_logging, log_event
 from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
+from gateway.relays import messages as m
 from gateway.relays.channel import Channel, ChannelClosed
 from gateway.relays.remote_flow import RemotePools
 from gateway.responses import error_response
@@ -47,40 +48,39 @@ class Relay:
         self.pools: RemotePools | None = None
         self.proxy: Proxy | None = None
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._replicas: list[dict] = []
-        self._routing: list[dict] = []
+        self._view = m.PoolView(replicas=(), routing=())
 
     # -- messages from flow control -------------------------------------------------------------------------
-    def handle(self, message: tuple) -> None:
-        kind = message[0]
+    def handle(self, message: m.Message) -> None:
         pools = self.pools
-        if kind == "dispatched":
-            pools.dispatched(*message[1:])  # type: ignore[union-attr]
-        elif kind == "evict":
-            pools.evict(message[1])  # type: ignore[union-attr]
-        elif kind == "rejected":
-            pools.rejected(*message[1:])  # type: ignore[union-attr]
-        elif kind == "pool":  # ("pool", replica views, the pools' routing description)
-            self._replicas, self._routing = message[1], message[2]
-            if pools is not None:
-                pools.update(message[1], message[2])
-        elif kind == "config":
-            self._configure(message[1], message[2])
-        elif kind == "call" and message[2] == "collect":
-            self.channel.reply(message[1], metric_families(self.metrics.registry))
-        else:
-            log_event(logger, "flow_message_unknown", level=logging.ERROR, kind=kind)
+        match message:
+            case m.Dispatched() | m.Evict() | m.Rejected() if pools is not None:
+                pools.decided(message)
+            case m.PoolView():
+                self._view = message
+                if pools is not None:
+                    pools.update(message)
+            case m.Configure():
+                self._configure(message)
+            case m.Call(name="collect"):
+                self.channel.reply(message.call_id, metric_families(self.metrics.registry))
+            case _:
+                log_event(logger, "flow_message_unexpected", level=logging.ERROR, kind=message.kind)
 
-    def _configure(self, loaded, pools: list) -> None:  # noqa: ANN001
-        """("config", the gateway's config, (pool name, its config, its ledger's settings) per pool)."""
+    def _configure(self, message: m.Configure) -> None:
+        """The gateway's config, and each pool's with its ledger's settings."""
         if self.pools is None:
-            self.pools = RemotePools(self.channel, loaded, pools, self._replicas, self._routing)
+            self.pools = RemotePools(self.channel, message, self._view)
             self.proxy = Proxy(self.pools, self.metrics)
             self.configured.set_result(None)
         else:
-            self.pools.configure(loaded, pools)
+            self.pools.configure(message)
             assert self.proxy is not None
             self.proxy.reconfigure()
+
+    def _proxy(self) -> Proxy:
+        assert self.proxy is not None, "the relay serves only once flow control configured it"
+        return self.proxy
 
     # -- routes ---------------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -91,17 +91,18 @@ class Relay:
         return web.Response(text="ok")
 
     async def ready(self, request: web.Request) -> web.Response:
-        return readiness(self.pools.replicas.replicas)  # type: ignore[union-attr]
+        return readiness(self.pools.replicas.replicas if self.pools is not None else [])
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
             body = await self.channel.call("metrics")
         except (ChannelClosed, asyncio.TimeoutError):
             return _flow_control_gone()
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=str(body).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def admin_state(self, request: web.Request) -> web.Response:
-        refused = refuse_admin(self.proxy.classifier, request)  # type: ignore[union-attr]
+        refused = refuse_admin(self._proxy().classifier, request)
         if refused is not None:
             return refused
         try:
@@ -111,23 +112,26 @@ class Relay:
         return web.Response(text=json.dumps(state), content_type="application/json")
 
     async def admin_rollback(self, request: web.Request) -> web.Response:
-        lower = await rollback_request(self.proxy.classifier, request)  # type: ignore[union-attr]
+        lower = await rollback_request(self._proxy().classifier, request)
         if isinstance(lower, web.Response):
             return lower
         try:
-            verdict, answer = await self.channel.call("rollback", lower)
+            answer = await self.channel.call("rollback", lower)
         except (ChannelClosed, asyncio.TimeoutError):
             return _flow_control_gone()
+        if not isinstance(answer, list) or len(answer) != 2:
+            return _flow_control_gone()
+        verdict, answer = answer
         if verdict != "ok":
-            return error_response(409, answer, "invalid_request_error", "rollback_refused")
+            return error_response(409, str(answer), "invalid_request_error", "rollback_refused")
         return web.json_response(answer)
 
     async def report_tokenizer(self) -> None:
         last = None
         while not self.channel.closed:
-            state = self.proxy.counter.state()  # type: ignore[union-attr]
+            state = self._proxy().counter.state()
             if state != last:
-                self.channel.send(("tokenizer", state))
+                self.channel.send(m.TokenizerReport(state=state))
                 last = state
             await asyncio.sleep(TOKENIZER_REPORT_SECONDS)
 
@@ -139,10 +143,10 @@ def _flow_control_gone() -> web.Response:
 
 async def serve(fd: int, channel_path: str, index: int) -> None:
     reader, writer = await asyncio.open_unix_connection(channel_path)
-    channel = Channel(reader, writer)
+    channel = Channel(reader, writer, peer="flow control")
     relay = Relay(channel, index)
     reading = asyncio.create_task(channel.serve(relay.handle), name="flow-channel")
-    channel.send(("hello", os.getpid(), index))
+    channel.send(m.Hello(pid=os.getpid(), index=index))
     await asyncio.wait_for(relay.configured, 60)
     assert relay.pools is not None and relay.proxy is not None
     pools = relay.pools

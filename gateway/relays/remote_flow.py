@@ -14,17 +14,20 @@ as a message that cancels the proxy's task, which the proxy answers as it answer
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from gateway.config import LoadedConfig
+from gateway.flow import moves
 from gateway.flow.interface import Outcome
-from gateway.flow.ledger import KvLedger, Reservation
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.ledger import KvLedger
+from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status
 from gateway.log import log_event
 from gateway.pools import PoolReplicas, PoolRouting
+from gateway.relays import messages as m
 from gateway.relays.channel import Channel
 from gateway.replicas import Replica
 
@@ -39,13 +42,13 @@ class RelayPool:
         self.channel = channel
         self.replicas: list[Replica] = []
 
-    def update(self, views: list[dict]) -> None:
+    def update(self, views: tuple[m.ReplicaView, ...]) -> None:
         by_url = {r.url: r for r in self.replicas}
         replicas = []
         for view in views:
-            replica = by_url.get(view["url"]) or Replica(view["url"])
-            for name, value in view.items():
-                setattr(replica, name, value)
+            replica = by_url.get(view.url) or Replica(view.url)
+            for f in dataclasses.fields(view):
+                setattr(replica, f.name, getattr(view, f.name))
             replicas.append(replica)
         self.replicas = replicas
 
@@ -57,11 +60,11 @@ class RelayPool:
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         replica.healthy = False
-        self.channel.send(("mark_down", replica.url, reason))
+        self.channel.send(m.MarkDown(url=replica.url, reason=reason))
 
     def mark_unauthorized(self, replica: Replica, path: str, status: int) -> None:
         replica.healthy = False
-        self.channel.send(("mark_unauthorized", replica.url, path, status))
+        self.channel.send(m.MarkUnauthorized(url=replica.url, path=path, status=status))
 
 
 class RemotePools:
@@ -69,30 +72,28 @@ class RemotePools:
     (its pools' served names, sent again whenever they change). The relay's request ids are one sequence over
     every pool, so flow control's answers find their request whatever its pool."""
 
-    def __init__(self, channel: Channel, loaded: LoadedConfig, pools: list[tuple[str, LoadedConfig, dict]],
-                 replicas: list[dict], routing: list[dict]):
+    def __init__(self, channel: Channel, config: m.Configure, view: m.PoolView):
         self.channel = channel
         self.replicas = RelayPool(channel)
-        self.replicas.update(replicas)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
         self.requests: dict[int, FlowRequest] = {}
         self.ids = itertools.count(1)
         self._flows: dict[str, RemoteFlowController] = {}
-        self._routing = PoolRouting(routing)
-        self.configure(loaded, pools)
+        self.update(view)
+        self.configure(config)
 
-    def configure(self, loaded: LoadedConfig, pools: list[tuple[str, LoadedConfig, dict]]) -> None:
-        self.loaded = loaded
-        for name, own, ledger in pools:
-            flow = self._flows.get(name)
+    def configure(self, config: m.Configure) -> None:
+        self.loaded = config.loaded
+        for pool in config.pools:
+            flow = self._flows.get(pool.name)
             if flow is None:
-                self._flows[name] = RemoteFlowController(self, name, own, ledger)
+                self._flows[pool.name] = RemoteFlowController(self, pool.name, pool.loaded, pool.ledger)
             else:
-                flow.configure(own, ledger)
+                flow.configure(pool.loaded, pool.ledger)
 
-    def update(self, replicas: list[dict], routing: list[dict]) -> None:
-        self.replicas.update(replicas)
-        self._routing = PoolRouting(routing)
+    def update(self, view: m.PoolView) -> None:
+        self.replicas.update(view.replicas)
+        self._routing = PoolRouting(list(view.routing))
 
     # -- FlowPools (gateway/flow/interface.py) --------------------------------------------------------------
     def routing(self) -> PoolRouting:
@@ -106,22 +107,19 @@ class RemotePools:
         return named or list(self._flows.values())
 
     # -- messages from flow control -------------------------------------------------------------------------
-    def _of(self, rid: int) -> Iterator[RemoteFlowController]:
-        req = self.requests.get(rid)
-        if req is not None:
-            yield self._flows[req.pool]
-
-    def dispatched(self, rid: int, *decision: object) -> None:
-        for flow in self._of(rid):
-            flow.dispatched(rid, *decision)  # type: ignore[arg-type]
-
-    def rejected(self, rid: int, reason: str, message: str | None) -> None:
-        for flow in self._of(rid):
-            flow.rejected(rid, reason, message)
-
-    def evict(self, rid: int) -> None:
-        for flow in self._of(rid):
-            flow.evict(rid)
+    def decided(self, message: m.Dispatched | m.Rejected | m.Evict) -> None:
+        """Flow control's decision on one of this relay's requests, applied by its pool's controller."""
+        req = self.requests.get(message.rid)
+        if req is None:
+            return  # it ended here first (withdrawn, finished): flow control learns it from our message
+        flow = self._flows[req.pool]
+        match message:
+            case m.Dispatched():
+                flow.dispatched(req, message)
+            case m.Rejected():
+                flow.rejected(req, message)
+            case m.Evict():
+                flow.evict(req)
 
     def lost(self) -> None:
         """Flow control is gone: nothing this relay holds can be decided any more."""
@@ -135,21 +133,21 @@ class RemoteFlowController:
     """`FlowControl` for a relay's requests to one model pool: every call goes over the channel to that pool's
     FlowController."""
 
-    def __init__(self, pools: RemotePools, name: str, loaded: LoadedConfig, ledger: dict):
+    def __init__(self, pools: RemotePools, name: str, loaded: LoadedConfig, ledger: m.LedgerSettings):
         self.channel = pools.channel
         self.name = name
         self.replicas = pools.replicas
         self.pool = PoolReplicas(pools.replicas, name)  # type: ignore[arg-type]  # the relay's mirror of them
         # The mirror of this relay's reservations: it tells the proxy when a revision is due, as the real one does.
-        self.ledger = KvLedger(**ledger)
+        self.ledger = KvLedger(**dataclasses.asdict(ledger))
         self.configure(loaded, ledger)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
         self._requests = pools.requests
         self._ids = pools.ids
 
-    def configure(self, loaded: LoadedConfig, ledger: dict) -> None:
+    def configure(self, loaded: LoadedConfig, ledger: m.LedgerSettings) -> None:
         self.loaded = loaded
-        self.ledger.configure(**ledger)
+        self.ledger.configure(**dataclasses.asdict(ledger))
 
     # -- the FlowControl interface (gateway/flow/interface.py) ----------------------------------------------
     @property
@@ -159,93 +157,86 @@ class RemoteFlowController:
 
     def count_tokenizer_fallback(self) -> None:
         # Flow control keeps the gateway's count (for /admin/state).
-        self.channel.send(("fallbacks", 1))
+        self.channel.send(m.Fallbacks(count=1))
 
     def submit(self, req: FlowRequest) -> Outcome:
         req.seq = rid = next(self._ids)
-        req.status = Status.QUEUED
-        req.waiter = asyncio.get_running_loop().create_future()
+        moves.queue(req, time.monotonic(), asyncio.get_running_loop().create_future())
         self._requests[rid] = req
-        self.channel.send(("submit", self.name, rid, req.request_id, req.objective, req.priority, req.fairness_id,
-                           req.tenant, req.arrived, req.expires_at, req.deadline, req.prompt_tokens,
-                           req.max_new_tokens, req.resumable, req.limit_param, req.sequences, req.streamed,
-                           req.prompt_exact, req.at_risk))
+        self.channel.send(m.Submit(rid=rid, ask=req.ask))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:
         # Flow control may have dispatched it already: it then releases it as a disconnect.
         if req.status is Status.QUEUED:
-            req.status = Status.WITHDRAWN
-            self.channel.send(("withdraw", self._requests.pop(req.seq).seq, time.monotonic()))
+            moves.withdraw(req)
+            self.channel.send(m.Withdraw(rid=self._requests.pop(req.seq).seq, at=time.monotonic()))
 
-    def finish(self, req: FlowRequest, cause: str = "end", event_at: float | None = None) -> None:
+    def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None) -> None:
         if req.status is not Status.DISPATCHED:
             return
-        req.status = Status.EVICTED if req.drop_reason is DropReason.EVICTED else Status.FINISHED
+        evicted = moves.finish(req)
         self._requests.pop(req.seq, None)
         now = time.monotonic()
-        if isinstance(req.reservation, Reservation):
+        if req.reservation is not None:
             self.ledger.release(req.reservation, now)
         # The proxy finishes an evicted request right after closing its upstream: that is when it let go.
-        self.channel.send(("finish", req.seq, cause, event_at, now if req.status is Status.EVICTED else None))
+        self.channel.send(m.Finish(rid=req.seq, cause=cause.value, event_at=event_at,
+                                   closed_at=now if evicted else None))
 
     async def reassign(self, req: FlowRequest) -> Replica | None:
         if req.status is not Status.DISPATCHED:
             return None
         url = await self.channel.call("reassign", req.seq)
-        if url is None:
+        if not isinstance(url, str):
             return None
-        req.replica = self.replicas.by_url(url)
-        if isinstance(req.reservation, Reservation):
-            self.ledger.move(req.reservation, url)
-        return req.replica
+        lease = req.leased()
+        lease.replica = self.replicas.by_url(url)
+        if lease.reservation is not None:
+            self.ledger.move(lease.reservation, url)
+        return lease.replica
 
     def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
         res = req.reservation
-        if not isinstance(res, Reservation) or req.status is not Status.DISPATCHED:
+        if res is None or req.status is not Status.DISPATCHED:
             return
         self.ledger.revise(res, output_tokens, time.monotonic(), done=done)
-        self.channel.send(("revise", req.seq, output_tokens, done))
+        self.channel.send(m.Revise(rid=req.seq, output_tokens=output_tokens, done=done))
 
     def started_streaming(self, req: FlowRequest) -> None:
-        req.streaming_started = True
-        self.channel.send(("started", req.seq))
+        if req.lease is not None:
+            req.lease.streaming_started = True
+        self.channel.send(m.Started(rid=req.seq))
 
     def count_mid_stream_eviction(self) -> None:
-        self.channel.send(("mid_stream", self.name))
+        self.channel.send(m.MidStream(pool=self.name))
 
-    # -- messages from flow control -------------------------------------------------------------------------
-    def dispatched(self, rid: int, url: str, dispatched_at: float, enqueued_at: float,
-                   traffic_class: str | None) -> None:
-        req = self._requests.get(rid)
-        if req is None or req.status is not Status.QUEUED:
+    # -- decisions from flow control (RemotePools.decided) --------------------------------------------------
+    def dispatched(self, req: FlowRequest, message: m.Dispatched) -> None:
+        if req.status is not Status.QUEUED:
             return  # withdrawn meanwhile: flow control releases it when the withdrawal arrives
-        req.status = Status.DISPATCHED
-        req.replica = self.replicas.by_url(url)
-        req.dispatched_at, req.enqueued_at = dispatched_at, enqueued_at
-        if traffic_class is not None:
-            req.traffic_class = traffic_class
-            req.reservation = self.ledger.reserve(
-                request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=traffic_class,
-                priority=req.priority, replica=url, prompt_tokens=req.prompt_tokens,
-                max_new_tokens=req.max_new_tokens, now=dispatched_at)
+        lease = Lease(self.replicas.by_url(message.url), message.dispatched_at)
+        if message.traffic_class is not None:
+            req.traffic_class = message.traffic_class
+            lease.reservation = self.ledger.reserve(
+                request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=message.traffic_class,
+                priority=req.priority, replica=message.url, prompt_tokens=req.prompt_tokens,
+                max_new_tokens=req.max_new_tokens, now=message.dispatched_at)
+        moves.dispatch(req, lease)
+        req.enqueued_at = message.enqueued_at
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.DISPATCHED)
 
-    def rejected(self, rid: int, reason: str, message: str | None) -> None:
-        req = self._requests.pop(rid, None)
-        if req is None:
+    def rejected(self, req: FlowRequest, message: m.Rejected) -> None:
+        if req.status is not Status.QUEUED:
             return
-        req.status = Status.REJECTED
-        req.drop_reason = DropReason(reason)
-        req.drop_message = message
+        self._requests.pop(req.seq, None)
+        moves.reject(req, DropReason(message.reason), message.message)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.REJECTED)
 
-    def evict(self, rid: int) -> None:
-        req = self._requests.get(rid)
-        if req is None:
-            return  # it ended here first; its finish is on the way
-        req.drop_reason = DropReason.EVICTED
+    def evict(self, req: FlowRequest) -> None:
+        if req.status is Status.DISPATCHED:
+            moves.evict(req, time.monotonic())
         if req.task is not None:
             req.task.cancel()

@@ -1,5 +1,6 @@
 """KV admission policy and ledger as units: sizing, the watermark ladder, quotas, the growth-room check."""
 
+from dataclasses import replace
 import pytest
 
 from gateway.calibration import Profile
@@ -189,11 +190,11 @@ def test_dispatch_reserves_the_output_vllm_runs_in_the_replicas_blocks_and_admin
         replica.max_model_len, replica.kv_block_size = 512, 128
         replica.num_gpu_blocks, replica.kv_cache_size_tokens = 16384, 2_097_152
         chat = req(fc, clock, "realtime")
-        chat.prompt_tokens, chat.max_new_tokens = 9, 1024  # vLLM generates at most 503 of them
+        chat.ask = replace(chat.ask, prompt_tokens=9, max_new_tokens=1024)  # vLLM generates at most 503 of them
         assert fc.submit(chat) is FlowOutcome.DISPATCHED
         assert (chat.reservation.max_new_tokens, chat.reservation.kv_tokens, chat.reservation.blocks) == (503, 512, 4)
         pair = req(fc, clock, "realtime")
-        pair.prompt_tokens, pair.max_new_tokens, pair.sequences = 100, 100, 2  # n=2: two outputs
+        pair.ask = replace(pair.ask, prompt_tokens=100, max_new_tokens=100, sequences=2)  # n=2: two outputs
         assert fc.submit(pair) is FlowOutcome.DISPATCHED
         assert (pair.reservation.max_new_tokens, pair.reservation.kv_tokens) == (200, 384)
         kv = fc.snapshot()["kv"]["replicas"][replica.url]

@@ -6,7 +6,7 @@ at risk counts only from a trusted relay's key."""
 import asyncio
 
 from gateway.flow.interface import Outcome
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import Ask, DropReason, FlowRequest, Status
 from tests.gateway.test_classification import classify
 from tests.gateway.test_flow_control import PRIO, controller, run
 
@@ -14,7 +14,8 @@ STATIC = "usageLimit: {policy: static, threshold: 1.0}\n"
 
 
 def request(clock, name, objective, at_risk=False, deadline=float("inf")):
-    r = FlowRequest(name, objective, PRIO[objective], "t", "t", arrived=clock(), deadline=deadline, at_risk=at_risk)
+    r = FlowRequest(Ask(request_id=name, objective=objective, priority=PRIO[objective], fairness_id="t", tenant="t",
+                        arrived=clock(), deadline=deadline, at_risk=at_risk))
     r.task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
     return r
 

@@ -5,13 +5,14 @@ import math
 import pytest
 
 from gateway.flow.band import PriorityBand
-from gateway.flow.request import FlowRequest, Status
+from gateway.flow.request import Ask, FlowRequest, Status
 from gateway.policies.fairness import fairness_policy
 from gateway.policies.ordering import EarliestDeadline, ordering_policy
 
 
 def make(seq, fid="t", deadline=math.inf, expires=math.inf):
-    r = FlowRequest(f"r{seq}", "batch", -10, fid, fid, arrived=float(seq), expires_at=expires, deadline=deadline)
+    r = FlowRequest(Ask(request_id=f"r{seq}", objective="batch", priority=-10, fairness_id=fid, tenant=fid,
+                        arrived=float(seq), expires_at=expires, deadline=deadline))
     r.seq = seq
     r.status = Status.QUEUED
     return r

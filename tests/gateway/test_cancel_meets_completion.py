@@ -62,7 +62,7 @@ def test_a_relay_call_answered_as_its_caller_leaves_ends_the_call():
         ours, theirs = socket.socketpair()
         reader, writer = await asyncio.open_connection(sock=ours)
         channel = Channel(reader, writer)
-        caller = asyncio.create_task(channel.call("submit"))
+        caller = asyncio.create_task(channel.call("state"))
         while not channel._calls:
             await asyncio.sleep(0)
         (answer,) = channel._calls.values()

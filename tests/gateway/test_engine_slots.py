@@ -2,6 +2,7 @@
 higher-priority request waiting inside the replica for an engine slot, and the priority written for replicas
 that run vLLM's priority policy."""
 
+from dataclasses import replace
 import asyncio
 
 import pytest
@@ -10,7 +11,7 @@ from gateway.cache_salt import replica_priority
 from gateway.config import ConfigError, parse_config
 from gateway.flow.controller import FlowController
 from gateway.flow.interface import Outcome
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import Ask, DropReason, FlowRequest, Status
 from gateway.metrics import GatewayMetrics
 from gateway.policies.saturation import ConcurrencyDetector
 from gateway.replicas import Replica, ReplicaPool
@@ -40,20 +41,21 @@ def controller(engine: str, urls=(A,), extra="usageLimit: {policy: static, thres
 
 def request(clock, objective, n=[0]):
     n[0] += 1
-    return FlowRequest(f"{objective}-{n[0]}", objective, PRIO[objective], "t", "t", arrived=clock())
+    return FlowRequest(Ask(request_id=f"{objective}-{n[0]}", objective=objective, priority=PRIO[objective],
+                           fairness_id="t", tenant="t", arrived=clock()))
 
 
 def queued(fc, clock, objective):
     """A streamed request submitted while it cannot be dispatched: it waits in the gateway's queue."""
     r = request(clock, objective)
-    r.streamed, r.task = True, asyncio.get_running_loop().create_task(asyncio.sleep(60))
+    r.ask, r.task = replace(r.ask, streamed=True), asyncio.get_running_loop().create_task(asyncio.sleep(60))
     assert fc.submit(r) is Outcome.QUEUED
     return r
 
 
 def dispatch(fc, clock, objective, *, streaming=True, streamed=True):
     r = request(clock, objective)
-    r.streamed = streamed
+    r.ask = replace(r.ask, streamed=streamed)
     r.task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
     clock.t += 0.01
     assert fc.submit(r) is Outcome.DISPATCHED

@@ -1,14 +1,16 @@
 """The evictor: victim order, deficit-based sizing, strictly-lower priority, stop-and-wait pacing."""
 
+from dataclasses import replace
 import pytest
 
 from gateway.flow.eviction import BandDemand, Evictor
-from gateway.flow.request import FlowRequest
+from gateway.flow.request import Ask, FlowRequest, Lease
+from gateway.replicas import Replica
 
 
 def inflight(name, priority, dispatched_at):
-    r = FlowRequest(name, "x", priority, "t", "t", arrived=0.0)
-    r.dispatched_at = dispatched_at
+    r = FlowRequest(Ask(request_id=name, objective="x", priority=priority, fairness_id="t", tenant="t", arrived=0.0))
+    r.lease = Lease(Replica("http://replica"), dispatched_at)
     r.seq = int(dispatched_at * 100)
     return r
 
@@ -166,14 +168,14 @@ def test_kv_excess_takes_victims_on_that_replica_until_their_reservations_cover_
     from gateway.flow.ledger import KvLedger
 
     ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
-    here, there = object(), object()
+    here, there = Replica("http://here"), Replica("http://there")
     e = Evictor(max_per_decision=3)
     reqs = []
     for name, replica, blocks, at in (("a", here, 30, 1.0), ("b", here, 30, 2.0), ("c", there, 90, 3.0),
                                       ("d", here, 30, 0.5)):
         r = inflight(name, -10, at)
-        r.replica = replica
-        r.reservation = ledger.reserve(request_id=name, fairness_id="t", traffic_class="batch", priority=-10,
+        r.lease = Lease(replica, at)
+        r.lease.reservation = ledger.reserve(request_id=name, fairness_id="t", traffic_class="batch", priority=-10,
                                        replica="x", prompt_tokens=blocks * 16, max_new_tokens=0, now=0.0)
         e.track(r)
         reqs.append(r)
@@ -220,11 +222,11 @@ def test_the_configured_policy_picks_the_controllers_victim(name, victim):
         fc, clock = controller(f"usageLimit: {{policy: static, threshold: 1.0}}\n"
                                f"eviction: {{policy: {name}, maxPerDecision: 1}}", max_concurrency=2)
         quiet, new = req(fc, clock, "batch"), req(fc, clock, "batch")
-        quiet.request_id, new.request_id = "batch-quiet", "batch-new"
+        quiet.ask, new.ask = replace(quiet.ask, request_id="batch-quiet"), replace(new.ask, request_id="batch-new")
         fc.submit(quiet)
         clock.t += 1.0
         fc.submit(new)
-        new.streaming_started = True  # the newer one has begun to stream; the older one has not
+        new.leased().streaming_started = True  # the newer one has begun to stream; the older one has not
         fc.submit(req(fc, clock, "realtime"))
         fc.cycle()
         assert [r.request_id for r in (quiet, new) if r.drop_reason is DropReason.EVICTED] == [victim]

@@ -4,6 +4,7 @@ Strict band order, head-of-line blocking, holdback ceilings, queue limits, TTL e
 eviction decisions, driven one cycle at a time with a controllable clock.
 """
 
+from dataclasses import replace
 import asyncio
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from gateway.config import parse_config
 from gateway.flow.controller import FlowController
 from gateway.flow.interface import Outcome
-from gateway.flow.request import DropReason, FlowRequest, Status
+from gateway.flow.request import Ask, DropReason, FlowRequest, Status
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
 
@@ -44,7 +45,8 @@ def controller(extra="", replicas=1, max_concurrency=4):
 
 def req(fc, clock, objective, n=[0], fid="t", ttl=None):
     n[0] += 1
-    r = FlowRequest(f"{objective}-{n[0]}", objective, PRIO[objective], fid, fid, arrived=clock())
+    r = FlowRequest(Ask(request_id=f"{objective}-{n[0]}", objective=objective, priority=PRIO[objective],
+                        fairness_id=fid, tenant=fid, arrived=clock()))
     if ttl is not None:
         r.expires_at = clock() + ttl
     return r
@@ -130,7 +132,7 @@ def test_ttl_expiry_and_request_deadline():
         assert band_ttl.drop_reason is DropReason.TTL_EXPIRED
         assert fc.total_queued == 0 and fc.bands[-10].queued == 0
         past = req(fc, clock, "realtime")
-        past.deadline = clock.t - 1
+        past.ask = replace(past.ask, deadline=clock.t - 1)
         assert fc.submit(past) is Outcome.REJECTED and past.drop_reason is DropReason.TTL_EXPIRED
     run(main())
 
@@ -244,9 +246,10 @@ def test_an_evicted_requests_retry_keeps_its_place_ahead_of_batch_queued_after_i
         assert victim.drop_reason is DropReason.EVICTED
         fc.finish(victim)
         # Another tenant sending the same request id gets no place; the victim's own retry does.
-        stranger = FlowRequest(victim.request_id, "batch", PRIO["batch"], "other", "other", arrived=clock())
-        retry = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
-                            arrived=clock())
+        stranger = FlowRequest(Ask(request_id=victim.request_id, objective="batch", priority=PRIO["batch"],
+                                   fairness_id="other", tenant="other", arrived=clock()))
+        retry = FlowRequest(Ask(request_id=victim.request_id, objective="batch", priority=PRIO["batch"],
+                                fairness_id=victim.fairness_id, tenant=victim.tenant, arrived=clock()))
         assert fc.submit(stranger) is Outcome.QUEUED and stranger.place == stranger.seq
         fc.withdraw(stranger)
         assert fc.submit(retry) is Outcome.QUEUED
@@ -256,8 +259,8 @@ def test_an_evicted_requests_retry_keeps_its_place_ahead_of_batch_queued_after_i
         assert retry.status is Status.DISPATCHED and all(r.status is Status.QUEUED for r in later)
         assert fc.snapshot()["totals"]["evicted_places_kept"] == 1
         # The place is taken once: a second request with that id queues at its own arrival.
-        again = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
-                            arrived=clock())
+        again = FlowRequest(Ask(request_id=victim.request_id, objective="batch", priority=PRIO["batch"],
+                                fairness_id=victim.fairness_id, tenant=victim.tenant, arrived=clock()))
         assert fc.submit(again) is Outcome.QUEUED and again.place == again.seq
         for r in batch:
             r.task.cancel()
@@ -278,7 +281,8 @@ def test_a_resumed_attempt_is_not_the_next_victim_and_a_refused_retry_keeps_its_
         assert first.drop_reason is DropReason.EVICTED
         fc.finish(first)
         fc.finish(rt1)
-        retry = FlowRequest(first.request_id, "batch", PRIO["batch"], first.fairness_id, first.tenant, arrived=clock())
+        retry = FlowRequest(Ask(request_id=first.request_id, objective="batch", priority=PRIO["batch"],
+                                fairness_id=first.fairness_id, tenant=first.tenant, arrived=clock()))
         retry.task = loop.create_task(asyncio.sleep(60))
         clock.t += 0.01
         assert fc.submit(retry) is Outcome.DISPATCHED and retry.evictions == 1
@@ -287,13 +291,15 @@ def test_a_resumed_attempt_is_not_the_next_victim_and_a_refused_retry_keeps_its_
         assert retry.drop_reason is None and batch[-2].drop_reason is DropReason.EVICTED
         # The second victim's retry waits for a slot and its wait runs out: refused, its count is kept.
         fc.finish(batch[-2])
-        late = FlowRequest(batch[-2].request_id, "batch", PRIO["batch"], "t", "t", arrived=clock())
+        late = FlowRequest(Ask(request_id=batch[-2].request_id, objective="batch", priority=PRIO["batch"],
+                               fairness_id="t", tenant="t", arrived=clock()))
         late.expires_at = clock() + 1
         assert fc.submit(late) is Outcome.QUEUED and late.evictions == 1
         clock.t += 2
         fc.cycle()
         assert late.status is Status.REJECTED and late.drop_reason is DropReason.TTL_EXPIRED
-        again = FlowRequest(late.request_id, "batch", PRIO["batch"], "t", "t", arrived=clock())
+        again = FlowRequest(Ask(request_id=late.request_id, objective="batch", priority=PRIO["batch"], fairness_id="t",
+                                tenant="t", arrived=clock()))
         assert fc.submit(again) is Outcome.QUEUED and (again.evictions, again.place) == (1, batch[-2].place)
         for r in (*batch, retry):
             r.task.cancel()
@@ -319,8 +325,8 @@ def test_an_evicted_requests_retry_goes_back_to_the_replica_it_ran_on_while_that
             fc.finish(r)
         assert (home.in_flight, other.in_flight) == (3, 2)
         fresh = req(fc, clock, "batch")
-        retry = FlowRequest(victim.request_id, "batch", PRIO["batch"], victim.fairness_id, victim.tenant,
-                            arrived=clock())
+        retry = FlowRequest(Ask(request_id=victim.request_id, objective="batch", priority=PRIO["batch"],
+                                fairness_id=victim.fairness_id, tenant=victim.tenant, arrived=clock()))
         assert fc.submit(retry) is Outcome.DISPATCHED
         if not affinity:
             assert retry.replica is other and fc.snapshot()["totals"]["evicted_replica_kept"] == 0
@@ -329,7 +335,8 @@ def test_an_evicted_requests_retry_goes_back_to_the_replica_it_ran_on_while_that
         assert fc.submit(fresh) is Outcome.DISPATCHED and fresh.replica is other, "no affinity: least loaded"
         assert fc.snapshot()["totals"]["evicted_replica_kept"] == 1
         # A full home replica does not hold the retry back: it goes wherever there is room.
-        victim2 = FlowRequest("gone", "batch", PRIO["batch"], "t", "t", arrived=clock())
+        victim2 = FlowRequest(Ask(request_id="gone", objective="batch", priority=PRIO["batch"], fairness_id="t",
+                                  tenant="t", arrived=clock()))
         victim2.affinity = home.url
         home.in_flight = 4
         assert fc.submit(victim2) is Outcome.DISPATCHED and victim2.replica is other
@@ -394,16 +401,16 @@ def test_kv_admission_queues_then_rejects_after_its_deadline():
         fc, clock = controller("admission: {enabled: true, kvPoolBlocks: 100, queueDeadlineMs: 500, "
                                "tenantMaxShare: 1.0, tenantSoftShare: 1.0}\nusageLimit: {policy: static}")
         big = req(fc, clock, "batch")
-        big.prompt_tokens = 70 * 16
+        big.ask = replace(big.ask, prompt_tokens=70 * 16)
         assert fc.submit(big) is Outcome.DISPATCHED  # 70 <= 75 (batch keeps the interactive reserve)
         nxt = req(fc, clock, "batch")
-        nxt.prompt_tokens = 10 * 16
+        nxt.ask = replace(nxt.ask, prompt_tokens=10 * 16)
         assert fc.submit(nxt) is Outcome.QUEUED       # 80 > 75: wait for room
         rt = req(fc, clock, "realtime")
-        rt.prompt_tokens = 20 * 16
+        rt.ask = replace(rt.ask, prompt_tokens=20 * 16)
         assert fc.submit(rt) is Outcome.DISPATCHED     # 90 <= 92: the interactive reserve
         never = req(fc, clock, "batch")
-        never.prompt_tokens = 80 * 16
+        never.ask = replace(never.ask, prompt_tokens=80 * 16)
         assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_CAPACITY
         clock.t += 0.6
         fc.cycle()
@@ -421,7 +428,7 @@ def test_victim_views_carry_resumable_reservation_and_soft_quota_excess():
                                "usageLimit: {policy: static}")
         fc.pool.replicas[0].num_gpu_blocks = 1000
         r = req(fc, clock, "batch", fid="heavy")
-        r.prompt_tokens, r.max_new_tokens, r.resumable = 150 * 16, 50 * 16, True
+        r.ask = replace(r.ask, prompt_tokens=150 * 16, max_new_tokens=50 * 16, resumable=True)
         assert fc.submit(r) is Outcome.DISPATCHED
         view = fc.eviction.victim_view(r, clock())
         assert (view.resumable, view.reserved_blocks, view.prompt_tokens, view.max_new_tokens) == (

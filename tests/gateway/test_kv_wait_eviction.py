@@ -2,6 +2,7 @@
 waiting for a request slot does: on the replica where the least must be freed, victims whose reservations
 cover the shortfall, paced until the freed blocks show."""
 
+from dataclasses import replace
 import asyncio
 
 from gateway.flow.interface import Outcome
@@ -15,7 +16,7 @@ KV = ("admission: {enabled: true, kvPoolBlocks: 100, tenantMaxShare: 1.0, tenant
 
 def sized(fc, clock, objective, blocks):
     r = req(fc, clock, objective, fid=objective)  # each its own tenant: no share binds
-    r.prompt_tokens, r.max_new_tokens = blocks * 16 - 16, 16
+    r.ask = replace(r.ask, prompt_tokens=blocks * 16 - 16, max_new_tokens=16)
     r.task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
     clock.t += 0.01
     return r
