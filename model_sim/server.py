@@ -2,8 +2,8 @@
 
 Routes stay thin: parse with `protocol`, hand the request to the engine, stream what it emits.
 A cancelled handler (client gone) aborts its engine requests in `finally`. What is routed follows
-`--runner` (a route a vLLM server of that kind lacks answers FastAPI's 404), and `--api-key` guards
-/v1/* as vLLM's middleware does.
+`--runner` (a route a vLLM server of that kind lacks answers FastAPI's 404). What wraps every route (spans,
+error answers, the `--api-key` guard) is `model_sim.middleware`'s.
 """
 
 from __future__ import annotations
@@ -21,27 +21,24 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from holdback import tracing
 from holdback.contract import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, INFERENCE_ENDPOINTS,
-                               REQUEST_ID_HEADER, RESPONSES_ENDPOINT, SIM_REPLICA_HEADER)
+                               REQUEST_ID_HEADER, RESPONSES_ENDPOINT)
 from holdback.logs import log_event
 from model_sim import protocol
 from model_sim.engine import RequestRejected, RequestStream
-from model_sim.errors import EnvelopeError, BareError, InvalidRequest, bare_response, error_response, json_response
+from model_sim.errors import EnvelopeError, InvalidRequest, json_response
 from model_sim.faults import FORCE_ERROR_HEADER
 from model_sim.generation import continuation_offset, output_text, output_token_text
 from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from model_sim.middleware import REPLICA_KEY, middlewares, stamp_headers
 from model_sim.request import RequestStatus
 
 if TYPE_CHECKING:
     from model_sim.replica import SimReplica
 
 log = logging.getLogger("model_sim")
-REPLICA_KEY: web.AppKey["SimReplica"] = web.AppKey("replica")
 # vLLM 0.32 reads a request's priority from this header before the body's `priority`.
 PRIORITY_HEADER = "X-Vllm-Priority"
-# The paths vLLM's AuthenticationMiddleware guards when --api-key is set.
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 _FAULT_MESSAGES = {
     429: "Injected fault: too many requests. Retry later.",
@@ -51,9 +48,7 @@ _FAULT_MESSAGES = {
 
 
 def build_app(replica: "SimReplica") -> web.Application:
-    # The span middleware is outermost, so a span's status is the answer the caller got; absent when tracing is off.
-    middlewares = ([_trace_middleware] if tracing.enabled() else []) + [_errors_middleware, _auth_middleware]
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=middlewares(), client_max_size=64 * 1024 * 1024)
     app[REPLICA_KEY] = replica
     routes = Routes(replica)
     inference = {CHAT_ENDPOINT: routes.chat_completions, COMPLETIONS_ENDPOINT: routes.completions,
@@ -71,59 +66,8 @@ def build_app(replica: "SimReplica") -> web.Application:
     app.router.add_get("/admin/state", routes.admin_state)
     app.router.add_get("/admin/faults", routes.get_faults)
     app.router.add_post("/admin/faults", routes.set_faults)
-    app.on_response_prepare.append(_stamp_headers)
+    app.on_response_prepare.append(stamp_headers)
     return app
-
-
-async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers[SIM_REPLICA_HEADER] = request.app[REPLICA_KEY].name
-    request_id = request.headers.get(REQUEST_ID_HEADER)
-    if request_id is not None:
-        response.headers[REQUEST_ID_HEADER] = request_id
-
-
-@web.middleware
-async def _trace_middleware(request: web.Request, handler):
-    """A server span per inference request, continuing the caller's `traceparent` (holdback.tracing)."""
-    if request.method != "POST" or not request.path.startswith("/v1/"):
-        return await handler(request)
-    with tracing.span(f"sim {request.path}", parent=request.headers, kind="server",
-                      attributes={"request_id": request.headers.get(REQUEST_ID_HEADER),
-                                  "holdback.replica": request.app[REPLICA_KEY].name}) as span:
-        response = await handler(request)
-        span.set_attribute("http.response.status_code", response.status)
-        return response
-
-
-@web.middleware
-async def _errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except EnvelopeError as err:
-        headers = {"retry-after": "1"} if err.status in (429, 503) else None
-        return error_response(err, headers)
-    except BareError as err:
-        return bare_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if exc.status in (404, 405):  # FastAPI's answers for an unknown route or method
-            return bare_response(BareError(exc.status, {"detail": exc.reason}))
-        return error_response(EnvelopeError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
-    except Exception:
-        log_event(log, "unhandled_error", level=logging.ERROR, exc_info=True, method=request.method, path=request.path)
-        return error_response(EnvelopeError(500, "Internal error in the simulator; see its log."))
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler):
-    """vLLM's AuthenticationMiddleware: with an API key, /v1/* needs `Authorization: Bearer KEY` (OPTIONS aside)."""
-    key = request.app[REPLICA_KEY].config.api_key
-    if key is not None and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-            raise BareError(401, {"error": "Unauthorized"})
-    return await handler(request)
 
 
 async def _json_object(request: web.Request) -> dict:
