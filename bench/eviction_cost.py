@@ -56,7 +56,7 @@ import httpx
 from bench.lib.stack import Stack
 from bench.report.figures import figures
 from bench.stats import Estimate, decide, percentile, pooled_quantile_ratio, quantile_interval, ratio_of_runs
-from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, Workload, read_record, record_paths, run_one,
+from bench.study import (CACHE, OFFLOAD, QUICK, SCENARIOS, Scenario, StudyWorkload, read_record, record_paths, run_one,
                          with_overrides)
 
 
@@ -239,7 +239,7 @@ def non_inferiority(estimate: tuple[float, float, float] | None, margin: float =
         decided, f"undecided (the interval straddles {margin})")
 
 
-def run(arm_names: list[str], w: Workload, rounds: int, seed: int, out_dir: Path, first_round: int = 0) -> dict:
+def run(arm_names: list[str], w: StudyWorkload, rounds: int, seed: int, out_dir: Path, first_round: int = 0) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for r in range(first_round, first_round + rounds):
         for name in (arm_names if r % 2 == 0 else arm_names[::-1]):

@@ -50,7 +50,7 @@ WORKERS_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @dataclass
-class ArmRun:
+class MakespanRun:
     arm: str
     group: int
     makespan: float = 0.0
@@ -77,7 +77,7 @@ def batch_lines(seed: int, n: int, tokens: tuple[int, int], model: str) -> list[
 
 
 async def realtime(session: aiohttp.ClientSession, url: str, headers: dict, model: str, rate: float, seed: int,
-                   done: asyncio.Event, run: ArmRun) -> None:
+                   done: asyncio.Event, run: MakespanRun) -> None:
     """Poisson arrivals at `rate`/s from now until `done`, each a streamed completion of 8 tokens."""
     start, rng, sent = time.monotonic(), random.Random(seed), []
 
@@ -101,8 +101,8 @@ async def realtime(session: aiohttp.ClientSession, url: str, headers: dict, mode
     await asyncio.gather(*sent)
 
 
-async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, group: int) -> ArmRun:
-    run = ArmRun("vllm-priority", group)
+async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, group: int) -> MakespanRun:
+    run = MakespanRun("vllm-priority", group)
     before = engine_counters(engine)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -127,8 +127,8 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
 
 
 async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: argparse.Namespace,
-                       group: int) -> ArmRun:
-    run = ArmRun("holdback", group)
+                       group: int) -> MakespanRun:
+    run = MakespanRun("holdback", group)
     if args.warm_up:
         run.slots_known = await warm_up(up, lines, args)
         wait_idle(engine)
@@ -213,7 +213,7 @@ def write_out(args: argparse.Namespace, text: str, record: dict) -> None:
         (args.out / "summary.md").write_text(text + "\n")
 
 
-def summarise(runs: list[ArmRun]) -> dict:
+def summarise(runs: list[MakespanRun]) -> dict:
     groups = sorted({r.group for r in runs})
     by = {(r.arm, r.group): r for r in runs}
     makespan, latency = [], []
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rate <= 0 or args.lines < 1 or args.groups < 1:
         p.error("--rate, --lines and --groups must be positive")
-    runs: list[ArmRun] = []
+    runs: list[MakespanRun] = []
     with one_engine(p, args, "hb-makespan-") as engine:
         lines = batch_lines(args.seed, args.lines, args.tokens, engine.model)
         for group in range(args.groups):

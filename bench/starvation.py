@@ -44,7 +44,7 @@ NO_FLOOR = {"flowControl": {"atRiskFloor": 0}}
 
 
 @dataclass
-class ArmRun:
+class StarvationRun:
     arm: str
     ttft: list[float] = field(default_factory=list)  # seconds; inf: no first token
     realtime_done: int = 0
@@ -57,7 +57,7 @@ class ArmRun:
     floor_dispatches: float = 0.0  # requests the gateway dispatched into the floor over the arm
 
 
-async def realtime_clients(url: str, headers: dict, model: str, args: argparse.Namespace, run: ArmRun) -> None:
+async def realtime_clients(url: str, headers: dict, model: str, args: argparse.Namespace, run: StarvationRun) -> None:
     """`--clients` closed loops for `--seconds`, each a streamed completion after another."""
     end = time.monotonic() + args.seconds
 
@@ -82,8 +82,9 @@ async def realtime_clients(url: str, headers: dict, model: str, args: argparse.N
         await asyncio.gather(*(client(i, session) for i in range(args.clients)))
 
 
-async def one_arm(arm: str, up: HoldbackUp, warm: list[dict], lines: list[dict], args: argparse.Namespace) -> ArmRun:
-    run = ArmRun(arm)
+async def one_arm(arm: str, up: HoldbackUp, warm: list[dict], lines: list[dict],
+                  args: argparse.Namespace) -> StarvationRun:
+    run = StarvationRun(arm)
     await warm_up(up, warm, args)
     rt = asyncio.create_task(realtime_clients(up.gateway, up.realtime, lines[0]["model"], args, run))
     if arm != "realtime-alone":
@@ -117,7 +118,7 @@ async def line_seconds(engine: str, lines: list[dict], slots: int) -> float:
         return time.monotonic() - start
 
 
-def report(runs: list[ArmRun], args: argparse.Namespace) -> str:
+def report(runs: list[StarvationRun], args: argparse.Namespace) -> str:
     alone = next((r for r in runs if r.arm == "realtime-alone"), None)
     base = percentile(alone.ttft, 0.95) if alone else None
     out = [f"Starvation ({args.engine}, {args.clients} realtime clients for {args.seconds:g} s, batch of {args.lines} "
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--window must be at least 60 (the Batch API's shortest completion window) and --seconds at least "
                 "the window (realtime runs throughout)")
     args.warm_up = True
-    runs: list[ArmRun] = []
+    runs: list[StarvationRun] = []
     with one_engine(p, args, "hb-starvation-") as engine:
         warm = batch_lines(args.seed + 1, args.slots * 8, args.tokens, engine.model)
         if args.lines is None:

@@ -31,7 +31,7 @@ from holdback.progress import Progress
 
 
 @dataclass(frozen=True)
-class Workload:
+class StudyWorkload:
     """What every scenario sends; the same for all of them within one study."""
 
     lead_s: float = 60.0  # batch workers start this long before realtime traffic
@@ -65,9 +65,9 @@ class Workload:
     retry_wait_s: float = 300.0
 
 
-QUICK = Workload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.0, backoff_cap=8.0,
+QUICK = StudyWorkload(lead_s=8.0, window_s=60.0, batch_requests=1500, backoff_base=1.0, backoff_cap=8.0,
                  retry_wait_s=60.0)
-FULL = Workload()
+FULL = StudyWorkload()
 
 
 # The simulator flags that turn prefix caching on and report its hits in usage (the workers' cached_tokens).
@@ -107,7 +107,7 @@ class Scenario:
     # Realtime burst and rate are per replica: two replicas get twice the traffic, so each replica sees the
     # pressure the one-replica runs see and eviction is exercised across replicas.
 
-    def gateway_overrides(self, w: Workload) -> dict:
+    def gateway_overrides(self, w: StudyWorkload) -> dict:
         # Explicit ceilings per band: realtime and standard may use the whole pool, batch stops at its ceiling
         # (no holdback: batch may fill the whole request budget too).
         batch_ceiling = 1.0 if self.batch_ceiling is None else self.batch_ceiling
@@ -174,7 +174,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 
 @dataclass(eq=False)
-class Sampler(threading.Thread):
+class StudySampler(threading.Thread):
     """Samples batch progress and the gateway's state once per `interval` while a run goes on."""
 
     stack: Stack
@@ -218,7 +218,7 @@ def _eviction_total(state: dict) -> int:
     return int(((state.get("totals") or {}).get("evictions") or {}).get("issued") or 0)
 
 
-def batch_file(w: Workload, model: str, seed: int) -> bytes:
+def batch_file(w: StudyWorkload, model: str, seed: int) -> bytes:
     rng = random.Random(seed + 2)
     out = io.StringIO()
     for i in range(w.batch_requests):
@@ -230,7 +230,7 @@ def batch_file(w: Workload, model: str, seed: int) -> bytes:
     return out.getvalue().encode()
 
 
-def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Path, log=print,  # noqa: ANN001
+def run_one(scenario: Scenario, w: StudyWorkload, repeat: int, seed: int, out_dir: Path, log=print,  # noqa: ANN001
             collect: Callable[[Stack, list[dict]], dict] | None = None) -> dict:
     """One run; `collect(stack, rows)` adds its own read-outs while the stack is up (before the cancel)."""
     spec = StackSpec(replicas=scenario.replicas, sim_args=[*w.sim_args, *scenario.sim_extra],
@@ -257,7 +257,7 @@ def run_one(scenario: Scenario, w: Workload, repeat: int, seed: int, out_dir: Pa
                     raise RuntimeError(f"{run_name}: batch still validating after 60 s")
                 time.sleep(0.2)
             stack.start_workers()
-        sampler = Sampler(stack, batch_id) if batch_id else None
+        sampler = StudySampler(stack, batch_id) if batch_id else None
         if sampler:
             sampler.start()
         time.sleep(w.lead_s if scenario.batch else 1.0)
@@ -320,7 +320,7 @@ class StudyMismatch(ValueError):
 RUN_OVERHEAD_S = 25.0
 
 
-def _normalized(workload: Workload) -> dict:
+def _normalized(workload: StudyWorkload) -> dict:
     return json.loads(json.dumps(asdict(workload)))
 
 
@@ -335,7 +335,7 @@ def read_record(path: Path) -> dict:
     return json.loads(data)
 
 
-def recorded_runs(out_dir: Path, w: Workload, seed: int) -> dict[tuple[str, int], dict]:
+def recorded_runs(out_dir: Path, w: StudyWorkload, seed: int) -> dict[tuple[str, int], dict]:
     """The (scenario, repeat) runs already recorded under out_dir/raw, checked to be of this workload and seed."""
     done: dict[tuple[str, int], dict] = {}
     want = _normalized(w)
@@ -357,7 +357,7 @@ def recorded_runs(out_dir: Path, w: Workload, seed: int) -> dict[tuple[str, int]
     return done
 
 
-def run_seconds(scenario: Scenario, w: Workload, overhead: float) -> float:
+def run_seconds(scenario: Scenario, w: StudyWorkload, overhead: float) -> float:
     return (w.lead_s if scenario.batch else 1.0) + w.window_s + overhead
 
 
@@ -376,7 +376,7 @@ def format_duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
-def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: Path, resume: bool = False,
+def run_study(names: list[str], w: StudyWorkload, repeats: int, seed: int, out_dir: Path, resume: bool = False,
               log: Callable[[str], None] = print) -> list[Path]:
     """Run every (scenario, repeat) not yet recorded in out_dir (with `resume`; without it the folder must have no
     records) and return the raw record paths of the whole plan."""
@@ -411,5 +411,5 @@ def run_study(names: list[str], w: Workload, repeats: int, seed: int, out_dir: P
     return [out_dir / "raw" / f"{sc.name}-r{r}.json" for sc, r in plan]
 
 
-def with_overrides(w: Workload, **kw) -> Workload:  # noqa: ANN003
+def with_overrides(w: StudyWorkload, **kw) -> StudyWorkload:  # noqa: ANN003
     return replace(w, **{k: v for k, v in kw.items() if v is not None})

@@ -44,7 +44,7 @@ def request_lines(n: int, tag: str) -> bytes:
     }) for i in range(n)).encode() + b"\n"
 
 
-class Tenant:
+class TenantClient:
     def __init__(self, b: Bench, name: str):
         key = httpx.post(f"{b.api_url}/admin/keys", json={"tenant": name},
                          headers={"Authorization": f"Bearer {b.admin_key}"}, timeout=30)
@@ -74,7 +74,7 @@ def check_alive(b: Bench) -> None:
             raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))} exited with {proc.returncode}; logs in {b.data_dir}")
 
 
-def run_quiet(b: Bench, quiet: Tenant, file_id: str, lines: int, timeout: float) -> float:
+def run_quiet(b: Bench, quiet: TenantClient, file_id: str, lines: int, timeout: float) -> float:
     """Seconds from create to completed for one quiet batch."""
     r = quiet.create(file_id)
     r.raise_for_status()
@@ -90,7 +90,8 @@ def run_quiet(b: Bench, quiet: Tenant, file_id: str, lines: int, timeout: float)
     raise TimeoutError(f"the quiet batch did not finish in {timeout:.0f}s")
 
 
-def flood(tenant: Tenant, file_id: str, batches: int, made: list[str], refused: list[int], timeout: float) -> None:
+def flood(tenant: TenantClient, file_id: str, batches: int, made: list[str], refused: list[int],
+          timeout: float) -> None:
     """Create every batch, then cancel each once the processor has expanded it into rows: both the expansion
     and the cancel of every large batch go through the processor while the quiet tenant's batch runs."""
     for _ in range(batches):
@@ -109,7 +110,7 @@ def flood(tenant: Tenant, file_id: str, batches: int, made: list[str], refused: 
         time.sleep(0.2)
 
 
-def drain(tenant: Tenant, batch_ids: list[str], timeout: float) -> tuple[float, int]:
+def drain(tenant: TenantClient, batch_ids: list[str], timeout: float) -> tuple[float, int]:
     """Seconds until every flood batch is terminal, and how many of their requests completed before."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         b.start_platform(window=256)
         b.holdback("worker", "-n", "64", "--log-level", "WARNING", log="worker")
-        quiet, noisy = Tenant(b, "quiet"), Tenant(b, "flood")
+        quiet, noisy = TenantClient(b, "quiet"), TenantClient(b, "flood")
         quiet_file = quiet.upload(request_lines(args.quiet_lines, "quiet"))
         flood_file = noisy.upload(request_lines(args.flood_lines, "flood"))
         run_quiet(b, quiet, quiet_file, args.quiet_lines, args.timeout)  # warm-up: every process has served once

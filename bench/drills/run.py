@@ -15,7 +15,7 @@ import httpx
 
 from bench.drills.gates import NOT_CAPACITY, capacity_refused, served_ttfts
 from bench.drills.plan import DRILLS, ROLLBACK_WATERMARK_STEP, DrillPlan, bad_settings, gateway_settings
-from bench.drills.sampler import Sampler
+from bench.drills.sampler import DrillSampler
 from bench.drills.timeline import Timeline
 from bench.drills.traffic import Traffic
 from bench.lib.prometheus import series_labels
@@ -162,7 +162,7 @@ class DrillRun:
                                    "verify_window": [verify["start"], verify["end"]],
                                    "good_admission_watermark": good["admission"].get("admissionWatermark")}
 
-    async def _kill(self, traffic: Traffic, stack: Stack, sampler: Sampler) -> None:
+    async def _kill(self, traffic: Traffic, stack: Stack, sampler: DrillSampler) -> None:
         """kill -9 a worker and a replica mid-run, then compare the survivors' reservations with what runs there."""
         p = self.plan
         phase = self.timeline.phase("kill", self.timeline.now())
@@ -204,7 +204,7 @@ class DrillRun:
         self.record["kill"] = {"replica": victim, "url": stack.replica_urls[victim], "checks": checks}
 
     # -- the run ----------------------------------------------------------------------------------------
-    async def _timeline(self, stack: Stack, model: str, sampler: Sampler, good: dict) -> None:
+    async def _timeline(self, stack: Stack, model: str, sampler: DrillSampler, good: dict) -> None:
         traffic = Traffic(stack, self.timeline, model)
         await traffic.open()
         try:
@@ -254,7 +254,7 @@ class DrillRun:
                     raise RuntimeError("drills: batch jobs still validating after 60 s")
                 time.sleep(0.2)
             self.timeline = Timeline()
-            sampler = Sampler(stack, self.timeline, batch_ids)
+            sampler = DrillSampler(stack, self.timeline, batch_ids)
             sampler.start()
             stack.start_workers()
             self.timeline.event("batch_started", jobs=batch_ids)

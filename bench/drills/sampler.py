@@ -15,7 +15,7 @@ from bench.lib.stack import Stack
 
 
 @dataclass(eq=False)
-class Sampler(threading.Thread):
+class DrillSampler(threading.Thread):
     """Samples the gateway's KV ledger, every replica's KV usage and the batch jobs' progress."""
 
     stack: Stack

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 
 from bench.lib.hosts import HostNetwork
 from bench.lib.processes import stop_processes
-from bench.lib.readiness import Started, free_port, wait_http
+from bench.lib.readiness import ProcessSet, free_port, wait_http
 from bench.lib.s3_server import S3Server
 
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -54,7 +54,7 @@ class ClusterSpec:
 
 
 @dataclass
-class Cluster(Started):
+class Cluster(ProcessSet):
     spec: ClusterSpec
     log_dir: Path
     network: HostNetwork | None = None

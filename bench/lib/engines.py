@@ -100,7 +100,7 @@ def start_sim(children: Children, tmp: Path, flags: list[str], log: str = "sim.l
 
 
 @dataclass(frozen=True)
-class Engine:
+class StartedEngine:
     url: str
     model: str  # the model it serves
     tmp: Path  # the run's scratch directory
@@ -108,7 +108,7 @@ class Engine:
 
 
 @contextlib.contextmanager
-def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Iterator[Engine]:
+def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Iterator[StartedEngine]:
     """The run's one engine (`--engine`: vllm, or the simulator with `--sim-arg`s), stopped with its scratch
     directory at the end; pinned, this process moves to the other CPU."""
     pin = args.engine == "vllm" and not args.unpinned
@@ -125,7 +125,7 @@ def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str
             url = start_sim(children, tmp, ["--replicas", "1", "--scheduling-policy", "priority",
                                             "--enable-prefix-caching", "--max-num-seqs", str(args.slots),
                                             *args.sim_arg])
-        yield Engine(url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], tmp, pin)
+        yield StartedEngine(url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], tmp, pin)
     finally:
         children.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -30,7 +30,7 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 3
     raise TimeoutError(f"{name} not ready at {url} after {timeout:.0f}s")
 
 
-class Started(ABC):
+class ProcessSet(ABC):
     """`with Thing(...) as thing:` for a set of processes: `start()` on entry (stopping what did start if it
     fails part-way) and `stop()` on exit."""
 
@@ -59,7 +59,7 @@ def _raise_exit(signum: int, frame) -> None:  # noqa: ANN001, ARG001
 
 
 def _stop_on_sigterm() -> None:
-    """Make SIGTERM unwind the main thread (so every `with Started` stops its processes) instead of ending the
+    """Make SIGTERM unwind the main thread (so every `with ProcessSet` stops its processes) instead of ending the
     interpreter at once, which would leave the children, each in its own session, running. Only where nothing
     else handles SIGTERM, and only in the main thread (where Python delivers signals)."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

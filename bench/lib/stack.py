@@ -23,7 +23,7 @@ import yaml
 
 from bench.lib.processes import stop_processes
 from bench.lib.prometheus import parse_prometheus
-from bench.lib.readiness import Started, free_port_block, wait_http
+from bench.lib.readiness import ProcessSet, free_port_block, wait_http
 
 # The study's base gateway config (request-count control only), beside the study.
 STUDY_GATEWAY_CONFIG = Path(__file__).resolve().parents[1] / "gateway-study.yaml"
@@ -42,7 +42,7 @@ class StackSpec:
     worker_args: list[str] = field(default_factory=list)  # extra `holdback worker` flags, e.g. --no-resume
 
 
-class Stack(Started):
+class Stack(ProcessSet):
     """Start with `with Stack(spec, log_dir) as stack:`; `stack.start_workers()` when batch should begin."""
 
     def __init__(self, spec: StackSpec, log_dir: Path):

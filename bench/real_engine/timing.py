@@ -19,7 +19,7 @@ from bench.real_engine.traffic import prompt, stream
 
 
 @dataclass(frozen=True)
-class Timing:
+class EngineTiming:
     """The engine's step times as the simulator models them (ms), fitted from streams measured on it."""
 
     prefill_ms_per_token: float
@@ -50,7 +50,7 @@ def prefill_steps(bursts: dict[int, float]) -> tuple[float, float]:
     return max(0.0, bursts[a] - a * per_seq), per_seq
 
 
-async def fit_timing(url: str, slots: int) -> Timing:
+async def fit_timing(url: str, slots: int) -> EngineTiming:
     """Inter-token gaps of 1 and of `slots` concurrent streams give the decode step (base + per sequence); the
     first-token times of a short and a long prompt at idle give prefill per token, and of bursts of short prompts
     the prefill step's base and per-request cost (`prefill_steps`)."""
@@ -92,10 +92,10 @@ async def fit_timing(url: str, slots: int) -> Timing:
         base, per_request = prefill_steps({1: short, max(2, slots): await burst(max(2, slots))})
     per_seq = max(0.0, (full - one_seq) / (slots - 1))
     # A word here is about one token of the tiny model's tokenizer (its prompt count is in vLLM's usage).
-    return Timing(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq, base, per_request)
+    return EngineTiming(max(0.0, (long - short) / 292), max(0.1, one_seq - per_seq), per_seq, base, per_request)
 
 
-def start_fitted_sim(children: Children, tmp: Path, timing: Timing, slots: int, pin: bool = True,
+def start_fitted_sim(children: Children, tmp: Path, timing: EngineTiming, slots: int, pin: bool = True,
                      block_size: int = CPU_BLOCK_TOKENS, cpu: int = ENGINE_CPU) -> str:
     """The simulator configured like the engine: its slots, context, policy, prefix cache and block size."""
     return start_sim(children, tmp, [

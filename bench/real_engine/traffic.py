@@ -59,7 +59,7 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-class RoundRobin:
+class LoadBalancer:
     """Where each request goes: the gateway, or with no gateway each replica in turn, as a plain load balancer in
     front of replicas spreads requests (a resumed request goes wherever the next turn points, its cached prefix
     or not)."""
@@ -71,9 +71,9 @@ class RoundRobin:
         self._turn = itertools.count()
 
     @classmethod
-    def of(cls, url: "str | RoundRobin") -> "RoundRobin":
+    def of(cls, url: "str | LoadBalancer") -> "LoadBalancer":
         """`url` as a turn: itself when it is one already (run_arm's, shared by realtime and batch)."""
-        return url if isinstance(url, RoundRobin) else cls(url)
+        return url if isinstance(url, LoadBalancer) else cls(url)
 
     def __call__(self) -> str:
         return self.urls[next(self._turn) % len(self.urls)]
@@ -161,9 +161,9 @@ async def read_events(resp: aiohttp.ClientResponse, out: Streamed, start: float,
     return False
 
 
-async def realtime(session, url: str | RoundRobin, arm: Arm, arrivals: list[float], t0: float,
+async def realtime(session, url: str | LoadBalancer, arm: Arm, arrivals: list[float], t0: float,
                    rec: Record) -> None:
-    target = RoundRobin.of(url)
+    target = LoadBalancer.of(url)
     headers = {"X-Vllm-Priority": "-100"} if arm.gateway is None else {OBJECTIVE_HEADER: "realtime"}
 
     async def one(at: float, text: str) -> None:
@@ -183,13 +183,13 @@ async def realtime(session, url: str | RoundRobin, arm: Arm, arrivals: list[floa
     await asyncio.gather(*(one(at, prompt(rng, 24)) for at in arrivals))
 
 
-async def batch(session, url: str | RoundRobin, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
+async def batch(session, url: str | LoadBalancer, arm: Arm, seed: int, window: tuple[float, float], rec: Record,
                 tokens: tuple[int, int], stream_interval: int = 1) -> None:
     """One of the batch loops: a request after another until the window ends; an evicted one is resumed as the
     workers resume a completion, from the prompt's and the kept output's token ids (the text where the server
     sent none), for the tokens it still owes. Tokens count when they arrive within the window (an attempt that
     straddles its start or end counts only its part inside), completions when they end within it."""
-    target = RoundRobin.of(url)
+    target = LoadBalancer.of(url)
     headers = {"X-Vllm-Priority": "10"} if arm.gateway is None else {OBJECTIVE_HEADER: "batch"}
     # vLLM sends a stream's tokens this many at a time (its `stream_interval`; the first and last at once).
     interval = {"stream_interval": stream_interval} if stream_interval > 1 else {}
@@ -279,7 +279,7 @@ async def run_arm(url: str | Sequence[str], arm: Arm, rnd: int, args: argparse.N
         start = time.monotonic()
         t0 = start + (args.lead if arm.batch else 1.0)
         window = (t0, t0 + args.window)
-        target = RoundRobin(url)  # one turn for realtime and batch alike, as one load balancer has
+        target = LoadBalancer(url)  # one turn for realtime and batch alike, as one load balancer has
         loops = [asyncio.create_task(batch(session, target, arm, args.seed * 100 + i, window, rec, args.batch_tokens,
                                            args.batch_stream_interval))
                  for i in range(args.batch_inflight if arm.batch else 0)]

@@ -2,14 +2,14 @@
 
 import pytest
 
-from bench.real_engine.timing import Timing, prefill_steps
+from bench.real_engine.timing import EngineTiming, prefill_steps
 
 
 def test_the_prefill_step_is_the_line_through_two_bursts_last_first_tokens():
     # A burst of k short prompts at idle has its last first token at 4 + 3 k ms: 7 ms alone, 28 ms for eight.
     base, per_seq = prefill_steps({1: 7.0, 8: 28.0})
     assert base == pytest.approx(4.0) and per_seq == pytest.approx(3.0)
-    args = Timing(0.0, 2.7, 0.12, base, per_seq).sim_args()
+    args = EngineTiming(0.0, 2.7, 0.12, base, per_seq).sim_args()
     assert args[args.index("--prefill-base-ms") + 1] == "4.000"
     assert args[args.index("--prefill-ms-per-seq") + 1] == "3.000"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from pathlib import Path
-    from bench.lib.readiness import Started
+    from bench.lib.readiness import ProcessSet
 
-    class Sleeper(Started):
+    class Sleeper(ProcessSet):
         def start(self):
             self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                                          start_new_session=True)

@@ -144,7 +144,7 @@ def test_with_no_gateway_in_front_of_two_replicas_each_request_goes_to_the_next_
         rec = traffic.Record("arm", 0)
         try:
             async with aiohttp.ClientSession() as session:
-                turn = traffic.RoundRobin([url for _, url in runners])
+                turn = traffic.LoadBalancer([url for _, url in runners])
                 await asyncio.wait_for(traffic.realtime(session, turn, traffic.Arm("arm", "an arm", None),
                                                         [0.0] * 5, 0.0, rec), 30)
         finally:
