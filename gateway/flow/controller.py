@@ -35,8 +35,9 @@ from gateway.flow.ledger import KvLedger
 from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
 from gateway.flow.replica_checks import check_files, refuse_unmeasured, warn_short_growth_room
-from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status
+from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status, Trigger
 from gateway.flow.tally import FlowTally
+from gateway.flow.triggers import Moment, Stage
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.policies.admission import Decision, Demand, KvAdmission, KvOutcome
@@ -175,8 +176,8 @@ class FlowController:
             placed = self._place(req, healthy, now, self.detector.saturation(healthy, now), kv)
             if placed.replica is not None:
                 self._dispatch(req, placed.replica, band, now, "inline")
-                if self.eviction.enabled:
-                    self.eviction.for_waiting_inside(now)  # it may wait inside its replica: free a slot now
+                # It may wait inside its replica: free a slot now.
+                self.eviction.fire(Trigger.WAITING_IN_REPLICA, Moment(now, healthy))
                 return Outcome.DISPATCHED
         if req.expires_at <= now:
             return self._reject(req, DropReason.TTL_EXPIRED, band)
@@ -329,10 +330,7 @@ class FlowController:
         self.eviction.expire(now)
         healthy = self.pool.healthy()
         self._follow_demand(healthy, now)
-        if self.admission is not None and self.eviction.enabled:
-            self.eviction.over_hard_watermark(healthy, now)
-        if self.eviction.enabled:
-            self.eviction.for_waiting_inside(now)
+        self.eviction.run(Stage.CYCLE, Moment(now, healthy))
         if not self.total_queued or not healthy:
             return
         self._fill_floor(healthy, now)
@@ -350,8 +348,7 @@ class FlowController:
                     break
                 if placed.verdict is Verdict.WAIT_KV:
                     self._start_kv_wait(req, now)
-                    if self.eviction.enabled:
-                        self.eviction.for_kv_wait(req, healthy, now)
+                    self.eviction.run(Stage.KV_WAIT, Moment(now, healthy, waiting=req))
                     break  # head-of-line: this band and the ones below wait for KV room
                 band.pop(req)
                 self.total_queued -= 1
@@ -362,8 +359,7 @@ class FlowController:
                 progressed = True
                 break
             if not progressed:
-                if blocked is not None and self.eviction.enabled and \
-                        self.eviction.for_blocked_band(saturation, blocked, now):
+                if blocked is not None and self.eviction.run(Stage.BLOCKED, Moment(now, healthy, saturation, blocked)):
                     continue  # the victims' slots were handed on at once: dispatch into them now
                 return
 

@@ -1,10 +1,8 @@
-"""Eviction as flow control carries it out: the two triggers, the Evictor's decision, each victim's eviction.
+"""Eviction as flow control carries it out: its triggers run by stage, the Evictor's decision, each victim's eviction.
 
-The triggers are a dispatch cycle stopped at a blocked band (`for_blocked_band`), a replica whose KV
-occupancy reached the hard watermark (`over_hard_watermark`), a request above batch that KV admission keeps
-waiting (`for_kv_wait`), and a higher-priority request waiting inside its replica for an engine slot
-(`for_waiting_inside`); the `Evictor` (gateway/flow/eviction.py) sizes the
-decision and the configured victim policy orders the candidates. Evicting a victim keeps its place in line and
+The triggers (gateway/flow/triggers.py) are asked at their stage of the dispatch cycle; the `Evictor`
+(gateway/flow/eviction.py) sizes each decision and the configured victim policy orders the candidates. Flow
+control is seen through `EvictionHost`, the few things eviction reads of it or asks of it. Evicting a victim keeps its place in line and
 its replica for the retry that comes back with the same request id (the worker's row id), hands its slot on at
 once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
 `evicted` and closes the upstream connection; `finished` confirms it when that connection has closed. All of it
@@ -17,20 +15,23 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import Eviction
-from gateway.flow.eviction import BandDemand, Evictor, plain_view, waits_inside
 from gateway.flow import moves
+from gateway.flow.eviction import Evictor, plain_view
 from gateway.flow.request import FlowRequest, Status, Trigger
+from gateway.flow.triggers import TRIGGERS, Moment, Stage
 from gateway.log import log_event
 from gateway.policies.saturation import SaturationDetector
 from gateway.policies.victims import VictimCandidate, victim_policy
 from gateway.replicas import Replica
 
 if TYPE_CHECKING:
-    from gateway.flow.band import PriorityBand
-    from gateway.flow.controller import FlowController
+    from gateway.flow.registry import BandRegistry
+    from gateway.flow.tally import FlowTally
+    from gateway.policies.admission import Demand, KvAdmission
+    from gateway.replicas import ReplicaPool
 
 logger = logging.getLogger("gateway.flow")
 
@@ -39,9 +40,26 @@ logger = logging.getLogger("gateway.flow")
 EVICTED_PLACES = 100_000
 
 
+class EvictionHost(Protocol):
+    """What eviction needs of flow control (gateway/flow/controller.py)."""
+
+    admission: KvAdmission | None
+    bands: BandRegistry
+    detector: SaturationDetector
+    in_flight: int
+    pool: ReplicaPool
+    tally: FlowTally
+
+    def demand(self, req: FlowRequest) -> Demand: ...
+
+    def release_slot(self, req: FlowRequest) -> None: ...
+
+    def wake(self) -> None: ...
+
+
 class EvictionControl:
-    def __init__(self, controller: FlowController):
-        self.fc = controller
+    def __init__(self, host: EvictionHost):
+        self.host = host
         self.evictor = Evictor(view=self.victim_view)
         self.enabled = True
         # An evicted request's retry goes back to the replica its attempt ran on (picker.evictedAffinity).
@@ -74,7 +92,7 @@ class EvictionControl:
         evictions."""
         req.place, req.affinity, req.evictions = self.places.pop((req.fairness_id, req.request_id), (req.seq, None, 0))
         if req.place != req.seq:
-            self.fc.tally.places_kept += 1
+            self.host.tally.places_kept += 1
 
     def keep_place(self, req: FlowRequest) -> None:
         """A retry of an evicted request was refused before it ran (its wait ran out, the queue was full): its next
@@ -90,132 +108,31 @@ class EvictionControl:
 
     def victim_view(self, req: FlowRequest, now: float) -> VictimCandidate:
         view = plain_view(req, now)
-        admission = self.fc.admission
+        admission = self.host.admission
         if admission is None:
             return view
-        total = sum(admission.pool_tokens(r) for r in self.fc.pool.healthy()) or 1
+        total = sum(admission.pool_tokens(r) for r in self.host.pool.healthy()) or 1
         return dataclasses.replace(view, tenant_over_soft_quota=admission.soft_over(req.fairness_id, total))
 
-    # -- the triggers ---------------------------------------------------------------------------------------
-    def for_blocked_band(self, saturation: float, blocked: PriorityBand, now: float) -> bool:
-        """Evict for the blocked band; True when the victims' slots are free already (dispatch may go on)."""
-        fc = self.fc
-        bands = [BandDemand(b.priority, fc.bands.ceilings[b.priority], b.queued, b.in_flight,
-                            fc.bands.floors[b.priority]) for b in fc.bands.desc]
-        decision = self.evictor.decide(saturation, bands, blocked.priority, fc.in_flight, now)
-        if decision is None:
+    # -- the triggers (gateway/flow/triggers.py) -------------------------------------------------------------
+    def run(self, stage: Stage, moment: Moment) -> bool:
+        """Ask the triggers of `stage`, in order; True when one handed its victims' slots on at once."""
+        if not self.enabled:
             return False
-        self.freed.clear()
-        self.freed_at = now
-        for victim in decision.victims:
-            replica = victim.leased().replica
-            if replica.max_num_seqs is not None and not waits_inside(victim):
-                self.freed[replica] += 1
-        # Read before any victim's slot is handed on: `waits_inside` counts the replica's requests.
-        queued = {replica: self.evictor.queued_on(replica, decision.demand_priority, now) for replica in self.freed}
-        for victim in decision.victims:
-            self.evict(victim, now, replica=victim.leased().replica.url, trigger=Trigger.BLOCKED_BAND,
-                       demand_band=decision.demand_priority, saturation=round(saturation, 4),
-                       deficit=round(decision.deficit, 4), victims=len(decision.victims))
-        for replica, waiting in queued.items():
-            self.clear_queue(replica, waiting, now, demand_band=decision.demand_priority)
-        return fc.detector.release_on_decision
+        handed_on = False
+        for trigger in TRIGGERS:
+            if trigger.stage is stage:
+                handed_on = trigger.fire(self, moment) or handed_on
+        return handed_on
 
-    def over_hard_watermark(self, healthy: list[Replica], now: float) -> None:
-        """Per replica at or above the hard watermark: evict recoverable batch work until under it."""
-        admission = self.fc.admission
-        assert admission is not None
-        grace = self.kv_grace()
-        for replica in healthy:
-            pool = admission.pool_tokens(replica)
-            excess = admission.occupancy(replica) - admission.cfg.hardWatermark * pool
-            if excess < 0:
-                continue
-            # The evictor counts the victims' blocks, all of this replica's block size.
-            victims = self.evictor.decide_kv(replica, excess / admission.block_size(replica) + 1, grace, now)
-            for victim in victims:
-                self.evict(victim, now, replica=replica.url, trigger=Trigger.KV_HARD_WATERMARK,
-                           occupancy=round(admission.occupancy(replica) / pool, 4))
-            if victims:
-                return
-
-    def for_kv_wait(self, req: FlowRequest, healthy: list[Replica], now: float) -> None:
-        """A request above batch that KV admission keeps waiting: evict batch work for it, as for one waiting
-        for a request slot. The replica is the one where the least must be freed and the batch reservations
-        there cover it. The victims (the policy's order) cover its shortfall and what every other request above
-        batch queued behind it needs there, in one decision: a burst is not served `maxPerDecision` victims a
-        scrape. Decisions are paced as the hard-watermark trigger's (the freed blocks show after a scrape)."""
-        admission = self.fc.admission
-        grace = self.kv_grace()
-        if (req.sheddable or admission is None or not self.evictor.candidates
-                or not self.evictor.kv_gate_open(now, grace)):
-            return
-        demand = admission.within_context(self.fc.demand(req), healthy)
-        soft = admission.soft_over(req.fairness_id, sum(admission.pool_tokens(r) for r in healthy)) > 0
-        held: collections.Counter[Replica] = collections.Counter()
-        for victim in self.evictor.candidates:  # all sheddable: below `req`
-            res = victim.reservation
-            if res is not None:
-                held[victim.leased().replica] += res.kv_tokens
-        choice: tuple[float, Replica] | None = None
-        for replica in healthy:
-            short = admission.shortfall(demand, replica, soft)
-            if short <= 0:
-                return  # it fits there: what holds it back is not KV
-            if held[replica] >= short and (choice is None or short < choice[0]):
-                choice = (short, replica)
-        if choice is None:
-            return
-        short, replica = choice
-        for band in self.fc.bands.desc:
-            if band.priority < 0:
-                break  # the sheddable bands wait for batch's own room
-            for other in band.waiting():
-                if other is not req:
-                    short += admission.kv_tokens(admission.within_context(self.fc.demand(other), healthy), replica)
-        victims = self.evictor.decide_kv(replica, short / admission.block_size(replica), grace, now,
-                                         limit=len(self.evictor.candidates))
-        for victim in victims:
-            self.evict(victim, now, replica=replica.url, trigger=Trigger.KV_WAIT, waiting=req.request_id,
-                       shortfall_tokens=round(short))
+    def fire(self, name: Trigger, moment: Moment) -> bool:
+        """Ask one trigger (a request that may wait inside its replica was just dispatched)."""
+        return self.enabled and next(t for t in TRIGGERS if t.trigger is name).fire(self, moment)
 
     def kv_grace(self) -> float:
         """How long after a KV trigger's victims closed before the next: the scraped usage shows the freed
         blocks only after a scrape."""
-        return max(self.evictor.grace, self.fc.pool.scrape_interval + 0.05)
-
-    def for_waiting_inside(self, now: float) -> None:
-        """Higher-priority requests waiting inside their replica for an engine slot, as surely as in our queue.
-
-        A replica with `maxNumSeqs` slots and more requests than that in flight (the queue allowance) runs
-        `maxNumSeqs` of them and keeps the rest waiting: vLLM preempts a running request only when KV runs out,
-        never for priority, so a realtime request waits there until one ends. Such a request, not answering yet,
-        is counted as waiting whenever its replica holds more than its slots; one running batch request on that
-        replica is evicted per waiting request (those that stream first: they hold the slots), so vLLM
-        schedules the waiting one in its next step (first, under its priority policy). Each waiting request is
-        served once: if the freed slot goes to another (an fcfs replica's queue), it waits for the next end."""
-        if not self.awaiting or not self.evictor.gate_open(now):
-            return
-        waiting: dict[Replica, list[FlowRequest]] = {}
-        for req in self.awaiting:
-            replica, slots = req.leased().replica, req.leased().replica.max_num_seqs
-            if req.slot_freed or slots is None:
-                continue
-            if replica.in_flight > slots:
-                waiting.setdefault(replica, []).append(req)
-        for replica, reqs in waiting.items():
-            wanted = min(len(reqs), replica.in_flight - (replica.max_num_seqs or 0))
-            below = min(r.priority for r in reqs)
-            victims = self.evictor.decide_on(replica, wanted, below, now)
-            if not victims:
-                continue
-            queued = self.evictor.queued_on(replica, below, now)
-            for req in sorted(reqs, key=lambda r: r.dispatched_at)[:len(victims)]:
-                req.leased().slot_freed = True
-            for victim in victims:
-                self.evict(victim, now, replica=replica.url, trigger=Trigger.WAITING_IN_REPLICA,
-                           in_flight=replica.in_flight, slots=replica.max_num_seqs)
-            self.clear_queue(replica, queued, now, demand_band=below)
+        return max(self.evictor.grace, self.host.pool.scrape_interval + 0.05)
 
     def clear_queue(self, replica: Replica, waiting: list[FlowRequest], now: float, **fields: object) -> None:
         """Evict `waiting` (`Evictor.queued_on`), lower-priority requests in `replica`'s own queue, as a slot there
@@ -253,14 +170,14 @@ class EvictionControl:
         # back sooner, so its prompt and kept output are more likely still in the replica's prefix cache.
         home = victim.leased().replica.url if self.affinity else None
         self._remember(victim.fairness_id, victim.request_id, (victim.place, home, victim.evictions + 1))
-        self.fc.tally.eviction("issued")
+        self.host.tally.eviction("issued")
         log_event(logger, "evict", request_id=victim.request_id, band=victim.priority, trigger=trigger.value,
                   **fields)
-        if self.fc.detector.release_on_decision and victim.status is Status.DISPATCHED:
+        if self.host.detector.release_on_decision and victim.status is Status.DISPATCHED:
             # The gateway's own count is the saturation reading: hand the slot on now rather than one event-loop
             # round later, when the cancelled task closes the upstream. The replica runs the victim a few
             # milliseconds longer; its KV reservation is held until then (released in finish()).
-            self.fc.release_slot(victim)
+            self.host.release_slot(victim)
         if victim.task is not None:
             victim.task.cancel()
 
@@ -272,8 +189,7 @@ class EvictionControl:
             return
         latency = self.evictor.confirm(req, closed)
         if latency is not None:
-            self.fc.tally.eviction("confirmed")
-            self.fc.metrics.child(self.fc.metrics.eviction_confirmation, self.fc.pool_name).observe(latency)
+            self.host.tally.eviction_confirmed(latency)
             log_event(logger, "eviction_confirmed", request_id=req.request_id,
                       replica=req.leased().replica.url, latency_ms=round(latency * 1000, 2))
         if not self.evictor.pending:
@@ -282,7 +198,7 @@ class EvictionControl:
     def expire(self, now: float) -> None:
         """Give up on victims whose upstream did not close within the confirmation timeout."""
         for late in self.evictor.expire(now):
-            self.fc.tally.eviction("timed_out")
+            self.host.tally.eviction("timed_out")
             log_event(logger, "eviction_timed_out", level=logging.WARNING, request_id=late.request_id)
 
     def _schedule_grace_wake(self) -> None:
@@ -291,6 +207,6 @@ class EvictionControl:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.fc.wake()
+            self.host.wake()
             return
-        self._grace_timer = loop.call_later(self.evictor.grace + 1e-4, self.fc.wake)
+        self._grace_timer = loop.call_later(self.evictor.grace + 1e-4, self.host.wake)

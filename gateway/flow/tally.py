@@ -90,6 +90,11 @@ class FlowTally:
         self.evictions[outcome] += 1
         self.metrics.child(self.metrics.evictions, self.pool, outcome).inc()
 
+    def eviction_confirmed(self, latency: float) -> None:
+        """An evicted request's upstream closed `latency` seconds after the decision."""
+        self.eviction("confirmed")
+        self.metrics.child(self.metrics.eviction_confirmation, self.pool).observe(latency)
+
     def release(self, req: FlowRequest, cause: str, start: float, now: float, closed: float | None = None) -> None:
         """A KV reservation was released `now` for `cause` seen at `start`; `closed`: an evicted request's
         upstream closed then."""
