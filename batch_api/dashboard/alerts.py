@@ -21,7 +21,7 @@ from batch_api import queues
 from batch_api.auth import ContextDep
 from batch_api.context import ApiContext
 from batch_api.dashboard.gateway_view import fetch_gateway
-from batch_api.dashboard.pages import render
+from batch_api.dashboard.rendering import render
 from batch_api.dashboard.session import SessionCookie
 from holdback.contract import pause_key
 from holdback.models import Batch, BatchStatus, Tenant

@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from batch_api import admin
 from batch_api.auth import SessionDep
-from batch_api.dashboard.pages import flash, render
+from batch_api.dashboard.rendering import flash, render
 from batch_api.dashboard.session import CheckedPost, SessionCookie
 from batch_api.schemas import KeyCreate
 from holdback.db import transaction

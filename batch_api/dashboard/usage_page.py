@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse
 
 from batch_api.admin_queries import tenant_usage
 from batch_api.auth import SessionDep
-from batch_api.dashboard.pages import render
+from batch_api.dashboard.rendering import render
 from batch_api.dashboard.session import SessionCookie
 
 router = APIRouter(include_in_schema=False)
