@@ -34,6 +34,7 @@ from batch_processor.processor import Processor
 from batch_processor.processor_config import ProcessorConfig
 from batch_processor.validation import InputValidator
 from holdback.broker import connect, stop_embedded_redis
+from holdback.contract import CHAT_ENDPOINT
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.jobs import delete_jobs
 from holdback.models import Batch, File, RequestRow, new_id
@@ -57,7 +58,7 @@ def _write_input(store: LocalFileStore, lines: int, source: Path | None) -> tupl
             return file_id, writer.commit()
         for i in range(lines):
             writer.write((json.dumps({
-                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "custom_id": f"req-{i}", "method": "POST", "url": CHAT_ENDPOINT.path,
                 "body": {"model": "sim-model", "max_tokens": 64, "messages": [{"role": "user", "content": prompt}]},
             }) + "\n").encode())
         return file_id, writer.commit()
@@ -65,7 +66,7 @@ def _write_input(store: LocalFileStore, lines: int, source: Path | None) -> tupl
 
 def _validate(store: LocalFileStore, file_id: str, max_requests: int) -> tuple[list, float]:
     """Every line through the ingest's validator, no database: the requests and the seconds it took."""
-    validator = InputValidator("/v1/chat/completions", max_requests)
+    validator = InputValidator(CHAT_ENDPOINT.path, max_requests)
     started = time.perf_counter()
     requests = []
     with store.open_read(file_id) as fh:
@@ -111,7 +112,7 @@ def _bulk_load(engine: Engine, rows: list[tuple]) -> float:
 
 def _new_batch(factory, tenant_id: str, file_id: str) -> str:
     with transaction(factory) as s:
-        batch = Batch(tenant_id=tenant_id, endpoint="/v1/chat/completions", input_file_id=file_id,
+        batch = Batch(tenant_id=tenant_id, endpoint=CHAT_ENDPOINT.path, input_file_id=file_id,
                       completion_window="24h", window_seconds=86400)
         s.add(batch)
         s.flush()

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from holdback.contract import OBJECTIVE_HEADER, REALTIME_OBJECTIVE
+from holdback.contract import CHAT_ENDPOINT, OBJECTIVE_HEADER, REALTIME_OBJECTIVE
 from holdback.env_flags import flags_from_env
 from holdback.progress import Progress
 from holdback.settings import Settings
@@ -102,7 +102,7 @@ class RealtimeTraffic:
         s.max_in_flight = max(s.max_in_flight, s.in_flight)
         start = time.perf_counter()
         try:
-            async with client.stream("POST", f"{target}/v1/chat/completions", json=body, headers=headers) as r:
+            async with client.stream("POST", f"{target}{CHAT_ENDPOINT.path}", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")
                     s.errors += 1
@@ -197,12 +197,12 @@ def sample_batch(model: str, n: int, max_tokens: int, example: Path = EXAMPLE_RE
     prompts = []
     if example.exists():
         prompts = [json.loads(x)["body"]["messages"] for x in example.read_text().splitlines()
-                   if x.strip() and json.loads(x)["url"] == "/v1/chat/completions"]
+                   if x.strip() and json.loads(x)["url"] == CHAT_ENDPOINT.path]
     lines = []
     for i in range(n):
         messages = prompts[i % len(prompts)] if prompts else [
             {**m, "content": m["content"].format(i=i)} for m in FALLBACK_PROMPT]
-        lines.append(json.dumps({"custom_id": f"demo-{i}", "method": "POST", "url": "/v1/chat/completions",
+        lines.append(json.dumps({"custom_id": f"demo-{i}", "method": "POST", "url": CHAT_ENDPOINT.path,
                                  "body": {"model": model, "max_tokens": max_tokens, "messages": messages}}))
     return ("\n".join(lines) + "\n").encode()
 
@@ -298,7 +298,7 @@ async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
         print(f"  {_ttft_text(alone.traffic.stats, alone.gateway_p95)}")
         upload = await client.files.create(file=("demo.jsonl", sample_batch(model, args.requests, args.max_tokens)),
                                            purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+        batch = await client.batches.create(input_file_id=upload.id, endpoint=CHAT_ENDPOINT.path,
                                             completion_window="24h", metadata={"source": "holdback demo"})
         print(f"submitted {batch.id}: {args.requests} requests, max_tokens={args.max_tokens}, model={model}")
         print(f"the batch runs alone for {args.warmup:g} s, then the same realtime traffic through the gateway, then "
