@@ -22,7 +22,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.classification import ClassificationError, Classifier
-from gateway.config import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
 from gateway.flow.controller import FlowController
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
@@ -30,6 +29,7 @@ from gateway.pools import ModelPools
 from gateway.proxy import Proxy
 from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
+from gateway.settings import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
 from gateway.upstream import UpstreamPool, connection_limit
 
 logger = logging.getLogger("gateway")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.config import ConfigError
 from gateway.replicas import Replica, parse_vllm_metrics
+from gateway.settings import ConfigError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDictProxy
 
 from gateway.cache_salt import private_salt
-from gateway.config import LoadedConfig
+from gateway.settings import LoadedConfig
 from holdback.contract import (
     AT_RISK_HEADER,
     DEADLINE_HEADER,

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
-from gateway.config import ConfigError, load_config
-from gateway.keys import UPSTREAM_KEY_ENV
 from gateway.log import configure_logging, log_event
 from gateway.relays.flow_process import FlowServer, listening_socket
+from gateway.settings import ConfigError, load_config
+from gateway.settings.keys import UPSTREAM_KEY_ENV
 from holdback.env_flags import flags_from_env
 
 logger = logging.getLogger("gateway")

@@ -13,13 +13,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable
 
-from gateway.config import LoadedConfig, PoolSettings
 from gateway.flow.controller import HISTORY, FlowController
 from gateway.flow.replica_checks import check_files
 from gateway.replicas import Replica, ReplicaPool
+from gateway.settings import LoadedConfig, PoolSettings
 
 if TYPE_CHECKING:
-    from gateway.config import ReplicaEngine
+    from gateway.settings import ReplicaEngine
     from gateway.metrics import GatewayMetrics
 
 # The pool of replicas listed without `pools` before one of them said what it serves.

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
-from gateway.keys import UPSTREAM_KEY_ENV
 from gateway.log import log_event
+from gateway.settings.keys import UPSTREAM_KEY_ENV
 
 if TYPE_CHECKING:
-    from gateway.config import ReplicaEngine
+    from gateway.settings import ReplicaEngine
 
 logger = logging.getLogger("gateway.replicas")
 
@@ -270,7 +270,7 @@ class ReplicaPool:
         # replica that refuses it; the gateway points it at the running config. The key itself is put on each
         # call by the session (gateway.app.upstream_session).
         self.key_source: Callable[[str], str | None] = lambda url: None
-        # The engine settings of a replica URL (gateway.config.Engine.of), stamped on each replica.
+        # The engine settings of a replica URL (gateway.settings.EngineSettings.of), stamped on each replica.
         self.engine_of: Callable[[str], ReplicaEngine] | None = None
         self.health_interval = 1.0
         self.health_timeout = 2.0

@@ -31,9 +31,9 @@ from typing import Any, Callable, Mapping
 
 import aiohttp
 
-from gateway.config import Admission, ConfigError
 from gateway.log import log_event
 from gateway.replicas import Replica
+from gateway.settings import Admission, ConfigError
 from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, render_chat
 
 logger = logging.getLogger("gateway.tokens")

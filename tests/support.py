@@ -210,7 +210,7 @@ async def in_process_gateway(replicas: list[str], config: str = "", env: dict[st
     from aiohttp import web
 
     from gateway.app import Gateway
-    from gateway.config import parse_config
+    from gateway.settings import parse_config
 
     loaded = parse_config(f"replicas: {json.dumps(replicas)}\n{config}", "test.yaml", env or {})
     gw = Gateway(loaded)

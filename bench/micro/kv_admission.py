@@ -69,7 +69,7 @@ def _word_level_tokenizer(tmp: Path) -> str | None:
 def path_phase(args: argparse.Namespace, children: Children, tmp: Path) -> dict:
     """The admission path's own cost, in process: off vs on (the default `auto`, replica /tokenize, a
     tokenizer.json)."""
-    from gateway.config import parse_config
+    from gateway.settings import parse_config
     from gateway.flow.controller import FlowController
     from gateway.flow.request import Ask, FlowRequest
     from gateway.metrics import GatewayMetrics

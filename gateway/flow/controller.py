@@ -24,8 +24,8 @@ import time
 from typing import Callable
 
 from gateway.calibration import Profile
-from gateway.config import LoadedConfig
 from gateway.flow import moves, state
+from gateway.flow.assembly import assemble
 from gateway.flow.band import PriorityBand
 from gateway.flow.deadlines import Deadlines
 from gateway.flow.eviction_control import EvictionControl
@@ -34,16 +34,16 @@ from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
-from gateway.flow.replica_checks import check_files, refuse_unmeasured, warn_short_growth_room
+from gateway.flow.replica_checks import refuse_unmeasured, warn_short_growth_room
 from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status, Trigger
 from gateway.flow.tally import FlowTally
 from gateway.flow.triggers import Moment, Stage
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.policies.admission import Decision, Demand, KvAdmission, KvOutcome
-from gateway.policies.picker import EndpointPicker
-from gateway.policies.saturation import SaturationDetector, saturation_detector
+from gateway.policies.saturation import SaturationDetector
 from gateway.replicas import Replica, ReplicaPool
+from gateway.settings import LoadedConfig
 
 logger = logging.getLogger("gateway.flow")
 
@@ -86,32 +86,16 @@ class FlowController:
     def apply_config(self, loaded: LoadedConfig) -> None:
         """Swap in a validated config; queued and in-flight requests keep their places."""
         cfg = loaded.config
-        adm = cfg.admission
-        # Read first: a profile that cannot be read rejects the whole config before anything changes.
-        profile = check_files(cfg)
+        # Built first: a profile that cannot be read rejects the whole config before anything changes.
+        parts = assemble(cfg, self.ledger, self._occupancy_share)
         self.loaded = loaded
         self.history.append((loaded, time.time()))
         del self.history[:-HISTORY]
-        sat = cfg.saturation
-        self.detector: SaturationDetector = saturation_detector(
-            sat.detector, max_concurrency=sat.maxConcurrency, headroom=sat.headroom,
-            queue_depth_threshold=sat.queueDepthThreshold, kv_util_threshold=sat.kvCacheUtilThreshold,
-            staleness=sat.metricsStalenessSeconds, scrape_interval=cfg.metrics.scrapeIntervalSeconds)
-        self.picker = EndpointPicker(max_concurrency=sat.maxConcurrency, policy=cfg.picker.policy,
-                                     in_flight_weight=cfg.picker.inFlightWeight,
-                                     kv_usage_weight=cfg.picker.kvUsageWeight, occupancy=self._occupancy_share)
+        self.detector: SaturationDetector = parts.detector
+        self.picker = parts.picker
         self.eviction.configure(cfg.eviction, self.detector, cfg.picker.evictedAffinity)
         # Reservations outlive configs: a reload or rollback changes the rules, never what is held.
-        # A calibration profile's measured factor raises the configured one, never lowers it.
-        safety = max(adm.safetyFactor, profile.safety_factor if profile else 1.0)
-        if self.ledger is None:
-            self.ledger = KvLedger(block_tokens=adm.blockTokens, safety_factor=safety,
-                                   window=adm.tokenSecondsWindowSeconds)
-        else:
-            self.ledger.configure(block_tokens=adm.blockTokens, safety_factor=safety,
-                                  window=adm.tokenSecondsWindowSeconds)
-        self.profile = profile
-        self.admission = KvAdmission(adm, self.ledger, self.profile) if adm.enabled else None
+        self.ledger, self.admission, self.profile = parts.ledger, parts.admission, parts.profile
         self.pool.on_identify = self._on_identify
         for replica in self.pool.replicas:
             replica.refused = None

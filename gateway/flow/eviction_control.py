@@ -1,12 +1,12 @@
 """Eviction as flow control carries it out: its triggers run by stage, the Evictor's decision, each victim's eviction.
 
 The triggers (gateway/flow/triggers.py) are asked at their stage of the dispatch cycle; the `Evictor`
-(gateway/flow/eviction.py) sizes each decision and the configured victim policy orders the candidates. Flow
-control is seen through `EvictionHost`, the few things eviction reads of it or asks of it. Evicting a victim keeps its place in line and
-its replica for the retry that comes back with the same request id (the worker's row id), hands its slot on at
-once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
-`evicted` and closes the upstream connection; `finished` confirms it when that connection has closed. All of it
-runs inside the controller's steps: flow control stays the single writer.
+(gateway/flow/eviction.py) sizes each decision and the configured victim policy orders the candidates. Flow control
+is seen through `EvictionHost`, the few things eviction reads of it or asks of it. Evicting a victim keeps its place
+in line and its replica for the retry that comes back with the same request id (the worker's row id), hands its slot
+on at once where the saturation reading is the gateway's own count, and cancels its proxy task, which answers 429
+`evicted` and closes the upstream connection; `finished` confirms it when that connection has closed. All of it runs
+inside the controller's steps: flow control stays the single writer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.config import Eviction
 from gateway.flow import moves
 from gateway.flow.eviction import Evictor, plain_view
 from gateway.flow.request import FlowRequest, Status, Trigger
@@ -26,6 +25,7 @@ from gateway.log import log_event
 from gateway.policies.saturation import SaturationDetector
 from gateway.policies.victims import VictimCandidate, victim_policy
 from gateway.replicas import Replica
+from gateway.settings import Eviction
 
 if TYPE_CHECKING:
     from gateway.flow.registry import BandRegistry

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from gateway.flow.request import End
 
 if TYPE_CHECKING:
-    from gateway.config import LoadedConfig
+    from gateway.settings import LoadedConfig
     from gateway.pools import PoolRouting
     from gateway.flow.ledger import KvLedger
     from gateway.flow.request import FlowRequest

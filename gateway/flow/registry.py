@@ -10,9 +10,9 @@ ceiling it keeps at any demand: what it holds above it is on loan, and eviction 
 
 from __future__ import annotations
 
-from gateway.config import GatewayConfig
 from gateway.flow.band import PriorityBand
 from gateway.policies.holdback import HoldbackPolicy, band_ceilings, configured_policy
+from gateway.settings import GatewayConfig
 
 
 class BandRegistry:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 
 from gateway.calibration import Profile, load_profile
-from gateway.config import GatewayConfig
 from gateway.log import log_event
 from gateway.policies.admission import KvAdmission, reported_pool_tokens
 from gateway.replicas import Replica
+from gateway.settings import GatewayConfig
 from gateway.tokenization import load_local_tokenizer
 
 logger = logging.getLogger("gateway.flow")

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from gateway.config import Admission, Quota
 from gateway.flow.views import LedgerView, ReplicaView
+from gateway.settings import Admission, Quota
 from holdback.contract import DropReason
 
 if TYPE_CHECKING:

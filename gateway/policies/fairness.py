@@ -11,6 +11,7 @@ import bisect
 from typing import Protocol
 
 from gateway.flow.views import BandView, QueueView
+from gateway.settings.names import implemented
 
 
 class FairnessPolicy(Protocol):
@@ -58,7 +59,8 @@ class RoundRobin:
         self._last = fairness_id
 
 
-FAIRNESS_POLICIES: dict[str, type] = {"global-strict": GlobalStrict, "round-robin": RoundRobin}
+FAIRNESS_POLICIES: dict[str, type] = implemented("fairness", {"global-strict": GlobalStrict,
+                                                               "round-robin": RoundRobin})
 
 
 def fairness_policy(name: str) -> FairnessPolicy:

@@ -11,10 +11,11 @@ and the evictor takes it back in one decision (gateway/flow/eviction.py).
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
-from gateway.config import UsageLimit
 from gateway.policies.reserve import AdaptiveReservePolicy, ReserveSettings
+from gateway.settings import UsageLimit
+from gateway.settings.names import implemented
 
 
 class HoldbackPolicy(Protocol):
@@ -101,15 +102,24 @@ def band_ceilings(policy: HoldbackPolicy, priorities: Sequence[int],
     return ceilings
 
 
+USAGE_LIMIT_POLICIES: dict[str, Callable[..., HoldbackPolicy]] = implemented("usage limit", {
+    "static": lambda *, threshold, **_: StaticPolicy(threshold),
+    "priority-holdback": lambda *, min_ceiling, max_ceiling, domain, **_: PriorityHoldbackPolicy(
+        min_ceiling, max_ceiling, domain),
+    "adaptive-reserve": lambda *, min_ceiling, max_ceiling, reserve=None, **_: AdaptiveReservePolicy(
+        reserve or ReserveSettings(min_ceiling=min_ceiling, max_ceiling=max_ceiling)),
+})
+
+
 def holdback_policy(name: str, *, min_ceiling: float, max_ceiling: float, domain: str,
                     threshold: float, reserve: ReserveSettings | None = None) -> HoldbackPolicy:
-    if name == "static":
-        return StaticPolicy(threshold)
-    if name == "priority-holdback":
-        return PriorityHoldbackPolicy(min_ceiling, max_ceiling, domain)
-    if name == "adaptive-reserve":
-        return AdaptiveReservePolicy(reserve or ReserveSettings(min_ceiling=min_ceiling, max_ceiling=max_ceiling))
-    raise ValueError(f"unknown usage-limit policy {name!r}; choose priority-holdback, static or adaptive-reserve")
+    try:
+        build = USAGE_LIMIT_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown usage-limit policy {name!r}; choose one of {sorted(USAGE_LIMIT_POLICIES)}") \
+            from None
+    return build(min_ceiling=min_ceiling, max_ceiling=max_ceiling, domain=domain, threshold=threshold,
+                 reserve=reserve)
 
 
 def configured_policy(limit: UsageLimit) -> HoldbackPolicy:

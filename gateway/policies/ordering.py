@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from gateway.flow.views import RequestView
+from gateway.settings.names import implemented
 
 
 class OrderingPolicy(Protocol):
@@ -36,7 +37,7 @@ class EarliestDeadline:
         return (min(req.deadline, req.expires_at), req.place, req.seq)
 
 
-ORDERING_POLICIES: dict[str, type] = {"fcfs": FCFS, "edf": EarliestDeadline}
+ORDERING_POLICIES: dict[str, type] = implemented("ordering", {"fcfs": FCFS, "edf": EarliestDeadline})
 
 
 def ordering_policy(name: str) -> OrderingPolicy:

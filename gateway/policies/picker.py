@@ -14,6 +14,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 from gateway.flow.views import ReplicaView
 from gateway.policies.saturation import SaturationDetector
+from gateway.settings.names import implemented
 
 # The picker returns one of the replicas it was given, as the caller's own type.
 R = TypeVar("R", bound=ReplicaView)
@@ -54,10 +55,10 @@ class KvHeadroom:
         return view.kv_occupancy + 1e-3 * view.in_flight / view.max_concurrency
 
 
-SCORERS: dict[str, Callable[[float, float], ReplicaScorer]] = {
+SCORERS: dict[str, Callable[[float, float], ReplicaScorer]] = implemented("picker", {
     "least-loaded": lambda in_flight_weight, kv_usage_weight: LeastLoaded(in_flight_weight, kv_usage_weight),
     "kv-headroom": lambda in_flight_weight, kv_usage_weight: KvHeadroom(),
-}
+})
 
 
 class EndpointPicker:

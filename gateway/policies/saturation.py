@@ -11,9 +11,10 @@ concurrency detector rather than halting all dispatch. An empty pool is saturate
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from gateway.flow.views import ReplicaView
+from gateway.settings.names import implemented
 
 
 class SaturationDetector(Protocol):
@@ -104,12 +105,17 @@ class UtilizationDetector:
         return sum(1 for r in replicas if not r.metrics_fresh(now, self.staleness))
 
 
+DETECTORS: dict[str, Callable[..., SaturationDetector]] = implemented("saturation detector", {
+    "concurrency": lambda *, max_concurrency, headroom, **_: ConcurrencyDetector(max_concurrency, headroom),
+    "utilization": lambda **settings: UtilizationDetector(**settings),
+})
+
+
 def saturation_detector(name: str, *, max_concurrency: int, headroom: float, queue_depth_threshold: float,
                         kv_util_threshold: float, staleness: float, scrape_interval: float) -> SaturationDetector:
-    if name == "concurrency":
-        return ConcurrencyDetector(max_concurrency, headroom)
-    if name == "utilization":
-        return UtilizationDetector(max_concurrency=max_concurrency, headroom=headroom,
-                                   queue_depth_threshold=queue_depth_threshold, kv_util_threshold=kv_util_threshold,
-                                   staleness=staleness, scrape_interval=scrape_interval)
-    raise ValueError(f"unknown saturation detector {name!r}; choose concurrency or utilization")
+    try:
+        build = DETECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown saturation detector {name!r}; choose {' or '.join(DETECTORS)}") from None
+    return build(max_concurrency=max_concurrency, headroom=headroom, queue_depth_threshold=queue_depth_threshold,
+                 kv_util_threshold=kv_util_threshold, staleness=staleness, scrape_interval=scrape_interval)

@@ -12,6 +12,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+from gateway.settings.names import implemented
+
 
 @dataclass(frozen=True)
 class VictimCandidate:
@@ -70,11 +72,11 @@ def _lazy(module: str, attr: str) -> Callable[[], VictimPolicy]:
     return lambda: getattr(importlib.import_module(module), attr)()
 
 
-POLICIES: dict[str, Callable[[], VictimPolicy]] = {
+POLICIES: dict[str, Callable[[], VictimPolicy]] = implemented("eviction", {
     "none": NoEviction,
     "newest-first": NewestFirst,
     "cost-ranked": _lazy("gateway.policies.victim_cost", "CostRankedPolicy"),
-}
+})
 
 
 def victim_policy(name: str) -> VictimPolicy:

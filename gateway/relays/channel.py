@@ -2,7 +2,7 @@
 
 A Unix domain socket carrying the frames of gateway/relays/messages.py: typed messages, validated as they are
 read. `Channel` sends without awaiting (the single writer must never wait in the middle of a decision) and
-answers calls: `call()` sends a `Call` and awaits the `Reply` with its id. A frame that is not a message of this
+answers calls: `call()` sends a `Call` and awaits the `Answer` with its id. A frame that is not a message of this
 protocol is logged and skipped; one announcing more than the frame limit closes the channel (what follows it
 cannot be found), and the process at the other end is then treated as gone.
 """
@@ -17,7 +17,7 @@ from typing import Callable
 from gateway.log import log_event
 from pydantic import JsonValue
 
-from gateway.relays.messages import LENGTH, Call, CallName, Malformed, Message, Reply, decode, encode, frame_length
+from gateway.relays.messages import LENGTH, Answer, Call, CallName, Malformed, Message, decode, encode, frame_length
 
 logger = logging.getLogger("gateway.channel")
 
@@ -56,7 +56,7 @@ class Channel:
             self._calls.pop(call_id, None)
 
     def reply(self, call_id: int, value: JsonValue) -> None:
-        self.send(Reply(call_id=call_id, value=value))
+        self.send(Answer(call_id=call_id, value=value))
 
     async def serve(self, handle: Callable[[Message], None]) -> None:
         """Read messages until the other end closes; replies settle calls, everything else goes to `handle`."""
@@ -71,7 +71,7 @@ class Channel:
                     log_event(logger, "channel_frame_refused", level=logging.ERROR, peer=self.peer, bytes=size,
                               error=str(exc))
                     continue
-                if isinstance(message, Reply):
+                if isinstance(message, Answer):
                     future = self._calls.get(message.call_id)
                     if future is not None and not future.done():
                         future.set_result(message.value)

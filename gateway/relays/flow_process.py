@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Awaitable
 
 from gateway.app import Gateway
-from gateway.config import ConfigError
 from gateway.flow import moves
 from gateway.flow.controller import FlowController, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
@@ -33,6 +32,7 @@ from gateway.metrics import merged_exposition, metric_families
 from gateway.relays import messages as m
 from gateway.relays.channel import Channel
 from gateway.replicas import Replica
+from gateway.settings import ConfigError
 
 logger = logging.getLogger("gateway.flow")
 
@@ -107,7 +107,7 @@ class RelayLink:
                     self.controllers[rid].revise(req, tokens, done)
             case m.Submit(rid=rid, ask=ask):
                 self._submit(rid, ask)
-            case m.Finish(rid=rid, cause=cause, event_at=event_at, closed_at=closed_at):
+            case m.Finished(rid=rid, cause=cause, event_at=event_at, closed_at=closed_at):
                 req = self.requests.pop(rid, None)
                 controller = self.controllers.pop(rid, None)
                 self._answered.discard(rid)
@@ -283,7 +283,7 @@ class FlowServer:
             link.channel.send(message)
 
     def _pool_message(self) -> m.PoolView:
-        views = tuple(m.ReplicaView(url=r.url, healthy=r.healthy, refused=r.refused, model=r.model,
+        views = tuple(m.ReplicaFacts(url=r.url, healthy=r.healthy, refused=r.refused, model=r.model,
                                     model_root=r.model_root, runtime_version=r.runtime_version,
                                     max_model_len=r.max_model_len, pool=r.pool, listed=r.listed)
                       for r in self.gateway.pool.replicas)

@@ -1,14 +1,14 @@
 """Every message between a relay and flow control, and the codec that puts them on the wire.
 
-A frame is a 4-byte big-endian length, then one JSON document: `[VERSION, {"kind": ..., ...}]`. Each
-message is a frozen dataclass whose `kind` names it; decoding validates the whole frame against the message's
-fields and types (pydantic: a value of the wrong type, an unknown kind, a missing field or a NaN time), so a
-frame from a peer that is buggy, older or hostile is refused with `Malformed` and never becomes a half-read
-object. Non-finite floats (a request with no deadline) travel as JSON's `Infinity`. Nothing here runs code named by the peer (no pickle).
+A frame is a 4-byte big-endian length, then one JSON document: `[VERSION, {"kind": ..., ...}]`. Each message is a
+frozen dataclass whose `kind` names it; decoding validates the whole frame against the message's fields and types
+(pydantic: a value of the wrong type, an unknown kind, a missing field or a NaN time), so a frame from a peer that is
+buggy, older or hostile is refused with `Malformed` and never becomes a half-read object. Non-finite floats (a
+request with no deadline) travel as JSON's `Infinity`. Nothing here runs code named by the peer (no pickle).
 
-Relay → flow control: Hello, Submit, Withdraw, Revise, Started, Finish, MidStream, Fallbacks, MarkDown,
-MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict.
-Either way: Call (a question with an id) and Reply (its answer).
+Relay → flow control: Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
+MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict. Either
+way: Call (a question with an id) and Answer (its reply).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
-from gateway.config import LoadedConfig
 from gateway.flow.request import Ask
+from gateway.settings import LoadedConfig
 
 # The protocol's version: a frame of another version is refused (both ends come from one install today; across
 # hosts, the version says which end to upgrade).
@@ -94,7 +94,7 @@ class Started:
 
 
 @dataclass(**_FROZEN)
-class Finish:
+class Finished:
     """The dispatched request let go of its replica: `cause` (gateway/flow/request.py `End`) seen at
     `event_at`; an evicted one's upstream closed at `closed_at`."""
     kind: Literal["finish"] = "finish"
@@ -167,7 +167,7 @@ class Configure:
 
 
 @dataclass(**_FROZEN)
-class ReplicaView:
+class ReplicaFacts:
     """What a relay needs of a replica: whether it takes work, and what it serves (for prompt counting)."""
     url: str
     healthy: bool
@@ -184,7 +184,7 @@ class ReplicaView:
 class PoolView:
     """The replicas, and the pools' routing description (gateway/pools.py `describe`)."""
     kind: Literal["pool"] = "pool"
-    replicas: tuple[ReplicaView, ...]
+    replicas: tuple[ReplicaFacts, ...]
     routing: tuple[dict[str, JsonValue], ...]
 
 
@@ -231,14 +231,14 @@ class Call:
 
 
 @dataclass(**_FROZEN)
-class Reply:
+class Answer:
     kind: Literal["reply"] = "reply"
     call_id: int
     value: JsonValue = None
 
 
-Message = Union[Hello, Submit, Withdraw, Revise, Started, Finish, MidStream, Fallbacks, MarkDown, MarkUnauthorized,
-                TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, Call, Reply]
+Message = Union[Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown, MarkUnauthorized,
+                TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, Call, Answer]
 
 
 # A frame's JSON: [the protocol version, the message].

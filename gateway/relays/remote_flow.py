@@ -20,7 +20,6 @@ import logging
 import time
 from typing import Callable
 
-from gateway.config import LoadedConfig
 from gateway.flow import moves
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger
@@ -30,6 +29,7 @@ from gateway.pools import PoolReplicas, PoolRouting
 from gateway.relays import messages as m
 from gateway.relays.channel import Channel
 from gateway.replicas import Replica
+from gateway.settings import LoadedConfig
 
 logger = logging.getLogger("gateway.relay")
 
@@ -42,7 +42,7 @@ class RelayPool:
         self.channel = channel
         self.replicas: list[Replica] = []
 
-    def update(self, views: tuple[m.ReplicaView, ...]) -> None:
+    def update(self, views: tuple[m.ReplicaFacts, ...]) -> None:
         by_url = {r.url: r for r in self.replicas}
         replicas = []
         for view in views:
@@ -181,7 +181,7 @@ class RemoteFlowController:
         if req.reservation is not None:
             self.ledger.release(req.reservation, now)
         # The proxy finishes an evicted request right after closing its upstream: that is when it let go.
-        self.channel.send(m.Finish(rid=req.seq, cause=cause.value, event_at=event_at,
+        self.channel.send(m.Finished(rid=req.seq, cause=cause.value, event_at=event_at,
                                    closed_at=now if evicted else None))
 
     async def reassign(self, req: FlowRequest) -> Replica | None:

@@ -4,7 +4,7 @@ import pytest
 
 from bench.lib.engines import SLOTS
 from bench.real_engine.study import BASE_CONFIG, CALLERS, arms
-from gateway.config import parse_config
+from gateway.settings import parse_config
 
 
 @pytest.mark.parametrize("arm", [a for a in arms(SLOTS) if a.gateway is not None], ids=lambda a: a.name)

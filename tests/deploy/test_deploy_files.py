@@ -13,7 +13,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from batch_api.app import create_app
-from gateway.config import parse_config
+from gateway.settings import parse_config
 from holdback.settings import Settings
 from tests.deploy.deploy_files import (
     DEPLOY, K8S, REPO, Invocation, base_files, cli_env_names, cli_help, command_words, compose, compose_invocations,

@@ -4,12 +4,12 @@ from dataclasses import replace
 import pytest
 
 from gateway.calibration import Profile
-from gateway.config import Admission, ConfigError, Quota, parse_config
 from gateway.flow.interface import Outcome as FlowOutcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.request import DropReason
 from gateway.policies.admission import Demand, KvAdmission, KvOutcome
 from gateway.replicas import Replica
+from gateway.settings import Admission, ConfigError, Quota, parse_config
 from tests.gateway.test_flow_control import controller, req, run
 
 

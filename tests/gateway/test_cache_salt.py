@@ -9,7 +9,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.cache_salt import private_salt, salted_body
 from gateway.classification import Classifier
-from gateway.config import parse_config
+from gateway.settings import parse_config
 
 KEYS = """
 keys:

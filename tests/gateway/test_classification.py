@@ -7,7 +7,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.classification import ClassificationError, Classifier
-from gateway.config import parse_config
+from gateway.settings import parse_config
 
 CONFIG = """
 keys:

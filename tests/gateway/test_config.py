@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.config import ConfigError, DEFAULT_CONFIG_PATH, load_config, parse_config, with_replicas
+from gateway.settings import ConfigError, DEFAULT_CONFIG_PATH, load_config, parse_config, with_replicas
 
 
 def test_shipped_default_is_the_seed_operating_point():
@@ -71,6 +71,11 @@ def test_band_settings_merge_over_default_band():
     ("usageLimit: {policy: adaptive-reserve, adaptive: {halfLifeSeconds: 0}}", "adaptive.halfLifeSeconds"),
     ("usageLimit: {policy: adaptive-reserve, adaptive: {margin: 1}}", "adaptive.margin"),
     ("usageLimit: {policy: adaptive-reserve, adaptive: {peakWindow: 5}}", "peakWindow"),
+    ("flowControl: {bands: [{priority: 1, fairness: fifo}]}",
+     "unknown fairness policy 'fifo'; choose one of 'global-strict', 'round-robin'"),
+    ("eviction: {policy: oldest-first}", "unknown eviction policy 'oldest-first'; choose one of 'none'"),
+    ("picker: {policy: random}", "unknown picker policy 'random'"),
+    ("saturation: {detector: vibes}", "unknown saturation detector policy 'vibes'"),
 ])
 def test_bad_config_is_refused_with_a_message_naming_the_problem(text, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -94,3 +99,12 @@ def test_digest_changes_with_content_and_replicas_flag_keeps_it():
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_policy_kind_implemented_apart_from_its_names_fails_at_import():
+    from gateway.settings.names import POLICIES, implemented
+
+    assert implemented("ordering", {"fcfs": 1, "edf": 2}) == {"fcfs": 1, "edf": 2}
+    with pytest.raises(RuntimeError, match=r"ordering policies implemented \['edf', 'fcfs', 'lifo'\] differ"):
+        implemented("ordering", {"fcfs": 1, "edf": 2, "lifo": 3})
+    assert set(POLICIES) == {"fairness", "ordering", "saturation detector", "usage limit", "eviction", "picker"}

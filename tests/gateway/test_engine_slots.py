@@ -8,13 +8,13 @@ import asyncio
 import pytest
 
 from gateway.cache_salt import replica_priority
-from gateway.config import ConfigError, parse_config
 from gateway.flow.controller import FlowController
 from gateway.flow.interface import Outcome
 from gateway.flow.request import Ask, DropReason, FlowRequest, Status
 from gateway.metrics import GatewayMetrics
 from gateway.policies.saturation import ConcurrencyDetector
 from gateway.replicas import Replica, ReplicaPool
+from gateway.settings import ConfigError, parse_config
 from gateway.upstream import connection_limit
 
 pytestmark = pytest.mark.unit

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from gateway.config import parse_config
 from gateway.flow.controller import FlowController
 from gateway.flow.interface import Outcome
 from gateway.flow.request import Ask, DropReason, FlowRequest, Status
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
+from gateway.settings import parse_config
 
 PRIO = {"realtime": 100, "standard": 0, "batch": -10}
 

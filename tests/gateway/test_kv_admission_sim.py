@@ -489,7 +489,7 @@ def test_malformed_authorization_is_401_when_keys_are_configured(stack, authoriz
 
 def test_admin_routes_need_an_admin_key_and_anonymous_callers_get_batch_only(stack):
     [sim] = stack.sim(1, *SIM_ARGS)
-    from gateway.config import DEFAULT_CONFIG_PATH
+    from gateway.settings import DEFAULT_CONFIG_PATH
     gw = stack.gateway([sim], DEFAULT_CONFIG_PATH.read_text(),
                        env={"HOLDBACK_ADMIN_KEY": "adm", "HOLDBACK_GATEWAY_REALTIME_KEY": "rt"})
     assert httpx.get(gw.url + "/admin/state", timeout=5).status_code == 401

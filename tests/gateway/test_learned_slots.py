@@ -9,8 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.config import parse_config
 from gateway.replicas import LEARN_SECONDS, Replica
+from gateway.settings import parse_config
 from tests.gateway.test_gateway_sim import wait_until
 
 A = "http://127.0.0.1:9100"

@@ -3,10 +3,10 @@ config can make with pools (and the message naming what to change), and how a `m
 
 import pytest
 
-from gateway.config import ConfigError, parse_config, with_admission, with_replicas
 from gateway.metrics import GatewayMetrics
 from gateway.pools import DEFAULT_POOL, ModelPools, PoolRouting
 from gateway.replicas import Replica, ReplicaPool
+from gateway.settings import ConfigError, parse_config, with_admission, with_replicas
 
 A1, A2, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 TWO_POOLS = f"""

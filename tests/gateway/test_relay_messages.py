@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.config import load_config, with_replicas
 from gateway.flow.request import Ask
 from gateway.relays import messages as m
 from gateway.relays.channel import Channel
+from gateway.settings import load_config, with_replicas
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ asks = st.builds(Ask, request_id=texts, objective=texts, priority=st.integers(-1
                  prompt_tokens=st.integers(0, 2**31), max_new_tokens=st.integers(0, 2**31),
                  limit_param=st.none() | texts, sequences=st.integers(1, 16), prompt_exact=st.booleans(),
                  resumable=st.booleans(), streamed=st.booleans(), at_risk=st.booleans())
-replica_views = st.builds(m.ReplicaView, url=texts, healthy=st.booleans(), refused=st.none() | texts,
+replica_views = st.builds(m.ReplicaFacts, url=texts, healthy=st.booleans(), refused=st.none() | texts,
                           model=st.none() | texts, model_root=st.none() | texts, runtime_version=st.none() | texts,
                           max_model_len=st.none() | st.integers(0, 2**31), pool=st.none() | texts,
                           listed=st.lists(st.tuples(texts, st.none() | texts), max_size=3).map(tuple))

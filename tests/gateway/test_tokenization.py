@@ -6,8 +6,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from gateway.config import Admission, ConfigError, parse_config
 from gateway.replicas import Replica
+from gateway.settings import Admission, ConfigError, parse_config
 from gateway.tokenization import (InProcess, PromptCounter, candidates, find_tokenizer_json, load_local_tokenizer,
                                   output_limit)
 from tests.support import poll

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.config import ConfigError, parse_config
 from gateway.replicas import Replica, parse_vllm_metrics
+from gateway.settings import ConfigError, parse_config
 from holdback.contract import DROP_REASON_HEADER, DropReason
 from tests.support import in_process_gateway as gateway
 

@@ -2,7 +2,7 @@
 keys, and the keys the gateway sends to its replicas (`upstream.apiKey`, `upstream.replicaKeys`).
 
 An entry gives its key either in the file (`key`) or by the environment variable that holds it (`key_env`);
-`resolve_keys` reads those variables once, when a config is loaded (gateway/config.py), and an entry whose
+`resolve_keys` reads those variables once, when a config is loaded (gateway/settings/loading.py), and an entry whose
 variable is unset is skipped (and named, so the gateway can log it) until a reload finds it set.
 """
 
@@ -11,22 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from gateway.settings.base import SettingsModel
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
+    from gateway.settings.document import GatewayConfig
 
 # The environment variable `upstream.apiKey_env` names unless set: what a `--upstream-api-key` flag of
 # `holdback gateway` would be read from (holdback.env_flags), so the key never has to be in the file.
 UPSTREAM_KEY_ENV = "HOLDBACK_GATEWAY_UPSTREAM_API_KEY"
 
 
-class _Entry(BaseModel):
-    # As every section of the config (gateway/config.py): unknown keys are errors, a loaded entry never changes.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
-
-
-class ReplicaKey(_Entry):
+class ReplicaKey(SettingsModel):
     """One replica's own key (its vLLM `--api-key`), for `upstream.replicaKeys`."""
 
     key: str | None = None
@@ -39,7 +36,7 @@ class ReplicaKey(_Entry):
         return self
 
 
-class KeyEntry(_Entry):
+class KeyEntry(SettingsModel):
     key: str | None = None
     key_env: str | None = Field(default=None, alias="keyEnv")
     tenant: str
@@ -60,7 +57,7 @@ class KeyEntry(_Entry):
         return self
 
 
-class AdminKey(_Entry):
+class AdminKey(SettingsModel):
     key: str | None = None
     key_env: str | None = Field(default=None, alias="keyEnv")
 
@@ -71,7 +68,7 @@ class AdminKey(_Entry):
         return self
 
 
-class Anonymous(_Entry):
+class Anonymous(SettingsModel):
     enabled: bool = True
     tenant: str = "anonymous"
     objectives: list[str] = ["*"]
@@ -81,7 +78,7 @@ class Anonymous(_Entry):
 
 
 @dataclass(frozen=True)
-class ApiKey:
+class CallerKey:
     key: str
     tenant: str
     objectives: frozenset[str]
@@ -95,7 +92,7 @@ class ApiKey:
 class ResolvedKeys:
     """Every key of a config with its `key_env` read."""
 
-    callers: tuple[ApiKey, ...]
+    callers: tuple[CallerKey, ...]
     # The key for every replica and where it came from ("upstream.apiKey", "$VAR").
     upstream: str | None
     upstream_source: str | None
@@ -107,7 +104,7 @@ class ResolvedKeys:
 
 
 def resolve_keys(config: GatewayConfig, env: Mapping[str, str]) -> ResolvedKeys:
-    keys: list[ApiKey] = []
+    keys: list[CallerKey] = []
     skipped: list[str] = []
     for entry in config.keys:
         value = entry.key
@@ -116,7 +113,7 @@ def resolve_keys(config: GatewayConfig, env: Mapping[str, str]) -> ResolvedKeys:
             if value is None:
                 skipped.append(entry.key_env)
                 continue
-        keys.append(ApiKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective,
+        keys.append(CallerKey(value, entry.tenant, frozenset(entry.objectives), entry.defaultObjective,
                            entry.sharePublicPrompts, entry.permissionVersion, entry.relaysTenants))
     up = config.upstream
     upstream_key, upstream_source = up.apiKey, "upstream.apiKey" if up.apiKey else None

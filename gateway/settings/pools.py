@@ -1,20 +1,18 @@
 """The `pools` entries of the gateway's config: each pool's keys, the checks that keep pools apart, and the config
-one pool's flow control runs with (its own sections merged over the top-level ones). gateway/config.py holds the
-rest of the config and validates `pools` with these.
+one pool's flow control runs with (its own sections merged over the top-level ones). gateway/settings/document.py
+holds the rest of the config and validates `pools` with these.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
+
+from gateway.settings.base import SettingsModel
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    from gateway.settings.document import GatewayConfig
 
 
 # The sections a pool may set for itself (pools[].saturation, ...): each key it sets replaces the top-level one.
@@ -22,7 +20,7 @@ POOL_SECTIONS = ("flowControl", "saturation", "usageLimit", "eviction", "admissi
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 
 
-class PoolSettings(_Model):
+class PoolSettings(SettingsModel):
     """pools[]: the replicas of some model names, with their own flow control. A section left out is the
     top-level one; a section given is merged key by key over it."""
 

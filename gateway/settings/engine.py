@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+from gateway.settings.base import SettingsModel
 
 
 def by_replica_url(where: str, entries: dict) -> dict:
@@ -20,7 +18,7 @@ def by_replica_url(where: str, entries: dict) -> dict:
     return {url.rstrip("/"): value for url, value in entries.items()}
 
 
-class ReplicaEngine(_Model):
+class ReplicaEngine(SettingsModel):
     """What a replica's vLLM was started with that it does not report and the gateway must know (vLLM's flags)."""
 
     # --scheduling-policy. `priority`: every request goes with the gateway's priority (X-Vllm-Priority: the
@@ -41,7 +39,7 @@ class ReplicaEngine(_Model):
     queueAllowance: int = Field(default=0, ge=0)
 
 
-class ReplicaEngineOverride(_Model):
+class ReplicaEngineOverride(SettingsModel):
     """engine.replicas[url]: the keys of `engine` that differ for that replica."""
 
     schedulingPolicy: Literal["fcfs", "priority"] | None = None
@@ -50,7 +48,7 @@ class ReplicaEngineOverride(_Model):
     queueAllowance: int | None = Field(default=None, ge=0)
 
 
-class Engine(ReplicaEngine):
+class EngineSettings(ReplicaEngine):
     # Replica base URL -> its own settings, over the ones above.
     replicas: dict[str, ReplicaEngineOverride] = {}
 
@@ -60,7 +58,7 @@ class Engine(ReplicaEngine):
         return by_replica_url("engine.replicas", own)
 
     @model_validator(mode="after")
-    def _allowance_needs_slots(self) -> "Engine":
+    def _allowance_needs_slots(self) -> "EngineSettings":
         for where, settings in [("engine", self), *((f"engine.replicas[{u!r}]", self.of(u)) for u in self.replicas)]:
             if settings.queueAllowance and settings.maxNumSeqs is None and not settings.learnMaxNumSeqs:
                 raise ValueError(f"{where}.queueAllowance counts requests beyond the replica's slots, and with "
