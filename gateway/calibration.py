@@ -19,8 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from gateway.replicas import Replica, parse_vllm_metrics
+from gateway.replicas import Replica
 from gateway.settings import ConfigError
+from gateway.vllm_metrics import parse_vllm_metrics
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def test_the_study_s_processes_are_told_apart_by_their_command_lines():
 def test_the_scrape_cost_bench_asks_vllm_for_the_series_the_gateway_scrapes():
     """The bench spells the gateway's query itself (a benchmark uses public interfaces only): it must not drift."""
     from bench.real_engine.scrape_cost import FILTERED, SERIES
-    from gateway.replicas import FILTERED_METRICS, GAUGES
+    from gateway.vllm_metrics import FILTERED_METRICS, GAUGES
 
     assert set(SERIES) == {*GAUGES, "vllm:cache_config_info"}
     assert FILTERED == FILTERED_METRICS

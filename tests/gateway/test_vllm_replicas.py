@@ -17,8 +17,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.replicas import Replica, parse_vllm_metrics
+from gateway.replicas import Replica
 from gateway.settings import ConfigError, parse_config
+from gateway.vllm_metrics import parse_vllm_metrics
 from holdback.contract import DROP_REASON_HEADER, DropReason
 from tests.support import in_process_gateway as gateway
 

@@ -218,7 +218,7 @@ def test_metrics_exposition_uses_vllm_names_and_model_label(sim):
 def test_metrics_slash_answers_name_filters_with_those_series_alone_as_vllms_mount_does(sim):
     """vLLM's GET /metrics answers everything whatever the query; its /metrics/ mount (prometheus_client's app)
     answers `name[]=` with those series alone, which is what the gateway's scrape asks for."""
-    from gateway.replicas import FILTERED_METRICS, GAUGES, METRICS_QUERY, parse_vllm_metrics
+    from gateway.vllm_metrics import FILTERED_METRICS, GAUGES, METRICS_QUERY, parse_vllm_metrics
 
     sim.http.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": 3})
     full = sim.http.get("/metrics").text

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from gateway.replicas import FILTERED_METRICS, METRICS_QUERY
+from gateway.vllm_metrics import FILTERED_METRICS, METRICS_QUERY
 
 # Deliberate differences of model_sim from vLLM 0.32 (model_sim/README.md, "Known differences from vLLM", lists the
 # same). A key is a record path `diff` skips (a case, or `case.field...`), or a name for what the probe cannot see.
