@@ -31,10 +31,9 @@ from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
 from gateway.settings import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
 from gateway.upstream import UpstreamPool, connection_limit
+from holdback.contract import INFERENCE_PATHS
 
 logger = logging.getLogger("gateway")
-
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 class Gateway:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-from holdback.contract import PRIORITY_FIELD
+from holdback.contract import INFERENCE_ENDPOINTS, PRIORITY_FIELD
 
 # The bodies that reach vLLM's prefix cache (its pooling and Responses API requests take a cache_salt too); the
 # rest pass untouched.
-SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"})
+SALTED_PATHS = frozenset(e.path for e in INFERENCE_ENDPOINTS if e.salted)
 PUBLIC_PREFIX = "public:"
 # vLLM's limits on a cache_salt (`_MAX_CACHE_SALT_LENGTH`, `_CACHE_SALT_FORBIDDEN_CHARS`).
 MAX_SALT_LENGTH = 128

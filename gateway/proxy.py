@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -32,11 +31,13 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.cache_salt import PRIORITY_HEADER, salted_body
+from gateway.bodies import document, responses_as_chat, route_not_found
+from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
+from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.responses import (drop_response, embeddings_not_served, endpoint_not_served, error_response,
@@ -45,21 +46,11 @@ from gateway.stream_tokens import StreamTokenCount
 from gateway.tokenization import PromptCounter
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
-from holdback.contract import (DROP_REASON_HEADER, QUEUE_MS_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER,
-                               RESUMABLE_HEADER)
-from holdback.sim_tokenizer import ChatTemplateError, responses_messages
+from holdback.contract import (CHAT_ENDPOINT, DROP_REASON_HEADER, EMBEDDINGS_ENDPOINT, QUEUE_MS_HEADER,
+                               REPLICA_HEADER, REQUEST_ID_HEADER, RESUMABLE_HEADER, InferenceEndpoint,
+                               inference_endpoint)
 
 logger = logging.getLogger("gateway.proxy")
-
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length",
-})
-# Our own request headers are not forwarded (the gateway key is ours, not the replica's), nor a caller's
-# priority for the replica's queue (the gateway decides the order).
-_NOT_FORWARDED = _HOP_BY_HOP | {"authorization", PRIORITY_HEADER}
-EMBEDDINGS = "/v1/embeddings"
-RESPONSES, CHAT = "/v1/responses", "/v1/chat/completions"
 
 
 def _request_id(headers) -> str:
@@ -94,7 +85,8 @@ class Proxy:
         self.pools.flows()[0].count_tokenizer_fallback()
         self.metrics.tokenizer_fallbacks.inc()
 
-    async def _count_tokens(self, flow: FlowControl, ask: Ask, doc: object, path: str) -> Ask | web.Response:
+    async def _count_tokens(self, flow: FlowControl, ask: Ask, doc: object,
+                            endpoint: InferenceEndpoint) -> Ask | web.Response:
         """The ask with its prompt and output-limit tokens counted (on a replica of its pool: its model's
         tokenizer); an answer when the body is not a JSON object."""
         if not isinstance(doc, dict):
@@ -102,11 +94,11 @@ class Proxy:
                                   "invalid_json", ask.request_id)
         healthy = flow.pool.healthy()
         replica = min(healthy, key=lambda r: r.in_flight) if healthy else None
-        counted_doc, counted_path = _responses_as_chat(doc) if path == RESPONSES else (doc, path)
+        counted_doc, counted_path = responses_as_chat(doc) if endpoint.rendered_as_chat else (doc, endpoint.path)
         count = await self.counter.count(counted_doc, counted_path, self.session, replica)
         limit_param = count.limit_param
-        if path == RESPONSES and limit_param is not None:
-            limit_param = "max_output_tokens"
+        if endpoint.rendered_as_chat and limit_param is not None:
+            limit_param = endpoint.limit_params[0]  # the body's own field, as the answer to a refusal names it
         return dataclasses.replace(ask, prompt_tokens=count.prompt_tokens, max_new_tokens=count.max_new_tokens,
                                    limit_param=limit_param, sequences=count.sequences, prompt_exact=count.exact)
 
@@ -135,7 +127,8 @@ class Proxy:
             log_event(logger, "refused", request_id=request_id, status=exc.status, code=exc.code)
             return error_response(exc.status, exc.message, exc.err_type, exc.code, request_id)
         raw = await request.read()
-        doc = _document(raw)
+        doc = document(raw)
+        endpoint = inference_endpoint(request.path) or CHAT_ENDPOINT  # only inference paths are routed here
         routing = self.pools.routing()
         model = doc.get("model") if isinstance(doc, dict) else None
         pool = routing.route(model)
@@ -144,10 +137,10 @@ class Proxy:
         controller = self.pools.flow(pool)
         endpoints = routing.endpoints(pool)
         if endpoints is not None and request.path not in endpoints:
-            if request.path == EMBEDDINGS:
+            if not endpoint.generates:
                 return embeddings_not_served(None, request_id, pool)
             return endpoint_not_served(request.path, pool, endpoints, request_id)
-        if request.path == EMBEDDINGS:
+        if not endpoint.generates:
             healthy = controller.pool.healthy()
             if healthy and all(r.serves_no_embeddings() for r in healthy):
                 return embeddings_not_served(healthy[0], request_id)
@@ -159,7 +152,7 @@ class Proxy:
                   streamed=isinstance(doc, dict) and doc.get("stream") is True,
                   at_risk=cls.at_risk and cls.priority < 0)
         if controller.admission_enabled:
-            counted = await self._count_tokens(controller, ask, doc, request.path)
+            counted = await self._count_tokens(controller, ask, doc, endpoint)
             if isinstance(counted, web.Response):
                 return counted
             ask = counted
@@ -196,7 +189,7 @@ class Proxy:
             try:
                 async with self.session.get(replica.url + request.path_qs,
                                             headers=self._upstream_headers(request, request_id, replica.url)) as resp:
-                    answers.append((resp.status, await resp.read(), self._response_headers(resp, request_id)))
+                    answers.append((resp.status, await resp.read(), to_caller(resp.headers.items(), request_id)))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 if len(asked) == 1:
                     return self._upstream_failure(replica, exc, request_id)
@@ -208,25 +201,7 @@ class Proxy:
 
     # -- forwarding -----------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.Request, request_id: str, replica_url: str) -> CIMultiDict:
-        out = CIMultiDict()
-        for k, v in request.headers.items():
-            if k.lower() not in _NOT_FORWARDED:
-                out.add(k, v)
-        out[REQUEST_ID_HEADER] = request_id
-        tracing.inject(out)
-        key = self.pools.loaded.replica_key(replica_url)
-        if key:
-            out["Authorization"] = f"Bearer {key}"
-        return out
-
-    @staticmethod
-    def _response_headers(resp: aiohttp.ClientResponse, request_id: str) -> CIMultiDict:
-        out = CIMultiDict()
-        for k, v in resp.headers.items():
-            if k.lower() not in _HOP_BY_HOP:
-                out.add(k, v)
-        out[REQUEST_ID_HEADER] = request_id
-        return out
+        return to_replica(request.headers.items(), request_id, self.pools.loaded.replica_key(replica_url))
 
     def _upstream_failure(self, replica, exc: BaseException, request_id: str, down: bool = False) -> web.Response:
         """Count and log a transport failure; take the replica out when its port refused the connection or
@@ -274,7 +249,7 @@ class Proxy:
             return
         fw.conn = conn = exchanged
         replica = req.leased().replica
-        headers = response_headers(conn.headers, _HOP_BY_HOP)
+        headers = response_headers(conn.headers, HOP_BY_HOP)
         headers[REQUEST_ID_HEADER] = req.request_id
         headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
         if req.enqueued_at:  # it waited in a queue
@@ -295,7 +270,7 @@ class Proxy:
             time.monotonic() - req.arrived)
         fw.ended(End.END, time.monotonic())
         replica = req.leased().replica
-        if conn.status == 404 and fw.request.path == EMBEDDINGS and _route_not_found(data):
+        if conn.status == 404 and fw.request.path == EMBEDDINGS_ENDPOINT.path and route_not_found(data):
             # FastAPI's own 404: the replica has no /v1/embeddings route (a generation model).
             if not replica.serves_no_embeddings():
                 log_event(logger, "replica_serves_no_embeddings", level=logging.WARNING, replica=replica.url,
@@ -452,40 +427,6 @@ async def _drained(request: web.Request) -> None:
     protocol = request.protocol
     if protocol.writing_paused:
         await protocol._drain_helper()
-
-
-def _route_not_found(body: bytes) -> bool:
-    """FastAPI's answer for a path it has no route for, `{"detail":"Not Found"}` (vLLM's own 404s, such as an
-    unknown model, are OpenAI error envelopes)."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(doc, dict) and doc.get("detail") == "Not Found" and "error" not in doc
-
-
-def _responses_as_chat(doc: dict) -> tuple[dict, str]:
-    """A /v1/responses body counted as the chat vLLM renders it to (holdback.sim_tokenizer.responses_messages),
-    its `max_output_tokens` the chat's output limit (without one vLLM's chat generates to the context's end
-    too). An input that renders no chat is counted as it is (the replica answers it)."""
-    try:
-        messages = responses_messages(doc)
-    except ChatTemplateError:
-        return doc, RESPONSES
-    chat = {"model": doc.get("model"), "messages": messages}
-    if doc.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = doc["max_output_tokens"]
-    return chat, CHAT
-
-
-def _document(body: bytes) -> object:
-    """The request body parsed once, for the cache salt and KV admission: {} when empty, None when not JSON."""
-    if not body:
-        return {}
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 def _uncancel() -> None:

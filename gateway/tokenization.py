@@ -34,6 +34,7 @@ import aiohttp
 from gateway.log import log_event
 from gateway.replicas import Replica
 from gateway.settings import Admission, ConfigError
+from holdback.contract import CHAT_ENDPOINT, inference_endpoint
 from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, render_chat
 
 logger = logging.getLogger("gateway.tokens")
@@ -106,11 +107,13 @@ def output_limit(body: Mapping[str, Any], path: str, *, default: int, context: i
     generates to the end of the context (`context` − prompt; `default` when the context is not known);
     /v1/completions reads only max_tokens, else 16. A value vLLM would refuse (0, a string) counts as none: the
     replica answers it. Sequences: n, or best_of when larger, each with its own output."""
-    if path.endswith("/embeddings"):
+    endpoint = inference_endpoint(path)
+    if endpoint is not None and not endpoint.generates:
         return OutputLimit(0, None, 1)  # embeddings generate nothing
     sequences = max(_count_field(body, "n") or 1, _count_field(body, "best_of") or 1)
-    if path.endswith("/chat/completions"):
-        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if endpoint is CHAT_ENDPOINT:
+        limits = CHAT_ENDPOINT.limit_params
+        param = next((p for p in limits if body.get(p) is not None), limits[-1])
         fallback = max(1, context - prompt_tokens) if context else default
     else:
         param, fallback = "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS

@@ -5,11 +5,13 @@ holds the rest of the config and validates `pools` with these.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.settings.base import SettingsModel
+from holdback.contract import INFERENCE_PATHS
 
 if TYPE_CHECKING:
     from gateway.settings.document import GatewayConfig
@@ -17,7 +19,16 @@ if TYPE_CHECKING:
 
 # The sections a pool may set for itself (pools[].saturation, ...): each key it sets replaces the top-level one.
 POOL_SECTIONS = ("flowControl", "saturation", "usageLimit", "eviction", "admission", "picker", "engine")
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+
+
+def _inference_path(path: str) -> str:
+    if path not in INFERENCE_PATHS:
+        raise PydanticCustomError("inference_path", "Input should be one of the inference paths {paths}",
+                                  {"paths": ", ".join(INFERENCE_PATHS)})
+    return path
+
+
+Endpoint = Annotated[str, AfterValidator(_inference_path)]
 
 
 class PoolSettings(SettingsModel):

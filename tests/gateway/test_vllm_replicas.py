@@ -489,11 +489,11 @@ def test_embeddings_on_a_generation_pool_answer_an_openai_error_saying_what_to_c
 
 
 def test_only_fastapis_own_404_means_no_embeddings_route():
-    from gateway.proxy import _route_not_found
+    from gateway.bodies import route_not_found
 
-    assert _route_not_found(json.dumps(ERRORS["embeddings_on_generation_server_404"]).encode())
-    assert not _route_not_found(json.dumps(ERRORS["unknown_model_404"]).encode())  # the caller's model name
-    assert not _route_not_found(b"not json")
+    assert route_not_found(json.dumps(ERRORS["embeddings_on_generation_server_404"]).encode())
+    assert not route_not_found(json.dumps(ERRORS["unknown_model_404"]).encode())  # the caller's model name
+    assert not route_not_found(b"not json")
 
 
 # -- item: cache salts vLLM accepts -----------------------------------------------------------------------------

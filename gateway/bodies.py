@@ -1,0 +1,46 @@
+"""What the gateway reads of a request's body and of a replica's answer body, beyond relaying them.
+
+The request body is parsed once (for the cache salt and KV admission); a /v1/responses body is counted as the
+chat vLLM renders it to; a replica's 404 is told apart from vLLM's own error envelopes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from holdback.contract import CHAT_ENDPOINT, RESPONSES_ENDPOINT
+from holdback.sim_tokenizer import ChatTemplateError, responses_messages
+
+
+def document(body: bytes) -> object:
+    """The request body parsed once, for the cache salt and KV admission: {} when empty, None when not JSON."""
+    if not body:
+        return {}
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def responses_as_chat(doc: dict) -> tuple[dict, str]:
+    """A /v1/responses body counted as the chat vLLM renders it to (holdback.sim_tokenizer.responses_messages),
+    its `max_output_tokens` the chat's output limit (without one vLLM's chat generates to the context's end
+    too). An input that renders no chat is counted as it is (the replica answers it)."""
+    try:
+        messages = responses_messages(doc)
+    except ChatTemplateError:
+        return doc, RESPONSES_ENDPOINT.path
+    chat = {"model": doc.get("model"), "messages": messages}
+    if doc.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = doc["max_output_tokens"]
+    return chat, CHAT_ENDPOINT.path
+
+
+def route_not_found(body: bytes) -> bool:
+    """FastAPI's answer for a path it has no route for, `{"detail":"Not Found"}` (vLLM's own 404s, such as an
+    unknown model, are OpenAI error envelopes)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("detail") == "Not Found" and "error" not in doc
