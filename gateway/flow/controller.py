@@ -25,7 +25,7 @@ from typing import Callable
 
 from gateway.calibration import Profile
 from gateway.flow import moves, state
-from gateway.flow.assembly import assemble
+from gateway.flow.assembly import assemble, configure_replicas, objectives_by_priority
 from gateway.flow.band import PriorityBand
 from gateway.flow.deadlines import Deadlines
 from gateway.flow.eviction_control import EvictionControl
@@ -34,7 +34,7 @@ from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
-from gateway.flow.replica_checks import refuse_unmeasured, warn_short_growth_room
+from gateway.flow.replica_checks import check_identified
 from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status, Trigger
 from gateway.flow.tally import FlowTally
 from gateway.flow.triggers import Moment, Stage
@@ -104,31 +104,16 @@ class FlowController:
         self.tick = cfg.flowControl.tickSeconds
         self.floor.share = cfg.flowControl.atRiskFloor
         self.global_max_requests = cfg.flowControl.maxRequests
-        self.traffic_classes = {obj.priority: obj.traffic_class() for obj in cfg.objectives.values()}
-        self.objective_names: dict[int, list[str]] = {}
-        for name, obj in cfg.objectives.items():
-            self.objective_names.setdefault(obj.priority, []).append(name)
+        self.traffic_classes, self.objective_names = objectives_by_priority(cfg)
         for band in self.bands.configure(cfg):
             self.deadlines.apply_ttl(band)
-        if self.owns_replicas:
-            self.pool.health_interval = cfg.health.intervalSeconds
-            self.pool.health_timeout = cfg.health.timeoutSeconds
-            self.pool.failures_to_down = cfg.health.failuresToDown
-            self.pool.scrape_interval = cfg.metrics.scrapeIntervalSeconds
-            if [r.url for r in self.pool.replicas] != cfg.replicas:
-                self.pool.set_urls(cfg.replicas)
-        self.pool.engine_of = cfg.engine.of
-        for replica in self.pool.replicas:
-            self.pool.apply_engine(replica)
+        configure_replicas(self.pool, cfg, self.owns_replicas)
         self.wake()
 
     def _on_identify(self, replica: Replica) -> None:
         """A replica told us what it serves and (when exported) its KV pool: check both against the config."""
-        adm = self.loaded.config.admission
-        if self.profile is not None and refuse_unmeasured(self.profile, replica, adm.calibrationProfile):
+        if check_identified(replica, self.loaded.config, self.profile, self.admission):
             self.wake()
-        if self.admission is not None:
-            warn_short_growth_room(self.admission, replica, self.loaded.config)
 
     # -- the FlowControl interface (gateway/flow/interface.py) ----------------------------------------------
     @property
@@ -375,7 +360,7 @@ class FlowController:
                 return Placement(Verdict.REJECT, kv=kv)
             if kv.outcome is KvOutcome.QUEUE:
                 return WAIT_KV
-        fits = _within(kv) if kv is not None else None
+        fits = kv.fits if kv is not None else None
         if self.eviction.awaiting:  # a higher-priority request not answering yet keeps lower ones off its replica
             within, control = fits, self.eviction
             fits = lambda r: (within is None or within(r)) and not control.holds_back(r, req.priority)  # noqa: E731
@@ -462,8 +447,3 @@ class FlowController:
     def demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
                       sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact)
-
-
-def _within(decision: Decision) -> Callable[[Replica], bool]:
-    fitting = set(decision.replicas)
-    return lambda replica: replica in fitting

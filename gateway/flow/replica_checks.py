@@ -30,6 +30,16 @@ def check_files(cfg: GatewayConfig) -> Profile | None:
     return profile
 
 
+def check_identified(replica: Replica, cfg: GatewayConfig, profile: Profile | None,
+                     admission: KvAdmission | None) -> bool:
+    """A replica told us what it serves and (when exported) its KV pool: check both against the config; True when
+    it now takes work, or no longer does."""
+    changed = profile is not None and refuse_unmeasured(profile, replica, cfg.admission.calibrationProfile)
+    if admission is not None:
+        warn_short_growth_room(admission, replica, cfg)
+    return changed
+
+
 def refuse_unmeasured(profile: Profile, replica: Replica, profile_path: str | None) -> bool:
     """Refuse `replica` when the profile was not measured on it, accept it again when it was; True when that
     verdict changed (the replica now takes work, or no longer does)."""

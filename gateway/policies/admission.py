@@ -88,6 +88,10 @@ class Decision:
     # RUN: the replicas the request fits on.
     replicas: tuple[ReplicaView, ...] = ()
 
+    def fits(self, replica: ReplicaView) -> bool:
+        """Whether the request fits on `replica` (the picker's filter)."""
+        return replica in self.replicas
+
 
 def reported_pool_tokens(replica: ReplicaView, block_size: int) -> int | None:
     """The KV pool the replica reports, in tokens (None: it reports none): kv_cache_size_tokens, else
