@@ -4,7 +4,9 @@ A component imports only the shared library `holdback/` (the gateway and the sim
 tracing, probes and env flags: they run without the database); `holdback/` imports none of the components except
 from `holdback/cli/`, the umbrella command that starts them; `bench/` uses only public interfaces outside
 `bench/micro/`; and no module takes another module's `_private` name. A crossing put back fails here, naming
-the file, the line and the rule.
+the file, the line and the rule. Two more rules of the layout: a class name means one class across the components
+(the simulator's copies of vLLM's own names aside), and no file grows past its size limit (450 lines outside
+`tests/`, 800 in it); each failure names the class or the file.
 """
 
 from __future__ import annotations
@@ -150,6 +152,73 @@ def test_what_the_walls_allow_passes(path: str, source: str) -> None:
     assert not crossings(path, source)
 
 
-def test_no_file_outside_tests_is_over_500_lines() -> None:
-    long = {str(p.relative_to(REPO)): n for p in _sources() if (n := len(p.read_text().splitlines())) > 500}
-    assert not long, f"files over 500 lines (split them by concern): {long}"
+# --- one class per name ------------------------------------------------------------------------------------
+
+# The simulator answers as vLLM does and is read beside vLLM's source, so it keeps vLLM's own class names even where
+# one is also ours: name -> the model_sim/ file whose class mirrors vLLM's. Only that file's class is let off; two
+# classes of the name anywhere else still fail.
+VLLM_MIRRORS = {
+    "RequestStatus": "model_sim/request.py",  # vllm/v1/request.py's RequestStatus (ours: holdback/models.py)
+}
+
+
+def duplicate_classes(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Each class name defined more than once in `sources` (repo-relative path -> text), with its `path:line`s;
+    nested classes count, and a class in `VLLM_MIRRORS` is let off in its model_sim/ file."""
+    places: dict[str, list[str]] = {}
+    for path, source in sorted(sources.items()):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and VLLM_MIRRORS.get(node.name) != path:
+                places.setdefault(node.name, []).append(f"{path}:{node.lineno}")
+    return {name: where for name, where in sorted(places.items()) if len(where) > 1}
+
+
+def test_a_class_name_means_one_class() -> None:
+    found = duplicate_classes({str(p.relative_to(REPO)): p.read_text() for p in _sources()})
+    assert not found, ("class names defined more than once outside tests (give each its own name, or merge them "
+                       "where they are one thing):\n" + "\n".join(f"  {name}: {', '.join(where)}"
+                                                              for name, where in found.items()))
+
+
+def test_a_class_name_put_back_is_caught_and_a_vllm_mirror_is_not() -> None:
+    twice = {"holdback/results.py": "class Usage:\n    pass\n", "batch_api/schemas.py": "class Usage:\n    pass\n"}
+    assert duplicate_classes(twice) == {"Usage": ["batch_api/schemas.py:1", "holdback/results.py:1"]}
+    nested = {"gateway/a.py": "class A:\n    class Config:\n        pass\n",
+              "gateway/b.py": "class Config:\n    pass\n"}
+    assert list(duplicate_classes(nested)) == ["Config"]
+    mirror = {"holdback/models.py": "class RequestStatus:\n    pass\n",
+              "model_sim/request.py": "class RequestStatus:\n    pass\n"}
+    assert duplicate_classes(mirror) == {}
+    elsewhere = {**mirror, "gateway/flow/request.py": "class RequestStatus:\n    pass\n"}
+    assert list(duplicate_classes(elsewhere)) == ["RequestStatus"], "the mirror lets off its own file only"
+
+
+# --- file sizes ---------------------------------------------------------------------------------------------
+
+MAX_LINES = 450  # a module past this holds more than one concern: split it by concern, not by trimming lines
+MAX_TEST_LINES = 800
+
+
+def line_limit(path: str) -> int:
+    return MAX_TEST_LINES if Path(path).parts[0] == "tests" else MAX_LINES
+
+
+def _python_files() -> list[Path]:
+    """Every Python file of the repository, tests too; not the virtualenv, caches or other hidden folders."""
+    return sorted(p for p in REPO.rglob("*.py")
+                  if not any(part.startswith(".") or part == "node_modules" for part in p.relative_to(REPO).parts))
+
+
+def test_no_file_is_over_its_line_limit() -> None:
+    long = []
+    for p in _python_files():
+        path = str(p.relative_to(REPO))
+        if (n := len(p.read_text().splitlines())) > line_limit(path):
+            long.append(f"  {path}: {n} lines (the limit is {line_limit(path)})")
+    assert not long, "files over their line limit (split them by concern):\n" + "\n".join(long)
+
+
+def test_the_line_limits_tell_tests_from_the_rest() -> None:
+    assert line_limit("tests/gateway/test_proxy.py") == MAX_TEST_LINES
+    assert line_limit("gateway/proxy.py") == line_limit("examples/submit.py") == MAX_LINES
+    assert len(_python_files()) > 300 and all(".venv" not in p.parts for p in _python_files())
