@@ -21,6 +21,7 @@ import httpx
 
 from gateway.replicas import Replica
 from gateway.settings import ConfigError
+from holdback.contract import COMPLETIONS_ENDPOINT
 from gateway.vllm_metrics import parse_vllm_metrics
 
 
@@ -101,7 +102,7 @@ def _probe(client: httpx.Client, url: str, model: str, blocks: int, block_size: 
     before = _usage(client, url)
     body = {"model": model, "prompt": text, "max_tokens": 64, "ignore_eos": True, "stream": True}
     observed = produced = 0
-    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    with client.stream("POST", url + COMPLETIONS_ENDPOINT.path, json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
