@@ -51,6 +51,19 @@ def replica_priority(priority: int) -> int:
     return -priority
 
 
+def with_priority(body: bytes, priority: int) -> bytes:
+    """The body with vLLM's `priority` field set: its pooling endpoints (embeddings) read a request's priority
+    from the body only, never from the header (`entrypoints/pooling/base/serving.py` in vLLM 0.32 and 0.34)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body
+    if not isinstance(doc, dict):
+        return body
+    doc[PRIORITY_FIELD] = priority
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
 def salted_body(body: bytes, path: str, salt: str | None, doc: object) -> bytes:
     """The request body as the replica gets it: the caller's cache scope applied (`salt=None`: a public caller)
     and the caller's priority removed.

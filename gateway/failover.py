@@ -18,7 +18,7 @@ from typing import Callable
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.cache_salt import PRIORITY_HEADER, replica_priority
+from gateway.cache_salt import PRIORITY_HEADER, replica_priority, with_priority
 from gateway.flow.interface import FlowControl
 from gateway.flow.request import DropReason, FlowRequest
 from gateway.log import log_event
@@ -26,6 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.replicas import UNAUTHORIZED
 from gateway.responses import drop_response, error_response
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool
+from holdback.contract import inference_endpoint
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -64,11 +65,17 @@ class Failover:
         except asyncio.TimeoutError as exc:
             return self.failure(replica, exc, req.request_id)
         headers = self.headers(s.request, req.request_id, replica.url)
+        body = s.body
         if s.flow.loaded.config.engine.priority_scheduling(replica.url):
             # Whatever waits inside the replica waits in the gateway's order (never sent to an fcfs replica).
-            headers[PRIORITY_HEADER] = str(replica_priority(req.priority))
+            # vLLM's generation endpoints read the header; its pooling ones (embeddings) only the body's field.
+            endpoint = inference_endpoint(s.request.path)
+            if endpoint is None or endpoint.generates:
+                headers[PRIORITY_HEADER] = str(replica_priority(req.priority))
+            else:
+                body = with_priority(body, replica_priority(req.priority))
         try:
-            conn.send(s.request.method, s.request.path_qs, headers, s.body)
+            conn.send(s.request.method, s.request.path_qs, headers, body)
             lost = await _headers_in(conn)
         except BaseException:  # cancelled (eviction, the caller left) or failed: never pooled
             conn.close()

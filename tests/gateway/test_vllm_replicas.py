@@ -91,11 +91,13 @@ class FakeVllm:
     """vLLM's answers from tests/fixtures/vllm on a port of this process. With `api_key`, /v1/* wants
     `Authorization: Bearer <key>` (vLLM's AuthenticationMiddleware); `dies`: an inference request's connection
     is closed before any byte of an answer, as when the replica is killed with the request; `refuses`: inference
-    answers 401 (the replica was restarted with another key after it was identified)."""
+    answers 401 (the replica was restarted with another key after it was identified); `embeds`: it serves
+    /v1/embeddings (an embedding model, `--runner pooling`), else FastAPI's 404 answers it."""
 
     def __init__(self, api_key: str | None = None, dies: bool = False, refuses: bool = False,
-                 metrics: str = METRICS, full: bool = False, mount: bool = True):
+                 metrics: str = METRICS, full: bool = False, mount: bool = True, embeds: bool = False):
         self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
+        self.embeds = embeds
         self.mount = mount  # /metrics/ answers `name[]=` (vLLM's prometheus_client mount); else it is a 404
         self.full = full  # inference answers vLLM's 503 for a full queue (--max-num-queued-reqs)
         self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
@@ -118,7 +120,7 @@ class FakeVllm:
             {"count": 9, "max_model_len": 512, "tokens": list(range(9))})))
         app.router.add_get("/v1/models", self._answer(lambda: web.json_response(MODELS)))
         app.router.add_post("/v1/chat/completions", self._chat)
-        # /v1/embeddings has no route: a generation server answers FastAPI's 404 (ERRORS, below).
+        app.router.add_post("/v1/embeddings", self._embeddings)  # answered 404 without `embeds` (_authenticate)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -136,7 +138,7 @@ class FakeVllm:
         self.calls.append((request.path, auth))
         if self.api_key and request.path.startswith("/v1") and auth != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
-        if request.path == "/v1/embeddings":
+        if request.path == "/v1/embeddings" and not self.embeds:
             return web.json_response(ERRORS["embeddings_on_generation_server_404"], status=404)
         return await handler(request)
 
@@ -151,6 +153,13 @@ class FakeVllm:
         async def handler(request: web.Request) -> web.Response:
             return make()
         return handler
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
+        return web.json_response({"object": "list", "model": "tiny", "data": [
+            {"index": 0, "object": "embedding", "embedding": [0.5, 0.5]}],
+            "usage": {"prompt_tokens": 2, "total_tokens": 2}})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -445,6 +454,29 @@ def test_a_priority_replica_gets_the_gateways_priority_in_vllms_order_and_an_fcf
     assert prio and sent <= {("realtime", "-100"), ("batch", "10")}, sent  # vLLM runs lower values first
     assert fcfs and all("x-vllm-priority" not in {k.lower() for k in h} for h in fcfs)
     assert all("priority" not in b for b in bodies)
+
+
+def test_an_embedding_on_a_priority_replica_carries_the_gateways_priority_in_its_body():
+    """vLLM's pooling endpoints read a request's priority from its body only (never `X-Vllm-Priority`), so an
+    embedding sent with the header alone ran at priority 0 in the replica's queue: ahead of batch, behind
+    nothing. The caller's own `priority` is still never sent; an fcfs replica gets none (vLLM refuses one)."""
+    async def main():
+        async with FakeVllm(embeds=True) as prio, FakeVllm(embeds=True) as fcfs, gateway(
+                [prio.url, fcfs.url], f"engine: {{replicas: {{{prio.url}: {{schedulingPolicy: priority}}}}}}\n"
+                "anonymous: {enabled: true, objectives: [realtime, batch]}\n") as (_gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                for objective in ("realtime", "batch") * 4:
+                    r = await client.post(url + "/v1/embeddings", json={"model": "tiny", "input": "hi",
+                                                                          "priority": -1000},
+                                          headers={"x-llm-d-inference-objective": objective})
+                    assert r.status_code == 200, r.text
+            return (list(zip(prio.bodies, prio.headers)), list(zip(fcfs.bodies, fcfs.headers)))
+
+    prio, fcfs = asyncio.run(main())
+    sent = {(h["x-llm-d-inference-objective"], b.get("priority")) for b, h in prio}
+    assert prio and sent <= {("realtime", -100), ("batch", 10)}, sent  # vLLM runs lower values first
+    assert fcfs and all("priority" not in b for b, _h in fcfs)
+    assert all(b["input"] == "hi" for b, _h in prio + fcfs)
 
 
 def test_a_replica_whose_own_queue_is_full_is_passed_over_and_a_full_pool_answers_429_saturated(caplog):
