@@ -54,7 +54,10 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, url: str):
         self.pool = pool
         self.url = url
-        self.host = urlsplit(url).netloc
+        parts = urlsplit(url)
+        self.host = parts.netloc
+        # A replica behind a path (`http://host/vllm-a`, a reverse proxy's route): every target goes under it.
+        self.base_path = parts.path.rstrip("/")
         self.transport: asyncio.Transport | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
         self.deadline_handle: asyncio.TimerHandle | None = None  # the pool's total timeout of this exchange
@@ -158,10 +161,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the handler's side ---------------------------------------------------------------------------------
     def send(self, method: str, target: str, headers: CIMultiDict, body: bytes) -> None:
-        """Write the request; the exchange fails with a timeout after the pool's `total_timeout` (until `put`)."""
+        """Write the request for `target` (the caller's path and query, under the replica URL's own path); the
+        exchange fails with a timeout after the pool's `total_timeout` (until `put`)."""
         if self.pool.total_timeout:
             self.deadline_handle = asyncio.get_running_loop().call_later(self.pool.total_timeout, self.expire)
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host}"]
+        lines = [f"{method} {self.base_path}{target} HTTP/1.1", f"Host: {self.host}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         lines.append(f"Content-Length: {len(body)}")
         self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)  # type: ignore[union-attr]

@@ -95,9 +95,11 @@ class FakeVllm:
     /v1/embeddings (an embedding model, `--runner pooling`), else FastAPI's 404 answers it."""
 
     def __init__(self, api_key: str | None = None, dies: bool = False, refuses: bool = False,
-                 metrics: str = METRICS, full: bool = False, mount: bool = True, embeds: bool = False):
+                 metrics: str = METRICS, full: bool = False, mount: bool = True, embeds: bool = False,
+                 prefix: str = ""):
         self.api_key, self.dies, self.refuses, self.metrics = api_key, dies, refuses, metrics
         self.embeds = embeds
+        self.prefix = prefix  # every route under this path (a replica behind a reverse proxy's route)
         self.mount = mount  # /metrics/ answers `name[]=` (vLLM's prometheus_client mount); else it is a 404
         self.full = full  # inference answers vLLM's 503 for a full queue (--max-num-queued-reqs)
         self.calls: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
@@ -111,21 +113,23 @@ class FakeVllm:
 
     async def __aenter__(self) -> "FakeVllm":
         app = web.Application(middlewares=[self._authenticate])
-        app.router.add_get("/health", self._answer(lambda: web.Response()))
-        app.router.add_get("/metrics", self._answer(lambda: web.Response(text=self.metrics)))
+        p = self.prefix
+        app.router.add_get(p + "/health", self._answer(lambda: web.Response()))
+        app.router.add_get(p + "/metrics", self._answer(lambda: web.Response(text=self.metrics)))
         if self.mount:
-            app.router.add_get("/metrics/", self._filtered_metrics)
-        app.router.add_get("/version", self._answer(lambda: web.json_response({"version": "0.32.0"})))
-        app.router.add_post("/tokenize", self._answer(lambda: web.json_response(
+            app.router.add_get(p + "/metrics/", self._filtered_metrics)
+        app.router.add_get(p + "/version", self._answer(lambda: web.json_response({"version": "0.32.0"})))
+        app.router.add_post(p + "/tokenize", self._answer(lambda: web.json_response(
             {"count": 9, "max_model_len": 512, "tokens": list(range(9))})))
-        app.router.add_get("/v1/models", self._answer(lambda: web.json_response(MODELS)))
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/embeddings", self._embeddings)  # answered 404 without `embeds` (_authenticate)
+        app.router.add_get(p + "/v1/models", self._answer(lambda: web.json_response(MODELS)))
+        app.router.add_post(p + "/v1/chat/completions", self._chat)
+        app.router.add_post(p + "/v1/embeddings", self._embeddings)  # answered 404 without `embeds` (_authenticate)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}{self.prefix}"
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -135,10 +139,11 @@ class FakeVllm:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):  # noqa: ANN001
         auth = request.headers.get("Authorization")
-        self.calls.append((request.path, auth))
-        if self.api_key and request.path.startswith("/v1") and auth != f"Bearer {self.api_key}":
+        path = request.path.removeprefix(self.prefix)
+        self.calls.append((path, auth))
+        if self.api_key and path.startswith("/v1") and auth != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
-        if request.path == "/v1/embeddings" and not self.embeds:
+        if path == "/v1/embeddings" and not self.embeds:
             return web.json_response(ERRORS["embeddings_on_generation_server_404"], status=404)
         return await handler(request)
 
@@ -477,6 +482,21 @@ def test_an_embedding_on_a_priority_replica_carries_the_gateways_priority_in_its
     assert prio and sent <= {("realtime", -100), ("batch", 10)}, sent  # vLLM runs lower values first
     assert fcfs and all("priority" not in b for b, _h in fcfs)
     assert all(b["input"] == "hi" for b, _h in prio + fcfs)
+
+
+def test_a_replica_behind_a_path_is_asked_under_that_path():
+    """`http://host/vllm-a` (a replica behind a reverse proxy's route): health checks and scrapes went under the
+    path while inference went to the host's root, and every request answered 404."""
+    async def main():
+        async with FakeVllm(prefix="/vllm-a") as replica, gateway([replica.url]) as (_gw, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                answers = [await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": stream})
+                           for stream in (False, True)]
+            return answers, replica
+
+    answers, replica = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert replica.count("/v1/chat/completions") == 2 and replica.count("/health") >= 1
 
 
 def test_a_replica_whose_own_queue_is_full_is_passed_over_and_a_full_pool_answers_429_saturated(caplog):
