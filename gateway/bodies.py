@@ -25,7 +25,9 @@ def document(body: bytes) -> object:
 def responses_as_chat(doc: dict) -> tuple[dict, str]:
     """A /v1/responses body counted as the chat vLLM renders it to (holdback.sim_tokenizer.responses_messages),
     its `max_output_tokens` the chat's output limit (without one vLLM's chat generates to the context's end
-    too). An input that renders no chat is counted as it is (the replica answers it)."""
+    too) and `truncation: "auto"` its truncation (vLLM 0.32 applies it only beside `max_output_tokens`; without,
+    an input as long as the context is refused). An input that renders no chat is counted as it is (the replica
+    answers it)."""
     try:
         messages = responses_messages(doc)
     except ChatTemplateError:
@@ -33,6 +35,8 @@ def responses_as_chat(doc: dict) -> tuple[dict, str]:
     chat = {"model": doc.get("model"), "messages": messages}
     if doc.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = doc["max_output_tokens"]
+        if doc.get("truncation") == "auto":  # vLLM then keeps the input's last (context − 1) tokens
+            chat["truncate_prompt_tokens"] = -1
     return chat, CHAT_ENDPOINT.path
 
 

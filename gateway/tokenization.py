@@ -101,6 +101,21 @@ def _count_field(body: Mapping[str, Any], name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def truncated_prompt(body: Mapping[str, Any], path: str, prompt_tokens: int, context: int | None) -> int:
+    """The prompt as vLLM runs it under the body's `truncate_prompt_tokens`: its last N tokens; -1 keeps the context
+    less the one token held for output (the whole context for embeddings). A value vLLM refuses (above the context,
+    not an integer) or -1 with the context unknown leaves the count: the replica answers it."""
+    keep = body.get("truncate_prompt_tokens")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or (context is not None and keep > context):
+        return prompt_tokens
+    if keep == -1:
+        if context is None:
+            return prompt_tokens
+        endpoint = inference_endpoint(path)
+        keep = context if endpoint is not None and not endpoint.generates else context - 1
+    return min(prompt_tokens, keep)
+
+
 def output_limit(body: Mapping[str, Any], path: str, *, default: int, context: int | None,
                  prompt_tokens: int) -> OutputLimit:
     """Per-sequence output as vLLM reads it: chat takes max_completion_tokens when set, else max_tokens, else
@@ -290,6 +305,7 @@ class PromptCounter:
     def _with_output(self, body: Mapping[str, Any], path: str, replica: Replica | None, prompt_tokens: int,
                      exact: bool) -> TokenCount:
         context = self.cfg.maxContextTokens or (replica.max_model_len if replica is not None else None)
+        prompt_tokens = truncated_prompt(body, path, prompt_tokens, context)
         limit = output_limit(body, path, default=self.cfg.maxNewTokensDefault, context=context,
                              prompt_tokens=prompt_tokens)
         return TokenCount(prompt_tokens, limit.tokens, exact, limit.param, limit.sequences)

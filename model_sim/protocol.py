@@ -211,6 +211,28 @@ def responses_prompt(body: dict) -> str:
         raise InvalidRequest(exc.message, exc.param) from None
 
 
+def truncated(prompt_ids: list[int], body: dict, max_model_len: int, generates: bool = True) -> list[int]:
+    """The prompt as vLLM runs it under the body's `truncate_prompt_tokens` (completions, chat, embeddings) or a
+    Responses body's `truncation: "auto"`: its last N tokens; -1 (and "auto" with `max_output_tokens` set) keeps
+    the context less one token held for output (the whole context for embeddings). An N above the context is
+    refused; N = 0 leaves an empty prompt, which the engine refuses."""
+    keep = body.get("truncate_prompt_tokens")
+    if body.get("truncation") == "auto":
+        keep = -1 if body.get("max_output_tokens") is not None else max_model_len
+    if keep is None:
+        return prompt_ids
+    if not _is_int(keep) or keep < -1:
+        raise InvalidRequest(f"\"truncate_prompt_tokens\" must be an integer of -1 or more, got {keep!r}.",
+                             "truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise ValidationFailed(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+                               f"{max_model_len}. Please request a smaller truncation size.",
+                               "truncate_prompt_tokens", keep)
+    if keep == -1:
+        keep = max_model_len - 1 if generates else max_model_len
+    return prompt_ids[len(prompt_ids) - keep:] if 0 < keep < len(prompt_ids) else (prompt_ids if keep else [])
+
+
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, prompt_is_text: bool = True) -> None:
     """vLLM's refusal of a prompt longer than the context, generation and embeddings alike."""
     if num_prompt_tokens <= max_model_len:

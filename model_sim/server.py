@@ -125,15 +125,16 @@ class Routes:
         prompt = protocol.chat_prompt(body)
         protocol.check_model(body, self.model)
         offset = continuation_offset(prompt.continued) if prompt.continued is not None else 0
-        return await self._generate(request, params, self.tokenizer.encode(prompt.text), chat=True, offset=offset,
-                                    prompt_is_text=True)
+        prompt_ids = protocol.truncated(self.tokenizer.encode(prompt.text), body, self.max_model_len)
+        return await self._generate(request, params, prompt_ids, chat=True, offset=offset, prompt_is_text=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await self._inject_faults(request)
         body = await _json_object(request)
         params = protocol.parse_generation(body, chat=False, priority_header=request.headers.get(PRIORITY_HEADER))
         prompt = body.get("prompt")
-        prompt_ids = protocol.completion_prompt_ids(prompt, self.tokenizer)
+        prompt_ids = protocol.truncated(protocol.completion_prompt_ids(prompt, self.tokenizer), body,
+                                        self.max_model_len)
         protocol.check_model(body, self.model)
         offset = continuation_offset(prompt) if isinstance(prompt, str) else 0
         is_text = isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
@@ -146,7 +147,8 @@ class Routes:
         await self._inject_faults(request)
         body = await _json_object(request)
         params = protocol.parse_responses(body, priority_header=request.headers.get(PRIORITY_HEADER))
-        prompt_ids = self.tokenizer.encode(protocol.responses_prompt(body))
+        prompt_ids = protocol.truncated(self.tokenizer.encode(protocol.responses_prompt(body)), body,
+                                        self.max_model_len)
         protocol.check_model(body, self.model)
         streams = self._start(request, params, prompt_ids, offset=0, prompt_is_text=True)
         created = int(time.time())
@@ -308,6 +310,7 @@ class Routes:
                 raise InvalidRequest(f"input[{i}] must be a string or a list of non-negative token ids.", "input")
             if not ids:
                 raise InvalidRequest(f"input[{i}] is empty; send at least one token.", "input")
+            ids = protocol.truncated(ids, body, self.max_model_len, generates=False)
             protocol.check_prompt_length(len(ids), self.max_model_len, isinstance(item, str))
             total += len(ids)
             data.append({"index": i, "object": "embedding", "embedding": _embedding(ids, dims)})

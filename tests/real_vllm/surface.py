@@ -121,6 +121,15 @@ SUITE: tuple[Case, ...] = (
          _chat(max_completion_tokens=ContextPlus(88), ignore_eos=True)),
     Case("prompt_plus_max_tokens_over_context", "POST", "/v1/completions",
          {"prompt": Text(-40, of_context=True), "max_tokens": 100, "ignore_eos": True}, fact="clamped_to_context"),
+    # A prompt over the context that asks to be truncated is served: its last N tokens, or the context less one.
+    Case("truncated_prompt", "POST", "/v1/completions",
+         {"prompt": Text(40, of_context=True), "truncate_prompt_tokens": 100, **SMALL}, fact="hundred_prompt_tokens"),
+    Case("chat_truncated_prompt", "POST", "/v1/chat/completions",
+         _chat(Text(40, of_context=True), truncate_prompt_tokens=100, **SMALL), fact="hundred_prompt_tokens"),
+    Case("prompt_truncated_to_context", "POST", "/v1/completions",
+         {"prompt": Text(40, of_context=True), "truncate_prompt_tokens": -1, **SMALL}, fact="context_less_one"),
+    Case("truncation_over_context", "POST", "/v1/completions",
+         {"prompt": PROMPT_PREFIX, "truncate_prompt_tokens": ContextPlus(88), **SMALL}),
     Case("chat_without_max_tokens", "POST", "/v1/chat/completions",
          _chat(Text(-24, of_context=True), ignore_eos=True), fact="rest_of_context"),
     Case("completion_without_max_tokens", "POST", "/v1/completions",
@@ -332,6 +341,10 @@ def _fact(name: str, resp: httpx.Response, body: dict, sizer: Sizer, context: in
         return resp.status_code == 200 and prompt is not None and completion == context - prompt
     if name == "sixteen_tokens":
         return completion == 16
+    if name == "hundred_prompt_tokens":
+        return resp.status_code == 200 and prompt == 100
+    if name == "context_less_one":
+        return resp.status_code == 200 and prompt == context - 1 and completion == 1
     if name == "two_choices":
         return _choice_indices(resp) == [0, 1]
     raise ValueError(f"unknown fact {name!r}")
