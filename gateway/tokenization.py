@@ -33,8 +33,8 @@ import aiohttp
 
 from gateway.log import log_event
 from gateway.replicas import Replica
+from gateway.request_size import output_limit, truncated_prompt
 from gateway.settings import Admission, ConfigError
-from holdback.contract import CHAT_ENDPOINT, inference_endpoint
 from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, render_chat
 
 logger = logging.getLogger("gateway.tokens")
@@ -50,12 +50,15 @@ PROBE_PROMPTS = (
 # A check the replica did not answer (busy, restarting) is tried again after this long.
 CHECK_RETRY_SECONDS = 5.0
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")
+# Body fields that change the prompt vLLM renders and that only the replica's renderer applies (tools, another
+# template or its arguments, media, 0.34's response_format, special tokens): a body with any of them is counted by
+# the replica's /tokenize, which takes them all (vLLM 0.32-0.34 TokenizeChatRequest; a completion's only
+# add_special_tokens), never by an in-process tokenizer under `auto`.
+REPLICA_OPTIONS = ("add_special_tokens", "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs",
+                   "media_io_kwargs", "response_format")
+COMPLETION_OPTIONS = ("add_special_tokens",)
 PROBE_CHAT = ({"role": "system", "content": "Answer briefly."},
               {"role": "user", "content": "How many tokens is this chat? Count them, please."})
-
-
-# What vLLM generates for a /v1/completions request without max_tokens (its CompletionRequest default).
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,6 @@ class TokenCount:
     # The body field max_new_tokens came from (None: a default), and the sequences generated (n, best_of).
     limit_param: str | None = None
     sequences: int = 1
-
-
-@dataclass(frozen=True)
-class OutputLimit:
-    tokens: int
-    param: str | None
-    sequences: int
 
 
 def _chars(value: Any) -> int:
@@ -96,46 +92,12 @@ def _token_ids(value: Any) -> int | None:
     return None
 
 
-def _count_field(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def truncated_prompt(body: Mapping[str, Any], path: str, prompt_tokens: int, context: int | None) -> int:
-    """The prompt as vLLM runs it under the body's `truncate_prompt_tokens`: its last N tokens; -1 keeps the context
-    less the one token held for output (the whole context for embeddings). A value vLLM refuses (above the context,
-    not an integer) or -1 with the context unknown leaves the count: the replica answers it."""
-    keep = body.get("truncate_prompt_tokens")
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or (context is not None and keep > context):
-        return prompt_tokens
-    if keep == -1:
-        if context is None:
-            return prompt_tokens
-        endpoint = inference_endpoint(path)
-        keep = context if endpoint is not None and not endpoint.generates else context - 1
-    return min(prompt_tokens, keep)
-
-
-def output_limit(body: Mapping[str, Any], path: str, *, default: int, context: int | None,
-                 prompt_tokens: int) -> OutputLimit:
-    """Per-sequence output as vLLM reads it: chat takes max_completion_tokens when set, else max_tokens, else
-    generates to the end of the context (`context` − prompt; `default` when the context is not known);
-    /v1/completions reads only max_tokens, else 16. A value vLLM would refuse (0, a string) counts as none: the
-    replica answers it. Sequences: n, or best_of when larger, each with its own output."""
-    endpoint = inference_endpoint(path)
-    if endpoint is not None and not endpoint.generates:
-        return OutputLimit(0, None, 1)  # embeddings generate nothing
-    sequences = max(_count_field(body, "n") or 1, _count_field(body, "best_of") or 1)
-    if endpoint is CHAT_ENDPOINT:
-        limits = CHAT_ENDPOINT.limit_params
-        param = next((p for p in limits if body.get(p) is not None), limits[-1])
-        fallback = max(1, context - prompt_tokens) if context else default
-    else:
-        param, fallback = "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS
-    value = _count_field(body, param)
-    if value is None:
-        return OutputLimit(fallback, None, sequences)
-    return OutputLimit(value, param, sequences)
+def has_media(messages: Any) -> bool:
+    """Whether a chat carries content parts other than text (images, audio): only the replica counts those."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") not in ("text", None) for p in m["content"])
+        for m in messages)
 
 
 # -- in-process tokenizers ------------------------------------------------------------------------------------
@@ -268,7 +230,9 @@ class PromptCounter:
         chat = "messages" in body
         prompt = body.get("messages") if chat else body.get("prompt", body.get("input"))
         # The chat template's switches change the rendered prompt (a resumed answer continues its message).
-        options = {k: body[k] for k in CHAT_OPTIONS if k in body} if chat else {}
+        options = {k: body[k] for k in CHAT_OPTIONS + REPLICA_OPTIONS if k in body} if chat else \
+            {k: body[k] for k in COMPLETION_OPTIONS if k in body}
+        replica_only = any(k in options for k in REPLICA_OPTIONS) or (chat and has_media(prompt))
         ids = _token_ids(prompt)
         if ids is not None:
             self._counted("token_ids")
@@ -281,7 +245,8 @@ class PromptCounter:
             self._counted("cache")
             return self._with_output(body, path, replica, cached, True)
         counted, source = None, "replica"
-        local = self._fixed if self._fixed is not None else self._in_process(session, replica)
+        local = self._fixed if self._fixed is not None else \
+            None if replica_only else self._in_process(session, replica)
         if local is not None and (local.chat or not chat):
             counted, source = local.count(prompt, chat, options), local.source
             if counted is not None and self._fixed is None:
@@ -422,9 +387,9 @@ class PromptCounter:
         if chat:
             docs = [{"messages": prompt, **(options or {})}]
         elif isinstance(prompt, str):
-            docs = [{"prompt": prompt}]
+            docs = [{"prompt": prompt, **(options or {})}]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            docs = [{"prompt": p} for p in prompt]
+            docs = [{"prompt": p, **(options or {})} for p in prompt]
         else:
             return None
         if model is not None:

@@ -8,8 +8,8 @@ import pytest
 
 from gateway.replicas import Replica
 from gateway.settings import Admission, ConfigError, parse_config
-from gateway.tokenization import (InProcess, PromptCounter, candidates, find_tokenizer_json, load_local_tokenizer,
-                                  output_limit)
+from gateway.request_size import output_limit
+from gateway.tokenization import InProcess, PromptCounter, candidates, find_tokenizer_json, load_local_tokenizer
 from tests.support import poll
 
 tokenizers = pytest.importorskip("tokenizers", reason="admission.tokenizer `local` needs the tokenizers package "
@@ -209,3 +209,76 @@ def test_a_check_the_replica_does_not_answer_is_postponed_not_decided():
     assert (got.prompt_tokens, got.exact, again.exact) == (2, False, False)  # the counted estimate
     assert counter.state()["replicas"] == {}  # no verdict: the simulator's tokenizer is neither used nor refused
     assert counter._identity(replica) in counter._retry_at and verifying == {}  # not re-checked before the retry
+
+
+def test_what_only_the_replica_renders_reaches_its_tokenize():
+    """Tools, another template or its arguments and special tokens change the prompt vLLM renders: they go to
+    /tokenize with the prompt (a completion's add_special_tokens too), so a tool-heavy chat is not under-counted."""
+    from aiohttp import web
+
+    seen: list[dict] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"count": 42, "max_model_len": 4096, "tokens": []})
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "chat_template_kwargs": {"enable_thinking": False}, "add_special_tokens": True,
+            "add_generation_prompt": True}
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/tokenize", tokenize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        counter = PromptCounter(Admission(tokenizer="replica"))
+        try:
+            async with aiohttp.ClientSession() as session:
+                counted = [await counter.count(chat, "/v1/chat/completions", session, Replica(url, healthy=True)),
+                           await counter.count({"model": "m", "prompt": "hi", "add_special_tokens": False},
+                                               "/v1/completions", session, Replica(url, healthy=True))]
+        finally:
+            await runner.cleanup()
+        return counted
+
+    counted = asyncio.run(main())
+    assert [c.prompt_tokens for c in counted] == [42, 42] and all(c.exact for c in counted)
+    assert seen[0] == {k: chat[k] for k in ("model", "messages", "tools", "chat_template_kwargs",
+                                            "add_special_tokens", "add_generation_prompt")}
+    assert seen[1] == {"model": "m", "prompt": "hi", "add_special_tokens": False}
+
+
+def test_auto_leaves_a_chat_with_tools_to_the_replica_once_it_counts_in_process(stack):
+    [sim] = stack.sim(1)
+    replica = identified(sim)
+    counter = PromptCounter(Admission(tokenizer="auto"))
+    chat = [{"role": "user", "content": "How many?"}]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await counter.count({"prompt": "warm up"}, "/v1/completions", session, replica)
+            await asyncio.to_thread(poll, lambda: counter.state()["replicas"].get(sim), 30,
+                                    "the tokenizer check to finish")
+            await counter.count({"messages": chat}, "/v1/chat/completions", session, replica)
+            in_process = counter.sources["simulator"]
+            await counter.count({"messages": chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                                "/v1/chat/completions", session, replica)
+            return in_process
+
+    in_process = asyncio.run(main())
+    assert in_process == 1 and counter.sources["simulator"] == 1  # the plain chat only
+    assert counter.sources["replica"] == 2  # the warm-up, and the chat with tools
+
+
+@pytest.mark.unit
+def test_a_chat_with_an_image_or_audio_part_is_the_replicas_to_count():
+    from gateway.tokenization import has_media
+
+    text = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    assert not has_media(text) and not has_media([{"role": "user", "content": "hi"}]) and has_media(image)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.bodies import responses_as_chat
-from gateway.tokenization import truncated_prompt
+from gateway.request_size import truncated_prompt
 from tests.gateway.test_gateway_sim import wait_until
 from tests.gateway.test_kv_admission_sim import BASE, prompt
 
