@@ -33,7 +33,8 @@ def test_batch_ceiling_follows_realtime_demand(stack):
                      for _ in range(10)]
             # Realtime idle: batch may use all but the margin, 7 of 8 slots.
             idle = await wait_until(lambda: (s := gw.state())["holdback"]["ceilings"]["-10"] == 0.875
-                                    and (b := _band(s, -10))["in_flight"] == 7 and b["queued"] == 3 and s, 30)
+                                    and (b := _band(s, -10))["in_flight"] == 7 and b["queued"] == 3 and s, 30,
+                                    what=lambda: _seen(gw.state()))
             realtime = [asyncio.create_task(client.post("/v1/completions", json=body(3000), headers=obj("realtime")))
                         for _ in range(4)]
             # Four realtime requests are half the pool: the ceiling falls to 1 − 0.5 − 0.125 at once, and
@@ -48,7 +49,8 @@ def test_batch_ceiling_follows_realtime_demand(stack):
             # and Python 3.11's wait_for dropped them; tests/gateway/test_cancel_meets_completion.py.)
             await wait_until(lambda: gw.band(100)["in_flight"] == 0, 30, what=lambda: _seen(gw.state()))
             # Realtime gone: after the peak window the average decays and batch refills to 7.
-            recovered = await wait_until(lambda: batch_ceiling() >= 0.85 and gw.band(-10)["in_flight"] == 7, 60)
+            recovered = await wait_until(lambda: batch_ceiling() >= 0.85 and gw.band(-10)["in_flight"] == 7, 60,
+                                         what=lambda: _seen(gw.state()))
             metrics = (await client.get("/metrics")).text
             for t in batch:
                 t.cancel()
