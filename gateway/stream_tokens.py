@@ -41,6 +41,9 @@ class StreamTokenCount:
             self.tokens = max(self.tokens, reported)
         elif not self.usage:
             self.tokens += chunk.count(_EVENT)
+        lease = self.req.lease
+        if lease is not None:  # what a victim policy reads to know how much of its last block a resume refills
+            lease.tokens_relayed = self.tokens
         done = _FINISHED in chunk or _FINISHED_SPACED in chunk
         if done or self.tokens >= self.due:
             self.controller.revise(self.req, self.tokens, done=done)

@@ -212,6 +212,15 @@ def borrowed_requests(bands: Sequence[BandDemand], below: int, credit: float) ->
     return total
 
 
+def refill_tokens(req: FlowRequest) -> int:
+    """What evicting `req` makes its replica compute again (0 when admission is off: no block size is known)."""
+    lease, res = req.leased(), req.reservation
+    if res is None:
+        return 0
+    held = res.prompt_tokens + max(lease.tokens_relayed, res.output_tokens)
+    return held % res.block_size if req.resumable else held
+
+
 def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
     """A view without KV details (tests and the concurrency-only path)."""
     lease, res = req.leased(), req.reservation
@@ -222,4 +231,5 @@ def plain_view(req: FlowRequest, now: float) -> VictimCandidate:
         max_new_tokens=req.max_new_tokens, output_tokens=res.output_tokens if res is not None else 0,
         streaming_started=req.streaming_started, resumable=req.resumable, cached_prefix_tokens=0,
         tenant_over_soft_quota=0.0, reserved_blocks=res.blocks if res is not None else 0, seq=req.seq,
-        evictions=req.evictions)
+        evictions=req.evictions, refill_tokens=refill_tokens(req),
+        block_reached_at=res.revised_at if res is not None else 0.0)

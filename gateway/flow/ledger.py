@@ -34,6 +34,8 @@ class Reservation:
     used_kv_tokens: int
     output_tokens: int = 0
     accrued_at: float = 0.0
+    # When output_tokens last changed (the relay revises at block boundaries), or the reservation was made.
+    revised_at: float = 0.0
     generation_done: bool = False
     released: bool = False
 
@@ -131,7 +133,7 @@ class KvLedger:
         kv_tokens = self.kv_tokens_for(prompt_tokens, max_new_tokens, size)
         res = Reservation(request_id, fairness_id, traffic_class, priority, replica, prompt_tokens,
                           max_new_tokens, size, kv_tokens, min(whole_blocks(prompt_tokens, size), kv_tokens),
-                          accrued_at=now)
+                          accrued_at=now, revised_at=now)
         self.active.add(res)
         self._apply(res, +1)
         return res
@@ -143,6 +145,7 @@ class KvLedger:
         self._accrue(res, now)
         self._apply(res, -1)
         res.output_tokens = max(res.output_tokens, output_tokens)
+        res.revised_at = now
         res.used_kv_tokens = whole_blocks(res.held_tokens, res.block_size)
         res.generation_done = res.generation_done or done or res.output_tokens >= res.max_new_tokens
         if res.generation_done:

@@ -114,6 +114,10 @@ class Lease:
     slot_freed: bool = False
     # The response's first body chunk went out: evicting it now cuts a stream.
     streaming_started: bool = False
+    # Output tokens relayed so far, counted on every chunk by the relay in this process (gateway/stream_tokens.py;
+    # with admission on). A relay in another process reports only at KV block boundaries: there it stays 0 and
+    # the reservation's count is what is known.
+    tokens_relayed: int = 0
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "ordering": ("fcfs", "edf"),
     "saturation detector": ("concurrency", "utilization"),
     "usage limit": ("priority-holdback", "static", "adaptive-reserve"),
-    "eviction": ("none", "newest-first", "cost-ranked"),
+    "eviction": ("none", "newest-first", "least-refill", "cost-ranked"),
     "picker": ("least-loaded", "kv-headroom"),
 }
 

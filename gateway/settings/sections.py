@@ -103,7 +103,7 @@ class UsageLimit(SettingsModel):
 
 class Eviction(SettingsModel):
     # Victim order by name (gateway/policies/victims.py); `none` is the no-op evictor.
-    policy: EvictionName = "newest-first"
+    policy: EvictionName = "least-refill"
     # Kept for older configs: `enabled: false` means `policy: none`.
     enabled: bool = True
     maxPerDecision: int = Field(default=2, ge=1)

@@ -23,7 +23,7 @@ def test_shipped_default_is_the_seed_operating_point():
     assert (adm.interactiveReserve, adm.tenantMaxShare, adm.queueDeadlineMs, adm.maxNewTokensDefault) == (
         0.25, 0.15, 8000, 1024)
     assert (adm.kvPoolGiB, adm.blockTokens) == (52, 16)
-    assert cfg.anonymous.objectives == ["batch"] and cfg.eviction.policy == "newest-first"
+    assert cfg.anonymous.objectives == ["batch"] and cfg.eviction.policy == "least-refill"
     # No reserve (eviction takes back what realtime needs), slots learned: the same as an empty file's.
     empty = parse_config("", "empty.yaml").config
     assert cfg.usageLimit == empty.usageLimit and cfg.engine == empty.engine

@@ -202,6 +202,8 @@ def test_each_named_policy_orders_the_same_pool_its_own_way():
         "none": [],
         # Lowest priority, then the most recently dispatched; any priority (the evictor filters by demand).
         "newest-first": ["low", "new_streaming", "old_quiet", "interactive"],
+        # Refill unknown here (0 for all): as newest-first.
+        "least-refill": ["low", "new_streaming", "old_quiet", "interactive"],
         # Lowest priority, then the cheapest loss: quiet resumable work before a stream that decoded 200
         # tokens it cannot resume; interactive work only above the hard watermark.
         "cost-ranked": ["low", "old_quiet", "new_streaming"],
@@ -211,7 +213,8 @@ def test_each_named_policy_orders_the_same_pool_its_own_way():
         assert [c.request_id for c in victim_policy(name).order(pool, 100.0)] == order, name
 
 
-@pytest.mark.parametrize("name, victim", [("newest-first", "batch-new"), ("cost-ranked", "batch-quiet")])
+@pytest.mark.parametrize("name, victim", [("newest-first", "batch-new"), ("least-refill", "batch-new"),
+                                          ("cost-ranked", "batch-quiet")])
 def test_the_configured_policy_picks_the_controllers_victim(name, victim):
     import asyncio
 
@@ -232,3 +235,45 @@ def test_the_configured_policy_picks_the_controllers_victim(name, victim):
         assert [r.request_id for r in (quiet, new) if r.drop_reason is DropReason.EVICTED] == [victim]
     asyncio.run(main())
 
+
+
+def test_least_refill_evicts_the_request_with_the_fewest_tokens_past_a_whole_block_first():
+    """vLLM's prefix cache keeps a resumed request's whole blocks: its eviction costs the tokens past them."""
+    from gateway.flow.eviction import refill_tokens
+    from gateway.flow.ledger import KvLedger
+    from gateway.policies.victims import victim_policy
+
+    ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
+    here = Replica("http://here")
+    e = Evictor(policy=victim_policy("least-refill"), max_per_decision=1)
+    # (name, prompt, output relayed, resumable, dispatched at): 100 + 30 = 130 is 2 past 128 (8 blocks of 16);
+    # 100 + 40 = 140 is 12 past; 100 + 28 = 128 is 0 past, but it cannot resume: all 128 are computed again.
+    for name, prompt, relayed, resumable, at in (("twelve-past", 100, 40, True, 3.0), ("two-past", 100, 30, True, 1.0),
+                                                 ("restart", 100, 28, False, 4.0)):
+        r = inflight(name, -10, at)
+        r.ask = replace(r.ask, resumable=resumable)
+        r.lease = Lease(here, at)
+        r.lease.reservation = ledger.reserve(request_id=name, fairness_id="t", traffic_class="batch", priority=-10,
+                                             replica=here.url, prompt_tokens=prompt, max_new_tokens=200, now=at)
+        r.lease.tokens_relayed = relayed
+        e.track(r)
+    assert sorted(refill_tokens(r) for r in e.candidates) == [2, 12, 128]
+    decision = e.decide(1.25, BANDS, blocked_priority=100, tracked_in_flight=4, now=5.0)
+    assert [v.request_id for v in decision.victims] == ["two-past"]  # not the newest: it refills 12 more tokens
+
+
+def test_least_refill_without_the_relays_count_prefers_the_request_that_reached_a_block_last():
+    """A relay in another process revises only at a block boundary: the latest to reach one is fewest past it."""
+    from gateway.policies.victims import VictimCandidate, victim_policy
+
+    def cand(name, started_at, reached_at):
+        return VictimCandidate(
+            request_id=name, fairness_id="t", priority=-10, objective="x", replica="r", started_at=started_at,
+            enqueued_at=started_at, deadline=None, prompt_tokens=127, max_new_tokens=256, output_tokens=1,
+            streaming_started=True, resumable=True, cached_prefix_tokens=0, tenant_over_soft_quota=0.0,
+            reserved_blocks=3, seq=int(started_at), refill_tokens=0, block_reached_at=reached_at)
+
+    pool = [cand("reached-early", 5.0, 6.0), cand("reached-late", 1.0, 9.0), cand("evicted-before", 0.5, 9.5)]
+    pool[2] = replace(pool[2], evictions=1)
+    assert [c.request_id for c in victim_policy("least-refill").order(pool, 10.0)] == [
+        "reached-late", "reached-early", "evicted-before"]

@@ -586,10 +586,18 @@ class _Controller:
 def stream_count(data: bytes, chunks: list[bytes] | None = None) -> tuple[int, list[tuple[int, bool]]]:
     from gateway.stream_tokens import StreamTokenCount
 
+    from types import SimpleNamespace
+
+    from gateway.flow.request import Lease
+    from gateway.replicas import Replica
+
     controller = _Controller()
-    counter = StreamTokenCount(controller, None, None)  # type: ignore[arg-type]
+    req = SimpleNamespace(lease=Lease(Replica("http://replica"), 0.0))
+    counter = StreamTokenCount(controller, req, None)  # type: ignore[arg-type]
     for chunk in chunks if chunks is not None else [e + b"\n\n" for e in data.split(b"\n\n") if e]:
         counter.count(chunk)
+        # The lease follows every chunk (a victim policy reads it), not only the revisions.
+        assert req.lease.tokens_relayed == counter.tokens
     return counter.tokens, controller.revisions
 
 
