@@ -7,6 +7,7 @@ key is deliberately not a tenant key: on /v1 it gets 403, and operator routes ta
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 from typing import Annotated, Iterator
 
@@ -16,7 +17,7 @@ from sqlalchemy.orm import Session
 from batch_api.boundary import guarded_route
 from batch_api.context import ApiContext, get_context
 from batch_api.errors import Forbidden, Unauthorized
-from holdback.tenancy import tenant_for_key
+from holdback.tenancy import revoked_key, tenant_for_key
 
 ContextDep = Annotated[ApiContext, Depends(get_context)]
 
@@ -70,6 +71,13 @@ def current_tenant(request: Request, context: ContextDep) -> CurrentTenant:
     with context.sessions() as session:
         tenant = tenant_for_key(session, key)
         identity = CurrentTenant(tenant.id, tenant.name) if tenant is not None else None
+        revoked = revoked_key(session, key) if identity is None else None
+    if revoked is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(revoked.revoked_at))
+        raise Unauthorized(
+            f"This API key ({revoked.id}, {revoked.prefix}..., tenant {revoked.tenant}) was revoked at {when}: "
+            f"ask an operator for a new one (`holdback keys create --tenant {revoked.tenant}`).",
+            code="revoked_api_key")
     if identity is None:
         raise Unauthorized("Invalid API key: check the key you send as 'Authorization: Bearer <key>'.")
     request.state.tenant_id = identity.id

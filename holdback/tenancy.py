@@ -46,6 +46,18 @@ def tenant_for_key(session: Session, secret: str) -> Tenant | None:
     return row
 
 
+def revoked_key(session: Session, secret: str) -> "KeyInfo | None":
+    """The key with this secret if it was revoked (asked only once a key was refused: the refusal says why)."""
+    row = session.execute(
+        select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == hash_key(secret), ApiKey.revoked_at.is_not(None))
+    ).first()
+    if row is None:
+        return None
+    key, name = row
+    return KeyInfo(key.id, name, key.prefix, key.created_at, key.revoked_at)
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     """What may be shown about a key: never the secret, only its first characters."""

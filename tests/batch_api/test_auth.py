@@ -110,8 +110,15 @@ def test_revoked_key_is_refused(api, backend):
     with transaction(make_sessionmaker(engine)) as session:
         session.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(key)).values(revoked_at=1))
     engine.dispose()
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as exc:
         client.files.list()
+    # The refusal says the key was revoked, when, and what to do; a key never issued is only "invalid".
+    assert exc.value.code == "revoked_api_key"
+    assert "was revoked at 1970-01-01 00:00:01 UTC" in exc.value.message and "tenant acme" in exc.value.message
+    assert "holdback keys create --tenant acme" in exc.value.message
+    with pytest.raises(openai.AuthenticationError) as never:
+        api.openai("hb-never-issued").files.list()
+    assert never.value.code == "invalid_api_key"
 
 
 def test_admin_routes(api):
