@@ -165,7 +165,7 @@ def _supervise(argv: list[str], args: argparse.Namespace, name: str) -> int:
         extra = ["--processes", "1", "--name", f"{name}.{i}"]
         if args.metrics_port:
             extra += ["--metrics-port", str(args.metrics_port + i)]
-        return [sys.executable, "-m", "holdback.cli", "worker", *base, *extra]
+        return [sys.executable, "-P", "-m", "holdback.cli", "worker", *base, *extra]  # -P: as holdback up's children
 
     def spawn(i: int) -> subprocess.Popen:
         return subprocess.Popen(child_argv(i), start_new_session=True, preexec_fn=_die_with_parent)

@@ -56,7 +56,9 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         child.log_path = self.log_dir / f"{child.name}.log"
         out = open(child.log_path, "ab")
-        child.proc = _spawn(child.command or [sys.executable, "-m", "holdback.cli", *child.args],
+        # -P: the working directory is not put first on the child's path, so a folder that holds a `holdback`
+        # directory (a checkout's parent) does not shadow the installed package.
+        child.proc = _spawn(child.command or [sys.executable, "-P", "-m", "holdback.cli", *child.args],
                             env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         child.started_at = time.monotonic()

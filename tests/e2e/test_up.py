@@ -77,13 +77,15 @@ def up_env(backend, data_dir: Path) -> dict[str, str]:
     return env
 
 
-def start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bool = False) -> subprocess.Popen:
+def start_up(env: dict[str, str], log_path: Path, *args: str, ignore_sigint: bool = False,
+             cwd: Path = REPO) -> subprocess.Popen:
     def background_job() -> None:  # what a shell script does to `cmd &`: SIGINT arrives ignored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    return subprocess.Popen([sys.executable, "-m", "holdback.cli", "up", *args], cwd=REPO, env=env,
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            preexec_fn=background_job if ignore_sigint else None)
+    script = Path(sys.executable).with_name("holdback")  # the console script a user runs, where installed
+    command = [str(script)] if script.exists() else [sys.executable, "-P", "-m", "holdback.cli"]
+    return subprocess.Popen([*command, "up", *args], cwd=cwd, env=env, stdout=open(log_path, "wb"),
+                            stderr=subprocess.STDOUT, preexec_fn=background_job if ignore_sigint else None)
 
 
 def test_up_completes_a_batch_and_stops_without_orphans(backend):
@@ -101,8 +103,13 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
     processor_metrics, worker_metrics = free_port(), free_port()
     ports = ["--api-port", str(api), "--gateway-port", str(gateway), "--sim-port", str(sim),
              "--processor-metrics-port", str(processor_metrics), "--worker-metrics-port", str(worker_metrics)]
+    # Run from a folder that holds directories named as our packages (a checkout's parent holds `holdback/`): the
+    # children must still import the installed ones.
+    shadowing = data_dir / "parent-of-a-checkout"
+    for name in ("holdback", "gateway", "model_sim"):
+        (shadowing / name).mkdir(parents=True)
     proc = start_up(env, data_dir / "up.log", *ports, "--sim-arg=--decode-base-ms=1", "--worker-concurrency", "16",
-                     ignore_sigint=True)
+                     ignore_sigint=True, cwd=shadowing)
     try:
         wait_http(f"http://127.0.0.1:{api}/readyz", timeout=90, proc=proc)
         wait_http(f"http://127.0.0.1:{gateway}/health", timeout=60, proc=proc)
