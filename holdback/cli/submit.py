@@ -250,11 +250,36 @@ def _counts(batch: dict) -> dict[str, int]:
     return {k: int(counts.get(k) or 0) for k in ("total", "completed", "failed")}
 
 
+# Error-file codes of rows that never failed: a cancel or the completion window closed them before they ran to
+# an answer (OpenAI's request_counts count them as failed; the report names them for what they are).
+CLOSED_CODES = {"batch_cancelled": "cancelled", "batch_expired": "expired"}
+
+
+def _closed_rows(error_file: Path) -> dict[str, int]:
+    """How many of the error file's lines a cancel or expiry closed, by what closed them."""
+    closed = {name: 0 for name in CLOSED_CODES.values()}
+    with open(error_file, "rb") as f:
+        for raw in f:
+            try:
+                error = json.loads(raw).get("error") or {}
+            except (ValueError, AttributeError):
+                continue
+            name = CLOSED_CODES.get(error.get("code")) if isinstance(error, dict) else None
+            if name:
+                closed[name] += 1
+    return closed
+
+
 def _report(args: argparse.Namespace, part: EndpointPart, api: BatchApi) -> bool:
     """Download the batch's files and say what happened; True when every request succeeded."""
     batch, counts = part.batch, _counts(part.batch)
+    errors_target = args.out / f"{batch['id']}-errors.jsonl"
+    error_lines = api.download(batch["error_file_id"], errors_target) if batch.get("error_file_id") else 0
+    closed = _closed_rows(errors_target) if error_lines else {}
+    failed = counts["failed"] - sum(closed.values())
+    ended = "".join(f", {n} {name} before they finished" for name, n in closed.items() if n)
     print(f"\n{batch['id']} {batch['status']} ({part.endpoint}): {counts['completed']} completed, "
-          f"{counts['failed']} failed of {counts['total'] or len(part.lines)}")
+          f"{failed} failed{ended} of {counts['total'] or len(part.lines)}")
     for error in ((batch.get("errors") or {}).get("data") or [])[:args.show_errors]:
         line = part.original_line(error.get("line"))
         where = f"{args.file} line {line}: " if line else ""
@@ -266,8 +291,7 @@ def _report(args: argparse.Namespace, part: EndpointPart, api: BatchApi) -> bool
         target = args.out / f"{batch['id']}-output.jsonl"
         print(f"  output: {target} ({api.download(batch['output_file_id'], target)} lines)")
     if batch.get("error_file_id"):
-        target = args.out / f"{batch['id']}-errors.jsonl"
-        lines = api.download(batch["error_file_id"], target)
+        target, lines = errors_target, error_lines
         print(f"  errors: {target} ({lines} lines)" + (", the first:" if lines and args.show_errors else ""))
         with open(target, "rb") as f:
             for _, raw in zip(range(args.show_errors), f):

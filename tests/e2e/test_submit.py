@@ -145,3 +145,27 @@ def test_no_key_and_no_server_each_say_what_to_pass(tmp_path):
     assert no_keys.returncode == 2 and "pass --key" in no_keys.stderr, no_keys.stderr
     down = _run([*holdback, "--key", "k", "--api-url", f"http://127.0.0.1:{free_port()}"], timeout=60)
     assert down.returncode == 2 and "cannot reach the Batch API" in down.stderr and "--api-url" in down.stderr
+
+
+def test_the_report_counts_cancelled_and_expired_rows_apart_from_failed_ones(tmp_path, capsys):
+    """OpenAI's request_counts count a row a cancel closed as failed; the report says what closed it."""
+    from argparse import Namespace
+
+    from holdback.cli.submit import EndpointPart, _report
+
+    errors = [{"custom_id": "a", "response": {"status_code": 400, "body": {"error": {"message": "bad"}}}},
+              {"custom_id": "b", "response": None, "error": {"code": "batch_cancelled", "message": "cancelled"}},
+              {"custom_id": "c", "response": None, "error": {"code": "batch_cancelled", "message": "cancelled"}},
+              {"custom_id": "d", "response": None, "error": {"code": "batch_expired", "message": "expired"}}]
+
+    class Files:
+        def download(self, file_id, target):  # noqa: ANN001
+            target.write_text("".join(json.dumps(e) + "\n" for e in errors) if file_id == "err" else "{}\n")
+            return len(errors) if file_id == "err" else 1
+
+    batch = {"id": "batch_1", "status": "cancelled", "output_file_id": "out", "error_file_id": "err",
+             "request_counts": {"total": 6, "completed": 2, "failed": 4}}
+    part = EndpointPart("/v1/chat/completions", [b"{}"] * 6, list(range(1, 7)), batch)
+    assert _report(Namespace(out=tmp_path, show_errors=0, file=tmp_path / "in.jsonl"), part, Files()) is False
+    assert "batch_1 cancelled (/v1/chat/completions): 2 completed, 1 failed, 2 cancelled before they finished, " \
+           "1 expired before they finished of 6" in capsys.readouterr().out
