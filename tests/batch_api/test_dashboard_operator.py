@@ -114,6 +114,14 @@ def test_a_replicas_error_shows_its_message_and_body_and_all_failed_is_not_green
 
     drawer = client.get(f"/dashboard/fragments/requests/{ids[0]}/attempts").text
     assert "the replica answered HTTP 400: n must be at least 1, got 0." in drawer
+    # The gateway's own refusal (it carries a drop reason, and no replica ran it) is not the replica's answer.
+    refused = dict(failed_400, custom_id="refused", attempts=[{"started_at": now - 1, "outcome": "client_error",
+                                                               "status_code": 400,
+                                                               "drop_reason": "rejected-context-length"}])
+    _, (refused_id,) = seed.batch(tenant, [refused], status="completed", completed_at=int(now))
+    refused_drawer = client.get(f"/dashboard/fragments/requests/{refused_id}/attempts").text
+    assert "the gateway refused it (rejected-context-length): HTTP 400" in refused_drawer
+    assert "the replica answered" not in refused_drawer
     body = re.search(r'data-testid="result-body">(.*?)</pre>', drawer, re.S).group(1)
     assert json.loads(body.replace("&#34;", '"').replace("&quot;", '"')) == REPLICA_400, "the body, whole"
 
