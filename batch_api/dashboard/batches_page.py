@@ -55,7 +55,19 @@ def _batch_view(batch: Batch, tenant: str) -> dict:
         "cancelled_share": counts.share(counts.cancelled), "shown": shown_status(batch.status, counts),
         "cancellable": batch.status in CANCELLABLE, "terminal": batch.status in TERMINAL_BATCH,
         "ended_at": batch.completed_at or batch.failed_at or batch.expired_at or batch.cancelled_at,
+        "first_error": _first_error(batch),
     }
+
+
+def _first_error(batch: Batch) -> str | None:
+    """A failed batch's first error (`line N: message`), shown on its row: why it failed, without opening it."""
+    errors = batch.errors.get("data") if isinstance(batch.errors, dict) else batch.errors
+    if batch.status != BatchStatus.failed.value or not errors or not isinstance(errors[0], dict):
+        return None
+    first = errors[0]
+    where = f"line {first['line']}: " if first.get("line") else ""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}{first.get('message') or first.get('code') or ''}{more}"
 
 
 def _batch_filters(db: Session, status: str | None, tenant: str | None, q: str | None, after: str | None) -> dict:

@@ -363,3 +363,16 @@ def test_chart_ranges_and_the_history_of_kv_usage_and_queue_depth(api, backend):
     assert 'data-series="RQ queued"' in hour
     short = client.get("/dashboard/fragments/charts", params={"range": "nonsense"}).text
     assert 'data-range="15m"' in short and "Batch throughput, last 15 min" in short
+
+
+def test_a_failed_batchs_row_shows_its_first_error(api, seed):
+    tenant = seed.tenant("acme")
+    errors = [{"code": "invalid_json_line", "message": "line is not valid JSON: expected '}'", "param": None,
+               "line": 3}, {"code": "invalid_json_line", "message": "line is not valid JSON", "param": None, "line": 9}]
+    failed_id, _ = seed.batch(tenant, [], status="failed", errors=errors, failed_at=int(time.time()))
+    done_id, _ = seed.batch(tenant, [], status="completed", completed_at=int(time.time()))
+    client, _ = signed_in(api)
+    page = client.get("/dashboard").text
+    row = re.search(rf'<tr data-batch-id="{failed_id}">(.*?)</tr>', page, re.S).group(1)
+    assert "line 3: line is not valid JSON: expected &#39;}&#39; (and 1 more)" in row
+    assert 'data-testid="first-error"' not in re.search(rf'<tr data-batch-id="{done_id}">(.*?)</tr>', page, re.S).group(1)
