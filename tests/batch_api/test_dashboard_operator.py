@@ -376,3 +376,10 @@ def test_a_failed_batchs_row_shows_its_first_error(api, seed):
     row = re.search(rf'<tr data-batch-id="{failed_id}">(.*?)</tr>', page, re.S).group(1)
     assert "line 3: line is not valid JSON: expected &#39;}&#39; (and 1 more)" in row
     assert 'data-testid="first-error"' not in re.search(rf'<tr data-batch-id="{done_id}">(.*?)</tr>', page, re.S).group(1)
+
+
+def test_the_batches_list_comes_before_the_charts(api, seed):
+    seed.batch(seed.tenant("acme"), [], status="completed", completed_at=int(time.time()))
+    client, _ = signed_in(api)
+    page = client.get("/dashboard").text
+    assert 0 < page.index('id="batches-live"') < page.index('class="chart'), "the list is above the fold"
