@@ -201,7 +201,8 @@ def _pace(batch: Batch, view: dict, recent: int, now: float) -> dict:
     """Requests finished per second over the last RATE_WINDOW (and since the batch started), and when the
     rest will be done at the recent rate; None where there is nothing to measure."""
     started = batch.in_progress_at
-    overall = view["finished"] / (now - started) if started and view["finished"] and now > started else None
+    end = view["ended_at"] or now  # an ended batch's pace is over the time it ran, not until now
+    overall = view["finished"] / (end - started) if started and view["finished"] and end > started else None
     window = min(RATE_WINDOW, now - started) if started else RATE_WINDOW
     rate = recent / window if recent and window > 0 else None
     left = view["total"] - view["finished"]

@@ -383,3 +383,14 @@ def test_the_batches_list_comes_before_the_charts(api, seed):
     client, _ = signed_in(api)
     page = client.get("/dashboard").text
     assert 0 < page.index('id="batches-live"') < page.index('class="chart'), "the list is above the fold"
+
+
+def test_an_ended_batchs_pace_is_over_the_time_it_ran(api, seed):
+    """It ran 100 s and finished 10 requests: 0.1/s however long ago it ended, not a rate that falls for ever."""
+    now = int(time.time())
+    rows = [{"status": "succeeded", "finished_at": now - 950}] * 10
+    batch_id, _ = seed.batch(seed.tenant("acme"), rows, status="completed", created_at=now - 1000,
+                             completed_at=now - 900)
+    client, _ = signed_in(api)
+    page = client.get(f"/dashboard/batches/{batch_id}").text
+    assert "0.1/s since it started" in page, re.search(r"throughput.{0,300}", page, re.S).group(0)
