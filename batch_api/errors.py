@@ -78,6 +78,11 @@ class Conflict(ApiError):
     code = "conflict"
 
 
+class RequestTimeout(ApiError):
+    status = 408
+    code = "upload_too_slow"
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     code = "file_too_large"

@@ -9,6 +9,7 @@ client sees our answer instead of a reset connection.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -19,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from batch_api.boundary import reject_nul
-from batch_api.errors import ApiError, BadRequest, PayloadTooLarge
+from batch_api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
 from batch_api.schemas import EXPIRES_AFTER_MAX, EXPIRES_AFTER_MIN, UPLOAD_PURPOSES
 from holdback.models import File
 from holdback.retention import default_expiry
@@ -38,10 +39,12 @@ FILENAME_MAX = 255
 class UploadLimits:
     max_upload_bytes: int
     max_batch_file_bytes: int
+    # The least an upload must send in each PACE_WINDOW (see `paced`).
+    min_bytes_per_minute: int = 16 * 1024
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "UploadLimits":
-        return cls(settings.max_upload_bytes, settings.max_batch_file_bytes)
+        return cls(settings.max_upload_bytes, settings.max_batch_file_bytes, settings.upload_min_bytes_per_minute)
 
     def for_purpose(self, purpose: str | None) -> int:
         if purpose == "batch":
@@ -262,6 +265,45 @@ class MultipartUpload:
         return value
 
 
+PACE_WINDOW = 60.0
+
+
+async def paced(body: AsyncIterator[bytes], min_bytes: int, window: float = PACE_WINDOW) -> AsyncIterator[bytes]:
+    """`body`'s chunks, or RequestTimeout once a `window` passes in which fewer than `min_bytes` arrived (nothing
+    at all included): an upload that trickles holds a connection and a file in the making. The read that waits
+    is never cancelled at a window's end (a cancelled stream would end as if the body were whole); it goes on into
+    the next window, and is cancelled only when the upload is dropped."""
+    loop = asyncio.get_running_loop()
+    chunks = body.__aiter__()
+    started, received = loop.time(), 0
+    reading: asyncio.Future | None = None
+    try:
+        while True:
+            if reading is None:
+                reading = asyncio.ensure_future(chunks.__anext__())
+            done, _ = await asyncio.wait({reading}, timeout=max(0.0, started + window - loop.time()))
+            chunk = b""
+            if done:
+                try:
+                    chunk = reading.result()
+                except StopAsyncIteration:
+                    return
+                reading = None
+            received += len(chunk)
+            now = loop.time()
+            if now - started >= window:
+                if received < min_bytes:
+                    raise RequestTimeout(
+                        f"The upload sent {received:,} bytes in the last {window:.0f} s, less than the {min_bytes:,} "
+                        "it must send each minute; it was dropped. Send the file again over a faster connection.")
+                started, received = now, 0
+            if chunk:
+                yield chunk
+    finally:
+        if reading is not None and not reading.done():
+            reading.cancel()
+
+
 async def receive_upload(request: Request, store: FileStore, limits: UploadLimits, file_id: str) -> ReceivedUpload:
     content_type, options = parse_options_header(request.headers.get("content-type"))
     boundary = options.get(b"boundary")
@@ -279,10 +321,12 @@ async def receive_upload(request: Request, store: FileStore, limits: UploadLimit
         raise BadRequest(f"Malformed multipart Content-Type ({exc}).") from None
     body = request.stream()
     try:
-        async for chunk in body:
-            if chunk:
-                await run_in_threadpool(upload.feed, chunk)
+        async for chunk in paced(body, limits.min_bytes_per_minute):
+            await run_in_threadpool(upload.feed, chunk)
         return await run_in_threadpool(upload.finish)
+    except RequestTimeout:
+        upload.abort()  # the rest is not read: at its pace that would take as long as the upload itself
+        raise
     except ApiError:
         upload.abort()
         await _discard(body, limits.max_upload_bytes + FORM_OVERHEAD)

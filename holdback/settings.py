@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(512 * MB, description="Largest file any purpose may upload.")
     max_batch_file_bytes: int = Field(200 * MB, description="Largest file for purpose=batch.")
     max_batch_requests: int = Field(50_000, description="Most lines one batch input may have.")
+    upload_min_bytes_per_minute: int = Field(
+        16 * 1024, ge=1, description="An upload that sends less than this in any minute (or nothing for a minute) is "
+        "answered 408 and dropped: a client that trickles a byte a second would otherwise hold its connection and "
+        "an upload slot for ever.")
     migrate_on_start: bool = Field(True, description="Apply migrations when the API server starts.")
     tenant_max_open_batches: int = Field(100, ge=0, description="Most open batches (validating to cancelling) "
                                          "one tenant may have; more are refused with 429 (0: no limit).")
