@@ -94,10 +94,23 @@ def read_metrics(view: GatewayView, text: str) -> None:
                 view.evictions[outcome] = view.evictions.get(outcome, 0) + int(s.value)
             elif s.name == f"{TTFT}_bucket":
                 le = float(s.labels["le"])
-                by_le = ttft.setdefault(s.labels.get("objective", ""), {})
-                by_le[le] = by_le.get(le, 0.0) + s.value  # streamed and non-streamed answers together
+                by_le = ttft.setdefault(ttft_series_name(s.labels.get("objective", ""), s.labels.get("stream")), {})
+                by_le[le] = by_le.get(le, 0.0) + s.value
     view.ttft = {objective: sorted(buckets.items()) for objective, buckets in ttft.items()}
     view.rejections_by_band.sort()
+
+
+# A non-streamed answer's "first token" is the whole answer: its own series, named as such, never mixed into the
+# streamed answers' time to first token.
+WHOLE_ANSWER = " (whole answer)"
+
+
+def ttft_series_name(objective: str, stream: str | None) -> str:
+    return objective if stream in (None, "true") else objective + WHOLE_ANSWER
+
+
+def ttft_objective(series: str) -> str:
+    return series.removesuffix(WHOLE_ANSWER)
 
 
 def ttft_buckets(text: str) -> dict[str, Buckets]:

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from batch_api.context import ApiContext
 from batch_api.dashboard import charts
+from batch_api.dashboard.gateway_view import ttft_objective
 from batch_api.dashboard.sampler import INTERVAL, Sample, recent_samples
 
 # Series colours in the charts; objectives not listed get the last one.
@@ -39,10 +40,11 @@ class ChartSpec:
 
 
 def _ttft_series(samples: list[Sample]) -> list[charts.Series]:
-    objectives = sorted({o for s in samples for o in s.ttft_p95 if o != BATCH_OBJECTIVE},
-                        key=lambda o: (o != "realtime", o))
+    """Streamed answers' time to first token per objective, and non-streamed answers' whole time apart."""
+    names = sorted({o for s in samples for o in s.ttft_p95 if ttft_objective(o) != BATCH_OBJECTIVE},
+                   key=lambda o: (o != ttft_objective(o), ttft_objective(o) != "realtime", o))
     return [charts.Series(o, OBJECTIVE_COLOURS.get(o, "#495057"),
-                          [(s.t, s.ttft_p95[o]) for s in samples if o in s.ttft_p95]) for o in objectives]
+                          [(s.t, s.ttft_p95[o]) for s in samples if o in s.ttft_p95]) for o in names]
 
 
 def _rate_series(*names: tuple[str, str, str]) -> Callable[[list[Sample]], list[charts.Series]]:
@@ -114,12 +116,14 @@ def chart_panels(request: Request, range_name: str | None = None, which: tuple[s
             "svg": charts.line_chart(series, now=now, window=window, label=spec.label,
                                      title=f"{spec.title}, last {RANGE_LABELS[range_name]}", empty=spec.empty,
                                      gap=max(charts.GAP_SECONDS, 3 * step)),
-            "legend": _legend(series),
+            "legend": _legend(series, stale_before=now - max(3 * INTERVAL, 2 * step)),
         })
     return {"list": drawn, "range": range_name, "ranges": RANGE_LABELS, "samples": len(samples),
             "show": "gateway" if which == GATEWAY_CHARTS else "batches"}
 
 
-def _legend(series: list[charts.Series]) -> list[tuple[str, str, float | None]]:
-    """(name, colour, latest value) per series."""
-    return [(s.name, s.colour, max(s.points)[1] if s.points else None) for s in series]
+def _legend(series: list[charts.Series], stale_before: float) -> list[tuple[str, str, float | None]]:
+    """(name, colour, latest value) per series; no value ("—") when the latest point is older than `stale_before`
+    (no traffic since: a p95 from minutes ago is not today's)."""
+    return [(s.name, s.colour, latest[1] if (latest := max(s.points, default=None)) and latest[0] >= stale_before
+             else None) for s in series]

@@ -327,3 +327,31 @@ def test_gateway_page_shows_one_card_per_model_pool(start_api, tmp_path):
         cards = page.split('class="pool-card"')[1:]
         assert sorted(m for card in cards for m in ("model-a", "model-b") if m in card) == ["model-a", "model-b"]
         assert all("1 / 1" in card for card in cards), cards  # each pool: its one replica, healthy
+
+
+MIXED = """# TYPE holdback_gateway_ttft_seconds histogram
+holdback_gateway_ttft_seconds_bucket{le="0.5",objective="realtime",stream="true"} %d
+holdback_gateway_ttft_seconds_bucket{le="2.0",objective="realtime",stream="true"} %d
+holdback_gateway_ttft_seconds_bucket{le="+Inf",objective="realtime",stream="true"} %d
+holdback_gateway_ttft_seconds_bucket{le="0.5",objective="realtime",stream="false"} %d
+holdback_gateway_ttft_seconds_bucket{le="2.0",objective="realtime",stream="false"} %d
+holdback_gateway_ttft_seconds_bucket{le="+Inf",objective="realtime",stream="false"} %d
+"""
+
+
+def test_streamed_first_tokens_and_whole_answers_are_separate_series_and_an_old_value_is_not_shown():
+    """Streaming clients at 0.3 s and non-streamed whole answers at 1.5 s: the realtime series is 0.3 s, not a
+    mix; and once traffic stops the legend shows "—", not the last value from minutes ago."""
+    from batch_api.dashboard import charts
+    from batch_api.dashboard.history import _legend, _ttft_series
+
+    before = ttft_buckets(MIXED % (0, 0, 0, 0, 0, 0))
+    after = ttft_buckets(MIXED % (100, 100, 100, 0, 100, 100))  # 100 streamed under 0.5 s, 100 whole in 0.5-2 s
+    sample = next_sample(1005.0, None, after, next_sample(1000.0, None, before, None))
+    assert set(sample.ttft_p95) == {"realtime", "realtime (whole answer)"}
+    assert sample.ttft_p95["realtime"] <= 0.5 < 1.0 < sample.ttft_p95["realtime (whole answer)"] <= 2.0
+    series = _ttft_series([sample])
+    assert [s.name for s in series] == ["realtime", "realtime (whole answer)"]
+    assert _legend(series, stale_before=1000.0)[0][2] == sample.ttft_p95["realtime"]
+    assert [value for _, _, value in _legend(series, stale_before=1010.0)] == [None, None]
+    assert _legend([charts.Series("x", "#000", [])], stale_before=0.0) == [("x", "#000", None)]
