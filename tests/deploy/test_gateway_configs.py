@@ -1,6 +1,6 @@
 """One policy everywhere: every gateway config the deployments ship runs gateway/default.yaml's policy.
 
-`holdback up` and Compose run the built-in config (gateway/default.yaml); the Kubernetes overlays mount files of
+`holdback up` runs the built-in config (gateway/default.yaml); Compose and the Kubernetes overlays mount files of
 their own. Those may differ from the built-in config only where a deployment must: which replicas, their limits
 (`engine`, `saturation`, `pools`) and the key sent to them (`upstream`). Anything else that differs (a reserve,
 another victim order) is a cluster running another product than the one measured and documented.
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from gateway.settings.loading import DEFAULT_CONFIG_PATH, parse_config
-from tests.deploy.deploy_files import K8S
+from tests.deploy.deploy_files import DEPLOY, K8S
 
 # The sections a deployment sets for its own replicas.
 DEPLOYMENT_SECTIONS = {"replicas", "pools", "engine", "saturation", "upstream"}
-GATEWAY_CONFIGS = sorted(K8S.rglob("gateway-config.yaml"))
+GATEWAY_CONFIGS = sorted(DEPLOY.rglob("gateway-config.yaml"))
 
 
 def sections(text: str, source: str) -> dict:
@@ -32,14 +32,14 @@ def differing(path: Path) -> dict[str, tuple[object, object]]:
 
 
 def test_the_deployments_ship_gateway_configs():
-    assert {p.relative_to(K8S).as_posix() for p in GATEWAY_CONFIGS} >= {
-        "base/gateway-config.yaml", "overlays/vllm/gateway-config.yaml"}
+    assert {p.relative_to(DEPLOY).as_posix() for p in GATEWAY_CONFIGS} >= {
+        "gateway-config.yaml", "k8s/base/gateway-config.yaml", "k8s/overlays/vllm/gateway-config.yaml"}
 
 
-@pytest.mark.parametrize("path", GATEWAY_CONFIGS, ids=lambda p: p.relative_to(K8S).as_posix())
+@pytest.mark.parametrize("path", GATEWAY_CONFIGS, ids=lambda p: p.relative_to(DEPLOY).as_posix())
 def test_a_deployed_gateway_config_differs_from_the_default_only_where_a_deployment_must(path):
     assert differing(path) == {}, (
-        f"{path.relative_to(K8S.parent.parent)} sets sections other than {sorted(DEPLOYMENT_SECTIONS)} "
+        f"{path.relative_to(DEPLOY.parent)} sets sections other than {sorted(DEPLOYMENT_SECTIONS)} "
         f"differently from gateway/default.yaml (default, deployed): {differing(path)}")
 
 
