@@ -64,6 +64,15 @@ class ValidationFailed(InvalidRequest):
         super().__init__(f"{message} ({', '.join(extras)})" if extras else message, param)
 
 
+class FieldTypeError(EnvelopeError):
+    """400 as vLLM answers a body field of the wrong type: its request model's (pydantic's) error, reworded by
+    vLLM's validation handler into the envelope with type "Bad Request" and `param` the field's location."""
+
+    def __init__(self, field: str, kind: str, msg: str, value):
+        detail = {"type": kind, "loc": f"body.{field}", "msg": msg, "input": value}
+        super().__init__(400, f"1 validation error:\n  {detail!r}", f"body.{field}", "Bad Request")
+
+
 class BareError(Exception):
     """An answer that is not the envelope: FastAPI's `{"detail": ...}` or the auth middleware's body."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from holdback.sim_tokenizer import (ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat,
                                     responses_messages)
-from model_sim.errors import EnvelopeError, InvalidRequest, ValidationFailed, error_body, type_for_status
+from model_sim.errors import EnvelopeError, FieldTypeError, InvalidRequest, ValidationFailed, error_body, type_for_status
 
 
 # vLLM's VLLM_MAX_N_SEQUENCES default: the most choices one request may ask for.
@@ -95,13 +95,59 @@ def completion_prompt_ids(prompt, tokenizer: Tokenizer) -> list[int]:
     raise InvalidRequest("\"prompt\" is required: a string, or a non-empty list of non-negative token ids.", "prompt")
 
 
+# Sampling parameters the simulator does not model but vLLM types as numbers: a value vLLM's request model would
+# not read as one (pydantic's lax mode: a bool, or a string that reads as a number, passes) is refused as it is.
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+INTEGER_FIELDS = ("top_k", "seed")
+
+
+def _not_a_number(field: str, value) -> FieldTypeError:
+    if isinstance(value, str):
+        return FieldTypeError(field, "float_parsing", "Input should be a valid number, unable to parse string as a "
+                              "number", value)
+    return FieldTypeError(field, "float_type", "Input should be a valid number", value)
+
+
+def _not_an_integer(field: str, value) -> FieldTypeError:
+    if isinstance(value, str):
+        return FieldTypeError(field, "int_parsing", "Input should be a valid integer, unable to parse string as an "
+                              "integer", value)
+    if isinstance(value, float):
+        return FieldTypeError(field, "int_from_float", "Input should be a valid integer, got a number with a "
+                              "fractional part", value)
+    return FieldTypeError(field, "int_type", "Input should be a valid integer", value)
+
+
+def _lax_number(value, integer: bool) -> bool:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return False
+    if not isinstance(value, (int, float)):
+        return False
+    return not integer or float(value).is_integer()
+
+
+def check_sampling_types(body: dict) -> None:
+    for name in NUMBER_FIELDS:
+        value = body.get(name)
+        if value is not None and not _lax_number(value, integer=False):
+            raise _not_a_number(name, value)
+    for name in INTEGER_FIELDS:
+        value = body.get(name)
+        if value is not None and not _lax_number(value, integer=True):
+            raise _not_an_integer(name, value)
+
+
 def _int_field(body: dict, name: str, default, minimum: int | None = None):
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value) or (minimum is not None and value < minimum):
-        bound = f" of at least {minimum}" if minimum is not None else ""
-        raise InvalidRequest(f"\"{name}\" must be an integer{bound}, got {value!r}.", name)
+    if not _is_int(value):
+        raise _not_an_integer(name, value)
+    if minimum is not None and value < minimum:
+        raise InvalidRequest(f"\"{name}\" must be an integer of at least {minimum}, got {value!r}.", name)
     return value
 
 
@@ -119,14 +165,15 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
 
     `priority_header` is vLLM's `X-Vllm-Priority`: an integer there overrides the body's `priority`.
     """
+    check_sampling_types(body)
     max_tokens = _int_field(body, "max_tokens", None)
     param = "max_tokens"
     if chat:
         max_completion = _int_field(body, "max_completion_tokens", None)
         if max_completion is not None:
             max_tokens, param = max_completion, "max_completion_tokens"
-    elif "max_tokens" not in body:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS  # an explicit null leaves the cap to the context, as in vLLM
+    elif max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS  # absent or null, as vLLM's CompletionRequest: 16
     min_tokens = _int_field(body, "min_tokens", 0)
     if min_tokens < 0:
         raise ValidationFailed(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
@@ -169,7 +216,7 @@ def _priority(body: dict, header: str | None) -> int:
     if priority is None:
         priority = 0
     if not _is_int(priority):
-        raise InvalidRequest(f"\"priority\" must be an integer (lower runs first), got {priority!r}.", "priority")
+        raise _not_an_integer("priority", priority)
     if header is not None:
         try:
             priority = int(header)

@@ -64,11 +64,11 @@ def test_without_max_tokens_completions_get_16_and_chat_the_rest_of_the_context(
     assert client(sim).completions.create(model="sim-model", prompt="x").usage.completion_tokens == 16
     chat = client(sim).chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "x"}])
     assert chat.usage.completion_tokens == 256 - chat.usage.prompt_tokens
-    # On /v1/completions only max_tokens counts; an explicit null leaves the cap to the context, as in vLLM.
+    # On /v1/completions only max_tokens counts, and an explicit null is 16 too (vLLM 0.32, tests/real_vllm/surface.py).
     done = sim.http.post("/v1/completions", json={"prompt": "x", "max_completion_tokens": 3}).json()
     assert done["usage"]["completion_tokens"] == 16
     unset = sim.http.post("/v1/completions", json={"prompt": "x", "max_tokens": None}).json()
-    assert unset["usage"]["completion_tokens"] == 255
+    assert unset["usage"]["completion_tokens"] == 16
     capped = start_sim(max_model_len=256, default_max_tokens=5)  # a model whose generation config sets one
     assert client(capped).chat.completions.create(
         model="sim-model", messages=[{"role": "user", "content": "x"}]).usage.completion_tokens == 5
@@ -142,7 +142,18 @@ def test_bad_input_answers_400_with_a_message_that_says_what_to_change(start_sim
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "n": 0}), 400, None, "n must be at least 1")
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "min_tokens": 9, "max_tokens": 4}), 400, None,
                      "min_tokens must be less than or equal to max_tokens=4")
-    _assert_envelope(post("/v1/completions", json={"prompt": "x", "priority": "high"}), 400, "priority", "integer")
+    # A field of the wrong type is answered as vLLM's request model answers it (tests/real_vllm/surface.py).
+    bad_type = post("/v1/completions", json={"prompt": "x", "priority": "high"})
+    _assert_envelope(bad_type, 400, "body.priority", "Input should be a valid integer")
+    assert bad_type.json()["error"]["type"] == "Bad Request"
+    # Sampling fields the simulator ignores are still typed as vLLM types them.
+    _assert_envelope(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "temperature": "hot"}), 400, "body.temperature",
+                     "Input should be a valid number")
+    _assert_envelope(post("/v1/completions", json={"prompt": "x", "top_k": 2.5}), 400, "body.top_k",
+                     "fractional part")
+    for lax in ({"temperature": "0.5"}, {"top_p": 1}, {"top_k": "3"}, {"seed": None}):
+        assert post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **lax}).status_code == 200, lax
     _assert_envelope(post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}),
                      400, "stream_options", "only be defined when `stream=True`")
     _assert_envelope(post("/v1/completions", json={}), 400, "prompt", "\"prompt\" is required")

@@ -134,6 +134,14 @@ SUITE: tuple[Case, ...] = (
          _chat(Text(-24, of_context=True), ignore_eos=True), fact="rest_of_context"),
     Case("completion_without_max_tokens", "POST", "/v1/completions",
          {"prompt": PROMPT_PREFIX, "ignore_eos": True}, fact="sixteen_tokens"),
+    Case("completion_max_tokens_null", "POST", "/v1/completions",
+         {"prompt": PROMPT_PREFIX, "max_tokens": None, "ignore_eos": True}, fact="sixteen_tokens"),
+    # Sampling fields the simulator does not model are typed as vLLM types them: a word is refused, a number
+    # written as a string is read.
+    Case("sampling_field_not_a_number", "POST", "/v1/completions", {"prompt": PROMPT_PREFIX, **SMALL,
+                                                                    "temperature": "hot"}),
+    Case("sampling_fields_as_strings", "POST", "/v1/completions", {"prompt": PROMPT_PREFIX, **SMALL,
+                                                                   "temperature": "0.5", "top_k": "3"}),
     Case("chat_n2", "POST", "/v1/chat/completions", _chat(**SMALL, n=2), fact="two_choices"),
     Case("chat_n2_stream", "POST", "/v1/chat/completions", _chat(**SMALL, **USAGE, n=2), fact="two_choices"),
     Case("completion_n2", "POST", "/v1/completions", {"prompt": PROMPT_PREFIX, **SMALL, "n": 2},
