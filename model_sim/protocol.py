@@ -42,6 +42,8 @@ class GenerationParams:
     # vLLM's per-request stream_interval: a stream's tokens go out this many at a time, the first and the last at
     # once (ignored when not streamed).
     stream_interval: int = 1
+    # vLLM's return_token_ids: the output's token ids on each choice (and chunk), the prompt's once.
+    return_token_ids: bool = False
     # Set by resolve_max_tokens.
     max_tokens: int = 0
 
@@ -207,6 +209,7 @@ def parse_generation(body: dict, chat: bool, priority_header: str | None = None)
         cache_salt=_cache_salt(body),
         n=n,
         stream_interval=_int_field(body, "stream_interval", 1, minimum=1),
+        return_token_ids=_bool_field(body, "return_token_ids"),
     )
 
 
@@ -351,25 +354,29 @@ def stream_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int 
 class Choice:
     text: str
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 def completion_body(response_id: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
                     completion_tokens: int, chat: bool, cached_tokens: int | None = None,
-                    system_fingerprint: str | None = None) -> dict:
+                    system_fingerprint: str | None = None, prompt_ids: list[int] | None = None) -> dict:
+    """`prompt_ids` (asked with return_token_ids): the prompt's token ids, and each choice's own output ids."""
     if chat:
         out = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": None,
                                         "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None, "token_ids": None,
+                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None,
+                "token_ids": c.token_ids if prompt_ids is not None else None,
                 "routed_experts": None} for i, c in enumerate(choices)]
     else:
         out = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None,
-                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+                "token_ids": c.token_ids if prompt_ids is not None else None, "prompt_logprobs": None,
+                "prompt_token_ids": prompt_ids, "routed_experts": None}
                for i, c in enumerate(choices)]
     body = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": out, "service_tier": None, "system_fingerprint": system_fingerprint,
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if chat:
-        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        body.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, prompt_text=None)
     body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
     return body
 
@@ -425,8 +432,12 @@ class SseFormatter:
     """
 
     def __init__(self, response_id: str, created: int, model: str, chat: bool, system_fingerprint: str,
-                 include_usage: bool = False):
+                 include_usage: bool = False, prompt_ids: list[int] | None = None):
         self.chat = chat
+        # return_token_ids: the prompt's ids on the chat head chunk or each choice's first chunk, and each chunk's
+        # own output ids (null otherwise, as vLLM sends them).
+        self.prompt_ids = json.dumps(prompt_ids, separators=(",", ":")) if prompt_ids is not None else None
+        self.with_ids = prompt_ids is not None
         self.fingerprint = system_fingerprint
         self.include_usage = include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -439,37 +450,43 @@ class SseFormatter:
         self.role_sent = True
         tail = self._usage_tail(prompt_tokens, 0)
         return "".join(f'{self._head}{{"index":{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                       f'"finish_reason":null}}]{tail},"prompt_token_ids":null,"prompt_text":null}}\n\n'
-                       for i in range(n)).encode()
+                       f'"finish_reason":null}}]{tail},"prompt_token_ids":{self.prompt_ids or "null"},'
+                       f'"prompt_text":null}}\n\n' for i in range(n)).encode()
 
     def tokens(self, index: int, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
-               sent: int = 0) -> bytes:
-        """One chunk per text of choice `index`; the last ends the choice when `finish_reason` is set."""
+               sent: int = 0, ids: list[int] | None = None) -> bytes:
+        """One chunk per text of choice `index`; the last ends the choice when `finish_reason` is set. `ids`: the
+        texts' token ids (sent with return_token_ids)."""
         out = []
         last = len(texts) - 1
         for i, text in enumerate(texts):
             out.append(self._chunk(index, json.dumps(text), finish_reason if i == last else None,
-                                   prompt_tokens, sent + i + 1))
+                                   prompt_tokens, sent + i + 1, ids[i:i + 1] if ids is not None else None))
         return "".join(out).encode()
 
     def joined(self, index: int, texts: list[str], finish_reason: str | None, prompt_tokens: int | None = None,
-               sent: int = 0) -> bytes:
+               sent: int = 0, ids: list[int] | None = None) -> bytes:
         """One chunk carrying every text of choice `index` (a stream interval's tokens, as vLLM joins them)."""
-        return self._chunk(index, json.dumps("".join(texts)), finish_reason, prompt_tokens, sent + len(texts)).encode()
+        return self._chunk(index, json.dumps("".join(texts)), finish_reason, prompt_tokens, sent + len(texts),
+                           ids).encode()
 
     def finish_only(self, index: int, finish_reason: str, prompt_tokens: int | None = None, sent: int = 0) -> bytes:
         """A finish without a new token (an abort): empty text, as vLLM sends it."""
         return self._chunk(index, '""', finish_reason, prompt_tokens, sent).encode()
 
     def _chunk(self, index: int, text: str, finish_reason: str | None, prompt_tokens: int | None,
-               completion_tokens: int) -> str:
+               completion_tokens: int, ids: list[int] | None = None) -> str:
         ending = (f'"finish_reason":{json.dumps(finish_reason)},"stop_reason":null' if finish_reason
                   else '"finish_reason":null')
+        token_ids = json.dumps(ids, separators=(",", ":")) if ids is not None and self.with_ids else "null"
         if self.chat:
-            choice = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,{ending},"token_ids":null}}'
+            choice = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,{ending},"token_ids":{token_ids}}}'
         else:
+            first = self.with_ids and ids is not None and completion_tokens == len(ids)  # the choice's first chunk
+            prompt_ids = self.prompt_ids if first else "null"
             choice = (f'{{"index":{index},"text":{text},"logprobs":null,"finish_reason":'
-                      f'{json.dumps(finish_reason)},"stop_reason":null,"prompt_token_ids":null,"token_ids":null}}')
+                      f'{json.dumps(finish_reason)},"stop_reason":null,"prompt_token_ids":{prompt_ids},'
+                      f'"token_ids":{token_ids}}}')
         tail = self._usage_tail(prompt_tokens, completion_tokens)
         if finish_reason and not self.include_usage:
             tail += f',"system_fingerprint":{json.dumps(self.fingerprint)}'

@@ -215,11 +215,12 @@ class Routes:
                 return await self._stream(request, streams, params, response_id, created, chat)
             await self._finished(streams)
             reqs = [s.request for s in streams]
-            choices = [protocol.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason)
-                       for r in reqs]
+            choices = [protocol.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason,
+                                       list(r.output_token_ids)) for r in reqs]
             return json_response(protocol.completion_body(
                 response_id, created, self.model, choices, reqs[0].num_prompt_tokens,
-                sum(r.num_output_tokens for r in reqs), chat, self._cached_tokens(reqs[0]), self.system_fingerprint))
+                sum(r.num_output_tokens for r in reqs), chat, self._cached_tokens(reqs[0]), self.system_fingerprint,
+                list(prompt_ids) if params.return_token_ids else None))
         finally:
             self._abort_unfinished(streams)
 
@@ -229,7 +230,8 @@ class Routes:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         fmt = protocol.SseFormatter(response_id, created, self.model, chat, self.system_fingerprint,
-                                    params.include_usage)
+                                    params.include_usage,
+                                    list(streams[0].request.prompt_token_ids) if params.return_token_ids else None)
         n = len(streams)
         sent = [0] * n
         done = [False] * n
@@ -256,8 +258,9 @@ class Routes:
                     if k > sent[i]:
                         texts = [output_token_text(req.output_offset + j) for j in range(sent[i], k)]
                         chunks = fmt.joined if params.stream_interval > 1 else fmt.tokens
+                        ids = req.output_token_ids[sent[i]:k] if params.return_token_ids else None
                         out.append(chunks(i, texts, req.status.finish_reason if finished else None,
-                                          running_usage, sent[i]))
+                                          running_usage, sent[i], ids))
                         sent[i] = k
                     elif finished and sent[i]:
                         out.append(fmt.finish_only(i, req.status.finish_reason, running_usage, sent[i]))

@@ -242,3 +242,25 @@ def test_metrics_slash_answers_name_filters_with_those_series_alone_as_vllms_mou
     assert names == {name for name in (*GAUGES, "vllm:cache_config_info") if name in full}
     assert parse_vllm_metrics(scraped) == parse_vllm_metrics(full)  # everything the gateway reads, in a tenth
     assert len(scraped) * 10 < len(full)
+
+
+def test_return_token_ids_gives_the_outputs_and_the_prompts_ids_as_vllm_does(sim):
+    """What the workers' resume by token ids reads: each choice's (and chunk's) output ids, the prompt's once."""
+    from holdback.sim_tokenizer import Tokenizer
+
+    post = sim.http.post
+    prompt_ids = post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    whole = post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5,
+                                          "return_token_ids": True}).json()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt_ids and len(whole["token_ids"]) == 5
+    assert Tokenizer().decode(whole["token_ids"]) == whole["text"]
+    plain = post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+    events = [json.loads(line[6:]) for line in post("/v1/completions", json={
+        "prompt": "The quick brown fox", "max_tokens": 5, "return_token_ids": True, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert [e["choices"][0]["prompt_token_ids"] for e in events] == [prompt_ids] + [None] * 4
+    assert [i for e in events for i in e["choices"][0]["token_ids"]] == whole["token_ids"]
+    chat = post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                              "return_token_ids": True}).json()
+    assert len(chat["choices"][0]["token_ids"]) == 3 and chat["prompt_token_ids"]
