@@ -136,7 +136,8 @@ class Routes:
         prompt_ids = protocol.truncated(protocol.completion_prompt_ids(prompt, self.tokenizer), body,
                                         self.max_model_len)
         protocol.check_model(body, self.model)
-        offset = continuation_offset(prompt) if isinstance(prompt, str) else 0
+        # A resumed prompt ends with the output so far, as text or (resumed by token ids) as the output's ids.
+        offset = continuation_offset(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids))
         is_text = isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
                                               and isinstance(prompt[0], str))
         return await self._generate(request, params, prompt_ids, chat=False, offset=offset, prompt_is_text=is_text)

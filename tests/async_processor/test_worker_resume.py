@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gateway.flow.request import DropReason
 from gateway.responses import drop_response, evicted_sse_event
-from model_sim.generation import output_text
+from model_sim.generation import output_text, output_token_id
 from holdback.results import output_line
 from tests.async_processor.test_worker_integration import CHAT, ScriptedGateway, stack  # noqa: F401 - the fixture
 
@@ -143,7 +143,7 @@ def test_an_evicted_request_resumes_and_ends_with_the_uninterrupted_text(stack, 
 
     first, second, third = (c["body"] for c in gw.calls[row.id])
     streaming = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    # Completions ask for vLLM's token ids to resume from; the simulator sends none, so they resume by text.
+    # Completions ask for vLLM's token ids and resume from them (the prompt's ids and the output's so far).
     assert first == {**body, **streaming, **({} if "chat" in url else {"return_token_ids": True})}
     assert second["max_tokens"] == 12 - 5 and third["max_tokens"] == 12 - 8
     if "chat" in url:
@@ -151,8 +151,9 @@ def test_an_evicted_request_resumes_and_ends_with_the_uninterrupted_text(stack, 
         assert third["messages"][-1] == {"role": "assistant", "content": output_text(0, 8)}
         assert third["continue_final_message"] is True and third["add_generation_prompt"] is False
     else:
-        assert second["prompt"] == body["prompt"] + output_text(0, 5)
-        assert third["prompt"] == body["prompt"] + output_text(0, 8)
+        prompt_ids = httpx.post(f"{sim}/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+        assert second["prompt"] == prompt_ids + [output_token_id(i) for i in range(5)]
+        assert third["prompt"] == prompt_ids + [output_token_id(i) for i in range(8)]
 
     a1, a2, a3 = stack.attempts(row.id)
     assert (a1.outcome, a1.drop_reason, a1.partial_output, a1.output_tokens) == ("evicted", "evicted",
