@@ -20,7 +20,10 @@ from aiohttp import web
 from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
 from gateway.log import configure_logging, log_event
+from gateway.relays.channel import split_address
 from gateway.relays.flow_process import FlowServer, listening_socket
+from gateway.relays.handshake import MIN_SECRET_BYTES, SECRET_ENV, SecretError, channel_secret, run_secret
+from gateway.relays.relay import run_alone
 from gateway.settings import ConfigError, load_config
 from gateway.settings.keys import UPSTREAM_KEY_ENV
 from holdback.env_flags import flags_from_env
@@ -34,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         "eviction of sheddable requests and KV admission, in front of vLLM-compatible replicas. SIGHUP reloads "
         "the config. Admin commands: `holdback gateway rollback --help`, `holdback gateway calibrate --help`."))
     p.add_argument("--config", help="YAML config file (default: the shipped gateway/default.yaml)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
+    p.add_argument("--host", default=None, help="listen address for clients (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port for clients (default 8200)")
     p.add_argument("--replicas", help="comma-separated replica base URLs; overrides `replicas` in the config")
     p.add_argument("--upstream-api-key", default=None, help=(
         "the key vLLM replicas were started with (`vllm serve --api-key`), sent on every call to them; "
@@ -46,14 +49,95 @@ def _parser() -> argparse.ArgumentParser:
         "makes every decision (queues, ceilings, KV admission, eviction, replica health) and N relay "
         "processes share the listening port, relay the bytes and ask it over a local channel; a relay that "
         "dies is replaced and its requests released"))
+    p.add_argument("--role", choices=ROLES, default="all", help=(
+        "`all` (default): the whole gateway here, as one process or with --workers. `flow-control`: only the "
+        "decider, serving relays of any host that connect to --relays-listen; it binds no client port (its "
+        "/admin/state, /admin/rollback and /metrics are answered through any relay) and takes --config and "
+        "--replicas. `relay`: one relay alone, serving clients on --host/--port for the first flow control of "
+        "--flow-control that answers; it takes its config from flow control. Both need the channel secret"))
+    p.add_argument("--relays-listen", metavar="HOST:PORT", default=None,
+                   help="--role flow-control: the TCP address relays connect to")
+    p.add_argument("--flow-control", metavar="HOST:PORT[,HOST:PORT]", default=None, help=(
+        "--role relay: flow control's channel addresses, tried in order (on start and whenever the channel "
+        "closes, with a backoff capped at 5s)"))
+    p.add_argument("--channel-secret-file", metavar="PATH", default=None, help=(
+        f"--role flow-control/relay: a file holding the channel's shared secret (at least {MIN_SECRET_BYTES} "
+        f"bytes, the same on every relay and flow control), or set ${SECRET_ENV} instead. The channel is "
+        "authenticated (HMAC-SHA256 on every frame), not encrypted: keep it on a network you trust"))
     return flags_from_env(p, "gateway")
+
+
+ROLES = ("all", "flow-control", "relay")
+
+
+def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bytes | None:
+    """Refuse flags that do not go together (parser.error exits 2, saying what to change); the channel secret of a
+    role that needs one."""
+    role = args.role
+    if role == "all":
+        for flag, value, needs in (("--relays-listen", args.relays_listen, "flow-control"),
+                                   ("--flow-control", args.flow_control, "relay"),
+                                   ("--channel-secret-file", args.channel_secret_file, "relay or flow-control")):
+            if value is not None:
+                parser.error(f"{flag} goes with --role {needs}; without --role the whole gateway runs here (and "
+                             f"--workers N makes a secret of its own for its relays)")
+        return None
+    if args.workers != 1:
+        parser.error(f"--workers is for the whole gateway on one host; with --role {role} run one process per "
+                     f"relay instead")
+    if role == "relay":
+        if args.flow_control is None:
+            parser.error("--role relay needs --flow-control HOST:PORT[,HOST:PORT]: where flow control listens "
+                         "for relays (its --relays-listen)")
+        if args.relays_listen is not None:
+            parser.error("--relays-listen is flow control's; a relay connects to --flow-control instead")
+        for flag, value in (("--config", args.config), ("--replicas", args.replicas),
+                            ("--upstream-api-key", args.upstream_api_key)):
+            if value is not None:
+                parser.error(f"{flag}: a relay takes its config from flow control; give it to the "
+                             f"--role flow-control process")
+        addresses = [a.strip() for a in args.flow_control.split(",") if a.strip()]
+        try:
+            for address in addresses:
+                split_address(address)
+        except ValueError as exc:
+            parser.error(f"--flow-control: {exc}")
+        if not addresses:
+            parser.error("--flow-control names no address: give HOST:PORT[,HOST:PORT]")
+        args.flow_control = addresses
+    else:
+        if args.relays_listen is None:
+            parser.error("--role flow-control needs --relays-listen HOST:PORT: where relays connect")
+        if args.flow_control is not None:
+            parser.error("--flow-control is a relay's; flow control listens on --relays-listen instead")
+        if args.host is not None or args.port is not None:
+            parser.error("--host/--port: --role flow-control serves no clients; run relays (--role relay) for "
+                         "them, and read /admin/state and /metrics through any relay")
+        try:
+            args.relays_listen = split_address(args.relays_listen)
+        except ValueError as exc:
+            parser.error(f"--relays-listen: {exc}")
+    try:
+        return channel_secret(args.channel_secret_file)
+    except SecretError as exc:
+        parser.error(str(exc))
 
 
 async def serve_workers(gateway: Gateway, host: str, port: int, workers: int, log_level: str) -> None:
     """One flow-control process (this one) and `workers` relay processes on one listening socket."""
-    server = FlowServer(gateway, workers, listening_socket(host, port), log_level)
-    log_event(logger, "listening", host=host, port=port, workers=workers,
-              event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+    server = FlowServer(gateway, workers, listening_socket(host, port), log_level, run_secret())
+    await _serve_relays(server, host=host, port=port, workers=workers)
+
+
+async def serve_flow_control(gateway: Gateway, relays_listen: tuple[str, int], secret: bytes,
+                             log_level: str) -> None:
+    """Flow control alone (`--role flow-control`), for relays that connect over TCP."""
+    server = FlowServer(gateway, 0, None, log_level, secret, relays_listen)
+    await _serve_relays(server, relays_listen="%s:%d" % relays_listen)
+
+
+async def _serve_relays(server: FlowServer, **where: object) -> None:
+    log_event(logger, "listening", **where, event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await server.run(until_stopped())
     finally:
@@ -140,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1 (got {args.workers}); 1 runs the gateway as one process")
+    secret = _check_role(parser, args)
     configure_logging(args.log_level)
+    host = "127.0.0.1" if args.host is None else args.host
+    port = 8200 if args.port is None else args.port
+    if args.role == "relay":
+        assert secret is not None
+        return run_alone(args.flow_control, host, port, secret)
     if args.upstream_api_key:
         # The config reads the key from this variable, on start and on every SIGHUP reload.
         os.environ[UPSTREAM_KEY_ENV] = args.upstream_api_key
@@ -160,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         uvloop = None
     run = uvloop.run if uvloop is not None else asyncio.run
-    if args.workers > 1:
-        run(serve_workers(gateway, args.host, args.port, args.workers, args.log_level))
+    if args.role == "flow-control":
+        assert secret is not None
+        run(serve_flow_control(gateway, args.relays_listen, secret, args.log_level))
+    elif args.workers > 1:
+        run(serve_workers(gateway, host, port, args.workers, args.log_level))
     else:
-        run(serve(gateway, args.host, args.port))
+        run(serve(gateway, host, port))
     return 0

@@ -1,19 +1,22 @@
-"""The flow-control process of `holdback gateway --workers N`: the single writer, and the parent of N relays.
+"""The flow-control process: the single writer, and under `holdback gateway --workers N` the parent of N relays.
 
-It binds the listening socket once and hands it to N relay processes (gateway/relays/relay.py) that inherit it, so
-every relay accepts from the same queue: a relay that dies leaves no accepted-but-unserved connections behind
-(with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections would be reset),
-and its replacement serves on the same socket without binding again. This process never accepts on it.
-It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves the relays
-over a Unix socket (gateway/relays/channel.py) and answers their messages by calling the FlowController of the
-request's model pool exactly as the in-process proxy does. A relay's channel closing (the process died) releases all it held: queued requests
-are withdrawn, dispatched ones finished as disconnects, so no reservation or in-flight count outlives it.
+Under `--workers N` it binds the listening socket once and hands it to N relay processes (gateway/relays/relay.py)
+that inherit it, so every relay accepts from the same queue: a relay that dies leaves no accepted-but-unserved
+connections behind (with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections
+would be reset), and its replacement serves on the same socket without binding again. This process never accepts
+on it. It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves its
+relays over a Unix socket, and relays of any host over TCP with `--role flow-control --relays-listen HOST:PORT`
+(gateway/relays/channel.py: the same authenticated channel both ways), and answers their messages by calling the
+FlowController of the request's model pool exactly as the in-process proxy does. A relay's channel closing (the
+process died, or its channel was cut) releases all it held: queued requests are withdrawn, dispatched ones finished
+as disconnects, so no reservation or in-flight count outlives it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -30,7 +33,8 @@ from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
 from gateway.relays import messages as m
-from gateway.relays.channel import Channel
+from gateway.relays.channel import Channel, secure_channel
+from gateway.relays.handshake import SECRET_ENV
 from gateway.replicas import Replica
 from gateway.settings import ConfigError
 
@@ -65,12 +69,13 @@ class _Eviction:
 class RelayLink:
     """One relay's channel: the requests it submitted, by its own ids, and what it last reported."""
 
-    def __init__(self, server: "FlowServer", channel: Channel, pid: int, index: int):
+    def __init__(self, server: "FlowServer", channel: Channel, link_id: int, hello: m.Hello):
         self.server = server
         self.pools = server.gateway.pools
         self.channel = channel
-        self.pid = pid
-        self.index = index
+        self.link_id = link_id
+        self.hello = hello
+        self.index = hello.index
         self.requests: dict[int, FlowRequest] = {}
         # The FlowController of each request's pool (kept: a reload may drop the pool while it runs).
         self.controllers: dict[int, FlowController] = {}
@@ -185,13 +190,20 @@ class RelayLink:
 
 
 class FlowServer:
-    def __init__(self, gateway: Gateway, workers: int, sock: socket.socket, log_level: str):
+    """Serves relays over the channel: `workers` local ones it starts on `sock` (Unix socket), and any that connect
+    to `relays_listen` (TCP), all with `secret`."""
+
+    def __init__(self, gateway: Gateway, workers: int, sock: socket.socket | None, log_level: str, secret: bytes,
+                 relays_listen: tuple[str, int] | None = None):
         self.gateway = gateway
         self.pools = gateway.pools
         self.workers = workers
         self.sock = sock
         self.log_level = log_level
+        self.secret = secret
+        self.relays_listen = relays_listen
         self.links: dict[int, RelayLink] = {}
+        self._link_ids = itertools.count(1)
         # Counters and histograms of relays that exited, as last collected: the totals never go backwards.
         self.retired_families: list[list] = []
         self.restarts = 0
@@ -224,8 +236,9 @@ class FlowServer:
     def snapshot(self) -> dict:
         state = self.pools.snapshot()
         state["relays"] = {"workers": self.workers, "restarts": self.restarts,
-                           "running": [{"index": link.index, "pid": link.pid, "requests": len(link.requests)}
-                                       for link in sorted(self.links.values(), key=lambda l: l.index)]}
+                           "running": [{"index": link.index, "pid": link.hello.pid, "host": link.hello.host,
+                                        "listen": link.hello.listen, "peer": link.channel.peer,
+                                        "requests": len(link.requests)} for link in self.links.values()]}
         return state
 
     async def exposition(self) -> bytes:
@@ -276,10 +289,14 @@ class FlowServer:
                 block_tokens=ledger.block_tokens, safety_factor=ledger.safety_factor, window=ledger.meter.window)))
         return m.Configure(loaded=self.pools.loaded, pools=tuple(pools))
 
+    def heartbeat(self) -> float:
+        return self.pools.loaded.config.flowControl.heartbeatSeconds
+
     def _config_changed(self) -> None:
         self._use_relay_tokenizers()  # the in-process proxy's reconfigure pointed it at its own counter
         message = self._config_message()
         for link in self.links.values():
+            link.channel.heartbeat = self.heartbeat()
             link.channel.send(message)
 
     def _pool_message(self) -> m.PoolView:
@@ -306,7 +323,9 @@ class FlowServer:
 
     # -- the channel ----------------------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = Channel(reader, writer, peer="relay")
+        channel = await secure_channel(reader, writer, self.secret, "flow-control", self.heartbeat())
+        if channel is None:
+            return
         link: RelayLink | None = None
 
         def handle(message: m.Message) -> None:
@@ -314,32 +333,34 @@ class FlowServer:
             if link is not None:
                 link.handle(message)
             elif isinstance(message, m.Hello):  # the relay's first message
-                link = RelayLink(self, channel, message.pid, message.index)
-                channel.peer = f"relay {message.index}"
-                self.links[link.index] = link
+                link = RelayLink(self, channel, next(self._link_ids), message)
+                self.links[link.link_id] = link
+                log_event(logger, "relay_joined", relay=link.index, pid=message.pid, host=message.host,
+                          listen=message.listen, peer=channel.peer)
                 channel.send(self._config_message())
                 channel.send(self._pool_message())
 
         await channel.serve(handle)
         if link is not None:
-            if self.links.get(link.index) is link:
-                del self.links[link.index]
+            del self.links[link.link_id]
             if link.families:
                 self.retired_families.append(link.families)
             released = link.release_all()
             log_event(logger, "relay_channel_closed", level=logging.WARNING if not self._stopping else logging.INFO,
-                      relay=link.index, pid=link.pid, released_requests=released)
+                      relay=link.index, pid=link.hello.pid, peer=channel.peer, released_requests=released,
+                      reason=channel.reason or "closed")
 
     # -- relay processes ------------------------------------------------------------------------------------
     async def _keep_relay(self, index: int) -> None:
         """Run relay `index`; when it exits (killed, crashed), start another in its place."""
         pause = 0.1
+        assert self.sock is not None, "local relays share the listening socket"
         while not self._stopping:
             started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gateway.relays.relay", "--fd", str(self.sock.fileno()), "--channel",
                 self.channel_path, "--index", str(index), "--log-level", self.log_level,
-                pass_fds=(self.sock.fileno(),))
+                pass_fds=(self.sock.fileno(),), env={**os.environ, SECRET_ENV: self.secret.decode()})
             self._relays[index] = proc
             log_event(logger, "relay_started", relay=index, pid=proc.pid)
             code = await proc.wait()
@@ -356,8 +377,11 @@ class FlowServer:
 
     async def run(self, stopped: Awaitable[None]) -> None:
         """Serve the relays and keep `workers` of them running until `stopped` completes."""
-        # mkdtemp made the directory for this user only: no other user can connect to the channel.
-        server = await asyncio.start_unix_server(self._accept, path=self.channel_path)
+        # mkdtemp made the directory for this user only; and a peer must hold the secret.
+        servers = [await asyncio.start_unix_server(self._accept, path=self.channel_path)] if self.workers else []
+        if self.relays_listen is not None:
+            host, port = self.relays_listen
+            servers.append(await asyncio.start_server(self._accept, host, port, reuse_address=True))
         await self.gateway.start()
         keepers = [asyncio.create_task(self._keep_relay(i), name=f"relay-{i}") for i in range(self.workers)]
         try:
@@ -374,10 +398,13 @@ class FlowServer:
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
-            server.close()
+            for server in servers:
+                server.close()
             await self.gateway.stop()
-            self.sock.close()
+            if self.sock is not None:
+                self.sock.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.channel_path)
+            with contextlib.suppress(OSError):
                 os.rmdir(self._dir)
 

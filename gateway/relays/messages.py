@@ -1,14 +1,16 @@
 """Every message between a relay and flow control, and the codec that puts them on the wire.
 
-A frame is a 4-byte big-endian length, then one JSON document: `[VERSION, {"kind": ..., ...}]`. Each message is a
+A message's body is one JSON document: `[VERSION, {"kind": ..., ...}]`; on the wire it is framed by a 4-byte
+big-endian length and sealed by a MAC (gateway/relays/handshake.py). Each message is a
 frozen dataclass whose `kind` names it; decoding validates the whole frame against the message's fields and types
 (pydantic: a value of the wrong type, an unknown kind, a missing field or a NaN time), so a frame from a peer that is
 buggy, older or hostile is refused with `Malformed` and never becomes a half-read object. Non-finite floats (a
 request with no deadline) travel as JSON's `Infinity`. Nothing here runs code named by the peer (no pickle).
 
+Either way: ChannelHeartbeat (so that a silent peer is noticed), Call (a question with an id) and Answer (its
+reply).
 Relay → flow control: Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
-MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict. Either
-way: Call (a question with an id) and Answer (its reply).
+MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from pydantic import AfterValidator, ConfigDict, Field, JsonValue, TypeAdapter, 
 from gateway.flow.request import Ask
 from gateway.settings import LoadedConfig
 
-# The protocol's version: a frame of another version is refused (both ends come from one install today; across
-# hosts, the version says which end to upgrade).
-VERSION = 1
+# The protocol's version: a frame of another version is refused (across hosts, the version says which end to
+# upgrade). 2: the handshake and a MAC on every frame; Hello says where the relay runs; ChannelHeartbeat.
+VERSION = 2
 # No message is near this (the largest are a config and a /metrics exposition): a longer frame is refused.
 MAX_FRAME = 16 * 1024 * 1024
 LENGTH = struct.Struct(">I")
@@ -55,10 +57,13 @@ _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
 @dataclass(**_FROZEN)
 class Hello:
-    """A relay's first message: who it is."""
+    """A relay's first message: who it is (`index`: its slot under `--workers N`; None for a relay run alone),
+    on which host, and the client-facing address it serves."""
     kind: Literal["hello"] = "hello"
     pid: int
-    index: int
+    index: int | None
+    host: str
+    listen: str
 
 
 @dataclass(**_FROZEN)
@@ -214,6 +219,15 @@ class Evict:
     kind: Literal["evict"] = "evict"
     rid: int
 
+# -- both ways -----------------------------------------------------------------------------------------------
+
+
+@dataclass(**_FROZEN)
+class ChannelHeartbeat:
+    """Sent every `every` seconds by each end; a peer silent for three of them is closed (channel.py)."""
+    kind: Literal["heartbeat"] = "heartbeat"
+    every: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
 # -- calls, both ways ----------------------------------------------------------------------------------------
 
 CallName = Literal["state", "metrics", "rollback", "reassign", "collect"]
@@ -238,7 +252,8 @@ class Answer:
 
 
 Message = Union[Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown, MarkUnauthorized,
-                TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, Call, Answer]
+                TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, ChannelHeartbeat, Call,
+                Answer]
 
 
 # A frame's JSON: [the protocol version, the message].
@@ -246,19 +261,25 @@ _FRAMES = TypeAdapter(tuple[int, Annotated[Message, Field(discriminator="kind")]
                       config=ConfigDict(ser_json_inf_nan="constants"))
 
 
-def encode(message: Message) -> bytes:
-    """One frame: its length, then the message as JSON."""
+def dump(message: Message) -> bytes:
+    """A message's body: `[VERSION, message]` as JSON."""
     data = _FRAMES.dump_json((VERSION, message), by_alias=True)
     if len(data) > MAX_FRAME:
         raise Malformed(f"a {message.kind} message of {len(data)} bytes is over the {MAX_FRAME}-byte frame limit")
+    return data
+
+
+def encode(message: Message) -> bytes:
+    """An unsealed frame: its length, then the message as JSON."""
+    data = dump(message)
     return LENGTH.pack(len(data)) + data
 
 
-def frame_length(header: bytes) -> int:
-    """The length a frame's 4-byte header announces; `Malformed` when it is over the limit."""
+def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
+    """The length a frame's 4-byte header announces; `Malformed` when it is over `limit`."""
     (size,) = LENGTH.unpack(header)
-    if size > MAX_FRAME:
-        raise Malformed(f"a frame of {size} bytes announced: over the {MAX_FRAME}-byte limit")
+    if size > limit:
+        raise Malformed(f"a frame of {size} bytes announced: over the {limit}-byte limit")
     return size
 
 

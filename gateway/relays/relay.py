@@ -1,13 +1,17 @@
-"""A relay process of `holdback gateway --workers N`: accepts on the inherited listening socket and relays.
+"""A relay process: of `holdback gateway --workers N` (accepts on the inherited listening socket), or run alone on
+any host by `holdback gateway --role relay` (binds its own, and reaches flow control over TCP).
 
 It runs the gateway's `Proxy` unchanged (classification, prompt counting, the byte relay with headers held
 until the first body chunk, the 429 and SSE error answers) with a `RemoteFlowController` in place of the
 FlowController, so flow control's decisions come from the one flow-control process (gateway/relays/flow_process.py).
 /admin/state, /admin/rollback and /metrics are answered by flow control for the whole gateway; a relay keeps
 only its own counters and histograms (TTFT, prompt counts, upstream errors), which flow control collects.
-A relay exits when its channel to flow control closes; flow control starts another in its place.
+A relay of `--workers N` exits when its channel to flow control closes; flow control starts another in its place.
+A relay run alone goes on: the streams it relays run to their end, it reports not ready, answers new requests 503
+and connects again (gateway/relays/uplink.py).
 
-    python -m gateway.relays.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`)
+    python -m gateway.relays.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`,
+                                                                      the channel's secret in its environment)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Coroutine
 
 import aiohttp
 from aiohttp import web
@@ -30,8 +35,11 @@ from gateway.log import configure_logging, log_event
 from gateway.metrics import GatewayMetrics, metric_families
 from gateway.proxy import Proxy
 from gateway.relays import messages as m
-from gateway.relays.channel import Channel, ChannelClosed
+from gateway.relays.channel import ChannelClosed
+from gateway.relays.flow_process import listening_socket
+from gateway.relays.handshake import SecretError, channel_secret
 from gateway.relays.remote_flow import RemotePools
+from gateway.relays.uplink import Uplink
 from gateway.responses import error_response
 from gateway.upstream import UpstreamPool
 
@@ -41,14 +49,16 @@ TOKENIZER_REPORT_SECONDS = 0.25
 
 
 class Relay:
-    def __init__(self, channel: Channel, index: int):
-        self.channel = channel
+    def __init__(self, uplink: Uplink, index: int | None, listen: str):
+        self.uplink = uplink
         self.index = index
+        self.listen = listen
         self.metrics = GatewayMetrics()
         self.pools: RemotePools | None = None
         self.proxy: Proxy | None = None
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
         self._view = m.PoolView(replicas=(), routing=())
+        self._reported: dict | None = None
 
     # -- messages from flow control -------------------------------------------------------------------------
     def handle(self, message: m.Message) -> None:
@@ -61,16 +71,17 @@ class Relay:
                 if pools is not None:
                     pools.update(message)
             case m.Configure():
+                self.uplink.set_heartbeat(message.loaded.config.flowControl.heartbeatSeconds)
                 self._configure(message)
             case m.Call(name="collect"):
-                self.channel.reply(message.call_id, metric_families(self.metrics.registry))
+                self.uplink.reply(message.call_id, metric_families(self.metrics.registry))
             case _:
                 log_event(logger, "flow_message_unexpected", level=logging.ERROR, kind=message.kind)
 
     def _configure(self, message: m.Configure) -> None:
         """The gateway's config, and each pool's with its ledger's settings."""
         if self.pools is None:
-            self.pools = RemotePools(self.channel, message, self._view)
+            self.pools = RemotePools(self.uplink, message, self._view)
             self.proxy = Proxy(self.pools, self.metrics)
             self.configured.set_result(None)
         else:
@@ -90,12 +101,24 @@ class Relay:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    # -- the channel coming and going (Uplink.run) ----------------------------------------------------------
+    def joined(self) -> None:
+        self.uplink.send(m.Hello(pid=os.getpid(), index=self.index, host=socket.gethostname(), listen=self.listen))
+        self._reported = None  # a new flow control learns the prompt counter's state again
+
+    def left(self, reason: str) -> None:
+        waiting = self.pools.orphan() if self.pools is not None and self.index is None else 0
+        log_event(logger, "flow_control_lost", level=logging.ERROR, reason=reason, refused_waiting=waiting,
+                  relaying=len(self.pools.requests) if self.pools is not None else 0)
+
     async def ready(self, request: web.Request) -> web.Response:
+        if self.uplink.closed:
+            return web.json_response({"status": "failing", "flow_control": "unreachable"}, status=503)
         return readiness(self.pools.replicas.replicas if self.pools is not None else [])
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
-            body = await self.channel.call("metrics")
+            body = await self.uplink.call("metrics")
         except (ChannelClosed, asyncio.TimeoutError):
             return _flow_control_gone()
         return web.Response(body=str(body).encode(),
@@ -106,7 +129,7 @@ class Relay:
         if refused is not None:
             return refused
         try:
-            state = await self.channel.call("state")
+            state = await self.uplink.call("state")
         except (ChannelClosed, asyncio.TimeoutError):
             return _flow_control_gone()
         return web.Response(text=json.dumps(state), content_type="application/json")
@@ -116,7 +139,7 @@ class Relay:
         if isinstance(lower, web.Response):
             return lower
         try:
-            answer = await self.channel.call("rollback", lower)
+            answer = await self.uplink.call("rollback", lower)
         except (ChannelClosed, asyncio.TimeoutError):
             return _flow_control_gone()
         if not isinstance(answer, list) or len(answer) != 2:
@@ -127,12 +150,11 @@ class Relay:
         return web.json_response(answer)
 
     async def report_tokenizer(self) -> None:
-        last = None
-        while not self.channel.closed:
+        while True:
             state = self._proxy().counter.state()
-            if state != last:
-                self.channel.send(m.TokenizerReport(state=state))
-                last = state
+            if state != self._reported and not self.uplink.closed:
+                self.uplink.send(m.TokenizerReport(state=state))
+                self._reported = state
             await asyncio.sleep(TOKENIZER_REPORT_SECONDS)
 
 
@@ -141,13 +163,19 @@ def _flow_control_gone() -> web.Response:
                           "service_unavailable", "flow_control_unavailable")
 
 
-async def serve(fd: int, channel_path: str, index: int) -> None:
-    reader, writer = await asyncio.open_unix_connection(channel_path)
-    channel = Channel(reader, writer, peer="flow control")
-    relay = Relay(channel, index)
-    reading = asyncio.create_task(channel.serve(relay.handle), name="flow-channel")
-    channel.send(m.Hello(pid=os.getpid(), index=index))
-    await asyncio.wait_for(relay.configured, 60)
+async def serve(uplink: Uplink, sock: socket.socket, index: int | None) -> None:
+    """Relay on `sock` for the flow control `uplink` reaches. With an `index` (a relay of `--workers N`) it stops
+    when the channel closes; without one (run alone) it goes on and connects again."""
+    alone = index is None
+    relay = Relay(uplink, index, _address(sock))
+    linked = asyncio.create_task(uplink.run(relay.handle, relay.joined, relay.left, reconnect=alone), name="uplink")
+    await asyncio.wait([relay.configured, linked], timeout=None if alone else 60,
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not relay.configured.done():
+        if not linked.done():
+            linked.cancel()
+            raise TimeoutError("flow control sent no config within 60s")
+        raise linked.exception() or ConnectionError("flow control closed the channel before sending its config")
     assert relay.pools is not None and relay.proxy is not None
     pools = relay.pools
     session = upstream_session(pools.loaded.config, lambda url: pools.loaded.replica_key(url))
@@ -155,25 +183,52 @@ async def serve(fd: int, channel_path: str, index: int) -> None:
     relay.proxy.upstream = UpstreamPool.for_config(pools.loaded.config)
     runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, socket.socket(fileno=fd), backlog=1024)
+    site = web.SockSite(runner, sock, backlog=1024)
     await site.start()
     reporter = asyncio.create_task(relay.report_tokenizer(), name="tokenizer-report")
-    log_event(logger, "relay_listening", relay=index, pid=os.getpid(),
+    log_event(logger, "relay_listening", relay=index, pid=os.getpid(), listen=relay.listen,
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     stopped = asyncio.create_task(until_stopped())
     try:
-        # A signal, or flow control gone (the relay cannot decide anything alone).
-        await asyncio.wait([stopped, reading], return_when=asyncio.FIRST_COMPLETED)
+        # A signal, or (a relay of --workers N) flow control gone: it cannot decide anything alone.
+        await asyncio.wait([stopped, linked], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-        if channel.closed:
+        if not alone and uplink.closed:
             relay.pools.lost()
+        linked.cancel()
         reporter.cancel()
         await runner.cleanup()
         relay.proxy.counter.close()
         relay.proxy.upstream.close()
         await session.close()
-        channel.close()
+        if uplink.channel is not None:
+            uplink.channel.close()
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def run_alone(addresses: list[str], host: str, port: int, secret: bytes) -> int:
+    """`holdback gateway --role relay`: one relay on its own socket, for the first flow control that answers."""
+    sock = listening_socket(host, port)
+    return _run(serve(Uplink(addresses, secret), sock, None), None)
+
+
+def _run(main: Coroutine[object, object, None], index: int | None) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    run = uvloop.run if uvloop is not None else asyncio.run
+    try:
+        run(main)
+    except (ConnectionError, FileNotFoundError, TimeoutError, aiohttp.ClientError) as exc:
+        log_event(logger, "relay_failed", level=logging.ERROR, relay=index, error=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,17 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(args.log_level)
     try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    run = uvloop.run if uvloop is not None else asyncio.run
-    try:
-        run(serve(args.fd, args.channel, args.index))
-    except (ConnectionError, FileNotFoundError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
-        log_event(logger, "relay_failed", level=logging.ERROR, relay=args.index, error=f"{type(exc).__name__}: {exc}")
-        return 1
-    return 0
-
+        secret = channel_secret(None)
+    except SecretError as exc:
+        log_event(logger, "relay_failed", level=logging.ERROR, relay=args.index, error=str(exc))
+        return 2
+    return _run(serve(Uplink([args.channel], secret), socket.socket(fileno=args.fd), args.index), args.index)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import time
 from typing import Callable
 
@@ -24,22 +23,24 @@ from gateway.flow import moves
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status
-from gateway.log import log_event
 from gateway.pools import PoolReplicas, PoolRouting
 from gateway.relays import messages as m
-from gateway.relays.channel import Channel
+from gateway.relays.channel import ChannelClosed
+from gateway.relays.uplink import Uplink
 from gateway.replicas import Replica
 from gateway.settings import LoadedConfig
 
-logger = logging.getLogger("gateway.relay")
+# The answer to a request a relay cannot ask flow control about (503, as with no replica).
+UNREACHABLE = ("This gateway relay cannot reach the gateway's flow control; retry shortly (the gateway's other "
+               "relays may answer).")
 
 
 class RelayPool:
     """The replicas as flow control last described them: the proxy picks one to count tokens on and to list
     models from, and reports a replica that refused a connection."""
 
-    def __init__(self, channel: Channel):
-        self.channel = channel
+    def __init__(self, uplink: Uplink):
+        self.uplink = uplink
         self.replicas: list[Replica] = []
 
     def update(self, views: tuple[m.ReplicaFacts, ...]) -> None:
@@ -60,11 +61,11 @@ class RelayPool:
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         replica.healthy = False
-        self.channel.send(m.MarkDown(url=replica.url, reason=reason))
+        self.uplink.send(m.MarkDown(url=replica.url, reason=reason))
 
     def mark_unauthorized(self, replica: Replica, path: str, status: int) -> None:
         replica.healthy = False
-        self.channel.send(m.MarkUnauthorized(url=replica.url, path=path, status=status))
+        self.uplink.send(m.MarkUnauthorized(url=replica.url, path=path, status=status))
 
 
 class RemotePools:
@@ -72,9 +73,9 @@ class RemotePools:
     (its pools' served names, sent again whenever they change). The relay's request ids are one sequence over
     every pool, so flow control's answers find their request whatever its pool."""
 
-    def __init__(self, channel: Channel, config: m.Configure, view: m.PoolView):
-        self.channel = channel
-        self.replicas = RelayPool(channel)
+    def __init__(self, uplink: Uplink, config: m.Configure, view: m.PoolView):
+        self.uplink = uplink
+        self.replicas = RelayPool(uplink)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
         self.requests: dict[int, FlowRequest] = {}
         self.ids = itertools.count(1)
@@ -121,9 +122,17 @@ class RemotePools:
             case m.Evict():
                 flow.evict(req)
 
+    def orphan(self) -> int:
+        """The channel to flow control closed, and the relay goes on (`--role relay`): requests waiting for a
+        decision are answered as unreachable; dispatched ones run to their end. Returns how many were waiting."""
+        waiting = [req for req in self.requests.values() if req.status is Status.QUEUED]
+        for req in waiting:
+            self._flows[req.pool].rejected(req, m.Rejected(rid=req.seq, reason=DropReason.NO_ENDPOINTS.value,
+                                                           message=UNREACHABLE))
+        return len(waiting)
+
     def lost(self) -> None:
-        """Flow control is gone: nothing this relay holds can be decided any more."""
-        log_event(logger, "flow_control_lost", level=logging.ERROR, requests=len(self.requests))
+        """Flow control is gone and the relay stops: it cancels what it holds."""
         for req in list(self.requests.values()):
             if req.task is not None:
                 req.task.cancel()
@@ -134,7 +143,7 @@ class RemoteFlowController:
     FlowController."""
 
     def __init__(self, pools: RemotePools, name: str, loaded: LoadedConfig, ledger: m.LedgerSettings):
-        self.channel = pools.channel
+        self.uplink = pools.uplink
         self.name = name
         self.replicas = pools.replicas
         self.pool = PoolReplicas(pools.replicas, name)  # type: ignore[arg-type]  # the relay's mirror of them
@@ -157,20 +166,23 @@ class RemoteFlowController:
 
     def count_tokenizer_fallback(self) -> None:
         # Flow control keeps the gateway's count (for /admin/state).
-        self.channel.send(m.Fallbacks(count=1))
+        self.uplink.send(m.Fallbacks(count=1))
 
     def submit(self, req: FlowRequest) -> Outcome:
         req.seq = rid = next(self._ids)
+        if self.uplink.closed:
+            moves.reject(req, DropReason.NO_ENDPOINTS, UNREACHABLE)
+            return Outcome.REJECTED
         moves.queue(req, time.monotonic(), asyncio.get_running_loop().create_future())
         self._requests[rid] = req
-        self.channel.send(m.Submit(rid=rid, ask=req.ask))
+        self.uplink.send(m.Submit(rid=rid, ask=req.ask))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:
         # Flow control may have dispatched it already: it then releases it as a disconnect.
         if req.status is Status.QUEUED:
             moves.withdraw(req)
-            self.channel.send(m.Withdraw(rid=self._requests.pop(req.seq).seq, at=time.monotonic()))
+            self.uplink.send(m.Withdraw(rid=self._requests.pop(req.seq).seq, at=time.monotonic()))
 
     def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None) -> None:
         if req.status is not Status.DISPATCHED:
@@ -181,13 +193,16 @@ class RemoteFlowController:
         if req.reservation is not None:
             self.ledger.release(req.reservation, now)
         # The proxy finishes an evicted request right after closing its upstream: that is when it let go.
-        self.channel.send(m.Finished(rid=req.seq, cause=cause.value, event_at=event_at,
+        self.uplink.send(m.Finished(rid=req.seq, cause=cause.value, event_at=event_at,
                                    closed_at=now if evicted else None))
 
     async def reassign(self, req: FlowRequest) -> Replica | None:
         if req.status is not Status.DISPATCHED:
             return None
-        url = await self.channel.call("reassign", req.seq)
+        try:
+            url = await self.uplink.call("reassign", req.seq)
+        except (ChannelClosed, TimeoutError):
+            return None
         if not isinstance(url, str):
             return None
         lease = req.leased()
@@ -201,15 +216,15 @@ class RemoteFlowController:
         if res is None or req.status is not Status.DISPATCHED:
             return
         self.ledger.revise(res, output_tokens, time.monotonic(), done=done)
-        self.channel.send(m.Revise(rid=req.seq, output_tokens=output_tokens, done=done))
+        self.uplink.send(m.Revise(rid=req.seq, output_tokens=output_tokens, done=done))
 
     def started_streaming(self, req: FlowRequest) -> None:
         if req.lease is not None:
             req.lease.streaming_started = True
-        self.channel.send(m.Started(rid=req.seq))
+        self.uplink.send(m.Started(rid=req.seq))
 
     def count_mid_stream_eviction(self) -> None:
-        self.channel.send(m.MidStream(pool=self.name))
+        self.uplink.send(m.MidStream(pool=self.name))
 
     # -- decisions from flow control (RemotePools.decided) --------------------------------------------------
     def dispatched(self, req: FlowRequest, message: m.Dispatched) -> None:

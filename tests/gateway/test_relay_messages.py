@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gateway.flow.request import Ask
 from gateway.relays import messages as m
 from gateway.relays.channel import Channel
+from gateway.relays.handshake import MAX_SEALED_FRAME, FrameSeal
 from gateway.settings import load_config, with_replicas
 
 pytestmark = pytest.mark.unit
@@ -46,10 +47,11 @@ BY_FIELD = {"ask": asks, "replicas": st.lists(replica_views, max_size=3).map(tup
             "routing": st.lists(st.dictionaries(texts, json_values, max_size=3), max_size=3).map(tuple),
             "loaded": configs, "state": st.dictionaries(texts, json_values, max_size=4), "value": json_values,
             "args": st.lists(json_values, max_size=3).map(tuple),
+            "every": st.floats(min_value=0.001, max_value=3600),
             "pools": st.lists(st.builds(m.PoolConfig, name=texts, loaded=configs, ledger=ledgers),
                               max_size=2).map(tuple)}
-BY_TYPE = {"int": st.integers(-2**63, 2**63 - 1), "str": texts, "bool": st.booleans(), "Number": times,
-           "Number | None": st.none() | times, "str | None": st.none() | texts}
+BY_TYPE = {"int": st.integers(-2**63, 2**63 - 1), "int | None": st.none() | st.integers(0, 2**31), "str": texts,
+           "bool": st.booleans(), "Number": times, "Number | None": st.none() | times, "str | None": st.none() | texts}
 
 
 def _message(cls: type) -> st.SearchStrategy:
@@ -85,7 +87,8 @@ def test_every_message_round_trips_through_the_codec(cls, data):
     (b'[1, {"kind": "finish", "rid": 1, "cause": "boredom"}]', "finish.cause"),
     (b'[1, {"kind": "call", "call_id": 1, "name": "exec", "args": []}]', "call.name"),
     (b'[1, {"kind": "os.system", "rid": 1}]', "does not match any of the expected tags"),
-    (b'[2, {"kind": "evict", "rid": 1}]', "protocol version 2; this gateway speaks 1"),
+    (b'[1, {"kind": "evict", "rid": 1}]', "protocol version 1; this gateway speaks 2"),
+    (b'[2, {"kind": "heartbeat", "every": 0}]', "heartbeat.every"),
     (b'{"kind": "evict", "rid": 1}', "(frame)"),
 ])
 def test_a_malformed_frame_is_refused_saying_what_is_wrong(body, says):
@@ -99,23 +102,20 @@ def test_an_oversized_frame_is_refused_before_it_is_read():
         m.frame_length(m.LENGTH.pack(m.MAX_FRAME + 1))
 
 
-def _frame(body: bytes) -> bytes:
-    return m.LENGTH.pack(len(body)) + body
-
-
 def test_a_channel_skips_a_malformed_frame_and_closes_on_an_oversized_one(caplog):
     async def main() -> list:
         ours, theirs = socket.socketpair()
         reader, writer = await asyncio.open_connection(sock=ours)
-        channel = Channel(reader, writer, peer="test peer")
+        channel = Channel(reader, writer, FrameSeal(b"k" * 32, b"j" * 32), peer="test peer")
+        peer = FrameSeal(b"j" * 32, b"k" * 32)
         handled: list = []
         serving = asyncio.create_task(channel.serve(handled.append))
-        theirs.sendall(_frame(b"garbage") + _frame(b'[1, {"kind": "nope"}]') + m.encode(m.Evict(rid=7)))
+        theirs.sendall(peer.seal(b"garbage") + peer.seal(b'[2, {"kind": "nope"}]') + peer.seal(m.dump(m.Evict(rid=7))))
         async with asyncio.timeout(30):
             while not handled:
                 await asyncio.sleep(0.01)
             assert not channel.closed  # the bad frames were skipped, the good one after them read
-            theirs.sendall(m.LENGTH.pack(m.MAX_FRAME + 1) + b"x" * 64)
+            theirs.sendall(m.LENGTH.pack(MAX_SEALED_FRAME + 1) + b"x" * 64)
             await serving
         theirs.close()
         return handled

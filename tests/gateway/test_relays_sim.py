@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 
 import httpx
 import pytest
 
 from gateway.relays import messages as m
+from gateway.relays.handshake import MAX_SEALED_FRAME, SECRET_ENV, handshake
 from tests.gateway.conftest import sim_state
 from tests.gateway.test_gateway_sim import wait_until
 from tests.gateway.test_kv_admission_sim import BASE, SIM_ARGS, Held, blocks_body, hdr, kv
@@ -80,9 +80,9 @@ def test_a_relay_killed_mid_stream_leaves_no_reservation_and_is_replaced(stack):
 
 @pytest.mark.parametrize("gateway_workers", [2], indirect=True)
 def test_a_peer_sending_malformed_frames_is_refused_and_the_gateway_serves_on(stack):
-    """A process that connects to the flow-control socket and sends what is not a message (bad JSON, an unknown
-    kind, a wrong type, then a frame longer than the limit) is logged and cut off; flow control and its relays
-    go on serving."""
+    """A process that holds the run's secret (handed to the relays in their environment, never on their command
+    line), passes the handshake and then sends what is not a message (bad JSON, an unknown kind, a wrong type, then
+    a frame longer than the limit) is logged and cut off; flow control and its relays go on serving."""
     [sim] = stack.sim(1, *SIM_ARGS)
     gw = stack.gateway([sim], BASE)
     wait = lambda predicate: asyncio.run(wait_until(predicate))  # noqa: E731
@@ -90,15 +90,23 @@ def test_a_peer_sending_malformed_frames_is_refused_and_the_gateway_serves_on(st
     relay_pid = relays(gw)["running"][0]["pid"]
     with open(f"/proc/{relay_pid}/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
+    with open(f"/proc/{relay_pid}/environ", "rb") as f:
+        environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    secret = environ[SECRET_ENV.encode()]
+    assert len(secret) >= 32 and not any(secret in arg for arg in argv)
     channel_path = argv[argv.index(b"--channel") + 1].decode()
-    rogue = socket.socket(socket.AF_UNIX)
-    rogue.connect(channel_path)
-    for body in (b"{not json", b'[1, {"kind": "shutdown"}]', b'[1, {"kind": "hello", "pid": "x", "index": 9}]'):
-        rogue.sendall(m.LENGTH.pack(len(body)) + body)
-    rogue.sendall(m.LENGTH.pack(m.MAX_FRAME + 1))
-    wait(lambda: gw.log().count("channel_frame_refused") >= 4)
-    assert rogue.recv(1) == b""  # flow control closed the channel after the oversized frame
-    rogue.close()
+
+    async def rogue() -> bytes:
+        reader, writer = await asyncio.open_unix_connection(channel_path)
+        session = await handshake(reader, writer, secret, "relay", 1.0)
+        for body in (b"{not json", b'[2, {"kind": "shutdown"}]', b'[2, {"kind": "hello", "pid": "x", "index": 9}]'):
+            writer.write(session.seal.seal(body))
+        writer.write(m.LENGTH.pack(MAX_SEALED_FRAME + 1))
+        await wait_until(lambda: gw.log().count("channel_frame_refused") >= 4)
+        async with asyncio.timeout(30):
+            return await reader.read()  # until flow control closes the channel (heartbeats may come first)
+
+    asyncio.run(rogue())
     answer = httpx.post(gw.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 4},
                         headers=hdr("standard"), timeout=60)
     assert answer.status_code == 200, answer.text
