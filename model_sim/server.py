@@ -24,7 +24,7 @@ from aiohttp import web
 from holdback.contract import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, INFERENCE_ENDPOINTS,
                                REQUEST_ID_HEADER, RESPONSES_ENDPOINT)
 from holdback.logs import log_event
-from model_sim import protocol
+from model_sim import answers, protocol
 from model_sim.engine import RequestRejected, RequestStream
 from model_sim.errors import EnvelopeError, InvalidRequest, json_response
 from model_sim.faults import FORCE_ERROR_HEADER
@@ -159,7 +159,7 @@ class Routes:
             # vLLM's ids: the body's `request_id` when it sends one, else resp_ and msg_ with 16 random hex digits.
             response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
                 f"resp_{uuid.uuid4().hex[:16]}"
-            return json_response(protocol.responses_body(
+            return json_response(answers.responses_body(
                 response_id, f"msg_{uuid.uuid4().hex[:16]}", created, self.model, body, params,
                 output_text(0, req.num_output_tokens), req.status.finish_reason, req.num_prompt_tokens,
                 req.num_output_tokens, max(req.num_cached_tokens, 0)))
@@ -216,9 +216,9 @@ class Routes:
                 return await self._stream(request, streams, params, response_id, created, chat)
             await self._finished(streams)
             reqs = [s.request for s in streams]
-            choices = [protocol.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason,
+            choices = [answers.Choice(output_text(offset, offset + r.num_output_tokens), r.status.finish_reason,
                                        list(r.output_token_ids)) for r in reqs]
-            return json_response(protocol.completion_body(
+            return json_response(answers.completion_body(
                 response_id, created, self.model, choices, reqs[0].num_prompt_tokens,
                 sum(r.num_output_tokens for r in reqs), chat, self._cached_tokens(reqs[0]), self.system_fingerprint,
                 list(prompt_ids) if params.return_token_ids else None))
@@ -230,7 +230,7 @@ class Routes:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt = protocol.SseFormatter(response_id, created, self.model, chat, self.system_fingerprint,
+        fmt = answers.SseFormatter(response_id, created, self.model, chat, self.system_fingerprint,
                                     params.include_usage,
                                     list(streams[0].request.prompt_token_ids) if params.return_token_ids else None)
         n = len(streams)
@@ -320,7 +320,7 @@ class Routes:
             data.append({"index": i, "object": "embedding", "embedding": _embedding(ids, dims)})
         return json_response({
             "id": _response_id("embd", request), "object": "list", "created": int(time.time()), "model": self.model,
-            "data": data, "usage": protocol.usage(total, 0)})
+            "data": data, "usage": answers.usage(total, 0)})
 
     # -- vLLM extras ----------------------------------------------------------------------------
 
