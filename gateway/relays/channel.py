@@ -46,6 +46,10 @@ class Channel:
         self.heartbeat = heartbeat
         self.peer_heartbeat = peer_heartbeat
         self.heard = time.monotonic()
+        # Silence is judged only over TCP. On one host (`--workers N`, a Unix socket) a peer that dies closes its
+        # end and this one reads EOF at once; a peer that is only starved of CPU (two cores shared with busy
+        # engines went 5-12 s without running a process here) is still there and must not be cut off.
+        self.judges_silence = isinstance(writer.get_extra_info("peername"), tuple)
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self.closed = False
@@ -138,7 +142,7 @@ class Channel:
             if now - sent >= self.heartbeat:
                 self.send(ChannelHeartbeat(every=self.heartbeat))
                 sent = now
-            if now - due > interval:
+            if now - due > interval or not self.judges_silence:
                 continue
             silent = now - self.heard
             if silent > SILENT_HEARTBEATS * self.peer_heartbeat:

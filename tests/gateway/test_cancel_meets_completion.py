@@ -14,6 +14,7 @@ import asyncio
 import socket
 
 from gateway.relays.channel import Channel
+from gateway.relays.handshake import FrameSeal
 from gateway.upstream import UpstreamPool
 
 
@@ -61,7 +62,7 @@ def test_a_relay_call_answered_as_its_caller_leaves_ends_the_call():
     async def main() -> bool:
         ours, theirs = socket.socketpair()
         reader, writer = await asyncio.open_connection(sock=ours)
-        channel = Channel(reader, writer)
+        channel = Channel(reader, writer, FrameSeal(b"k" * 32, b"j" * 32))
         caller = asyncio.create_task(channel.call("state"))
         while not channel._calls:
             await asyncio.sleep(0)

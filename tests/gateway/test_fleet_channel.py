@@ -99,8 +99,13 @@ def test_a_replayed_reordered_or_altered_frame_fails_its_mac():
         receiver.open(b"short")
 
 
-def _channel_pair():
-    ours, theirs = socket.socketpair()
+def _channel_pair(tcp: bool = False):
+    if tcp:  # a connected pair over loopback TCP, where silence is judged
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            theirs = socket.create_connection(server.getsockname())
+            ours, _ = server.accept()
+    else:
+        ours, theirs = socket.socketpair()
     return ours, theirs, FrameSeal(b"k" * 32, b"j" * 32), FrameSeal(b"j" * 32, b"k" * 32)
 
 
@@ -124,7 +129,7 @@ def test_a_channel_closes_on_a_frame_that_fails_its_mac_saying_why(caplog):
 
 def test_a_channel_beats_and_closes_when_its_peer_is_silent_for_three_heartbeats(caplog):
     async def run() -> tuple[Channel, float, bytes]:
-        ours, theirs, seal, peer = _channel_pair()
+        ours, theirs, seal, peer = _channel_pair(tcp=True)
         channel = Channel(*await asyncio.open_connection(sock=ours), seal, peer="silent peer", heartbeat=0.05,
                           peer_heartbeat=0.1)
         reader, _writer = await asyncio.open_connection(sock=theirs)
@@ -188,3 +193,20 @@ def test_role_flags_that_do_not_go_together_exit_2_saying_what_to_change(argv, s
         main(argv)
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_on_one_host_a_silent_peer_is_not_cut_off_only_a_closed_one():
+    """A Unix socket (`--workers N`): a relay starved of CPU is still there; one that died closes its end."""
+    async def run() -> tuple[bool, bool]:
+        ours, theirs, seal, _ = _channel_pair()
+        channel = Channel(*await asyncio.open_connection(sock=ours), seal, peer="starved relay", heartbeat=0.02,
+                          peer_heartbeat=0.02)
+        serving = asyncio.create_task(channel.serve(lambda message: None))
+        await asyncio.sleep(0.5)  # 25 of the peer's heartbeats without a word from it
+        open_while_silent = not channel.closed
+        theirs.close()
+        async with asyncio.timeout(30):
+            await serving
+        return open_while_silent, channel.closed
+
+    assert asyncio.run(run()) == (True, True)

@@ -17,12 +17,15 @@ from tests.gateway.test_kv_admission_sim import BASE, SIM_ARGS, hdr
 from tests.support import free_port, poll, wait_http
 
 SECRET = secrets.token_hex(32)
+# The real ends beat every 5 s, so one is cut off only after 15 s of silence: on a loaded two-core machine a process
+# can go seconds without the CPU. The rogue peers below announce heartbeats of their own.
+CONFIG = BASE + "flowControl:\n  heartbeatSeconds: 5\n"
 
 
 class Fleet:
     """One flow control and its relays, started through the stack's Processes (so they die with the test)."""
 
-    def __init__(self, stack, replicas: list[str], config: str = BASE):
+    def __init__(self, stack, replicas: list[str], config: str = CONFIG):
         self.stack = stack
         self.replicas = replicas
         self.config = stack.tmp / "flow.yaml"
