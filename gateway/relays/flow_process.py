@@ -357,8 +357,8 @@ class FlowServer:
         assert self.sock is not None, "local relays share the listening socket"
         while not self._stopping:
             started = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.relays.relay", "--fd", str(self.sock.fileno()), "--channel",
+            proc = await asyncio.create_subprocess_exec(  # -P: a folder holding a gateway/ directory shadows nothing
+                sys.executable, "-P", "-m", "gateway.relays.relay", "--fd", str(self.sock.fileno()), "--channel",
                 self.channel_path, "--index", str(index), "--log-level", self.log_level,
                 pass_fds=(self.sock.fileno(),), env={**os.environ, SECRET_ENV: self.secret.decode()})
             self._relays[index] = proc
