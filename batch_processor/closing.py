@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_processor.enqueue import IN_FLIGHT
 from batch_processor.finalize import FinalizeResult, finalize_batch
 from batch_processor.lease import held_by
+from holdback.contract import CANCELLED_CODE, EXPIRED_CODE
 from holdback.logs import log_event
 from holdback.db import transaction
 from holdback.models import REQUEST_TERMINAL_VALUES, Batch, BatchStatus, RequestRow, RequestStatus
@@ -32,9 +33,7 @@ from holdback.storage import FileStore
 
 log = logging.getLogger("batch_processor.closing")
 
-CANCELLED_CODE = "batch_cancelled"
 CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
-EXPIRED_CODE = "batch_expired"
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 
 

@@ -128,6 +128,13 @@ def is_no_endpoints(reason: object) -> bool:
     return _in_family(reason, DropReason.NO_ENDPOINTS)
 
 
+# --- error codes of rows closed before they ran to an answer (the processor writes them in the error file,
+# `holdback submit` counts them apart from failed requests) --------------------------------------------------
+
+CANCELLED_CODE = "batch_cancelled"  # a cancel closed the row
+EXPIRED_CODE = "batch_expired"  # the completion window ended first
+
+
 # --- Redis names: every key lives under the namespace ------------------------------------------------------
 
 JOB_FUNCTION = "async_processor.job.run_request"  # args (row_id, batch_id); job id = row id

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from holdback.cli.up import LOCAL_KEYS
+from holdback.contract import CANCELLED_CODE, EXPIRED_CODE
 from holdback.env_flags import flags_from_env
 from holdback.progress import Progress
 from holdback.settings import Settings
@@ -252,7 +253,7 @@ def _counts(batch: dict) -> dict[str, int]:
 
 # Error-file codes of rows that never failed: a cancel or the completion window closed them before they ran to
 # an answer (OpenAI's request_counts count them as failed; the report names them for what they are).
-CLOSED_CODES = {"batch_cancelled": "cancelled", "batch_expired": "expired"}
+CLOSED_CODES = {CANCELLED_CODE: "cancelled", EXPIRED_CODE: "expired"}
 
 
 def _closed_rows(error_file: Path) -> dict[str, int]:

@@ -169,3 +169,18 @@ def test_the_report_counts_cancelled_and_expired_rows_apart_from_failed_ones(tmp
     assert _report(Namespace(out=tmp_path, show_errors=0, file=tmp_path / "in.jsonl"), part, Files()) is False
     assert "batch_1 cancelled (/v1/chat/completions): 2 completed, 1 failed, 2 cancelled before they finished, " \
            "1 expired before they finished of 6" in capsys.readouterr().out
+
+
+def test_the_closed_row_codes_are_the_contracts_on_both_sides():
+    """The processor writes the codes, `holdback submit` reads them; each spells them once, in holdback.contract
+    (and the submit client does not import the processor to get them)."""
+    from batch_processor import closing
+    from holdback import contract
+    from holdback.cli import submit
+
+    assert (closing.CANCELLED_CODE, closing.EXPIRED_CODE) == (contract.CANCELLED_CODE, contract.EXPIRED_CODE)
+    assert set(submit.CLOSED_CODES) == {contract.CANCELLED_CODE, contract.EXPIRED_CODE}
+    for module in (closing, submit):
+        source = Path(module.__file__).read_text()
+        assert not re.search(r"""['"]batch_(cancelled|expired)['"]""", source), module.__name__
+    assert "batch_processor" not in Path(submit.__file__).read_text()
