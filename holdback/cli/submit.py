@@ -1,15 +1,18 @@
 """`holdback submit FILE`: run a JSONL file of requests end to end without writing code.
 
 It uploads the file, creates the batch, waits with progress until the batch ends, downloads the output and
-error files and prints where they are, with the first error lines. A batch has one endpoint, so a file whose
-lines name several `url`s (examples/requests.jsonl does) becomes one batch per endpoint, its lines grouped in
-order. It speaks plain HTTP to the Batch API: no openai package is needed.
+error files and prints where they are, with the first error lines. A batch has one endpoint and one model and
+holds at most the Batch API's request limit, so a file whose lines name several `url`s (examples/requests.jsonl
+does) or several `body.model`s becomes one batch per endpoint and model, its lines grouped in order, and a group
+over the limit becomes several; the report covers them all. It speaks plain HTTP to the Batch API: no openai
+package is needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,13 +36,23 @@ class SubmitError(Exception):
 
 
 @dataclass
-class EndpointPart:
-    """The lines of one endpoint, and for each the line number it has in the input file."""
+class BatchPart:
+    """One batch's lines (one endpoint, one model, at most the batch limit), and for each the line number it has
+    in the input file; `piece` of `pieces` when its endpoint and model had more lines than one batch holds."""
 
     endpoint: str
+    model: str | None
     lines: list[bytes] = field(default_factory=list)
     line_numbers: list[int] = field(default_factory=list)
     batch: dict = field(default_factory=dict)
+    piece: int = 1
+    pieces: int = 1
+
+    @property
+    def label(self) -> str:
+        """`/v1/chat/completions, acme-7b` (`, part 2 of 3` when its group was split)."""
+        text = f"{self.endpoint}, {self.model if self.model is not None else 'no model'}"
+        return text + (f", part {self.piece} of {self.pieces}" if self.pieces > 1 else "")
 
     def original_line(self, line: int | None) -> int | None:
         """The input file's line number for a line number of this part's upload (1-based)."""
@@ -48,11 +61,12 @@ class EndpointPart:
         return self.line_numbers[line - 1]
 
 
-def read_parts(path: Path, model: str | None) -> list[EndpointPart]:
-    """Group the file's request lines by endpoint, refusing any line that cannot be grouped."""
+def read_parts(path: Path, model: str | None, max_requests: int) -> list[BatchPart]:
+    """Group the file's request lines by endpoint and model, each group in batches of at most `max_requests`,
+    refusing any line that cannot be grouped."""
     if not path.is_file():
         raise SubmitError(f"{path}: no such file; pass a JSONL file with one request per line, e.g.\n  {EXAMPLE_LINE}")
-    parts: dict[str, EndpointPart] = {}
+    groups: dict[tuple[str, str | None], BatchPart] = {}
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
@@ -65,15 +79,25 @@ def read_parts(path: Path, model: str | None) -> list[EndpointPart]:
         if not isinstance(url, str) or not url:
             raise SubmitError(f"{path} line {number} has no \"url\"; each line names its endpoint, e.g. "
                               "\"url\": \"/v1/chat/completions\"")
-        if model is not None and isinstance(request.get("body"), dict):
-            request["body"]["model"] = model
+        body = request.get("body")
+        if model is not None and isinstance(body, dict):
+            body["model"] = model
             raw = json.dumps(request).encode()
-        part = parts.setdefault(url, EndpointPart(url))
-        part.lines.append(raw)
-        part.line_numbers.append(number)
-    if not parts:
+        # A line without a usable model is grouped apart; the Batch API's validation names what it lacks.
+        named = body.get("model") if isinstance(body, dict) else None
+        named = named if isinstance(named, str) else None
+        group = groups.setdefault((url, named), BatchPart(url, named))
+        group.lines.append(raw)
+        group.line_numbers.append(number)
+    if not groups:
         raise SubmitError(f"{path} has no request lines; write one JSON request per line, e.g.\n  {EXAMPLE_LINE}")
-    return list(parts.values())
+    parts = []
+    for group in groups.values():
+        starts = range(0, len(group.lines), max_requests)
+        parts += [BatchPart(group.endpoint, group.model, group.lines[i:i + max_requests],
+                            group.line_numbers[i:i + max_requests], piece=n, pieces=len(starts))
+                  for n, i in enumerate(starts, start=1)]
+    return parts
 
 
 class BatchApi:
@@ -148,6 +172,9 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="set every line's body.model to this name, e.g. the model your replicas serve "
                         "(default: each line's own)")
+    p.add_argument("--max-requests", type=int, default=settings.max_batch_requests,
+                   help="most requests per batch: a larger group of lines becomes several batches (default "
+                        "%(default)s, the Batch API's limit, HOLDBACK_MAX_BATCH_REQUESTS)")
     p.add_argument("--completion-window", default="24h",
                    help="the batch's completion window, e.g. 24h, 1h, 30m (default %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0,
@@ -175,10 +202,11 @@ def main(argv: list[str]) -> int:
     settings = Settings()
     p = _parser(settings)
     args = p.parse_args(argv)
-    if args.poll_interval <= 0 or (args.timeout is not None and args.timeout <= 0) or args.show_errors < 0:
-        p.error("--poll-interval and --timeout must be above 0, --show-errors at least 0")
+    if args.poll_interval <= 0 or (args.timeout is not None and args.timeout <= 0) or args.show_errors < 0 \
+            or args.max_requests < 1:
+        p.error("--poll-interval and --timeout must be above 0, --show-errors at least 0, --max-requests at least 1")
     try:
-        parts = read_parts(args.file, args.model)
+        parts = read_parts(args.file, args.model, args.max_requests)
         key = _tenant_key(args)
         args.out.mkdir(parents=True, exist_ok=True)
         with httpx.Client(timeout=httpx.Timeout(60, connect=10)) as http:
@@ -188,15 +216,15 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) -> int:
+def _run(args: argparse.Namespace, parts: list[BatchPart], api: BatchApi) -> int:
     if len(parts) > 1:
-        print(f"{args.file} has lines for {len(parts)} endpoints; a batch has one, so this is "
-              f"{len(parts)} batches: " + ", ".join(f"{p.endpoint} ({len(p.lines)})" for p in parts))
+        print(f"{args.file} becomes {len(parts)} batches (a batch has one endpoint and one model and holds at most "
+              f"{args.max_requests} requests): " + "; ".join(f"{p.label} ({len(p.lines)})" for p in parts))
     for part in parts:
-        name = args.file.name if len(parts) == 1 else f"{args.file.stem}-{part.endpoint.strip('/').replace('/', '-')}.jsonl"
+        name = args.file.name if len(parts) == 1 else f"{args.file.stem}-{_file_name_part(part.label)}.jsonl"
         upload = api.upload(name, b"\n".join(part.lines) + b"\n")
         part.batch = api.create_batch(upload["id"], part.endpoint, args.completion_window, str(args.file))
-        print(f"submitted {part.batch['id']}: {len(part.lines)} requests to {part.endpoint} (input {upload['id']})")
+        print(f"submitted {part.batch['id']}: {len(part.lines)} requests ({part.label}; input {upload['id']})")
     try:
         waited = _wait(args, parts, api)
     except KeyboardInterrupt:
@@ -212,7 +240,12 @@ def _run(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) -> 
     return 0 if clean else 1
 
 
-def _wait(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) -> bool:
+def _file_name_part(label: str) -> str:
+    """`/v1/chat/completions, org/model-7b, part 2 of 3` -> `v1-chat-completions-org-model-7b-part-2-of-3`."""
+    return "-".join(filter(None, re.split(r"[^A-Za-z0-9._]+", label)))
+
+
+def _wait(args: argparse.Namespace, parts: list[BatchPart], api: BatchApi) -> bool:
     """Poll every batch until each has ended (True) or --timeout passed (False)."""
     total = sum(len(p.lines) for p in parts)
     progress = Progress(total, "requests", every=max(5.0, args.poll_interval))
@@ -235,15 +268,16 @@ def _wait(args: argparse.Namespace, parts: list[EndpointPart], api: BatchApi) ->
         progress.close()
 
 
-def _status_text(parts: list[EndpointPart]) -> str:
-    """`in_progress, 3 failed` for one batch; `2 in_progress, 1 completed, 3 failed` for several."""
+def _status_text(parts: list[BatchPart]) -> str:
+    """`in_progress, 3 failed` for one batch; `batches: 2 in_progress, 1 failed; 3 requests failed` for several
+    (a batch's status `failed` is not a count of requests)."""
     failed = sum(_counts(p.batch)["failed"] for p in parts)
     if len(parts) == 1:
         return f"{parts[0].batch['status']}, {failed} failed"
     statuses: dict[str, int] = {}
     for p in parts:
         statuses[p.batch["status"]] = statuses.get(p.batch["status"], 0) + 1
-    return ", ".join(f"{n} {status}" for status, n in statuses.items()) + f", {failed} failed"
+    return "batches: " + ", ".join(f"{n} {status}" for status, n in statuses.items()) + f"; {failed} requests failed"
 
 
 def _counts(batch: dict) -> dict[str, int]:
@@ -271,7 +305,7 @@ def _closed_rows(error_file: Path) -> dict[str, int]:
     return closed
 
 
-def _report(args: argparse.Namespace, part: EndpointPart, api: BatchApi) -> bool:
+def _report(args: argparse.Namespace, part: BatchPart, api: BatchApi) -> bool:
     """Download the batch's files and say what happened; True when every request succeeded."""
     batch, counts = part.batch, _counts(part.batch)
     errors_target = args.out / f"{batch['id']}-errors.jsonl"
@@ -279,7 +313,7 @@ def _report(args: argparse.Namespace, part: EndpointPart, api: BatchApi) -> bool
     closed = _closed_rows(errors_target) if error_lines else {}
     failed = counts["failed"] - sum(closed.values())
     ended = "".join(f", {n} {name} before they finished" for name, n in closed.items() if n)
-    print(f"\n{batch['id']} {batch['status']} ({part.endpoint}): {counts['completed']} completed, "
+    print(f"\n{batch['id']} {batch['status']} ({part.label}): {counts['completed']} completed, "
           f"{failed} failed{ended} of {counts['total'] or len(part.lines)}")
     for error in ((batch.get("errors") or {}).get("data") or [])[:args.show_errors]:
         line = part.original_line(error.get("line"))

@@ -92,11 +92,26 @@ def test_the_banner_commands_submit_and_download_and_failures_are_shown(backend,
         mixed.write_text("\n".join([_line("c0", "/v1/completions"), _line("a"), _line("a")]) + "\n")
         invalid = _run([*holdback, "submit", str(mixed), *key, "--out", str(tmp_path / "mixed")])
         assert invalid.returncode == 1, invalid.stdout + invalid.stderr
-        assert "has lines for 2 endpoints" in invalid.stdout
-        assert re.search(r"failed \(/v1/chat/completions\).*\n  " + re.escape(str(mixed)) + r" line 3: duplicate_custom_id",
+        assert "becomes 2 batches" in invalid.stdout
+        assert re.search(r"failed \(/v1/chat/completions, acme-7b\).*\n  " + re.escape(str(mixed)) + r" line 3: duplicate_custom_id",
                          invalid.stdout), invalid.stdout
-        assert "completed (/v1/completions): 1 completed, 0 failed" in invalid.stdout
+        assert f"completed (/v1/completions, {MODEL}): 1 completed, 0 failed" in invalid.stdout
         assert "its lines are the file's lines 2, 3" in invalid.stdout, invalid.stdout
+
+        # One batch per endpoint and model, each of at most --max-requests lines, reported together; the replicas
+        # serve no other-model, so only that batch's line fails.
+        split = tmp_path / "split.jsonl"
+        split.write_text("\n".join([_line("s0"), _line("s1"), _line("other", model="other-model"), _line("s2")]) + "\n")
+        parted = _run([*holdback, "submit", str(split), *key, "--max-requests", "2", "--out", str(tmp_path / "split")])
+        assert parted.returncode == 1, parted.stdout + parted.stderr
+        assert "becomes 3 batches" in parted.stdout and parted.stdout.count("submitted batch_") == 3, parted.stdout
+        for report in (f"(/v1/chat/completions, {MODEL}, part 1 of 2): 2 completed, 0 failed of 2",
+                       f"(/v1/chat/completions, {MODEL}, part 2 of 2): 1 completed, 0 failed of 1",
+                       f"failed (/v1/chat/completions, other-model): 0 completed, 0 failed of 1\n  {split} line 3: "
+                       "model_not_found", "batches: 2 completed, 1 failed; 0 requests failed"):
+            assert report in parted.stdout, parted.stdout
+        answered = [json.loads(x) for f in (tmp_path / "split").glob("batch_*-output.jsonl") for x in f.read_text().splitlines()]
+        assert sorted(r["custom_id"] for r in answered) == ["s0", "s1", "s2"]
 
         # --model puts the served name in every line; a wrong key is refused saying what to pass.
         renamed = tmp_path / "renamed.jsonl"
@@ -121,20 +136,41 @@ def test_a_file_that_cannot_be_grouped_is_refused_naming_the_line(tmp_path, cont
     path = tmp_path / "in.jsonl"
     path.write_text(content)
     with pytest.raises(SubmitError, match=re.escape(message)):
-        read_parts(path, None)
+        read_parts(path, None, 10)
     with pytest.raises(SubmitError, match="no such file"):
-        read_parts(tmp_path / "missing.jsonl", None)
+        read_parts(tmp_path / "missing.jsonl", None, 10)
 
 
 def test_lines_are_grouped_by_endpoint_keeping_their_line_numbers(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_text("\n".join([_line("c0", "/v1/completions"), "", _line("a"), _line("e", "/v1/embeddings"),
-                               _line("b")]) + "\n")
-    parts = read_parts(path, "served")
+    path.write_text("\n".join([_line("c0", "/v1/completions"), "", _line("a", model="x"), _line("e", "/v1/embeddings"),
+                               _line("b", model="y")]) + "\n")
+    parts = read_parts(path, "served", 10)  # --model: every line names one model
     assert [(p.endpoint, p.line_numbers) for p in parts] == [
         ("/v1/completions", [1]), ("/v1/chat/completions", [3, 5]), ("/v1/embeddings", [4])]
     assert parts[1].original_line(2) == 5 and parts[1].original_line(None) is None
     assert {json.loads(x)["body"]["model"] for p in parts for x in p.lines} == {"served"}
+
+
+def test_lines_are_grouped_by_endpoint_and_model_in_batches_of_at_most_the_limit(tmp_path):
+    """A batch has one model and at most the Batch API's request limit (the processor refuses more): each
+    endpoint's lines go in one batch per model, and a group over the limit in several."""
+    path = tmp_path / "in.jsonl"
+    lines = [_line("a0", model="a"), _line("b0", model="b"), _line("a1", model="a"), _line("e0", "/v1/embeddings"),
+             _line("a2", model="a"), _line("a3", model="a"), _line("a4", model="a"), '{"url": "/v1/chat/completions"}']
+    path.write_text("\n".join(lines) + "\n")
+    parts = read_parts(path, None, 2)
+    assert [(p.label, p.line_numbers) for p in parts] == [
+        ("/v1/chat/completions, a, part 1 of 3", [1, 3]), ("/v1/chat/completions, a, part 2 of 3", [5, 6]),
+        ("/v1/chat/completions, a, part 3 of 3", [7]), ("/v1/chat/completions, b", [2]),
+        (f"/v1/embeddings, {MODEL}", [4]), ("/v1/chat/completions, no model", [8])]
+    assert [json.loads(x)["custom_id"] for x in parts[1].lines] == ["a2", "a3"] and parts[1].original_line(2) == 6
+    # By default the limit is the one the Batch API enforces (HOLDBACK_MAX_BATCH_REQUESTS), not a copy of it.
+    from holdback.cli.submit import _parser
+    from holdback.settings import Settings
+
+    assert _parser(Settings()).parse_args([str(path)]).max_requests == Settings().max_batch_requests
+    assert len(read_parts(path, None, Settings().max_batch_requests)) == 4
 
 
 def test_no_key_and_no_server_each_say_what_to_pass(tmp_path):
@@ -151,7 +187,7 @@ def test_the_report_counts_cancelled_and_expired_rows_apart_from_failed_ones(tmp
     """OpenAI's request_counts count a row a cancel closed as failed; the report says what closed it."""
     from argparse import Namespace
 
-    from holdback.cli.submit import EndpointPart, _report
+    from holdback.cli.submit import BatchPart, _report
 
     errors = [{"custom_id": "a", "response": {"status_code": 400, "body": {"error": {"message": "bad"}}}},
               {"custom_id": "b", "response": None, "error": {"code": "batch_cancelled", "message": "cancelled"}},
@@ -165,9 +201,9 @@ def test_the_report_counts_cancelled_and_expired_rows_apart_from_failed_ones(tmp
 
     batch = {"id": "batch_1", "status": "cancelled", "output_file_id": "out", "error_file_id": "err",
              "request_counts": {"total": 6, "completed": 2, "failed": 4}}
-    part = EndpointPart("/v1/chat/completions", [b"{}"] * 6, list(range(1, 7)), batch)
+    part = BatchPart("/v1/chat/completions", MODEL, [b"{}"] * 6, list(range(1, 7)), batch)
     assert _report(Namespace(out=tmp_path, show_errors=0, file=tmp_path / "in.jsonl"), part, Files()) is False
-    assert "batch_1 cancelled (/v1/chat/completions): 2 completed, 1 failed, 2 cancelled before they finished, " \
+    assert f"batch_1 cancelled (/v1/chat/completions, {MODEL}): 2 completed, 1 failed, 2 cancelled before they finished, " \
            "1 expired before they finished of 6" in capsys.readouterr().out
 
 
