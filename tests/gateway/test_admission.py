@@ -227,6 +227,20 @@ def test_tenant_hard_share_and_soft_share():
     assert adm.decide(d(16 * 20, 0, prio=100, fid="calm"), [r], 0).outcome is KvOutcome.RUN
 
 
+def test_a_tenant_holding_nothing_runs_one_request_bigger_than_its_hard_share():
+    """A request over the share alone (a long context on a small pool) runs when its tenant holds nothing, one
+    at a time: refusing it "retry later" would refuse it forever, since the tenant has nothing of its own to end."""
+    cfg = Admission(kvPoolBlocks=1000, tenantMaxShare=0.15, tenantSoftShare=0.10)
+    ledger = KvLedger(block_tokens=16, safety_factor=1.0, window=60)
+    adm = KvAdmission(cfg, ledger)
+    r = rep()
+    assert adm.decide(d(16 * 200, 0), [r], 0).outcome is KvOutcome.RUN  # 0.22 of the pool, the tenant at 0
+    hold(ledger, r, 200, fid="t")
+    second = adm.decide(d(16 * 200, 0), [r], 0)
+    assert second.reason is DropReason.QUOTA and "3200 KV tokens reserved + 3200 asked" in second.message
+    assert adm.decide(d(16 * 1200, 0), [r], 0).reason is DropReason.KV_CAPACITY, "the pool itself still binds"
+
+
 @pytest.mark.parametrize("quota,asked,name", [
     (Quota(maxReservedTokens=1000), 600, "maxReservedTokens"),
     (Quota(maxActiveSequences=1), 16, "maxActiveSequences"),
