@@ -101,7 +101,7 @@ async def current_alerts(context: ApiContext) -> list[Alert]:
         found.append(Alert("gateway", gateway.url, f"The gateway at {gateway.url} is unreachable ({gateway.error}): "
                                                    "no batch request is dispatched until it answers.",
                            "/dashboard/gateway"))
-    for replica in gateway.state.get("replicas") or []:
+    for replica in (r for pool in gateway.pools for r in pool.get("replicas") or []):
         if not replica.get("healthy", True):
             url = str(replica.get("url", "?"))
             found.append(Alert("replica", url, f"Replica {url} is unreachable: the gateway sends it nothing until "

@@ -36,9 +36,9 @@ async def gateway_fragment(request: Request, session: SessionCookie, context: Co
 
 
 def _fairness_names(context: ApiContext, view) -> dict[str, str]:  # noqa: ANN001 - a GatewayView
-    """Tenant names of the fairness ids the gateway reports: the workers relay each batch's tenant id."""
-    kv = view.state.get("kv") or {}
-    ids = [fid for fid in (kv.get("tenants") or {}) if isinstance(fid, str)]
+    """Tenant names of the fairness ids the gateway's pools report: the workers relay each batch's tenant id."""
+    ids = sorted({fid for pool in view.pools for fid in ((pool.get("kv") or {}).get("tenants") or {})
+                  if isinstance(fid, str)})
     if not ids:
         return {}
     with context.sessions() as db:

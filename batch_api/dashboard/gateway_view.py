@@ -53,6 +53,32 @@ class GatewayView:
     def reachable(self) -> bool:
         return self.error is None
 
+    @property
+    def pools(self) -> list[dict]:
+        return pool_sections(self.state)
+
+    @property
+    def busiest(self) -> dict:
+        """The pool nearest its set point: with several pools, the headline saturation is its."""
+        return max(self.pools, key=lambda p: p.get("saturation") or 0.0, default={})
+
+    def summed(self, key: str) -> int:
+        """A count every pool reports (queued, in_flight, stale_replicas), over the gateway's pools."""
+        return sum(int(p.get(key) or 0) for p in self.pools)
+
+    @property
+    def dispatched(self) -> int:
+        return sum(int((p.get("totals") or {}).get("dispatched") or 0) for p in self.pools)
+
+
+def pool_sections(state: dict) -> list[dict]:
+    """Each model pool's /admin/state section with its `name`, the default pool first. The top level is the
+    default pool's alone (gateway/README.md, "Observability"); a gateway that reports no `pools` has one."""
+    pools = state.get("pools")
+    if isinstance(pools, dict) and pools:
+        return [{**section, "name": name} for name, section in pools.items() if isinstance(section, dict)]
+    return [{**state, "name": state.get("pool") or "default"}] if state else []
+
 
 async def fetch_gateway(base_url: str, client: httpx.AsyncClient | None = None,
                         admin_key: str | None = None) -> GatewayView:

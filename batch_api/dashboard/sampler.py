@@ -22,7 +22,8 @@ import redis
 from starlette.concurrency import run_in_threadpool
 
 from batch_api.context import ApiContext
-from batch_api.dashboard.gateway_view import TIMEOUT, Buckets, GatewayView, quantile, read_metrics
+from batch_api.dashboard.gateway_view import (TIMEOUT, Buckets, GatewayView, pool_sections, quantile,
+                                              read_metrics)
 from batch_api.dashboard.outcomes import outcome_totals
 from holdback import jobs
 from holdback.logs import log_event
@@ -158,16 +159,17 @@ class DashboardSampler:
             return None  # a gap in the gateway's charts; the gateway page says why
 
     async def _state(self, client: httpx.AsyncClient) -> tuple[dict[str, float], int | None]:
-        """Each replica's KV usage and the gateway's queue, from its /admin/state (which may need the key)."""
+        """Each replica's KV usage and the gateway's queue, of every pool, from its /admin/state (which may need
+        the key)."""
         key = self.context.settings.admin_key
         try:
             r = await client.get(self.context.settings.gateway_url.rstrip("/") + "/admin/state",
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
             r.raise_for_status()
-            state = r.json()
-            kv = {str(rep["url"]): float(rep["kv_usage"]) for rep in state.get("replicas") or []
+            pools = pool_sections(r.json())
+            kv = {str(rep["url"]): float(rep["kv_usage"]) for pool in pools for rep in pool.get("replicas") or []
                   if rep.get("kv_usage") is not None}
-            return kv, int(state.get("queued") or 0)
+            return kv, sum(int(pool.get("queued") or 0) for pool in pools)
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return {}, None
 

@@ -301,32 +301,55 @@ def test_gateway_page_reads_the_gateway_with_the_admin_key_and_shows_kv_admissio
         assert "No reservation held." in page and "Nothing rejected by admission." in page
 
 
-def test_gateway_page_shows_one_card_per_model_pool(start_api, tmp_path):
+def test_gateway_page_shows_every_model_pools_replicas_bands_and_alerts(start_api, backend, tmp_path):
+    """Replicas of two models, grouped into a pool each: the page has a section per pool with its replicas and
+    bands, the sampler charts every pool's KV usage, and a replica of the second pool going down is an alert
+    (all of which read only the first pool before)."""
     from tests.support import Processes, free_port, free_ports, poll, wait_http
 
     api = start_api()
     with Processes(log_dir=tmp_path / "logs") as procs:
         first = free_ports(2)  # two consecutive free ports
-        ports = [first, first + 1]
-        for port, model in zip(ports, ("model-a", "model-b")):
-            sim = procs.start("sim", "--port", str(port), "--model", model, "--log-level", "WARNING", name=model)
-            wait_http(f"http://127.0.0.1:{port}/health", proc=sim)
+        urls = [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"]
+        sims = []
+        for url, model in zip(urls, ("model-a", "model-b")):
+            sims.append(procs.start("sim", "--port", url.rsplit(":", 1)[1], "--model", model, "--log-level",
+                                    "WARNING", name=model))
+            wait_http(f"{url}/health", proc=sims[-1])
         config = tmp_path / "gateway.yaml"
         config.write_text(f"adminKeys: [{{key: {api.settings.admin_key}}}]\n")
         gw_port = free_port()
-        gw = procs.start("gateway", "--config", str(config), "--port", str(gw_port), "--replicas",
-                         ",".join(f"http://127.0.0.1:{p}" for p in ports), name="gateway")
+        gw = procs.start("gateway", "--config", str(config), "--port", str(gw_port), "--replicas", ",".join(urls),
+                         name="gateway")
         gw_url = f"http://127.0.0.1:{gw_port}"
         wait_http(gw_url + "/health", proc=gw)
         page_api = start_api(gateway_url=gw_url)
         client, _ = signed_in(page_api)
         # No pools configured: the replicas are grouped by the model each reports once identified.
-        page = poll(lambda: (text := client.get("/dashboard/gateway").text).count('class="pool-card"') == 2 and text,
-                    30, "two pool cards on the gateway page", lambda: client.get("/dashboard/gateway").text[-2000:])
-        assert 'data-testid="model-pools"' in page
-        cards = page.split('class="pool-card"')[1:]
-        assert sorted(m for card in cards for m in ("model-a", "model-b") if m in card) == ["model-a", "model-b"]
-        assert all("1 / 1" in card for card in cards), cards  # each pool: its one replica, healthy
+        page = poll(lambda: (text := client.get("/dashboard/gateway").text).count('data-testid="pool"') == 2 and text,
+                    30, "two pool sections on the gateway page", lambda: client.get("/dashboard/gateway").text[-2000:])
+        sections = page.split('data-testid="pool"')[1:]
+        for section, url, model in zip(sections, urls, ("model-a", "model-b")):
+            assert model in section and "1 / 1" in section, section  # its one replica, healthy
+            assert section.count("data-replica=") == 1 and f'data-replica="{url}"' in section, section
+            assert 'data-band="100"' in section and 'data-band="-10"' in section, section
+            assert 'data-testid="pool-saturation">0%' in section, section
+
+        app = create_app(backend.settings(gateway_url=gw_url))
+        sampler = DashboardSampler(app.state.context)
+
+        async def state() -> tuple[dict, int | None]:
+            async with httpx.AsyncClient() as http:
+                return await sampler._state(http)
+
+        kv = poll(lambda: (found := asyncio.run(state())[0]).keys() == set(urls) and found, 30,
+                  "the KV usage of both pools' replicas", lambda: str(asyncio.run(state())))
+        assert set(kv.values()) == {0.0}
+        app.state.context.engine.dispose()
+
+        procs.stop(sims[1])
+        poll(lambda: urls[1] in client.get("/dashboard/fragments/alerts").text, 30,
+             "an alert for the second pool's replica", lambda: client.get("/dashboard/fragments/alerts").text)
 
 
 MIXED = """# TYPE holdback_gateway_ttft_seconds histogram

@@ -19,7 +19,7 @@ import pytest
 from playwright.sync_api import Locator, expect
 
 from tests.e2e.test_dashboard_browser import (  # noqa: F401 - the browser fixture
-    BATCH_KEY, REALTIME_KEY, browser, signed_in,
+    BATCH_KEY, REALTIME_KEY, browser, shoot, signed_in,
 )
 from tests.support import Processes, free_port, free_ports, poll, wait_http
 
@@ -188,3 +188,35 @@ def test_streamed_ttft_and_whole_answers_are_charted_apart_with_mixed_clients(po
     assert not page.problems, page.problems
     page.close()
 
+
+def test_the_gateway_page_shows_every_pools_replicas_bands_and_saturation(pools_stack, browser):  # noqa: F811
+    """Two model pools: each has its own section with its replicas (URL, health, in flight), its bands (with its
+    own ceilings) and its saturation; the second model's replica and its load are not lost behind the first's."""
+    stack, clients = pools_stack, Clients(pools_stack.gateway_url)
+    page = signed_in(browser, stack)
+    page.goto(f"{stack.api_url}/dashboard/gateway")
+    a, b = (page.locator(f"[data-testid='pool'][data-pool='{name}']") for name in ("pool-a", "pool-b"))
+    for pool, urls in ((a, stack.pool_a), (b, stack.pool_b)):
+        expect(pool.locator("tr[data-replica]")).to_have_count(len(urls))
+        for url in urls:
+            expect(pool.locator(f"tr[data-replica='{url}']")).to_contain_text("healthy")
+        expect(pool.locator("tr[data-band]")).to_have_count(3)
+    expect(a.locator("tr[data-band='-10'] [data-testid=ceiling]")).to_have_text("100%")
+    expect(b.locator("tr[data-band='-10'] [data-testid=ceiling]")).to_have_text("50%")  # its own usageLimit
+
+    # Three long model-b answers at once: pool-b's two slots fill and the third waits in its realtime band,
+    # while pool-a stays idle.
+    clients.start("model-b", whole=3, max_tokens=200)
+    try:
+        expect(b.get_by_test_id("pool-saturation")).to_have_text("100%", timeout=30_000)
+        expect(b.locator(f"tr[data-replica='{stack.pool_b[0]}']")).to_contain_text("2 / 2", timeout=30_000)
+        expect(b.locator("tr[data-band='100'] [data-testid=queued]")).to_have_text("1", timeout=30_000)
+        expect(a.get_by_test_id("pool-saturation")).to_have_text("0%")
+        for url in stack.pool_a:
+            expect(a.locator(f"tr[data-replica='{url}']")).to_contain_text("0 / 4")
+        shoot(browser, stack, "/dashboard/gateway", "gateway-pools")
+    finally:
+        clients.close()
+    assert set(clients.statuses) == {200}, clients.statuses
+    assert not page.problems, page.problems
+    page.close()
