@@ -1,7 +1,8 @@
 """The dashboard's Keys page: every tenant API key (id, tenant, prefix, created, revoked; never the
 secret), creating a key for a tenant (its secret shown once, in the answer, never again), and a revoke
 action with CSRF and a confirmation, like the queue actions. Creating here is `POST /admin/keys`; revoking
-is `holdback keys revoke`: the key answers 401 from its next request.
+is `holdback keys revoke`: the key answers 401 from its next request. Below them, the gateway's own keys this
+server knows of (`gateway_keys`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse
 from pydantic import ValidationError
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
 from batch_api import admin
-from batch_api.auth import SessionDep
+from batch_api.auth import ContextDep, SessionDep
+from batch_api.dashboard.gateway_keys import gateway_keys
 from batch_api.dashboard.rendering import flash, render
 from batch_api.dashboard.session import CheckedPost, SessionCookie
 from batch_api.schemas import KeyCreate
@@ -31,8 +34,9 @@ router = APIRouter(include_in_schema=False)
 
 
 @router.get("/keys")
-def keys_page(request: Request, session: SessionCookie, db: SessionDep) -> HTMLResponse:
-    return render(request, "keys.html", session, page="keys", keys=list_keys(db))
+async def keys_page(request: Request, session: SessionCookie, db: SessionDep, context: ContextDep) -> HTMLResponse:
+    return render(request, "keys.html", session, page="keys", keys=await run_in_threadpool(list_keys, db),
+                  gateway=await gateway_keys(context.settings))
 
 
 @router.get("/fragments/keys")
