@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-concurrency", type=int, default=_DEFAULTS.sync_concurrency,
                    help="upper bound of the adaptive (AIMD) concurrency in sync mode (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve /metrics, /healthz (liveness) and /readyz (database and Redis answer) on this port "
+                   help="serve /metrics, /healthz (liveness) and /readyz (database, Redis and gateway answer) on this port "
                         "(0: a free port the system picks, logged in the `metrics_listening` event)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="metrics listen address (default %(default)s)")
     p.add_argument("--once", action="store_true", help="run a single round and exit")

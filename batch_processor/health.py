@@ -1,4 +1,5 @@
-"""The processor's probes: alive while its main loop turns, ready while its database and Redis answer."""
+"""The processor's probes: alive while its main loop turns, ready while its database, Redis and the gateway it
+hands work to answer (`gateway_reach`: while the gateway does not, it claims no batch)."""
 
 from __future__ import annotations
 
@@ -18,4 +19,4 @@ def probes(processor: Processor) -> Probes:
         return None if processor.redis.ping() else "PING was not answered"
 
     return Probes(processor.metrics.registry, live={"main_loop": processor.heartbeat.check},
-                  ready={"database": database, "redis": redis})
+                  ready={"database": database, "redis": redis, "gateway": processor.gateway.failure})

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, delete, select
 
+from batch_processor.gateway_reach import GatewayReach
 from batch_processor.ingest import ROW_COLUMNS
 from batch_processor.processor import Processor
 from batch_processor.processor_config import ProcessorConfig
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="hb-ingest-"))
     base = Settings()
-    # No gateway runs here: the lines' model is not checked against one (that is a request, not ingest).
+    # No gateway runs here: the lines' model is not checked against one (that is a request, not ingest), nor is
+    # one asked for before a claim.
     settings = base.model_copy(update={"data_dir": tmp, "redis_namespace": f"measure-{uuid.uuid4().hex[:8]}",
                                        "max_batch_requests": max(base.max_batch_requests, args.lines),
                                        "validate_models": False})
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add(File(id=fid, tenant_id=tenant_id, filename="measure.jsonl", purpose="batch", bytes=n,
                        storage_key=fid))
     processor = Processor(settings, ProcessorConfig(name="measure", window=args.window), factory=factory,
-                          connection=redis, store=store)
+                          connection=redis, store=store, gateway=GatewayReach(None))
 
     def ingest(file_id: str = file_id) -> tuple[float, int, int]:
         batch_id = _new_batch(factory, tenant_id, file_id)

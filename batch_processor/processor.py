@@ -1,10 +1,10 @@
 """The processor loop: one `tick()` does a round of every lifecycle step for the batches it leases.
 
-A round: renew leases and claim new batches; expand `validating` batches; cancel `cancelling` ones;
-expire those past their window; finalize those whose rows are all final; refill every in_progress
-batch's window in fair order and hand the rows off (`handoff`: RQ jobs, or the in-process sync
-mode); and every `reconcile_interval`, reconcile the database with Redis. Each step commits
-before the next starts, so a processor can die anywhere and the next lease holder carries on.
+A round: renew leases and claim new batches (none while the gateway is not reached: `gateway_reach`);
+expand `validating` batches; cancel `cancelling` ones; expire those past their window; finalize those whose
+rows are all final; refill every in_progress batch's window in fair order and hand the rows off (`handoff`:
+RQ jobs, or the in-process sync mode); and every `reconcile_interval`, reconcile the database with Redis. Each
+step commits before the next starts, so a processor can die anywhere and the next lease holder carries on.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from batch_processor.closing import cancel_batch, expire_batch, was_expiring
 from batch_processor.enqueue import in_flight_elsewhere, take_due_retries, take_pending, window_counts
 from batch_processor.fairness import BatchWindow, RefillRoundRobin, jump_ahead, tenant_window
 from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_batch
+from batch_processor.gateway_reach import GatewayReach
 from batch_processor.handoff import Handoff, open_handoff
 from batch_processor.ingest import expand_batch, fail_batch
 from batch_processor.jobqueue import RequestQueue
@@ -81,6 +82,7 @@ class Processor:
         connection: redis.Redis | None = None,
         store: FileStore | None = None,
         metrics: ProcessorMetrics | None = None,
+        gateway: GatewayReach | None = None,
     ):
         from holdback.broker import connect
 
@@ -90,6 +92,7 @@ class Processor:
         self.redis = connection or connect(settings)
         self.store = store or open_file_store(settings)
         self.metrics = metrics or ProcessorMetrics()
+        self.gateway = gateway or GatewayReach(settings.gateway_url)
         # Liveness: the loop turns at least every few seconds; a batch's expansion may hold one tick longer.
         self.heartbeat = Heartbeat(stale_after=LIVENESS_SECONDS)
         self.collector = FileCollector(self.factory, self.store, grace_seconds=settings.file_retention_grace_seconds,
@@ -130,7 +133,7 @@ class Processor:
             self._last_renewal = now
             self._lease_renewed = dict.fromkeys(self.owned, now)
         room = self.config.max_batches - len(self.owned)
-        if room > 0:
+        if room > 0 and self.gateway.failure() is None:
             done.claimed = self.lease.claim(min(room, self.config.claim_per_round))
             self.owned.update(done.claimed)
             for batch_id in done.claimed:

@@ -1,5 +1,5 @@
 """`holdback processor` run the operator's way: several at once on one database, the sync mode
-against the simulator, metrics, and a clean stop on SIGTERM."""
+against the simulator, metrics, readiness while its gateway is down and back, and a clean stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import select
 
 from holdback.models import Attempt
-from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
-from tests.support import Processes, free_port, wait_http
+from tests.batch_processor.test_processor_support import Harness, StandInGateway, chat, harness, jsonl  # noqa: F401
+from tests.support import Processes, free_port, poll, wait_http
 
 
 def _wait(predicate, timeout: float, what: str, procs: Processes | None = None) -> None:
@@ -62,8 +62,11 @@ def _metric(scrape: str, sample: str) -> float:
 
 def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_path):
     batches = [harness.submit(jsonl([chat(i) for i in range(300)]), tenant=f"t{n}") for n in range(6)]
-    # No gateway here: its lines' models are taken as served (HOLDBACK_VALIDATE_MODELS=0).
-    with Processes(env={**harness.backend.env, "HOLDBACK_VALIDATE_MODELS": "0"}, log_dir=tmp_path) as procs:
+    # The gateway only answers /health (a processor claims only while it reaches one): its lines' models are
+    # taken as served (HOLDBACK_VALIDATE_MODELS=0).
+    gateway = StandInGateway(free_port()).start()
+    env = {**harness.backend.env, "HOLDBACK_VALIDATE_MODELS": "0", "HOLDBACK_GATEWAY_URL": gateway.url}
+    with Processes(env=env, log_dir=tmp_path) as procs:
         common = ["--poll-interval", "0.05", "--window", "20"]
         # Port 0: each processor binds a port the system picks and logs it, so no other suite can take it first.
         children = [procs.start("processor", "--id", f"proc-{n}", "--metrics-port", "0", *common,
@@ -73,14 +76,15 @@ def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_pa
               "every batch in_progress", procs)
         _wait(lambda: len(harness.queued_job_ids()) == 6 * 20, 10, "every first window queued", procs)
         scrapes = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for port in ports]
-        for port in ports:  # the metrics port also answers the probes: its loop turns, its database and Redis answer
-            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        for port in ports:  # the metrics port also answers the probes: its loop turns, its database, Redis and
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)  # gateway answer
             assert ready.status_code == 200, ready.text
-            assert ready.json()["checks"] == {"main_loop": "ok", "database": "ok", "redis": "ok"}
+            assert ready.json()["checks"] == {"main_loop": "ok", "database": "ok", "redis": "ok", "gateway": "ok"}
         for child in children:
             procs.stop(child, signal.SIGTERM)
             assert child.returncode == 0
         logs = procs.log("processor")
+    gateway.stop()
 
     expanded = [e["batch_id"] for e in _events(logs, "batch_expanded")]
     assert sorted(expanded) == sorted(batches)
@@ -120,6 +124,33 @@ def test_sync_mode_completes_a_batch_through_429s(harness: Harness, tmp_path):
     assert outcomes.count("rejected") >= 1  # the simulator's 429s were retried, not failed
     assert {a.worker for a in attempts} == {"syncer/sync"}
     assert all(a.ended_at is not None for a in attempts)
+
+
+def test_a_processor_whose_gateway_is_down_is_unready_naming_it_and_claims_once_it_starts(harness: Harness, tmp_path):
+    gateway_port = free_port()
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    batch_id = harness.submit(jsonl([chat(i) for i in range(20)]))
+    env = {**harness.backend.env, "HOLDBACK_VALIDATE_MODELS": "0", "HOLDBACK_GATEWAY_URL": gateway_url}
+    with Processes(env=env, log_dir=tmp_path) as procs:
+        child = procs.start("processor", "--metrics-port", "0", "--poll-interval", "0.05", name="processor")
+        readyz = f"http://127.0.0.1:{_listening_port(tmp_path / 'processor-0.log', child, procs)}/readyz"
+        unready = poll(lambda: (r := httpx.get(readyz, timeout=5)).status_code == 503 and r.json(), 30,
+                       "/readyz failing on the gateway", lambda: procs.log("processor"))
+        reason = unready["checks"]["gateway"]
+        assert gateway_url in reason and "ConnectError" in reason, unready
+        assert unready["checks"]["database"] == unready["checks"]["redis"] == "ok"
+        assert harness.batch(batch_id).claimed_by is None
+
+        # The real gateway starts on that port (no healthy replica is needed to answer /health).
+        gw = procs.start("gateway", "--port", str(gateway_port), "--replicas", "http://127.0.0.1:9", name="gateway")
+        wait_http(f"{gateway_url}/health", timeout=60, proc=gw)
+        _wait(lambda: harness.batch(batch_id).status == "in_progress", 30, "the batch claimed and expanded", procs)
+        ready = httpx.get(readyz, timeout=5)
+        assert ready.status_code == 200 and ready.json()["checks"]["gateway"] == "ok", ready.text
+        logs = procs.log("processor")
+    (down,) = _events(logs, "gateway_unreachable")
+    assert down["url"] == gateway_url and "ConnectError" in down["reason"]
+    assert [e["url"] for e in _events(logs, "gateway_reachable")] == [gateway_url]
 
 
 @pytest.mark.parametrize("argv", [["--window", "0"], ["--sync-concurrency", "0"]])

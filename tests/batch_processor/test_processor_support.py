@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator
 
 import pytest
 from rq.job import Job
 from sqlalchemy import select
 
+from batch_processor.gateway_reach import GatewayReach
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.processor import Processor
 from batch_processor.processor_config import ProcessorConfig
@@ -77,11 +80,13 @@ class Harness:
             s.flush()
             return batch.id
 
-    def processor(self, **config) -> Processor:
+    def processor(self, gateway: GatewayReach | None = None, **config) -> Processor:
+        """A processor of these settings; it claims without asking a gateway unless `gateway` is given (these
+        tests run none; tests/batch_processor/test_gateway_reach.py has a gateway come and go)."""
         config.setdefault("name", f"p{len(self.processors)}")
         config.setdefault("reconcile_interval", 3600.0)  # tests reconcile explicitly
         p = Processor(self.settings, ProcessorConfig(**config), factory=self.factory,
-                      connection=self.backend.redis(), store=self.store)
+                      connection=self.backend.redis(), store=self.store, gateway=gateway or GatewayReach(None))
         self.processors.append(p)
         return p
 
@@ -174,3 +179,43 @@ class ReadHooks:
             if n in self.hooks:
                 self.hooks[n]()
             yield line
+
+
+class StandInGateway:
+    """A real HTTP server on `port` that answers `GET /health` with `status` (404 elsewhere), started and stopped
+    at will: the gateway a processor checks before it claims. While `release` is clear, answers wait for it."""
+
+    def __init__(self, port: int, status: int = 200):
+        self.port, self.status = port, status
+        self.url = f"http://127.0.0.1:{port}"
+        self.asked = 0
+        self.release = threading.Event()
+        self.release.set()
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> "StandInGateway":
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+                stand_in.asked += 1
+                stand_in.release.wait(30)
+                self.send_response(stand_in.status if self.path == "/health" else 404)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="stand-in-gateway", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self.release.set()
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
