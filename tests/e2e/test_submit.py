@@ -93,7 +93,8 @@ def test_the_banner_commands_submit_and_download_and_failures_are_shown(backend,
         invalid = _run([*holdback, "submit", str(mixed), *key, "--out", str(tmp_path / "mixed")])
         assert invalid.returncode == 1, invalid.stdout + invalid.stderr
         assert "becomes 2 batches" in invalid.stdout
-        assert re.search(r"failed \(/v1/chat/completions, acme-7b\).*\n  " + re.escape(str(mixed)) + r" line 3: duplicate_custom_id",
+        assert re.search(r"failed \(/v1/chat/completions, acme-7b\).*\n  " + re.escape(str(mixed))
+                         + r" line 3: duplicate_custom_id",
                          invalid.stdout), invalid.stdout
         assert f"completed (/v1/completions, {MODEL}): 1 completed, 0 failed" in invalid.stdout
         assert "its lines are the file's lines 2, 3" in invalid.stdout, invalid.stdout
@@ -110,7 +111,8 @@ def test_the_banner_commands_submit_and_download_and_failures_are_shown(backend,
                        f"failed (/v1/chat/completions, other-model): 0 completed, 0 failed of 1\n  {split} line 3: "
                        "model_not_found", "batches: 2 completed, 1 failed; 0 requests failed"):
             assert report in parted.stdout, parted.stdout
-        answered = [json.loads(x) for f in (tmp_path / "split").glob("batch_*-output.jsonl") for x in f.read_text().splitlines()]
+        answered = [json.loads(x) for f in (tmp_path / "split").glob("batch_*-output.jsonl")
+                    for x in f.read_text().splitlines()]
         assert sorted(r["custom_id"] for r in answered) == ["s0", "s1", "s2"]
 
         # --model puts the served name in every line; a wrong key is refused saying what to pass.
