@@ -64,7 +64,7 @@ class GatewayReach:
     def _probe(self) -> str | None:
         try:
             answer = httpx.get(self.url + PROBE_PATH, timeout=self.timeout)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad URL too: every failure is an answer, never an exception
             failed = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         else:
             # Any answer below 500 is the gateway's own (a server with no /health answers 404); 5xx is a proxy
