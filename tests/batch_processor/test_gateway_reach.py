@@ -111,5 +111,6 @@ def test_an_answer_of_the_gateways_own_counts_and_a_5xx_does_not():
             assert f"HTTP {status}" in failure and gateway.url in failure
     assert GatewayReach(None).failure() is None  # a processor run without a gateway on purpose
     # A URL no request can be made to fails the same way (not with an exception), naming the setting to fix.
-    failure = GatewayReach("gateway:8200").failure()
-    assert "HOLDBACK_GATEWAY_URL" in failure and "UnsupportedProtocol" in failure
+    for url, failed in (("gateway:8200", "UnsupportedProtocol"), ("http://[::1", "InvalidURL")):
+        failure = GatewayReach(url).failure()
+        assert "HOLDBACK_GATEWAY_URL" in failure and failed in failure, failure
