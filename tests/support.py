@@ -25,6 +25,21 @@ REPO = Path(__file__).resolve().parent.parent
 free_ports = free_port_block  # the tests' name for it
 
 
+@contextlib.asynccontextmanager
+async def served(app):  # noqa: ANN001, ANN201 - an aiohttp web.Application; yields its base URL
+    """Serve an aiohttp app on a free loopback port for the length of the block: its base URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
 def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: float = 0.1):  # noqa: ANN001
     """Wait until `predicate()` is truthy and return its value; on timeout fail naming `what` and `detail()`.
 

@@ -1,375 +1,270 @@
-"""`holdback demo`: show holdback and eviction happen on a running `holdback up`.
+"""`holdback demo`: what holdback is for, in one run of about two minutes.
 
-It measures realtime alone first: an opening burst and a steady stream of realtime streaming requests through
-the gateway, with no batch. Then it submits a sample batch (the chat lines of examples/requests.jsonl, repeated)
-through the Batch API with the official `openai` client and sends the same realtime traffic twice while the
-batch runs: through the gateway (with holdback), then straight to the replicas (no holdback: no priority, no
-reserve, no eviction; the batch itself still goes through the gateway, so it holds no more than its ceiling of
-the pool). It shows batch progress, each phase's realtime p95 time to first token as this client saw it (beside
-the gateway's own p95 for the streams it carried) and the gateway's evictions.
+It starts a small platform of its own (`holdback up` in a fresh data dir on free ports, beside anything you
+already run) whose one simulated replica saturates: 8 slots, a KV pool that binds, a decode step as long as a 7-8B
+model's on a GPU. Then it sends the same seeded realtime traffic three ways, each for the same window:
 
-Realtime requests go out from one asyncio loop with an unbounded connection pool, so a burst is sent at
-once: the client never queues its own requests, and its TTFT is the platform's, not its own waiting.
+  1. alone: realtime through the gateway, nothing else running;
+  2. beside a batch with no controls: the batch's lines straight to the replica, as a script without holdback
+     sends them (as many at once as the workers send), and realtime straight to it too, so vLLM's own
+     first-come-first-served scheduler decides;
+  3. beside the same batch through holdback: submitted to the Batch API and run by the workers through the
+     gateway, with realtime through the gateway.
+
+It ends with one sentence: realtime's p95 time to first token each way, and how many batch requests finished in
+the window through holdback against with no controls. Every count is a delta over its window.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
-import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from holdback.contract import CHAT_ENDPOINT, OBJECTIVE_HEADER, REALTIME_OBJECTIVE
+from holdback.cli.demo_platform import DemoPlatform, ReplicaShape
+from holdback.cli.demo_traffic import DirectBatch, GatewayAdminClient, RealtimeStats, RealtimeTraffic, replica_load
+from holdback.cli.up import EXAMPLE_REQUESTS
+from holdback.contract import CHAT_ENDPOINT
 from holdback.env_flags import flags_from_env
 from holdback.progress import Progress
 from holdback.settings import Settings
-from holdback.cli.up import EXAMPLE_REQUESTS, LOCAL_KEYS
 
-TERMINAL = ("completed", "failed", "expired", "cancelled")
-TTFT_METRIC = "holdback_gateway_ttft_seconds"
 FALLBACK_PROMPT = [{"role": "user", "content": "Summarise document number {i} in detail."}]
+REALTIME_MAX_TOKENS = 16
 
 
-@dataclass
-class RealtimeStats:
-    """Counts of one traffic run; `finished` = every stream that ended, with or without a first token."""
-
-    ttfts: list[float] = field(default_factory=list)
-    sent: int = 0
-    finished: int = 0
-    errors: int = 0
-    max_in_flight: int = 0
-    first_error: str = ""
-
-    @property
-    def in_flight(self) -> int:
-        return self.sent - self.finished
-
-    def p95_ms(self) -> float | None:
-        return quantile(self.ttfts, 0.95) * 1000 if self.ttfts else None
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-@dataclass
-class RealtimeTraffic:
-    """An opening burst, then seeded Poisson arrivals at `rate` per second for `seconds`, sent to `targets` in
-    turn (the gateway, or each replica: a key is sent only when there is one)."""
-
-    targets: list[str]
-    key: str | None
-    model: str
-    burst: int
-    rate: float
-    seconds: float
-    max_tokens: int = 16
-    seed: int = 7
-    stats: RealtimeStats = field(default_factory=RealtimeStats)
-
-    async def run(self) -> RealtimeStats:
-        rng = random.Random(self.seed)
-        # No pool limit: a request never waits for a free connection inside this client.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            tasks = [asyncio.create_task(self._one(client)) for _ in range(self.burst)]
-            loop = asyncio.get_running_loop()
-            end = loop.time() + self.seconds
-            while self.rate > 0:
-                pause = rng.expovariate(self.rate)
-                if loop.time() + pause >= end:
-                    break
-                await asyncio.sleep(pause)
-                tasks.append(asyncio.create_task(self._one(client)))
-            await asyncio.gather(*tasks)
-        return self.stats
-
-    async def _one(self, client: httpx.AsyncClient) -> None:
-        body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
-                "messages": [{"role": "user", "content": "Say hello to the realtime path."}]}
-        headers = {OBJECTIVE_HEADER: REALTIME_OBJECTIVE, **({"Authorization": f"Bearer {self.key}"} if self.key else {})}
-        s = self.stats
-        target = self.targets[s.sent % len(self.targets)]
-        s.sent += 1
-        s.max_in_flight = max(s.max_in_flight, s.in_flight)
-        start = time.perf_counter()
-        try:
-            async with client.stream("POST", f"{target}{CHAT_ENDPOINT.path}", json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode(errors="replace")
-                    s.errors += 1
-                    s.first_error = s.first_error or f"HTTP {r.status_code} from {target}: {text[:200]}"
-                    return
-                first = True
-                async for line in r.aiter_lines():
-                    if first and line.startswith("data:"):
-                        first = False
-                        s.ttfts.append(time.perf_counter() - start)
-        except httpx.HTTPError as exc:
-            s.errors += 1
-            s.first_error = s.first_error or f"{type(exc).__name__} from {target}"
-        finally:
-            s.finished += 1
-
-
-# -- the gateway's own view --------------------------------------------------------------------------------
-
-
-def ttft_buckets(metrics_text: str, objective: str = REALTIME_OBJECTIVE) -> dict[float, float]:
-    """Cumulative counts of the gateway's TTFT histogram for one objective, by upper bound (streamed and
-    non-streamed answers together)."""
-    buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != TTFT_METRIC:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_bucket") and sample.labels.get("objective") == objective:
-                le = float(sample.labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-    return buckets
-
-
-def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> tuple[float, int] | None:
-    """The q-quantile (seconds) of what the histogram counted between two scrapes, interpolated within its
-    bucket as Prometheus's histogram_quantile does, and how many observations that was."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    if not bounds or counts[-1] <= 0:
-        return None
-    total = counts[-1]
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for bound, cumulative in zip(bounds, counts):
-        if cumulative >= rank:
-            if bound == float("inf"):
-                return lower, int(total)  # past the last finite bucket: its bound is all we know
-            inside = cumulative - below
-            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0), int(total)
-        lower, below = bound, cumulative
-    return None
-
-
-class GatewayAdminClient:
-    """What the demo reads from the gateway with the admin key: its admin state and its metrics."""
-
-    def __init__(self, url: str, admin_key: str):
-        self.url = url
-        self.headers = {"Authorization": f"Bearer {admin_key}"}
-
-    async def evictions(self, client: httpx.AsyncClient) -> tuple[int | None, str]:
-        """Evictions the gateway has issued since it started, or None with the reason it cannot tell."""
-        try:
-            r = await client.get(f"{self.url}/admin/state", headers=self.headers, timeout=5)
-            r.raise_for_status()
-            totals = r.json().get("totals") or {}
-        except (httpx.HTTPError, ValueError) as exc:
-            return None, f"{type(exc).__name__}"
-        return int((totals.get("evictions") or {}).get("issued", 0)), ""
-
-    async def buckets(self, client: httpx.AsyncClient) -> dict[float, float]:
-        try:
-            r = await client.get(f"{self.url}/metrics", headers=self.headers, timeout=5)
-            r.raise_for_status()
-        except httpx.HTTPError:
-            return {}
-        return ttft_buckets(r.text)
-
-    async def replicas(self, client: httpx.AsyncClient) -> list[str]:
-        """The healthy replicas' base URLs, as the gateway's admin state lists them."""
-        r = await client.get(f"{self.url}/admin/state", headers=self.headers, timeout=10)
-        r.raise_for_status()
-        return [rep["url"] for rep in r.json().get("replicas") or [] if rep.get("healthy")]
-
-
-# -- the command ---------------------------------------------------------------------------------------------
-
-
-def sample_batch(model: str, n: int, max_tokens: int, example: Path = EXAMPLE_REQUESTS) -> bytes:
-    """n chat requests whose messages cycle through the chat lines of examples/requests.jsonl."""
+def chat_bodies(model: str, n: int, max_tokens: int, example: Path = EXAMPLE_REQUESTS) -> list[dict]:
+    """n chat request bodies whose messages cycle through the chat lines of examples/requests.jsonl."""
     prompts = []
     if example.exists():
         prompts = [json.loads(x)["body"]["messages"] for x in example.read_text().splitlines()
                    if x.strip() and json.loads(x)["url"] == CHAT_ENDPOINT.path]
-    lines = []
-    for i in range(n):
-        messages = prompts[i % len(prompts)] if prompts else [
-            {**m, "content": m["content"].format(i=i)} for m in FALLBACK_PROMPT]
-        lines.append(json.dumps({"custom_id": f"demo-{i}", "method": "POST", "url": CHAT_ENDPOINT.path,
-                                 "body": {"model": model, "max_tokens": max_tokens, "messages": messages}}))
+    return [{"model": model, "max_tokens": max_tokens,
+             "messages": prompts[i % len(prompts)] if prompts else [
+                 {**m, "content": m["content"].format(i=i)} for m in FALLBACK_PROMPT]} for i in range(n)]
+
+
+def sample_batch(model: str, n: int, max_tokens: int, example: Path = EXAMPLE_REQUESTS) -> bytes:
+    """The same bodies as a batch input file, one request line each."""
+    lines = [json.dumps({"custom_id": f"demo-{i}", "method": "POST", "url": CHAT_ENDPOINT.path, "body": body})
+             for i, body in enumerate(chat_bodies(model, n, max_tokens, example))]
     return ("\n".join(lines) + "\n").encode()
 
 
-def _parser(settings: Settings) -> argparse.ArgumentParser:
+def _parser(settings: Settings) -> argparse.ArgumentParser:  # noqa: ARG001 - the other commands' shape
     p = argparse.ArgumentParser(prog="holdback demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--api-url", default="http://127.0.0.1:8000", help="Batch API base URL (default %(default)s)")
-    p.add_argument("--gateway-url", default="http://127.0.0.1:8200", help="gateway base URL (default %(default)s)")
-    p.add_argument("--keys", type=Path, default=settings.data_dir / LOCAL_KEYS,
-                   help="keys file written by `holdback up` (default %(default)s)")
-    p.add_argument("--requests", type=int, default=2000,
-                   help="batch size: enough to outlast both realtime phases beside it (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=256, help="batch output length (default %(default)s)")
-    p.add_argument("--warmup", type=float, default=5.0,
-                   help="seconds the batch runs alone before realtime traffic starts (default %(default)s)")
-    p.add_argument("--realtime-seconds", type=float, default=15.0,
-                   help="how long realtime arrivals go on after the burst, in each of the three phases "
-                        "(default %(default)s)")
+    p.add_argument("--seconds", type=float, default=15.0,
+                   help="each way's window of realtime arrivals (default %(default)s)")
     p.add_argument("--realtime-rate", type=float, default=4.0, help="realtime arrivals per second (default %(default)s)")
-    p.add_argument("--burst", type=int, default=64,
-                   help="realtime opening burst; above the pool's realtime reserve it forces evictions "
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="batch requests in flight: the workers' concurrency, and the no-controls script's "
                         "(default %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="give up waiting for the batch after this many seconds (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="batch output length (default %(default)s)")
+    p.add_argument("--slots", type=int, default=8, help="the replica's sequences at once (default %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=64,
+                   help="the replica's KV pool in 16-token blocks (default %(default)s)")
+    p.add_argument("--step-ms", type=float, default=25.0, help="the replica's decode step (default %(default)s)")
+    p.add_argument("--seed", type=int, default=7, help="seed of the realtime arrivals (default %(default)s)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the demo platform's data dir and logs (default: removed at the end)")
     return flags_from_env(p, "demo")
 
 
 def main(argv: list[str]) -> int:
-    settings = Settings()
-    p = _parser(settings)
+    p = _parser(Settings())
     args = p.parse_args(argv)
-    for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
-        if value < 1:
-            p.error(f"{flag} must be at least 1, got {value}")
-    if min(args.burst, args.realtime_rate, args.realtime_seconds, args.warmup) < 0:
-        p.error("--burst, --realtime-rate, --realtime-seconds and --warmup must not be negative")
-    if not args.keys.exists():
-        p.error(f"no keys file at {args.keys}: start the platform with `holdback up` (or `make up`) first, "
-                "from the same directory or with the same HOLDBACK_DATA_DIR")
-    try:
-        import openai  # noqa: F401  (the demo shows the official client)
-    except ImportError:
+    for flag in ("concurrency", "max_tokens", "slots", "kv_blocks"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("seconds", "realtime_rate", "step_ms"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')} must be above 0, got {getattr(args, flag)}")
+    if importlib.util.find_spec("openai") is None:  # the demo submits its batch with the official client
         p.error("holdback demo uses the official openai client: pip install 'holdback[demo]'")
-    return asyncio.run(_run(args, json.loads(args.keys.read_text())))
+    platform = DemoPlatform(ReplicaShape(args.slots, args.kv_blocks, args.step_ms), args.concurrency, keep=args.keep)
+    print(f"starting a small platform for the demo in {platform.data_dir}: one simulated replica with {args.slots} "
+          f"slots, {args.kv_blocks * 16} tokens of KV and a {args.step_ms:g} ms decode step", flush=True)
+    try:
+        platform.start()
+        return asyncio.run(_run(args, platform))
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    finally:
+        platform.stop()
+        if args.keep:
+            print(f"the demo platform's data and logs are kept in {platform.data_dir}")
 
 
 @dataclass
-class Phase:
-    """One run of the realtime traffic: where it went, and what it measured."""
+class Way:
+    """One of the three ways realtime went, and what its window measured."""
 
     title: str
-    traffic: RealtimeTraffic
-    through_gateway: bool
-    beside_batch: bool
-    gateway_p95: tuple[float, int] | None = None
-    batch_ended_during: bool = False
+    realtime: RealtimeStats = field(default_factory=RealtimeStats)
+    batch_done: int | None = None
+    evictions: int | None = None
+    preemptions: int = 0
+    batch_errors: int = 0
 
 
-def _traffic(args: argparse.Namespace, targets: list[str], key: str | None, model: str) -> RealtimeTraffic:
-    return RealtimeTraffic(targets, key, model, args.burst, args.realtime_rate, args.realtime_seconds)
-
-
-async def _measure(phase: Phase, gateway: GatewayAdminClient, http: httpx.AsyncClient) -> None:
-    before = await gateway.buckets(http) if phase.through_gateway else {}
-    await phase.traffic.run()
-    if phase.through_gateway:
-        phase.gateway_p95 = histogram_quantile(0.95, before, await gateway.buckets(http))
-
-
-async def _run(args: argparse.Namespace, keys: dict[str, str]) -> int:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{args.api_url}/v1", api_key=keys["tenant"])
-    gateway = GatewayAdminClient(args.gateway_url, keys["admin"])
+async def _run(args: argparse.Namespace, platform: DemoPlatform) -> int:
+    keys = platform.keys
+    gateway = GatewayAdminClient(platform.gateway_url, keys["admin"])
     async with httpx.AsyncClient() as http:
-        models = (await http.get(f"{args.gateway_url}/v1/models", timeout=10,
+        models = (await http.get(f"{platform.gateway_url}/v1/models", timeout=10,
                                  headers={"Authorization": f"Bearer {keys['realtime']}"})).json()
         model = models["data"][0]["id"]
-        replicas = await gateway.replicas(http)
-        if not replicas:
-            print(f"the gateway at {args.gateway_url} has no healthy replica; wait for one (see its /admin/state)")
-            return 1
-        alone = Phase("alone, before the batch", _traffic(args, [args.gateway_url], keys["realtime"], model),
-                      through_gateway=True, beside_batch=False)
-        beside = [Phase("beside the batch, through holdback",
-                        _traffic(args, [args.gateway_url], keys["realtime"], model), True, True),
-                  Phase("beside the batch, straight to the replicas (no holdback)",
-                        _traffic(args, replicas, None, model), False, True)]
-        print(f"realtime alone: {args.burst} streams at once, then {args.realtime_rate:g}/s for "
-              f"{args.realtime_seconds:g} s, through the gateway with no batch")
-        await _measure(alone, gateway, http)
-        print(f"  {_ttft_text(alone.traffic.stats, alone.gateway_p95)}")
-        upload = await client.files.create(file=("demo.jsonl", sample_batch(model, args.requests, args.max_tokens)),
-                                           purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint=CHAT_ENDPOINT.path,
-                                            completion_window="24h", metadata={"source": "holdback demo"})
-        print(f"submitted {batch.id}: {args.requests} requests, max_tokens={args.max_tokens}, model={model}")
-        print(f"the batch runs alone for {args.warmup:g} s, then the same realtime traffic through the gateway, then "
-              f"straight to the {len(replicas)} replicas")
-        progress = Progress(args.requests, "requests")
-        started = time.monotonic()
-        deadline = started + args.timeout
-        running: asyncio.Task | None = None
-        pending = list(beside)
-        current: Phase | None = None
-        while True:
-            batch = await client.batches.retrieve(batch.id)
-            if (running is None or running.done()) and pending and time.monotonic() - started >= args.warmup:
-                if running is not None:
-                    await running  # re-raises anything the traffic task raised
-                current = pending.pop(0)
-                running = asyncio.create_task(_measure(current, gateway, http))
-            if current is not None and not running.done() and batch.status in TERMINAL:
-                current.batch_ended_during = True  # (or it had ended before this phase began)
-            done_all = batch.status in TERMINAL and not pending and running is not None and running.done()
-            progress.update(_done(batch), await _status(batch, current, gateway, http), force=done_all)
-            if done_all:
-                break
-            if time.monotonic() > deadline:
-                progress.close()
-                print(f"batch still {batch.status} after {args.timeout:.0f}s; it keeps running, check the dashboard")
-                return 1
-            await asyncio.sleep(0.5)
-        progress.close()
-        await running
-        evictions, why = await gateway.evictions(http)
-    print(f"batch {batch.id} {batch.status}: {batch.request_counts.completed} completed, "
-          f"{batch.request_counts.failed} failed; output file {batch.output_file_id}, error file {batch.error_file_id}")
-    if batch.usage:
-        print(f"usage: {batch.usage.input_tokens} input + {batch.usage.output_tokens} output tokens")
-    print(f"realtime p95 time to first token, measured by this client in this run "
-          f"({args.burst} streams at once, then {args.realtime_rate:g}/s for {args.realtime_seconds:g} s each):")
-    for phase in (alone, *beside):
-        stats = phase.traffic.stats
-        print(f"  {phase.title + ':':<58} {_ttft_text(stats, phase.gateway_p95)}")
-        print(f"  {'':<58} {stats.finished} streams, {len(stats.ttfts)} with a first token, {stats.errors} errors"
-              + (f" (first: {stats.first_error})" if stats.first_error else ""))
-        if phase.batch_ended_during:
-            print(f"  {'':<58} the batch ended before this phase did, so part of it ran alone: raise --requests")
-    print(f"gateway evictions: {evictions if evictions is not None else f'unknown ({why})'}")
-    print(f"see {args.api_url}/dashboard (admin key in {args.keys})")
-    return 0 if batch.status == "completed" else 1
+        bodies = chat_bodies(model, 64, args.max_tokens)
+        ways = [Way("alone"), Way("beside the batch, no controls"), Way("beside the batch, through holdback")]
+
+        def realtime(targets: list[str], key: str | None) -> RealtimeTraffic:
+            return RealtimeTraffic(targets, key, model, burst=0, rate=args.realtime_rate, seconds=args.seconds,
+                                   max_tokens=REALTIME_MAX_TOKENS, seed=args.seed)
+
+        print(f"1/3 realtime alone: {args.realtime_rate:g} streams a second for {args.seconds:g} s through the gateway")
+        await _window(ways[0], realtime([platform.gateway_url], keys["realtime"]), http, platform, None)
+
+        print(f"2/3 a batch with no controls: {args.concurrency} requests at once straight to the replica, and "
+              "realtime straight to it too")
+        stop = asyncio.Event()
+        direct = DirectBatch([platform.replica_url], bodies, args.concurrency)
+        sending = asyncio.create_task(direct.run(stop))
+        await _saturated(http, platform, args.slots, lambda: sending.done())
+
+        async def direct_done() -> int:
+            return direct.completed
+
+        await _window(ways[1], realtime([platform.replica_url], None), http, platform, direct_done)
+        ways[1].batch_errors = direct.errors
+        stop.set()
+        await sending
+        await _idle(http, platform)
+
+        print("3/3 the same batch through holdback: submitted to the Batch API, run by the workers through the "
+              "gateway, and realtime through the gateway")
+        rows = max(500, 3 * (ways[1].batch_done or 0) + 2 * args.concurrency)
+        await _through_holdback(args, platform, ways[2], realtime([platform.gateway_url], keys["realtime"]),
+                                model, rows, gateway, http)
+    _summary(args, ways)
+    return 0 if all(w.realtime.errors == 0 and w.batch_errors == 0 for w in ways) else 1
 
 
-def _done(batch) -> int:  # noqa: ANN001
-    counts = batch.request_counts
-    return (counts.completed + counts.failed) if counts else 0
+async def _through_holdback(args: argparse.Namespace, platform: DemoPlatform, way: Way, traffic: RealtimeTraffic,
+                            model: str, rows: int, gateway: GatewayAdminClient, http: httpx.AsyncClient) -> None:
+    from openai import AsyncOpenAI
 
+    client = AsyncOpenAI(base_url=f"{platform.api_url}/v1", api_key=platform.keys["tenant"])
+    upload = await client.files.create(file=("demo.jsonl", sample_batch(model, rows, args.max_tokens)),
+                                       purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint=CHAT_ENDPOINT.path,
+                                        completion_window="24h", metadata={"source": "holdback demo"})
 
-async def _status(batch, phase: Phase | None, gateway: GatewayAdminClient,  # noqa: ANN001
-                  http: httpx.AsyncClient) -> str:
-    failed = batch.request_counts.failed if batch.request_counts else 0
-    evictions, why = await gateway.evictions(http)
-    if phase is None:
-        realtime = "realtime waiting"
+    async def done() -> int:
+        counts = (await client.batches.retrieve(batch.id)).request_counts
+        return (counts.completed + counts.failed) if counts else 0
+
+    async def ended() -> bool:
+        return (await client.batches.retrieve(batch.id)).status in ("failed", "expired", "cancelled", "completed")
+
+    await _saturated(http, platform, args.slots, None, ended, gateway)
+    before, _ = await gateway.evictions(http)
+    await _window(way, traffic, http, platform, done)
+    after, why = await gateway.evictions(http)
+    way.evictions = after - before if after is not None and before is not None else None
+    if way.evictions is None:
+        print(f"  the gateway's evictions could not be read: {why}")
+    finished = await client.batches.retrieve(batch.id)
+    if finished.status in ("completed", "failed"):
+        print(f"  the batch ended inside the window ({finished.status}): raise --concurrency or lower --seconds")
     else:
-        stats = phase.traffic.stats
-        realtime = (f"realtime {'via gateway' if phase.through_gateway else 'direct'} {stats.finished} done, "
-                    f"{stats.in_flight} in flight; {_ttft_text(stats, None)}")
-    shown = evictions if evictions is not None else f"unknown ({why})"
-    return f"{batch.status}, {failed} failed | {realtime} | evictions {shown}"
+        await client.batches.cancel(batch.id)
+    way.batch_errors = finished.request_counts.failed if finished.request_counts else 0
 
 
-def _ttft_text(stats: RealtimeStats, gateway_p95: tuple[float, int] | None) -> str:
-    client = stats.p95_ms()
-    text = f"p95 TTFT {client:.0f} ms (client)" if client is not None else "no first token yet"
-    if gateway_p95 is not None:
-        text += f", {gateway_p95[0] * 1000:.0f} ms (gateway's histogram, {gateway_p95[1]} streams)"
-    return text
+async def _window(way: Way, traffic: RealtimeTraffic, http: httpx.AsyncClient, platform: DemoPlatform,
+                  batch_done: Callable[[], Awaitable[int]] | None) -> None:
+    """Run the realtime traffic once, showing its progress every second; count the batch requests that finished
+    in the same window and the replica's preemptions."""
+    load = await replica_load(http, platform.replica_url)
+    done_before = await batch_done() if batch_done else 0
+    sending = asyncio.create_task(traffic.run())
+    progress = Progress(int(traffic.seconds), "s", every=5.0)
+    started = time.monotonic()
+    while not sending.done():
+        await asyncio.wait([sending], timeout=1.0)
+        stats, elapsed = traffic.stats, time.monotonic() - started
+        p95 = stats.p95_ms()
+        status = (f"realtime {stats.finished} done, {stats.in_flight} in flight, p95 TTFT "
+                  + (f"{p95:,.0f} ms" if p95 is not None else "—"))
+        if batch_done and way.batch_done is None:
+            finished = await batch_done() - done_before
+            if elapsed >= traffic.seconds:
+                way.batch_done = finished  # the window is over; realtime streams still open only end now
+            status += f" | batch {finished} finished"
+        progress.update(min(int(elapsed), int(traffic.seconds)), status, force=sending.done())
+    progress.close()
+    way.realtime = sending.result()
+    if batch_done and way.batch_done is None:
+        way.batch_done = await batch_done() - done_before
+    way.preemptions = int((await replica_load(http, platform.replica_url)).preemptions - load.preemptions)
+
+
+async def _saturated(http: httpx.AsyncClient, platform: DemoPlatform, slots: int,
+                     failed: Callable[[], bool] | None, ended: Callable[[], Awaitable[bool]] | None = None,
+                     gateway: GatewayAdminClient | None = None, timeout: float = 90.0) -> None:
+    """Wait until the batch fills the replica: every slot running or waiting, or most of its KV in use, or (through
+    the gateway) batch requests waiting in the gateway's queue because the pool is full."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await replica_load(http, platform.replica_url)
+        if load.running + load.waiting >= slots or load.kv_usage >= 0.75:
+            return
+        if gateway is not None and load.running > 0 and await gateway.queued(http) > 0:
+            return
+        if (failed and failed()) or (ended and await ended()):
+            raise RuntimeError("the batch ended before it filled the replica; see the logs: " + platform.tail(5))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the batch did not fill the replica within {timeout:.0f} s (running {load.running:.0f}"
+                               f", waiting {load.waiting:.0f}, KV {load.kv_usage:.0%})")
+        await asyncio.sleep(0.2)
+
+
+async def _idle(http: httpx.AsyncClient, platform: DemoPlatform, timeout: float = 60.0) -> None:
+    """Wait until the replica has let go of everything the last way sent it."""
+    deadline = time.monotonic() + timeout
+    while (load := await replica_load(http, platform.replica_url)).running + load.waiting > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the replica still held {load.running + load.waiting:.0f} requests {timeout:.0f} s "
+                               "after the batch with no controls stopped")
+        await asyncio.sleep(0.2)
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:,.0f} ms" if value is not None else "—"
+
+
+def _summary(args: argparse.Namespace, ways: list[Way]) -> None:
+    print(f"\n{'':<36} {'realtime p95 TTFT':>18} {'streams':>8} {'errors':>7} {'batch finished':>15} "
+          f"{'evictions':>10} {'preemptions':>12}")
+    for w in ways:
+        r = w.realtime
+        print(f"{w.title:<36} {_ms(r.p95_ms()):>18} {r.finished:>8} {r.errors:>7} "
+              f"{'—' if w.batch_done is None else w.batch_done:>15} {'—' if w.evictions is None else w.evictions:>10} "
+              f"{w.preemptions:>12}")
+        if r.first_error:
+            print(f"{'':<36} first realtime error: {r.first_error}")
+    alone, none, holdback = ways
+    share = (f" ({holdback.batch_done / none.batch_done:.0%} of the {none.batch_done} it finished with no controls)"
+             if none.batch_done and holdback.batch_done is not None else "")
+    print(f"\nrealtime p95 {_ms(alone.realtime.p95_ms())} alone, {_ms(none.realtime.p95_ms())} beside a batch with no "
+          f"controls, {_ms(holdback.realtime.p95_ms())} with holdback, while the batch finished "
+          f"{holdback.batch_done} requests in {args.seconds:g} s{share}.")

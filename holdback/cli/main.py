@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.cli", "priority-aware gateway in front of vLLM replicas"),
     "sim": ("model_sim.cli", "vLLM-compatible model server simulator replicas"),
     "submit": ("holdback.cli.submit", "run a JSONL file as a batch: upload, wait with progress, download the results"),
-    "demo": ("holdback.cli.demo", "submit a sample batch and realtime traffic to a running `holdback up`"),
+    "demo": ("holdback.cli.demo", "realtime alone, beside a batch with no controls, and through holdback (own platform)"),
     "bench": ("bench.cli", "benchmarks: `holdback bench study` runs the priority study (holdback and eviction against realtime)"),
 }
 # Commands that are a platform process: each reports its spans as service `holdback-<command>` (holdback.tracing).

@@ -58,7 +58,7 @@ class Supervisor:
         out = open(child.log_path, "ab")
         # -P: the working directory is not put first on the child's path, so a folder that holds a `holdback`
         # directory (a checkout's parent) does not shadow the installed package.
-        child.proc = _spawn(child.command or [sys.executable, "-P", "-m", "holdback.cli", *child.args],
+        child.proc = spawn(child.command or [sys.executable, "-P", "-m", "holdback.cli", *child.args],
                             env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         child.started_at = time.monotonic()
@@ -153,7 +153,7 @@ class Supervisor:
                     **({"signal": signal.Signals(-code).name} if code < 0 else {"code": code}))
 
 
-def _spawn(command: list[str], **popen: object) -> subprocess.Popen:
+def spawn(command: list[str], **popen: object) -> subprocess.Popen:
     """A child in its own session (a terminal's Ctrl-C reaches only `holdback up`) that dies with us."""
     return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), **popen)
 

@@ -270,8 +270,6 @@ def try_commands(args: argparse.Namespace, settings: Settings, model: str | None
     keys_file = settings.data_dir.resolve() / LOCAL_KEYS
     keys_flag = [] if keys_file == (Path.cwd() / "data" / LOCAL_KEYS).resolve() else ["--keys", _here(keys_file)]
     api_flag = [] if api == "http://127.0.0.1:8000" else ["--api-url", api]
-    gateway = f"http://{args.host}:{args.gateway_port}"
-    gateway_flag = [] if gateway == "http://127.0.0.1:8200" else ["--gateway-url", gateway]
     lines = []
     if EXAMPLE_REQUESTS.exists():
         model_flag = [] if model in (None, _example_model()) else ["--model", model]
@@ -281,8 +279,8 @@ def try_commands(args: argparse.Namespace, settings: Settings, model: str | None
     else:
         lines += ["Run a JSONL file of requests like the line above and download the results:",
                   "  " + " ".join([holdback, "submit", "FILE", *api_flag, *keys_flag]), ""]
-    demo = [holdback, "demo", *api_flag, *gateway_flag, *keys_flag]
-    lines += ["See realtime keep its latency while a batch runs:", "  " + " ".join(demo)]
+    lines += ["See what holdback is for: realtime alone, beside a batch with no controls, and through holdback (on a "
+              "small platform of its own, about a minute):", f"  {holdback} demo"]
     if importlib.util.find_spec("openai") is None:
         lines[-1] += "   (needs the openai client: pip install 'holdback[demo]')"
     elif (EXAMPLE_REQUESTS.parent / "submit.py").exists() and model in (None, _example_model()):

@@ -166,7 +166,13 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         assert official.returncode == 0, official.stdout + official.stderr
         assert len(re.findall(r"^/v1/\S+: batch_\w+ completed .*failed=0", official.stdout, re.M)) == 3, official.stdout
         _readme_snippet_runs(api, keys["tenant"])
-        _demo_counts_agree(banner_command(banner, "See realtime keep its latency"))
+        demo = subprocess.run([*banner_command(banner, "See what holdback is for"), "--help"], cwd=REPO,
+                              env=terminal_env(), capture_output=True, text=True, timeout=60)
+        assert demo.returncode == 0 and "no controls" in demo.stdout, demo.stdout + demo.stderr  # runs: test_demo.py
+        realtime = httpx.post(f"{gw_url}/v1/chat/completions", timeout=60, headers={
+            "Authorization": f"Bearer {keys['realtime']}"}, json={"model": "sim-model", "stream": True, "max_tokens": 4,
+                                                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert realtime.status_code == 200 and "[DONE]" in realtime.text, realtime.text
         _dashboard_reads_only_exported_metrics([api, gateway, processor_metrics, worker_metrics, sim, sim + 1])
 
         # A second `holdback up` on the same data dir refuses at once, naming the live one.
@@ -198,7 +204,7 @@ def stop_up(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 
 def _dashboard_reads_only_exported_metrics(ports: list[int]) -> None:
     """Every metric name in the Grafana dashboard and the alert rules is served by a running component (its
-    `/metrics` page, after a batch and the demo's realtime traffic went through)."""
+    `/metrics` page, after a batch and a realtime stream went through)."""
     exported: set[str] = set()
     for port in ports:
         exported |= exported_names(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
@@ -219,28 +225,6 @@ def _readme_snippet_runs(api: int, tenant_key: str) -> None:
     out = [json.loads(x) for x in (work / "output.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in out) == ["chat-0", "chat-1", "chat-2"]
     assert not (work / "errors.jsonl").exists(), "no request failed, so there is no error file"
-
-
-def _demo_counts_agree(command: list[str]) -> None:
-    """`holdback demo` as the banner prints it (shortened) against this platform: realtime alone, beside the batch
-    through holdback and beside it straight to the replicas, each with its p95 from this one run (the gateway's own
-    beside the first two, which it carried); its last progress line and its summary give the same counts, and
-    evictions are a number."""
-    demo = subprocess.run([*command, "--requests", "20", "--max-tokens", "8", "--warmup", "0", "--burst", "8",
-                           "--realtime-rate", "4", "--realtime-seconds", "2"],
-                          cwd=REPO, env=terminal_env(), capture_output=True, text=True, timeout=300)
-    out = demo.stdout
-    assert demo.returncode == 0, out + demo.stderr
-    last_progress = [line for line in out.splitlines() if line.startswith("20/20 requests")][-1]
-    done = int(re.search(r"realtime direct (\d+) done, 0 in flight", last_progress).group(1))
-    summary = out[out.index("realtime p95 time to first token"):]
-    phases = re.findall(r"^  (alone, before the batch|beside the batch, through holdback|beside the batch, straight to "
-                        r"the replicas \(no holdback\)):\s+p95 TTFT (\d+) ms \(client\)(, \d+ ms \(gateway's histogram, "
-                        r"\d+ streams\))?\n\s+(\d+) streams, (\d+) with a first token, 0 errors$", summary, re.M)
-    assert [(p[0].split(",")[0], bool(p[2])) for p in phases] == [("alone", True), ("beside the batch", True),
-                                                                   ("beside the batch", False)], summary
-    assert all(int(p[3]) == int(p[4]) >= 8 for p in phases) and int(phases[-1][3]) == done, summary
-    assert re.search(r"gateway evictions: \d+", out) and "unknown" not in out, out
 
 
 def test_a_killed_up_takes_its_children_with_it_and_frees_its_lock(backend):
