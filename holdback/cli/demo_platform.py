@@ -1,7 +1,9 @@
 """The small platform `holdback demo` runs on: a `holdback up` of its own, in a fresh data dir on free ports, with
 one simulated replica sized to saturate (few slots, a KV pool that binds) and the embedded Redis and SQLite. Its
-gateway runs the shipped config with the one change docs/choosing-settings.md gives for a single tenant: the
-tenant's KV shares at 1.0 (the shipped 0.15 would let the demo's one tenant hold 15% of the KV).
+gateway runs the shipped config with two changes a deployment makes: the replica's slots (`engine.maxNumSeqs`,
+its --max-num-seqs, as docs/real-vllm.md says; on a replica whose KV is over half used the gateway cannot learn
+them) and, for a single tenant, its KV shares at 1.0 (docs/choosing-settings.md; the shipped 0.15 would let the
+demo's one tenant hold 15% of the KV).
 
 It is started from this environment minus every `HOLDBACK_*`, `DATABASE_URL` and `REDIS_URL` variable, so a
 platform the user already runs (`make up`, a PostgreSQL, real replicas) is neither used nor disturbed. It dies
@@ -67,6 +69,7 @@ class DemoPlatform:
         env.update(HOLDBACK_DATA_DIR=str(self.data_dir), PYTHONUNBUFFERED="1")
         config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
         config["admission"].update(tenantMaxShare=1.0, tenantSoftShare=1.0)
+        config.setdefault("engine", {})["maxNumSeqs"] = self.shape.slots
         (self.data_dir / "gateway.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         command = [sys.executable, "-P", "-m", "holdback.cli", "up", "--api-port", str(self.api_port),
                    "--gateway-port", str(self.gateway_port), "--sim-port", str(self.sim_port), "--sim-replicas", "1",
