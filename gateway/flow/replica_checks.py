@@ -50,7 +50,10 @@ def refuse_unmeasured(profile: Profile, replica: Replica, profile_path: str | No
     log_event(logger, "calibration_refused" if reason else "calibration_accepted",
               level=logging.ERROR if reason else logging.INFO, replica=replica.url,
               reason=reason, profile=profile_path,
-              hint="run `holdback gateway calibrate` against this replica" if reason else None)
+              hint=(f"a vLLM upgrade or another model needs a new profile: run `holdback gateway calibrate --replica "
+                    f"{replica.url} --gpu SKU --out FILE` on it while idle, point admission.calibrationProfile at "
+                    "FILE and reload (SIGHUP); or remove admission.calibrationProfile to reserve with "
+                    "admission.safetyFactor") if reason else None)
     return True
 
 

@@ -619,3 +619,24 @@ def test_without_usage_in_the_stream_each_event_is_a_token_until_the_final_usage
     tokens, revisions = stream_count(b"", events_[:3])  # three text events, no usage (include_usage only)
     assert tokens == 3 and revisions[-1] == (3, True)
     assert stream_count(COMPLETION_SSE)[0] == 3  # the final usage event is no token
+
+
+def test_a_replica_refused_after_a_vllm_upgrade_is_told_how_to_measure_it_again(caplog):
+    """A profile measured on 0.32 refuses an upgraded replica; the log line says what to run, against which
+    replica, and the way back without a profile, and a replica that matches again is taken back."""
+    from gateway.calibration import Profile
+    from gateway.flow.replica_checks import refuse_unmeasured
+
+    caplog.set_level(logging.INFO, logger="gateway")
+    profile = Profile("tiny", "0.32.0", "cpu", 16384, 128, 512, 0.0)
+    replica = Replica("http://gpu-box:8000", model="tiny", runtime_version="0.34.0")
+    assert refuse_unmeasured(profile, replica, "profile.json") is True
+    assert replica.refused == "runtime '0.34.0' differs from the profile's '0.32.0'"
+    [refused] = [r for r in caplog.records if r.getMessage() == "calibration_refused"]
+    hint = refused.fields["hint"]
+    for words in ("holdback gateway calibrate --replica http://gpu-box:8000", "admission.calibrationProfile",
+                  "SIGHUP", "admission.safetyFactor"):
+        assert words in hint, hint
+    assert refuse_unmeasured(profile, replica, "profile.json") is False, "one line per change, not per check"
+    replica.runtime_version = "0.32.0"
+    assert refuse_unmeasured(profile, replica, "profile.json") is True and replica.refused is None
