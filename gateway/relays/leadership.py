@@ -1,0 +1,174 @@
+"""Which flow-control process leads, fenced by a token: a lease in Redis (`holdback gateway --lease-redis URL`).
+
+A contender takes the lease with `SET <key> <value> NX PX <ttl>` and, in the same script, `INCR`s the gateway's
+token key: every acquisition gets a fencing token higher than any before it, and every decision the leader sends
+carries it (relays refuse an older one). The leader renews by a script that extends the lease only while it holds
+the value it set. It leads only while its last successful renewal, timed by the monotonic clock from when that
+renewal was sent, is younger than the ttl less a margin: a leader that cannot renew, or that was paused past that
+(SIGSTOP, a GC pause, a partition) and then resumed, steps down before it decides anything, never after Redis may
+have handed the lease to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Callable
+
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.log import log_event
+
+logger = logging.getLogger("gateway.leadership")
+
+PREFIX = "holdback:gateway:"
+# The margin of a lease a leader does not count on: the time a renewal may take to reach Redis, and a clock's
+# drift between two renewals.
+MARGIN_SHARE = 0.2
+
+# KEYS: the lease, the fencing-token key. ARGV: the holder, the ttl in ms. A taken lease answers {0, its value}.
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('GET', KEYS[1])} end
+local token = redis.call('INCR', KEYS[2])
+local value = ARGV[1] .. '#' .. token
+redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
+return {token, value}
+"""
+# KEYS: the lease. ARGV: the value this holder set, the ttl in ms. 1 when extended, 0 when it is not ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RESIGN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Leadership:
+    """This process's claim on the lease of gateway `name`: `leads()` before every decision, `token` on it."""
+
+    def __init__(self, redis: aioredis.Redis, name: str, ttl: float = 6.0, holder: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.redis = redis
+        self.key = f"{PREFIX}{name}:leader"
+        self.token_key = f"{PREFIX}{name}:fencing-token"
+        self.ttl = ttl
+        self.margin = ttl * MARGIN_SHARE
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.clock = clock
+        # This term's fencing token; 0 while not leading.
+        self.token = 0
+        # When the last acquisition or renewal that succeeded was sent (monotonic).
+        self.renewed_at = -float("inf")
+        # When this term began (wall clock, for /admin/state), and the lease's value as last read.
+        self.since: float | None = None
+        self.leader: str | None = None
+        # Told True when this process comes to lead, False when it steps down (soon after, never inside a decision).
+        self.on_change: list[Callable[[bool], None]] = []
+        self._value = ""
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._renew = redis.register_script(_RENEW)
+        self._resign = redis.register_script(_RESIGN)
+
+    def leads(self) -> bool:
+        """Whether this process may decide now: it holds a lease renewed less than the ttl less the margin ago."""
+        if not self.token:
+            return False
+        age = self.clock() - self.renewed_at
+        if age < self.ttl - self.margin:
+            return True
+        self.step_down(f"its lease was last renewed {age:.1f}s ago (a lease lasts {self.ttl:g}s, counted on for "
+                       f"{self.ttl - self.margin:g}s): paused, starved or cut off from Redis")
+        return False
+
+    async def acquire(self) -> bool:
+        """Take the lease if nobody holds it; True when this process now leads."""
+        sent = self.clock()
+        token, value = await self._acquire(keys=[self.key, self.token_key], args=[self.holder, self._ms()])
+        self.leader = value.decode() if isinstance(value, bytes) else value
+        if not int(token):
+            return False
+        self.token, self._value, self.renewed_at, self.since = int(token), self.leader or "", sent, time.time()
+        log_event(logger, "leadership_taken", holder=self.holder, token=self.token, lease_seconds=self.ttl)
+        self._tell(True)
+        return True
+
+    async def renew(self) -> bool:
+        """Extend the lease while it is still ours; step down (and False) when it is not."""
+        sent = self.clock()
+        extended = await self._renew(keys=[self.key], args=[self._value, self._ms()])
+        if not self.token:
+            return False  # stepped down while the renewal was on its way: a new term needs a new token
+        if not int(extended):
+            self.step_down("the lease is no longer ours (it expired and another process may hold it)")
+            return False
+        self.renewed_at = sent
+        return True
+
+    def step_down(self, reason: str) -> None:
+        """Stop leading at once; the lease is given back if it is still ours (another may take it sooner)."""
+        if not self.token:
+            return
+        log_event(logger, "leadership_lost", level=logging.ERROR, holder=self.holder, token=self.token,
+                  reason=reason)
+        self.token, self.since, value = 0, None, self._value
+        self._tell(False)
+        try:
+            asyncio.get_running_loop().create_task(self._give_back(value))
+        except RuntimeError:  # no loop (a unit test's clock): the lease expires on its own
+            pass
+
+    async def _give_back(self, value: str) -> None:
+        try:
+            await self._resign(keys=[self.key], args=[value])
+        except (RedisError, OSError):
+            pass  # it expires on its own
+
+    async def run(self) -> None:
+        """Contend for the lease, and renew it while leading, three times a ttl, until cancelled."""
+        failing = False
+        while True:
+            try:
+                if self.token:
+                    # A renewal that has not answered when the lease may be gone is as good as a refusal.
+                    async with asyncio.timeout(max(0.01, self.renewed_at + self.ttl - self.margin - self.clock())):
+                        await self.renew()
+                else:
+                    await self.acquire()
+                failing = False
+            except (RedisError, OSError, TimeoutError) as exc:
+                if self.token:
+                    self.step_down(f"the lease could not be renewed: {type(exc).__name__}: {exc}")
+                elif not failing:
+                    log_event(logger, "lease_unreachable", level=logging.ERROR, key=self.key,
+                              error=f"{type(exc).__name__}: {exc}", hint="check --lease-redis")
+                failing = True
+            await asyncio.sleep(self.ttl / 3)
+
+    async def resign(self) -> None:
+        """Give the lease back at a clean stop, so a standby takes over at once."""
+        value = self._value if self.token else ""
+        self.token = 0
+        if value:
+            await self._give_back(value)
+
+    def state(self) -> dict:
+        """For /admin/state: who this process is, whether it leads, since when, with which token."""
+        return {"holder": self.holder, "leading": self.leads(), "token": self.token, "since": self.since,
+                "lease_key": self.key, "lease_seconds": self.ttl, "leader_seen": self.leader}
+
+    def _ms(self) -> int:
+        return max(1, int(self.ttl * 1000))
+
+    def _tell(self, leading: bool) -> None:
+        for listener in self.on_change:
+            try:
+                asyncio.get_running_loop().call_soon(listener, leading)
+            except RuntimeError:
+                listener(leading)

@@ -1,0 +1,158 @@
+"""The flow-control lease against the real Redis at 127.0.0.1:6379 (a key of its own per test): one contender leads,
+a leader that stops renewing is followed by another with a higher fencing token, a leader whose renewal fails or
+that was paused past its lease steps down and decides nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from redis import asyncio as aioredis
+
+from gateway.relays.leadership import Leadership
+from tests.support import free_port
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _contenders(n: int, ttl: float, clock=None) -> tuple[aioredis.Redis, list[Leadership]]:
+    redis = aioredis.from_url(REDIS)
+    name = f"test-{uuid.uuid4().hex}"
+    extra = {"clock": clock} if clock is not None else {}
+    return redis, [Leadership(redis, name, ttl=ttl, holder=f"fc-{i}", **extra) for i in range(n)]
+
+
+async def _cleanup(redis: aioredis.Redis, lease: Leadership) -> None:
+    await redis.delete(lease.key, lease.token_key)
+    await redis.aclose()
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+def test_of_two_contenders_one_leads_with_the_next_token():
+    async def run():
+        redis, (a, b) = await _contenders(2, ttl=30)
+        try:
+            await redis.set(a.token_key, 41)  # earlier terms
+            taken = await asyncio.gather(a.acquire(), b.acquire())
+            assert sorted(taken) == [False, True]
+            leader, standby = (a, b) if taken[0] else (b, a)
+            assert leader.leads() and leader.token == 42
+            assert not standby.leads() and standby.token == 0
+            assert standby.leader == f"{leader.holder}#42"  # the standby knows who leads
+            assert await redis.get(leader.key) == f"{leader.holder}#42".encode()
+            assert 0 < await redis.pttl(leader.key) <= 30_000
+            assert await leader.renew() and not await standby.acquire()
+        finally:
+            await _cleanup(redis, a)
+
+    asyncio.run(run())
+
+
+def test_a_leader_that_stops_renewing_is_followed_by_another_with_a_higher_token():
+    async def run():
+        redis, (a, b) = await _contenders(2, ttl=1.0)
+        told: list[bool] = []
+        a.on_change.append(told.append)
+        try:
+            assert await a.acquire()
+            first = a.token
+            contending = asyncio.create_task(b.run())  # b retries three times a ttl; a never renews
+            await _until(lambda: b.token)
+            assert b.token > first and b.leads()
+            # a's lease ran out by its own clock too: it does not lead, and says so once.
+            assert not a.leads() and a.token == 0
+            await _until(lambda: told == [True, False])
+            contending.cancel()
+        finally:
+            await _cleanup(redis, a)
+
+    asyncio.run(run())
+
+
+def test_a_leader_whose_renewal_fails_steps_down_at_once(caplog):
+    async def run():
+        redis, (a, b) = await _contenders(2, ttl=30)
+        try:
+            assert await a.acquire()
+            # Another process holds the lease now (ours expired and it took it): the renewal is refused.
+            await redis.set(a.key, "someone-else#99")
+            assert not await a.renew()
+            assert not a.leads() and a.token == 0
+            assert await redis.get(a.key) == b"someone-else#99"  # stepping down gives back only our own lease
+            await redis.delete(a.key)
+            # Redis unreachable while leading: the renewal loop steps down (no lease, no decision).
+            assert await b.acquire()
+            dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+            b._renew = dead.register_script("return 1")
+            renewing = asyncio.create_task(b.run())
+            await _until(lambda: not b.token)
+            assert not b.leads()
+            renewing.cancel()
+            await dead.aclose()
+        finally:
+            await _cleanup(redis, a)
+
+    with caplog.at_level("ERROR", logger="gateway.leadership"):
+        asyncio.run(run())
+    reasons = [r.fields["reason"] for r in caplog.records if r.getMessage() == "leadership_lost"]
+    assert len(reasons) == 2
+    assert "no longer ours" in reasons[0] and "could not be renewed" in reasons[1]
+
+
+def test_a_leader_paused_past_its_lease_decides_nothing_when_it_resumes(caplog):
+    async def run():
+        clock = Clock()
+        redis, (a, b) = await _contenders(2, ttl=10, clock=clock)
+        try:
+            assert await a.acquire()
+            clock.now += 7.9  # under the ttl less its margin (8 s): still leading
+            assert a.leads()
+            assert await a.renew()
+            clock.now += 8.0  # paused (SIGSTOP, a GC pause) for the rest of the lease: not a leader on resume
+            assert not a.leads() and a.token == 0
+            for _ in range(500):  # the give-back runs on the loop
+                if not await redis.exists(a.key):
+                    break
+                await asyncio.sleep(0.02)
+            assert not await redis.exists(a.key)  # given back: the standby takes over at once
+            assert await b.acquire() and b.token > 1
+        finally:
+            await _cleanup(redis, a)
+
+    with caplog.at_level("ERROR", logger="gateway.leadership"):
+        asyncio.run(run())
+    [lost] = [r.fields for r in caplog.records if r.getMessage() == "leadership_lost"]
+    assert "last renewed 8.0s ago" in lost["reason"]
+
+
+@pytest.mark.parametrize("ttl", [3.0])
+def test_the_state_says_who_leads_since_when_and_with_which_token(ttl):
+    async def run():
+        redis, (a,) = await _contenders(1, ttl=ttl)
+        try:
+            assert await a.acquire()
+            state = a.state()
+            assert state["leading"] and state["token"] == a.token and state["since"] > 0
+            assert state["lease_seconds"] == ttl and state["lease_key"] == a.key
+            await a.resign()
+            assert not await redis.exists(a.key) and not a.state()["leading"]
+        finally:
+            await _cleanup(redis, a)
+
+    asyncio.run(run())
