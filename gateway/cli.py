@@ -14,6 +14,7 @@ import os
 import sys
 
 import httpx
+from redis import asyncio as aioredis
 
 from aiohttp import web
 
@@ -23,6 +24,7 @@ from gateway.log import configure_logging, log_event
 from gateway.relays.channel import split_address
 from gateway.relays.flow_process import FlowServer, listening_socket
 from gateway.relays.handshake import MIN_SECRET_BYTES, SECRET_ENV, SecretError, channel_secret, run_secret
+from gateway.relays.leadership import Leadership
 from gateway.relays.relay import run_alone
 from gateway.settings import ConfigError, load_config
 from gateway.settings.keys import UPSTREAM_KEY_ENV
@@ -64,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         f"--role flow-control/relay: a file holding the channel's shared secret (at least {MIN_SECRET_BYTES} "
         f"bytes, the same on every relay and flow control), or set ${SECRET_ENV} instead. The channel is "
         "authenticated (HMAC-SHA256 on every frame), not encrypted: keep it on a network you trust"))
+    p.add_argument("--lease-redis", metavar="URL", default=None, help=(
+        "--role flow-control: run as one of several flow controls that elect a leader through this Redis "
+        "(redis://host:6379/0); only the leader serves relays and decides, each decision carrying its fencing "
+        "token; the others stand by and take over when its lease lapses"))
+    p.add_argument("--lease-name", default="gateway", help=(
+        "--lease-redis: the gateway's name; flow controls of one gateway share it (default %(default)s)"))
+    p.add_argument("--lease-seconds", type=float, default=6.0, help=(
+        "--lease-redis: the lease's length; a leader renews it three times as often and stops deciding when a "
+        "fifth of it is left unrenewed (default %(default)s)"))
     return flags_from_env(p, "gateway")
 
 
@@ -77,7 +88,8 @@ def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> by
     if role == "all":
         for flag, value, needs in (("--relays-listen", args.relays_listen, "flow-control"),
                                    ("--flow-control", args.flow_control, "relay"),
-                                   ("--channel-secret-file", args.channel_secret_file, "relay or flow-control")):
+                                   ("--channel-secret-file", args.channel_secret_file, "relay or flow-control"),
+                                   ("--lease-redis", args.lease_redis, "flow-control")):
             if value is not None:
                 parser.error(f"{flag} goes with --role {needs}; without --role the whole gateway runs here (and "
                              f"--workers N makes a secret of its own for its relays)")
@@ -89,8 +101,10 @@ def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> by
         if args.flow_control is None:
             parser.error("--role relay needs --flow-control HOST:PORT[,HOST:PORT]: where flow control listens "
                          "for relays (its --relays-listen)")
-        if args.relays_listen is not None:
-            parser.error("--relays-listen is flow control's; a relay connects to --flow-control instead")
+        for flag, value in (("--relays-listen", args.relays_listen), ("--lease-redis", args.lease_redis)):
+            if value is not None:
+                parser.error(f"{flag} is flow control's; a relay connects to --flow-control instead (list every "
+                             f"flow control there: it finds the leader)")
         for flag, value in (("--config", args.config), ("--replicas", args.replicas),
                             ("--upstream-api-key", args.upstream_api_key)):
             if value is not None:
@@ -117,6 +131,8 @@ def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> by
             args.relays_listen = split_address(args.relays_listen)
         except ValueError as exc:
             parser.error(f"--relays-listen: {exc}")
+        if args.lease_seconds <= 0.3:
+            parser.error(f"--lease-seconds must be over 0.3 (got {args.lease_seconds:g}); a few seconds suits most")
     try:
         return channel_secret(args.channel_secret_file)
     except SecretError as exc:
@@ -130,9 +146,15 @@ async def serve_workers(gateway: Gateway, host: str, port: int, workers: int, lo
 
 
 async def serve_flow_control(gateway: Gateway, relays_listen: tuple[str, int], secret: bytes,
-                             log_level: str) -> None:
-    """Flow control alone (`--role flow-control`), for relays that connect over TCP."""
-    server = FlowServer(gateway, 0, None, log_level, secret, relays_listen)
+                             log_level: str, args: argparse.Namespace) -> None:
+    """Flow control alone (`--role flow-control`), for relays that connect over TCP; one of several contending for
+    the lease with `--lease-redis`."""
+    leadership = None
+    if args.lease_redis is not None:
+        redis = aioredis.from_url(args.lease_redis, socket_timeout=args.lease_seconds / 3,
+                                  socket_connect_timeout=args.lease_seconds / 3)
+        leadership = Leadership(redis, args.lease_name, ttl=args.lease_seconds)
+    server = FlowServer(gateway, 0, None, log_level, secret, relays_listen, leadership)
     await _serve_relays(server, relays_listen="%s:%d" % relays_listen)
 
 
@@ -252,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     run = uvloop.run if uvloop is not None else asyncio.run
     if args.role == "flow-control":
         assert secret is not None
-        run(serve_flow_control(gateway, args.relays_listen, secret, args.log_level))
+        run(serve_flow_control(gateway, args.relays_listen, secret, args.log_level, args))
     elif args.workers > 1:
         run(serve_workers(gateway, host, port, args.workers, args.log_level))
     else:

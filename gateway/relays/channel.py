@@ -21,7 +21,7 @@ from typing import Callable
 from gateway.log import log_event
 from pydantic import JsonValue
 
-from gateway.relays.handshake import MAX_SEALED_FRAME, FrameSeal, PeerRefused, Role, handshake
+from gateway.relays.handshake import MAX_SEALED_FRAME, FrameSeal, PeerRefused, Role, Standby, handshake
 from gateway.relays.messages import (LENGTH, Answer, Call, CallName, ChannelHeartbeat, Malformed, Message, decode,
                                      dump, frame_length)
 
@@ -170,16 +170,20 @@ def peer_name(writer: asyncio.StreamWriter) -> str:
 
 
 async def secure_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, role: Role,
-                         heartbeat: float) -> Channel | None:
-    """The channel over a connection made either way, once the peer passed the handshake; None (logged, closed)
-    if it failed."""
-    peer = peer_name(writer)
+                         heartbeat: float, standby: bool = False, peer: str | None = None) -> Channel:
+    """The channel over a connection made either way, once the peer passed the handshake; `PeerRefused` (logged,
+    the connection closed) if it failed, `Standby` (logged as such) when the flow control reached does not lead.
+    A flow control that does not lead greets as `standby`."""
+    peer = peer or peer_name(writer)
     try:
-        session = await handshake(reader, writer, secret, role, heartbeat)
+        session = await handshake(reader, writer, secret, role, heartbeat, standby=standby)
     except PeerRefused as exc:
-        log_event(logger, "channel_peer_refused", level=logging.ERROR, peer=peer, reason=exc.reason)
+        if isinstance(exc, Standby):
+            log_event(logger, "flow_control_standby", peer=peer, reason=exc.reason, hint="trying its next address")
+        else:
+            log_event(logger, "channel_peer_refused", level=logging.ERROR, peer=peer, reason=exc.reason)
         writer.close()
-        return None
+        raise
     return Channel(reader, writer, session.seal, peer=peer, heartbeat=heartbeat, peer_heartbeat=session.peer_heartbeat)
 
 
@@ -191,11 +195,7 @@ async def open_channel(address: str, secret: bytes, role: Role, heartbeat: float
     else:
         host, port = split_address(address)
         reader, writer = await asyncio.open_connection(host, port)
-    channel = await secure_channel(reader, writer, secret, role, heartbeat)
-    if channel is None:
-        raise PeerRefused(f"{address} failed the handshake")
-    channel.peer = address
-    return channel
+    return await secure_channel(reader, writer, secret, role, heartbeat, peer=address)
 
 
 def split_address(address: str) -> tuple[str, int]:

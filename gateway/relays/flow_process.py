@@ -9,7 +9,8 @@ relays over a Unix socket, and relays of any host over TCP with `--role flow-con
 (gateway/relays/channel.py: the same authenticated channel both ways), and answers their messages by calling the
 FlowController of the request's model pool exactly as the in-process proxy does. A relay's channel closing (the
 process died, or its channel was cut) releases all it held: queued requests are withdrawn, dispatched ones finished
-as disconnects, so no reservation or in-flight count outlives it.
+as disconnects, so no reservation or in-flight count outlives it. With `--lease-redis` it serves relays and decides
+only while it leads, and takes over what they hold when it comes to lead (gateway/relays/takeover.py).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
 from gateway.relays import messages as m
-from gateway.relays.channel import Channel, secure_channel
-from gateway.relays.handshake import SECRET_ENV
+from gateway.relays.channel import SILENT_HEARTBEATS, Channel, secure_channel
+from gateway.relays.handshake import SECRET_ENV, PeerRefused
+from gateway.relays.leadership import Leadership
+from gateway.relays.takeover import Takeover
+from gateway.relays.uplink import BACKOFF_CAP
 from gateway.replicas import Replica
 from gateway.settings import ConfigError
 
@@ -62,8 +66,10 @@ class _Eviction:
         self.link, self.rid, self.req = link, rid, req
 
     def cancel(self) -> None:
-        self.link.answer(self.rid, self.req)  # the decision before the eviction, if it is still unsent
-        self.link.channel.send(m.Evict(rid=self.rid))
+        takeover = self.link.server.takeover
+        if takeover.decides():
+            self.link.answer(self.rid, self.req)  # the decision before the eviction, if it is still unsent
+            self.link.channel.send(m.Evict(rid=self.rid, token=takeover.token))
 
 
 class RelayLink:
@@ -85,20 +91,23 @@ class RelayLink:
 
     # -- decisions back to the relay ------------------------------------------------------------------------
     def answer(self, rid: int, req: FlowRequest) -> None:
-        """Send the relay flow control's decision on `req` (once)."""
-        if rid in self._answered:
+        """Send the relay flow control's decision on `req` (once), with the leader's token; nothing once this process
+        does not lead (it steps down and closes its channels)."""
+        if rid in self._answered or not self.server.takeover.decides():
             return
+        token = self.server.takeover.token
         if req.status is Status.DISPATCHED:
             self._answered.add(rid)
             lease = req.leased()
             self.channel.send(m.Dispatched(
-                rid=rid, url=lease.replica.url, dispatched_at=lease.dispatched_at, enqueued_at=req.enqueued_at,
+                rid=rid, token=token, url=lease.replica.url, dispatched_at=lease.dispatched_at,
+                enqueued_at=req.enqueued_at,
                 traffic_class=req.traffic_class if lease.reservation is not None else None))
         elif req.status is Status.REJECTED:
             self.requests.pop(rid, None)
             self.controllers.pop(rid, None)
             reason = req.drop_reason or DropReason.NO_ENDPOINTS
-            self.channel.send(m.Rejected(rid=rid, reason=reason.value, message=req.drop_message))
+            self.channel.send(m.Rejected(rid=rid, token=token, reason=reason.value, message=req.drop_message))
 
     def _queued(self, rid: int, req: FlowRequest, waiter: asyncio.Future) -> None:
         if not waiter.cancelled():
@@ -111,7 +120,9 @@ class RelayLink:
                 if (req := self.requests.get(rid)) is not None:
                     self.controllers[rid].revise(req, tokens, done)
             case m.Submit(rid=rid, ask=ask):
-                self._submit(rid, ask)
+                self.submit(rid, ask)
+            case m.Holding():
+                self.server.takeover.adopt(self, message)
             case m.Finished(rid=rid, cause=cause, event_at=event_at, closed_at=closed_at):
                 req = self.requests.pop(rid, None)
                 controller = self.controllers.pop(rid, None)
@@ -145,16 +156,25 @@ class RelayLink:
     def _replica(self, url: str) -> Replica | None:
         return next((r for r in self.server.gateway.pool.replicas if r.url == url), None)
 
-    def _submit(self, rid: int, ask: Ask) -> None:
-        req = FlowRequest(ask)
+    def track(self, rid: int, ask: Ask, controller: FlowController | None) -> FlowRequest:
+        """A request of this relay, by its id, with the controller of its pool."""
+        req = self.requests[rid] = FlowRequest(ask)
         req.task = _Eviction(self, rid, req)
+        if controller is not None:
+            self.controllers[rid] = controller
+        return req
+
+    def submit(self, rid: int, ask: Ask) -> None:
+        if self.server.takeover.holds_back():  # a new leader counts what relays report first
+            self.server.takeover.defer(self, rid, ask)
+            return
         if ask.pool not in self.pools.pools:  # the relay routed by a description a reload has since replaced
+            req = self.track(rid, ask, None)
             moves.reject(req, DropReason.NO_ENDPOINTS)
-            self.requests[rid] = req
             self.answer(rid, req)
             return
-        controller = self.controllers[rid] = self.pools.flow(ask.pool)
-        self.requests[rid] = req
+        controller = self.pools.flow(ask.pool)
+        req = self.track(rid, ask, controller)
         if controller.submit(req) is Outcome.QUEUED:
             assert req.waiter is not None
             req.waiter.add_done_callback(lambda waiter: self._queued(rid, req, waiter))
@@ -167,6 +187,7 @@ class RelayLink:
         controller = self.controllers.pop(rid, None)
         self._answered.discard(rid)
         if req is None or controller is None:
+            self.server.takeover.forget(self, rid)
             return
         if req.status is Status.QUEUED:
             controller.withdraw(req)
@@ -191,10 +212,10 @@ class RelayLink:
 
 class FlowServer:
     """Serves relays over the channel: `workers` local ones it starts on `sock` (Unix socket), and any that connect
-    to `relays_listen` (TCP), all with `secret`."""
+    to `relays_listen` (TCP), all with `secret`. With a `leadership` it serves relays only while it leads."""
 
     def __init__(self, gateway: Gateway, workers: int, sock: socket.socket | None, log_level: str, secret: bytes,
-                 relays_listen: tuple[str, int] | None = None):
+                 relays_listen: tuple[str, int] | None = None, leadership: Leadership | None = None):
         self.gateway = gateway
         self.pools = gateway.pools
         self.workers = workers
@@ -210,6 +231,8 @@ class FlowServer:
         self._relays: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._pool_view: m.PoolView | None = None
+        # A relay notices a silent leader after three of its heartbeats, then finds this one within its longest pause.
+        self.takeover = Takeover(self, leadership, SILENT_HEARTBEATS * self.heartbeat() + BACKOFF_CAP + 1)
         self._dir = tempfile.mkdtemp(prefix="holdback-gateway-")
         self.channel_path = str(Path(self._dir) / "flow.sock")
         self._use_relay_tokenizers()
@@ -239,6 +262,8 @@ class FlowServer:
                            "running": [{"index": link.index, "pid": link.hello.pid, "host": link.hello.host,
                                         "listen": link.hello.listen, "peer": link.channel.peer,
                                         "requests": len(link.requests)} for link in self.links.values()]}
+        lease = self.takeover.leadership
+        state["leadership"] = {**lease.state(), "adopted": self.takeover.adopted} if lease is not None else None
         return state
 
     async def exposition(self) -> bytes:
@@ -287,7 +312,7 @@ class FlowServer:
             assert ledger is not None
             pools.append(m.PoolConfig(name=controller.pool_name, loaded=controller.loaded, ledger=m.LedgerSettings(
                 block_tokens=ledger.block_tokens, safety_factor=ledger.safety_factor, window=ledger.meter.window)))
-        return m.Configure(loaded=self.pools.loaded, pools=tuple(pools))
+        return m.Configure(token=self.takeover.token, loaded=self.pools.loaded, pools=tuple(pools))
 
     def heartbeat(self) -> float:
         return self.pools.loaded.config.flowControl.heartbeatSeconds
@@ -323,8 +348,13 @@ class FlowServer:
 
     # -- the channel ----------------------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = await secure_channel(reader, writer, self.secret, "flow-control", self.heartbeat())
-        if channel is None:
+        try:
+            channel = await secure_channel(reader, writer, self.secret, "flow-control", self.heartbeat(),
+                                           standby=not self.takeover.decides())
+        except PeerRefused:
+            return
+        if not self.takeover.decides():  # a standby: the relay tries its next address
+            channel.close()
             return
         link: RelayLink | None = None
 
@@ -332,6 +362,8 @@ class FlowServer:
             nonlocal link
             if link is not None:
                 link.handle(message)
+            elif isinstance(message, m.Hello) and not self.takeover.decides():
+                channel.close()  # it stepped down during the handshake
             elif isinstance(message, m.Hello):  # the relay's first message
                 link = RelayLink(self, channel, next(self._link_ids), message)
                 self.links[link.link_id] = link
@@ -383,11 +415,17 @@ class FlowServer:
             host, port = self.relays_listen
             servers.append(await asyncio.start_server(self._accept, host, port, reuse_address=True))
         await self.gateway.start()
+        lease = self.takeover.leadership
+        contending = asyncio.create_task(lease.run()) if lease is not None else None
         keepers = [asyncio.create_task(self._keep_relay(i), name=f"relay-{i}") for i in range(self.workers)]
         try:
             await stopped
         finally:
             self._stopping = True
+            if contending is not None and lease is not None:
+                contending.cancel()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(lease.resign(), 2)
             for proc in self._relays.values():
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):

@@ -54,6 +54,10 @@ class PeerRefused(ConnectionError):
         self.reason = reason
 
 
+class Standby(PeerRefused):
+    """The flow control greeted as a standby: another process holds the lease (gateway/relays/leadership.py)."""
+
+
 def channel_secret(path: str | None, environ: Mapping[str, str] | None = None) -> bytes:
     """The shared secret from the file at `path`, else from $HOLDBACK_GATEWAY_CHANNEL_SECRET (surrounding
     whitespace, a file's last newline included, is not part of it)."""
@@ -89,6 +93,8 @@ class Greet:
     role: Role
     nonce: Hex
     heartbeat: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    # A flow control that does not lead says so: a relay then tries its next address.
+    standby: bool = False
 
 
 @dataclass(**_FROZEN)
@@ -172,10 +178,11 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
 
 
 async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, role: Role,
-                    heartbeat: float, timeout: float = HANDSHAKE_SECONDS) -> Session:
-    """Greet, prove and check the peer's proof; `PeerRefused` with the reason when it fails or takes too long."""
+                    heartbeat: float, timeout: float = HANDSHAKE_SECONDS, standby: bool = False) -> Session:
+    """Greet, prove and check the peer's proof; `PeerRefused` with the reason when it fails or takes too long, and
+    (a relay's end) `Standby` when the flow control proved itself but does not lead."""
     peer_role: Role = "flow-control" if role == "relay" else "relay"
-    mine = handshake_frame(Greet(role=role, nonce=secrets.token_hex(32), heartbeat=heartbeat))
+    mine = handshake_frame(Greet(role=role, nonce=secrets.token_hex(32), heartbeat=heartbeat, standby=standby))
     try:
         async with asyncio.timeout(timeout):
             writer.write(mine)
@@ -196,6 +203,8 @@ async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             expected = hmac.digest(receive_key, _PROOF_WORD, "sha256").hex()
             if not hmac.compare_digest(proof.mac, expected):
                 raise PeerRefused("its proof does not verify: it does not hold this channel's secret")
+            if greet.standby and role == "relay":  # said in a greeting its proof vouches for
+                raise Standby("it is a standby flow control, not the leader: another process holds the lease")
     except TimeoutError:
         raise PeerRefused(f"no handshake within {timeout:g}s") from None
     return Session(seal=FrameSeal(send_key, receive_key), peer_heartbeat=greet.heartbeat)

@@ -9,8 +9,10 @@ request with no deadline) travel as JSON's `Infinity`. Nothing here runs code na
 
 Either way: ChannelHeartbeat (so that a silent peer is noticed), Call (a question with an id) and Answer (its
 reply).
-Relay → flow control: Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
-MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict.
+Relay → flow control: Hello, Holding, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
+MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict; each of Configure and the decisions carries
+`token`, the fencing token of the leader that sent it (0 without a lease), and a relay refuses one older than the
+newest it has seen.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from gateway.flow.request import Ask
 from gateway.settings import LoadedConfig
 
 # The protocol's version: a frame of another version is refused (across hosts, the version says which end to
-# upgrade). 2: the handshake and a MAC on every frame; Hello says where the relay runs; ChannelHeartbeat.
-VERSION = 2
+# upgrade). 2: the handshake and a MAC on every frame; Hello says where the relay runs; ChannelHeartbeat. 3: every
+# decision carries the leader's fencing token; Holding re-registers what a relay holds with a new leader.
+VERSION = 3
 # No message is near this (the largest are a config and a /metrics exposition): a longer frame is refused.
 MAX_FRAME = 16 * 1024 * 1024
 LENGTH = struct.Struct(">I")
@@ -64,6 +67,25 @@ class Hello:
     index: int | None
     host: str
     listen: str
+
+
+@dataclass(**_FROZEN)
+class HeldRequest:
+    """A request a relay holds, as it reports it to a new leader: waiting for a decision (`url` None) or running
+    on replica `url` with `output_tokens` relayed so far (its reservation's `traffic_class`, if it has one)."""
+    rid: int
+    ask: Annotated[Ask, AfterValidator(_ask_without_nan)]
+    url: str | None = None
+    traffic_class: str | None = None
+    output_tokens: int = 0
+    streaming: bool = False
+
+
+@dataclass(**_FROZEN)
+class Holding:
+    """Sent right after Hello: everything the relay holds, for a leader that did not decide it to count."""
+    kind: Literal["holding"] = "holding"
+    requests: tuple[HeldRequest, ...]
 
 
 @dataclass(**_FROZEN)
@@ -167,6 +189,7 @@ class PoolConfig:
 class Configure:
     """The gateway's config and each pool's (its own config and its ledger's settings)."""
     kind: Literal["config"] = "config"
+    token: int
     loaded: LoadedConfig
     pools: tuple[PoolConfig, ...]
 
@@ -199,6 +222,7 @@ class Dispatched:
     (the relay keeps a mirror of it)."""
     kind: Literal["dispatched"] = "dispatched"
     rid: int
+    token: int
     url: str
     dispatched_at: Number
     enqueued_at: Number
@@ -209,6 +233,7 @@ class Dispatched:
 class Rejected:
     kind: Literal["rejected"] = "rejected"
     rid: int
+    token: int
     reason: str
     message: str | None = None
 
@@ -218,6 +243,7 @@ class Evict:
     """Flow control evicted request `rid`: the relay cancels its proxy task."""
     kind: Literal["evict"] = "evict"
     rid: int
+    token: int
 
 # -- both ways -----------------------------------------------------------------------------------------------
 
@@ -251,9 +277,9 @@ class Answer:
     value: JsonValue = None
 
 
-Message = Union[Hello, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown, MarkUnauthorized,
-                TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, ChannelHeartbeat, Call,
-                Answer]
+Message = Union[Hello, Holding, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
+                MarkUnauthorized, TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, ChannelHeartbeat,
+                Call, Answer]
 
 
 # A frame's JSON: [the protocol version, the message].

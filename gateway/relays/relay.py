@@ -59,10 +59,14 @@ class Relay:
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
         self._view = m.PoolView(replicas=(), routing=())
         self._reported: dict | None = None
+        # The newest fencing token a flow control sent: a decision with an older one comes from a deposed leader.
+        self.token = 0
 
     # -- messages from flow control -------------------------------------------------------------------------
     def handle(self, message: m.Message) -> None:
         pools = self.pools
+        if isinstance(message, (m.Dispatched, m.Evict, m.Rejected, m.Configure)) and not self._fenced(message):
+            return
         match message:
             case m.Dispatched() | m.Evict() | m.Rejected() if pools is not None:
                 pools.decided(message)
@@ -77,6 +81,16 @@ class Relay:
                 self.uplink.reply(message.call_id, metric_families(self.metrics.registry))
             case _:
                 log_event(logger, "flow_message_unexpected", level=logging.ERROR, kind=message.kind)
+
+    def _fenced(self, message: m.Dispatched | m.Evict | m.Rejected | m.Configure) -> bool:
+        """Whether `message` comes from the newest leader this relay has heard of (refused, and logged, if not)."""
+        if message.token < self.token:
+            log_event(logger, "decision_refused", level=logging.ERROR, kind=message.kind, token=message.token,
+                      newest_token=self.token, reason="an older fencing token than the newest leader's: it comes "
+                      "from a flow control that no longer leads")
+            return False
+        self.token = message.token
+        return True
 
     def _configure(self, message: m.Configure) -> None:
         """The gateway's config, and each pool's with its ledger's settings."""
@@ -104,6 +118,8 @@ class Relay:
     # -- the channel coming and going (Uplink.run) ----------------------------------------------------------
     def joined(self) -> None:
         self.uplink.send(m.Hello(pid=os.getpid(), index=self.index, host=socket.gethostname(), listen=self.listen))
+        if self.pools is not None:  # a flow control that did not decide what this relay holds counts it first
+            self.uplink.send(m.Holding(requests=self.pools.holding()))
         self._reported = None  # a new flow control learns the prompt counter's state again
 
     def left(self, reason: str) -> None:

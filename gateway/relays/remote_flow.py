@@ -127,9 +127,22 @@ class RemotePools:
         decision are answered as unreachable; dispatched ones run to their end. Returns how many were waiting."""
         waiting = [req for req in self.requests.values() if req.status is Status.QUEUED]
         for req in waiting:
-            self._flows[req.pool].rejected(req, m.Rejected(rid=req.seq, reason=DropReason.NO_ENDPOINTS.value,
+            self._flows[req.pool].rejected(req, m.Rejected(rid=req.seq, token=0, reason=DropReason.NO_ENDPOINTS.value,
                                                            message=UNREACHABLE))
         return len(waiting)
+
+    def holding(self) -> tuple[m.HeldRequest, ...]:
+        """What this relay holds, as it reports it to a flow control it (re)joins: each request running on its
+        replica with the output so far, or waiting for a decision."""
+        held = []
+        for rid, req in self.requests.items():
+            lease, res = req.lease, req.reservation
+            url = lease.replica.url if req.status is Status.DISPATCHED and lease is not None else None
+            held.append(m.HeldRequest(rid=rid, ask=req.ask, url=url,
+                                      traffic_class=req.traffic_class if res is not None else None,
+                                      output_tokens=res.output_tokens if res is not None else 0,
+                                      streaming=url is not None and lease is not None and lease.streaming_started))
+        return tuple(held)
 
     def lost(self) -> None:
         """Flow control is gone and the relay stops: it cancels what it holds."""

@@ -36,7 +36,7 @@ def test_both_ends_pass_the_handshake_and_open_each_others_frames():
         assert isinstance(relay, Session) and isinstance(flow, Session)
         assert relay.peer_heartbeat == flow.peer_heartbeat == 0.5
         for n in range(3):
-            body = m.dump(m.Evict(rid=n))
+            body = m.dump(m.Evict(token=n, rid=n))
             frame = relay.seal.seal(body)
             assert flow.seal.open(frame[m.LENGTH.size:]) == body
         back = flow.seal.seal(b"x")
@@ -66,7 +66,7 @@ def test_a_peer_greeting_in_the_wrong_role_or_version_is_refused():
         reader, writer = await asyncio.open_connection(sock=a)
         old = b'[1, {"kind": "hello", "pid": 1, "index": 0}]'  # a relay of version 1 says hello at once
         b.sendall(m.LENGTH.pack(len(old)) + old)
-        with pytest.raises(PeerRefused, match="protocol version 1, this end 2"):
+        with pytest.raises(PeerRefused, match=f"protocol version 1, this end {m.VERSION}"):
             await handshake(reader, writer, SECRET, "flow-control", 1.0)
 
     asyncio.run(run())
@@ -114,7 +114,7 @@ def test_a_channel_closes_on_a_frame_that_fails_its_mac_saying_why(caplog):
         ours, theirs, seal, peer = _channel_pair()
         channel = Channel(*await asyncio.open_connection(sock=ours), seal, peer="test peer")
         serving = asyncio.create_task(channel.serve(lambda message: None))
-        good = peer.seal(m.dump(m.Evict(rid=1)))
+        good = peer.seal(m.dump(m.Evict(token=1, rid=1)))
         theirs.sendall(good + good)  # the second one is a replay
         async with asyncio.timeout(30):
             await serving
@@ -173,6 +173,11 @@ def test_the_secret_comes_from_a_file_or_the_variable_and_must_be_long_enough(tm
     (["--role", "relay", "--flow-control", "127.0.0.1:1", "--config", "x.yaml"],
      "--config: a relay takes its config from flow control"),
     (["--role", "relay", "--flow-control", "127.0.0.1:1", "--workers", "2"], "--workers is for the whole gateway"),
+    (["--role", "relay", "--flow-control", "127.0.0.1:1", "--lease-redis", "redis://x"],
+     "--lease-redis is flow control's"),
+    (["--lease-redis", "redis://127.0.0.1:6379/0"], "--lease-redis goes with --role flow-control"),
+    (["--role", "flow-control", "--relays-listen", "127.0.0.1:1", "--lease-redis", "redis://x", "--lease-seconds",
+      "0"], "--lease-seconds must be over 0.3"),
     (["--role", "flow-control"], "--role flow-control needs --relays-listen"),
     (["--role", "flow-control", "--relays-listen", "127.0.0.1:1", "--port", "8200"],
      "--role flow-control serves no clients"),

@@ -48,6 +48,9 @@ BY_FIELD = {"ask": asks, "replicas": st.lists(replica_views, max_size=3).map(tup
             "loaded": configs, "state": st.dictionaries(texts, json_values, max_size=4), "value": json_values,
             "args": st.lists(json_values, max_size=3).map(tuple),
             "every": st.floats(min_value=0.001, max_value=3600),
+            "requests": st.lists(st.builds(m.HeldRequest, rid=st.integers(0, 2**31), ask=asks, url=st.none() | texts,
+                                           traffic_class=st.none() | texts, output_tokens=st.integers(0, 2**31),
+                                           streaming=st.booleans()), max_size=3).map(tuple),
             "pools": st.lists(st.builds(m.PoolConfig, name=texts, loaded=configs, ledger=ledgers),
                               max_size=2).map(tuple)}
 BY_TYPE = {"int": st.integers(-2**63, 2**63 - 1), "int | None": st.none() | st.integers(0, 2**31), "str": texts,
@@ -87,7 +90,7 @@ def test_every_message_round_trips_through_the_codec(cls, data):
     (b'[1, {"kind": "finish", "rid": 1, "cause": "boredom"}]', "finish.cause"),
     (b'[1, {"kind": "call", "call_id": 1, "name": "exec", "args": []}]', "call.name"),
     (b'[1, {"kind": "os.system", "rid": 1}]', "does not match any of the expected tags"),
-    (b'[1, {"kind": "evict", "rid": 1}]', "protocol version 1; this gateway speaks 2"),
+    (b'[1, {"kind": "evict", "rid": 1, "token": 0}]', f"protocol version 1; this gateway speaks {m.VERSION}"),
     (b'[2, {"kind": "heartbeat", "every": 0}]', "heartbeat.every"),
     (b'{"kind": "evict", "rid": 1}', "(frame)"),
 ])
@@ -110,7 +113,8 @@ def test_a_channel_skips_a_malformed_frame_and_closes_on_an_oversized_one(caplog
         peer = FrameSeal(b"j" * 32, b"k" * 32)
         handled: list = []
         serving = asyncio.create_task(channel.serve(handled.append))
-        theirs.sendall(peer.seal(b"garbage") + peer.seal(b'[2, {"kind": "nope"}]') + peer.seal(m.dump(m.Evict(rid=7))))
+        theirs.sendall(peer.seal(b"garbage") + peer.seal(b'[2, {"kind": "nope"}]')
+                       + peer.seal(m.dump(m.Evict(token=0, rid=7))))
         async with asyncio.timeout(30):
             while not handled:
                 await asyncio.sleep(0.01)
@@ -121,7 +125,7 @@ def test_a_channel_skips_a_malformed_frame_and_closes_on_an_oversized_one(caplog
         return handled
 
     with caplog.at_level("ERROR", logger="gateway.channel"):
-        assert asyncio.run(main()) == [m.Evict(rid=7)]
+        assert asyncio.run(main()) == [m.Evict(token=0, rid=7)]
     assert [r.getMessage() for r in caplog.records] == ["channel_frame_refused"] * 3
     refused = [r.fields for r in caplog.records]
     assert all(r["peer"] == "test peer" and r["error"] for r in refused)

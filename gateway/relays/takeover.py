@@ -1,0 +1,160 @@
+"""A flow control's leadership as its relays see it: whether it may decide now (and the fencing token on what it
+decides), what a leader that steps down lets go of, and how a new leader takes over what relays hold.
+
+Right after `Hello` a relay reports everything it holds (`Holding`). Each running request is adopted as it stands:
+counted on its replica, its band and the pool, and reserved in the KV ledger with the tokens relayed so far,
+without a new dispatch. A leader whose term follows another's (its fencing token is above 1) holds new submissions
+back for `window` seconds after taking the lease, the time a relay may take to notice the old leader is gone and to
+find this one, so that what relays report is counted before anything new is dispatched; then it submits them in
+the order they came (each still bounded by its deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+
+from gateway.flow import moves
+from gateway.flow.controller import FlowController
+from gateway.flow.request import Ask, FlowRequest, Lease
+from gateway.log import log_event
+from gateway.metrics import PREFIX
+from gateway.relays import messages as m
+from gateway.relays.leadership import Leadership
+from gateway.replicas import Replica
+
+if TYPE_CHECKING:
+    from gateway.relays.flow_process import FlowServer, RelayLink
+
+logger = logging.getLogger("gateway.flow")
+
+
+class Takeover:
+    def __init__(self, server: "FlowServer", leadership: Leadership | None, window: float):
+        self.server = server
+        self.leadership = leadership
+        self.window = window
+        # New submissions wait until then (monotonic), by (link id, relay's id), in the order they came.
+        self.until = 0.0
+        self.waiting: dict[tuple[int, int], tuple["RelayLink", Ask]] = {}
+        self.adopted = 0
+        if leadership is not None:
+            leadership.on_change.append(self._changed)
+            server.gateway.metrics.registry.register(_LeadershipCollector(self))
+
+    def decides(self) -> bool:
+        """Whether this process may decide now: always without a lease, else only while it holds it."""
+        return self.leadership is None or self.leadership.leads()
+
+    @property
+    def token(self) -> int:
+        """The fencing token every decision carries (0 without a lease)."""
+        return self.leadership.token if self.leadership is not None else 0
+
+    def holds_back(self) -> bool:
+        return bool(self.waiting) or time.monotonic() < self.until
+
+    def _changed(self, leading: bool) -> None:
+        if not leading:
+            # A leader that stepped down holds nothing: its relays find the new leader and re-register there.
+            for link in list(self.server.links.values()):
+                link.channel.close()
+            return
+        if self.token > 1:  # another led before: what its relays hold comes first
+            self.until = time.monotonic() + self.window
+            asyncio.get_running_loop().call_later(self.window, self._release)
+            log_event(logger, "takeover_started", token=self.token, holding_new_requests_seconds=self.window)
+
+    def defer(self, link: "RelayLink", rid: int, ask: Ask) -> None:
+        self.waiting[(link.link_id, rid)] = (link, ask)
+
+    def forget(self, link: "RelayLink", rid: int) -> None:
+        self.waiting.pop((link.link_id, rid), None)
+
+    def _release(self) -> None:
+        if time.monotonic() < self.until:  # a later term's window
+            return
+        waiting, self.waiting = self.waiting, {}
+        if self.decides():
+            log_event(logger, "takeover_done", token=self.token, adopted=self.adopted, submitting=len(waiting))
+        for (_, rid), (link, ask) in waiting.items():
+            if not link.channel.closed and self.decides():
+                link.submit(rid, ask)
+
+    # -- what a relay reports -------------------------------------------------------------------------------
+    def adopt(self, link: "RelayLink", holding: m.Holding) -> None:
+        """Count what the relay holds before this leader dispatches anything new; ask again what waited."""
+        now, running, skipped = time.monotonic(), 0, []
+        for held in holding.requests:
+            if held.url is None:
+                link.submit(held.rid, held.ask)
+                continue
+            replica = next((r for r in self.server.gateway.pool.replicas if r.url == held.url), None)
+            if replica is None or held.ask.pool not in link.pools.pools:
+                skipped.append(held.url)  # a replica or pool this config no longer has: nothing to count it on
+                continue
+            controller = link.pools.flow(held.ask.pool)
+            req = link.track(held.rid, held.ask, controller)
+            adopt_running(controller, req, replica, held, now)
+            running += 1
+        self.adopted += running
+        log_event(logger, "relay_reregistered", relay=link.index, peer=link.channel.peer, token=self.token,
+                  running=running, waiting=len(holding.requests) - running - len(skipped), skipped=len(skipped))
+
+
+def adopt_running(controller: FlowController, req: FlowRequest, replica: Replica, held: m.HeldRequest,
+                  now: float) -> None:
+    """Count a request another leader dispatched as running on `replica`, as the controller counts a dispatch (its
+    slot, its band's and pool's in-flight, a KV reservation with the output so far), but without dispatching it."""
+    req.seq = req.place = next(controller._seq)  # victims are told apart by it
+    req.traffic_class = (held.traffic_class or controller.traffic_classes.get(req.priority)
+                         or controller.loaded.config.traffic_class(req.priority))
+    band = controller.bands.band_for(req.priority, controller.loaded.config)
+    lease = Lease(replica, now)
+    lease.streaming_started = held.streaming
+    moves.dispatch(req, lease)
+    replica.in_flight += 1
+    band.in_flight += 1
+    controller.in_flight += 1
+    admission, ledger = controller.admission, controller.ledger
+    if admission is not None and ledger is not None:
+        demand = admission.within_context(controller.demand(req), controller.pool.healthy())
+        lease.reservation = ledger.reserve(
+            request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
+            priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
+            max_new_tokens=demand.output_tokens, block_size=admission.block_size(replica), now=now)
+        if held.output_tokens:
+            ledger.revise(lease.reservation, held.output_tokens, now)
+    if req.sheddable and not req.in_floor:
+        controller.eviction.evictor.track(req)
+    else:
+        controller.eviction.dispatched(req)
+
+
+class _LeadershipCollector:
+    """/metrics: whether this flow control leads, its fencing token, since when, and its relays."""
+
+    def __init__(self, takeover: Takeover):
+        self.takeover = takeover
+
+    def collect(self):
+        takeover, lease = self.takeover, self.takeover.leadership
+        assert lease is not None
+        leading = GaugeMetricFamily(f"{PREFIX}_flow_control_leader", "1 while this flow control holds the lease.")
+        leading.add_metric([], float(takeover.decides()))
+        token = GaugeMetricFamily(f"{PREFIX}_flow_control_fencing_token", "The fencing token of this process's "
+                                  "term as leader (0 while it stands by).")
+        token.add_metric([], float(lease.token))
+        since = GaugeMetricFamily(f"{PREFIX}_flow_control_leader_since_seconds", "Unix time this process's term "
+                                  "as leader began (0 while it stands by).")
+        since.add_metric([], float(lease.since or 0))
+        relays = GaugeMetricFamily(f"{PREFIX}_flow_control_relays", "Relays connected to this flow control.")
+        relays.add_metric([], float(len(takeover.server.links)))
+        adopted = GaugeMetricFamily(f"{PREFIX}_flow_control_adopted_requests", "Running requests relays "
+                                    "re-registered with this process when it took over.")
+        adopted.add_metric([], float(takeover.adopted))
+        return [leading, token, since, relays, adopted]
