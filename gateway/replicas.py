@@ -11,10 +11,11 @@ detector, the KV admission policy and /admin/state. A replica that answers 401/4
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import aiohttp
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("gateway.replicas")
 
-# Learning a replica's slots (Replica.see_slots): requests waiting while its KV is at most this full and the
-# same number running, at every scrape for this long.
+# Learning a replica's slots (Replica.see_slots): requests waiting for no KV (the prompts flow control sent there
+# fit its free blocks; untold, its KV at most this full) and the same number running, at every scrape for this long.
 LEARN_KV_BELOW = 0.5
 LEARN_SECONDS = 2.0
 # A replica's answers that mean the gateway's key is missing or wrong.
@@ -54,6 +55,11 @@ class Replica:
     slots_seen: tuple[float, int] | None = None
     slots_dipped: bool = False  # the last scrape of that run showed fewer running while requests waited
     peak_running: int = 0
+    # The prompts (tokens; 0: not counted exactly) of the requests flow control sent here that have not answered
+    # yet, which vLLM may hold in its waiting queue (told with KV admission on, which counts them), and the most of
+    # them and the largest prompt since the last scrape began, whose numbers may show any of them waiting.
+    awaited: collections.Counter[int] = field(default_factory=collections.Counter)
+    awaited_seen: tuple[int, int | None] = (0, 0)  # (count, largest prompt; None: one was not counted exactly)
     engine: ReplicaEngine | None = None
     # Scraped from /metrics; metrics_at is the monotonic time of the last good scrape (0: never).
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc averaged over data-parallel engines
@@ -111,15 +117,14 @@ class Replica:
         vLLM runs at most --max-num-seqs requests and queues the rest, but it also queues a request its KV cannot
         hold or its step's token budget has no room for, and a replica whose metrics are read between steps
         (the simulator) shows the requests that arrived during a step as waiting. Only a slot limit pins the
-        running count while requests wait: so the slots are learned from scrapes in a row, spanning
-        LEARN_SECONDS, at which the KV was at most half used (no request waits for KV then, short of one needing
-        half the pool) and the same number ran, the most this replica has run since it came up, with requests
-        waiting at the first and the last of them. A scrape in between at which none waited is neither, whatever
-        ran (nothing waiting says nothing of slots), and so is one that shows fewer running while requests wait
-        unless the next does too (vLLM's numbers may be read between a step's finishes and the next step's
-        refill). Any other scrape starts again; an engine with free slots runs a request that waited at its next
-        step, so a running count pinned with requests waiting is not seen for long unless slots pin it. vLLM never
-        runs more than its slots, so a running count above the learned slots raises them. Learned slots are
+        running count while requests wait: so the slots are learned from scrapes in a row, spanning LEARN_SECONDS, at
+        which no request waited for KV (`waits_for_no_kv`) and the same number ran, the most this replica has run
+        since it came up, with requests waiting at the first and the last of them. A scrape in between at which none
+        waited is neither, whatever ran (nothing waiting says nothing of slots), and so is one that shows fewer
+        running while requests wait unless the next does too (vLLM's numbers may be read between a step's finishes and
+        the next step's refill). Any other scrape starts again; an engine with free slots runs a request that waited
+        at its next step, so a running count pinned with requests waiting is not seen for long unless slots pin it.
+        vLLM never runs more than its slots, so a running count above the learned slots raises them. Learned slots are
         forgotten when the replica goes down (it may come back with other flags)."""
         running = int(self.running) if self.running is not None else 0
         self.peak_running = max(self.peak_running, running)
@@ -129,8 +134,8 @@ class Replica:
             self.learned_slots = running
         else:
             kv = self.kv_usage_max if self.kv_usage_max is not None else self.kv_usage
-            kv_free = kv is not None and kv <= LEARN_KV_BELOW
-            if kv_free and (self.waiting or 0) < 1:
+            kv_free = self.waits_for_no_kv(kv, running)
+            if (self.waiting or 0) < 1:
                 # Nothing waits: no sign of a slot limit or of its absence. Ten requests on eight slots leave
                 # none waiting whenever two end close together, and a fast engine runs nothing at all for a moment
                 # while the next requests are still on their way to it. It neither starts a run nor ends one.
@@ -160,6 +165,40 @@ class Replica:
         if self.engine is not None:
             self.take_engine(self.engine)
         return True
+
+    def waits_for_no_kv(self, kv: float | None, running: int) -> bool:
+        """Whether the requests the last scrape shows waiting (`kv`: its fullest engine's KV usage) wait for no KV.
+
+        vLLM admits the head of its waiting queue at a step once its free blocks hold the whole uncached prompt
+        (vLLM 0.34, vllm/v1/core/sched/scheduler.py, `Scheduler.schedule`: the waiting loop stops at the head when
+        `KVCacheManager.allocate_slots` in vllm/v1/core/kv_cache_manager.py finds fewer free blocks than the full
+        sequence needs, `scheduler_reserve_full_isl` being on by default and the `--watermark` 0), after the running
+        requests took the block their next token may need (the running loop goes first). So when no more wait than
+        the requests sent here that have not answered, and the free blocks hold the largest of their prompts, one
+        block more and a block per running request, none waits for KV. Otherwise (prompts not told, requests of
+        others or preempted ones waiting, the pool not known yet) only a KV at most half used says so."""
+        count, largest = self.awaited_seen
+        if (kv is not None and self.num_gpu_blocks and self.kv_block_size and largest
+                and (self.waiting or 0) <= count):
+            free = (1.0 - kv) * (self.num_gpu_blocks - 1)  # vLLM's usage leaves its null block out
+            return free >= -(-largest // self.kv_block_size) + 1 + running
+        return kv is not None and kv <= LEARN_KV_BELOW
+
+    def sent(self, prompt_tokens: int) -> None:
+        """Flow control sent it a request of `prompt_tokens` (0: not counted exactly) that has not answered yet."""
+        self.awaited[prompt_tokens] += 1
+        count, largest = self.awaited_seen
+        exact = prompt_tokens > 0 and largest is not None
+        self.awaited_seen = (max(count, self.awaited.total()), max(largest, prompt_tokens) if exact else None)
+
+    def scrape_began(self) -> None:
+        self.awaited_seen = (self.awaited.total(), None if 0 in self.awaited else max(self.awaited, default=0))
+
+    def answered(self, prompt_tokens: int) -> None:
+        """A request `sent` here answered (its first byte went out), ended or moved to another replica."""
+        self.awaited[prompt_tokens] -= 1
+        if self.awaited[prompt_tokens] <= 0:
+            del self.awaited[prompt_tokens]
 
     @property
     def slots_learned(self) -> bool:
@@ -367,6 +406,7 @@ class ReplicaPool:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
         try:
             dispatches_before = replica.dispatches
+            replica.scrape_began()
             filtered = replica.metrics_filtered is not False
             path = FILTERED_METRICS if filtered else "/metrics"
             async with self._session.get(replica.url + path, headers=METRICS_HEADERS, timeout=timeout) as resp:

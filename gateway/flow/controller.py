@@ -387,8 +387,7 @@ class FlowController:
         self.in_flight += 1
         if req.sheddable and not req.in_floor:
             self.eviction.evictor.track(req)
-        else:
-            self.eviction.dispatched(req)
+        self.eviction.dispatched(req)
         self.tally.dispatch(req, band.priority, replica.url, path, now)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.DISPATCHED)

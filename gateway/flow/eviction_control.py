@@ -70,6 +70,10 @@ class EvictionControl:
         # Dispatched non-sheddable requests whose answer has not begun, on replicas whose engine slots are known
         # (maxNumSeqs): each may be waiting inside vLLM behind running batch work.
         self.awaiting: set[FlowRequest] = set()
+        # Every dispatched request not answering yet -> the replica told its prompt (`Replica.sent`: KV admission
+        # counts prompts; 0 when only estimated) and that prompt: what its vLLM may hold waiting, so that its slots
+        # are learned while its KV is over half used.
+        self.unanswered: dict[FlowRequest, tuple[Replica, int]] = {}
         # Engine slots the last blocked-band decision freed on each replica, and that decision's time: the request
         # it was for is dispatched in the same cycle (the same time) and takes one, so it is not also counted as
         # waiting inside that replica (which would evict a second running request for it).
@@ -153,6 +157,11 @@ class EvictionControl:
 
     def dispatched(self, req: FlowRequest) -> None:
         lease = req.leased()
+        if self.host.admission is not None and self.unanswered.get(req, (None,))[0] is not lease.replica:
+            self._answered(req)  # moved from another replica
+            prompt = req.prompt_tokens if req.ask.prompt_exact else 0
+            self.unanswered[req] = (lease.replica, prompt)
+            lease.replica.sent(prompt)
         if not req.sheddable and lease.replica.max_num_seqs is not None:
             self.awaiting.add(req)
             if lease.dispatched_at == self.freed_at and self.freed[lease.replica] > 0:
@@ -162,6 +171,12 @@ class EvictionControl:
     def answering(self, req: FlowRequest) -> None:
         """Its first body chunk went out (or it ended): it waits for no slot."""
         self.awaiting.discard(req)
+        self._answered(req)
+
+    def _answered(self, req: FlowRequest) -> None:
+        told = self.unanswered.pop(req, None)
+        if told is not None:
+            told[0].answered(told[1])
 
     # -- one victim -----------------------------------------------------------------------------------------
     def evict(self, victim: FlowRequest, now: float, trigger: Trigger, **fields: object) -> None:
@@ -184,7 +199,7 @@ class EvictionControl:
     def finished(self, req: FlowRequest, evicted: bool, closed: float) -> None:
         """A dispatched request ended; an evicted one's upstream closed at `closed` (the eviction is confirmed)."""
         self.evictor.untrack(req)
-        self.awaiting.discard(req)
+        self.answering(req)
         if not evicted:
             return
         latency = self.evictor.confirm(req, closed)
