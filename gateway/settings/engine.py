@@ -30,8 +30,9 @@ class ReplicaEngine(SettingsModel):
     # evicts a running batch one on that replica.
     maxNumSeqs: int | None = Field(default=None, gt=0)
     # With maxNumSeqs unset: learn it from the replica's metrics, which vLLM does not report as such. A replica
-    # that keeps requests waiting for 2 s while its KV is mostly free and the same number, its most, run is
-    # running all it may: that number is its slots (gateway/README.md, "Engine slots learned").
+    # that keeps requests waiting for 2 s while its free KV blocks hold their prompts (those the gateway sent that
+    # have not answered; untold, while its KV is at most half used) and the same number, its most, run is running
+    # all it may: that number is its slots (gateway/README.md, "Engine slots learned").
     learnMaxNumSeqs: bool = True
     # Requests beyond maxNumSeqs (or the learned slots, once learned) the gateway may keep waiting inside vLLM
     # (its queue, priority-ordered there under `priority`): a freed slot is filled within the engine's next step
