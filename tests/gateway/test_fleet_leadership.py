@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import uuid
 
 import httpx
@@ -76,6 +77,14 @@ class LeasedFleet:
         self.redis.close()
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def state(relay: str) -> dict | None:
     try:
         answer = httpx.get(relay + "/admin/state", timeout=5)
@@ -132,6 +141,7 @@ def test_a_killed_leaders_streams_run_on_and_are_re_registered_with_the_standby_
     poll(fleet.leader, 60, "flow-a to take the lease", lambda: stack.procs.log("flow-a"))
     assert fleet.leader()[0] == first.pid
     fleet.flow_control("flow-b")
+    poll(lambda: _accepts(fleet.ports["flow-b"]), 60, "flow-b to listen for relays", lambda: stack.procs.log("flow-b"))
     # The standby is listed first: the relay is turned away there and serves through the leader.
     relay = fleet.relay("relay", ["flow-b", "flow-a"])
     poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to be ready",
@@ -162,6 +172,12 @@ def test_a_killed_leaders_streams_run_on_and_are_re_registered_with_the_standby_
             assert taken["totals"]["dispatched"] == 0
             assert taken["kv"]["replicas"][sim]["reserved_blocks"] >= STREAMS * BLOCKS // 2
             assert not any(h.task.done() for h in held)
+            exposition = httpx.get(relay + "/metrics", timeout=10).text.splitlines()
+            new_token = taken["leadership"]["token"]
+            for line in ("holdback_gateway_flow_control_leader 1.0", "holdback_gateway_flow_control_relays 1.0",
+                         f"holdback_gateway_flow_control_fencing_token {float(new_token)}",
+                         f"holdback_gateway_flow_control_adopted_requests {float(STREAMS)}"):
+                assert line in exposition, [x for x in exposition if "flow_control_" in x]
             # A new request waits for the takeover, then runs in the slot left: never more than SLOTS on it.
             answer = await client.post("/v1/completions", json=blocks_body(2, 8, stream=False),
                                        headers=hdr("standard"))
