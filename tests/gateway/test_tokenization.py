@@ -10,7 +10,7 @@ from gateway.replicas import Replica
 from gateway.settings import Admission, ConfigError, parse_config
 from gateway.request_size import output_limit
 from gateway.tokenization import InProcess, PromptCounter, candidates, find_tokenizer_json, load_local_tokenizer
-from tests.support import poll
+from tests.support import poll, served
 
 tokenizers = pytest.importorskip("tokenizers", reason="admission.tokenizer `local` needs the tokenizers package "
                                  "(pip install '.[local-tokenizer]')")
@@ -230,20 +230,11 @@ def test_what_only_the_replica_renders_reaches_its_tokenize():
     async def main():
         app = web.Application()
         app.router.add_post("/tokenize", tokenize)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         counter = PromptCounter(Admission(tokenizer="replica"))
-        try:
-            async with aiohttp.ClientSession() as session:
-                counted = [await counter.count(chat, "/v1/chat/completions", session, Replica(url, healthy=True)),
-                           await counter.count({"model": "m", "prompt": "hi", "add_special_tokens": False},
-                                               "/v1/completions", session, Replica(url, healthy=True))]
-        finally:
-            await runner.cleanup()
-        return counted
+        async with served(app) as url, aiohttp.ClientSession() as session:
+            return [await counter.count(chat, "/v1/chat/completions", session, Replica(url, healthy=True)),
+                    await counter.count({"model": "m", "prompt": "hi", "add_special_tokens": False},
+                                        "/v1/completions", session, Replica(url, healthy=True))]
 
     counted = asyncio.run(main())
     assert [c.prompt_tokens for c in counted] == [42, 42] and all(c.exact for c in counted)
