@@ -157,7 +157,8 @@ class EvictionControl:
 
     def dispatched(self, req: FlowRequest) -> None:
         lease = req.leased()
-        if self.host.admission is not None and self.unanswered.get(req, (None,))[0] is not lease.replica:
+        if (self.host.admission is not None and not lease.streaming_started  # a new leader adopts ones that stream
+                and self.unanswered.get(req, (None,))[0] is not lease.replica):
             self._answered(req)  # moved from another replica
             prompt = req.prompt_tokens if req.ask.prompt_exact else 0
             self.unanswered[req] = (lease.replica, prompt)
