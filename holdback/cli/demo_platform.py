@@ -1,9 +1,9 @@
 """The small platform `holdback demo` runs on: a `holdback up` of its own, in a fresh data dir on free ports, with
 one simulated replica sized to saturate (few slots, a KV pool that binds) and the embedded Redis and SQLite. Its
 gateway runs the shipped config with two changes a deployment makes: the replica's slots (`engine.maxNumSeqs`,
-its --max-num-seqs, as docs/real-vllm.md says; on a replica whose KV is over half used the gateway cannot learn
-them) and, for a single tenant, its KV shares at 1.0 (docs/choosing-settings.md; the shipped 0.15 would let the
-demo's one tenant hold 15% of the KV).
+its --max-num-seqs, as docs/real-vllm.md says; untold, the gateway learns them about 2 s into the replica's first
+saturation, which can fall inside the demo's short window) and, for a single tenant, its KV shares at 1.0
+(docs/choosing-settings.md; the shipped 0.15 would let the demo's one tenant hold 15% of the KV).
 
 It is started from this environment minus every `HOLDBACK_*`, `DATABASE_URL` and `REDIS_URL` variable, so a
 platform the user already runs (`make up`, a PostgreSQL, real replicas) is neither used nor disturbed. It dies
