@@ -199,6 +199,8 @@ class FlowController:
         self.floor.ended(req)
         if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
+                if self.admission is not None:
+                    self.admission.released(req.leased().replica, req.reservation.used_kv_tokens)
                 if evicted:
                     self.tally.release(req, "evict", req.evicted_at, now, closed)
                 else:

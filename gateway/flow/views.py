@@ -113,6 +113,10 @@ class ReplicaView(Protocol):
 
     def metrics_fresh(self, now: float, staleness: float) -> bool: ...
 
+    # Monotonic time of its last good scrape (0: never): what it reported is as of then.
+    @property
+    def metrics_at(self) -> float: ...
+
 
 class TotalsView(Protocol):
     """The ledger's totals for one fairness id or one traffic class."""

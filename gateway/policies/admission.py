@@ -111,6 +111,9 @@ class KvAdmission:
                                     else cfg.default_pool_tokens())
         self.batch_cap = 1.0 - cfg.interactiveReserve
         self.queue_deadline = cfg.queueDeadlineMs / 1000.0
+        # Per replica: KV tokens its reservations that ended since its last scrape held (`released`), with that
+        # scrape's time.
+        self._freed: dict[str, tuple[float, int]] = {}
 
     # -- capacity ---------------------------------------------------------------------------------------------
     def block_size(self, replica: ReplicaView) -> int:
@@ -120,9 +123,23 @@ class KvAdmission:
         return reported_pool_tokens(replica, self.block_size(replica)) or self.default_pool_tokens
 
     def occupancy(self, replica: ReplicaView) -> float:
-        """KV tokens taken on the replica: the larger of what it reports and what we reserved there."""
-        scraped = (replica.kv_usage or 0.0) * self.pool_tokens(replica)
+        """KV tokens taken on the replica: the larger of what it reports (less what ended there since) and what we
+        reserved there."""
+        scraped = (replica.kv_usage or 0.0) * self.pool_tokens(replica) - self.freed_since_scrape(replica)
         return max(scraped, float(self.ledger.kv_tokens_on(replica.url)))
+
+    def released(self, replica: ReplicaView, used_tokens: int) -> None:
+        """A reservation on `replica` ended holding `used_tokens` in its KV (an eviction, an end). vLLM frees them at
+        its next step, but the usage it reported shows them until the next scrape: until then they are taken off
+        it, so a request waiting for them (realtime, after the kv-wait trigger evicted for it) runs at the next
+        cycle instead of a scrape later. What ended while a scrape was under way is dropped with that scrape's
+        answer: it may or may not show there, and counting it once too few only waits for the next."""
+        stamp, tokens = self._freed.get(replica.url, (None, 0))
+        self._freed[replica.url] = (replica.metrics_at, used_tokens + (tokens if stamp == replica.metrics_at else 0))
+
+    def freed_since_scrape(self, replica: ReplicaView) -> int:
+        stamp, tokens = self._freed.get(replica.url, (None, 0))
+        return tokens if stamp == replica.metrics_at else 0
 
     def level(self, replica: ReplicaView) -> str:
         share = self.occupancy(replica) / self.pool_tokens(replica)

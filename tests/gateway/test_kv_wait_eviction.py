@@ -98,3 +98,28 @@ def test_with_eviction_off_realtime_waits_for_kv():
         for r in (batch, rt):
             r.task.cancel()
     asyncio.run(main())
+
+
+def test_realtime_runs_on_the_blocks_its_victims_held_before_a_scrape_shows_them_free():
+    """The replica's reported KV usage says the batch holds the pool. The kv-wait trigger evicts for realtime; once
+    the victims' reservations are released, realtime is dispatched at the next cycle, on what the victims held, and
+    not a scrape later (the scraped usage still shows their blocks). The next scrape's figure counts again whole."""
+    async def main():
+        fc, clock = controller(KV, max_concurrency=8)
+        [replica] = fc.pool.replicas
+        old, new = (sized(fc, clock, "batch", n) for n in (40, 30))
+        assert [fc.submit(r) for r in (old, new)] == [Outcome.DISPATCHED] * 2
+        replica.kv_usage, replica.metrics_at = 0.85, clock.t  # a scrape: 85 of 100 blocks in use
+        rt = sized(fc, clock, "realtime", 20)
+        assert fc.submit(rt) is Outcome.QUEUED  # 85 + 20 > 92
+        fc.cycle()
+        assert new.drop_reason is DropReason.EVICTED and old.drop_reason is None
+        fc.finish(new)  # its 30 blocks (29 of prompt) are released; no scrape since
+        fc.cycle()
+        assert rt.status is Status.DISPATCHED, "realtime waited for a scrape to show what its victim freed"
+        assert fc.admission.freed_since_scrape(replica) == 29 * 16  # the victim's prompt, in whole blocks
+        replica.metrics_at = clock.t + 0.5  # the next scrape: its figure is taken whole
+        assert fc.admission.freed_since_scrape(replica) == 0
+        for r in (old, new, rt):
+            r.task.cancel()
+    asyncio.run(main())
