@@ -7,8 +7,9 @@ FlowController, so flow control's decisions come from the one flow-control proce
 /admin/state, /admin/rollback and /metrics are answered by flow control for the whole gateway; a relay keeps
 only its own counters and histograms (TTFT, prompt counts, upstream errors), which flow control collects.
 A relay of `--workers N` exits when its channel to flow control closes; flow control starts another in its place.
-A relay run alone goes on: the streams it relays run to their end, it reports not ready, answers new requests 503
-and connects again (gateway/relays/uplink.py).
+A relay run alone goes on: the streams it relays run to their end, it reports not ready, keeps the requests that
+wait for a decision and new ones that reach it anyway, each until its deadline (then 503), and connects again
+(gateway/relays/uplink.py); the flow control it joins learns what waits from `Holding` and decides it.
 
     python -m gateway.relays.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`,
                                                                       the channel's secret in its environment)
@@ -95,7 +96,7 @@ class Relay:
     def _configure(self, message: m.Configure) -> None:
         """The gateway's config, and each pool's with its ledger's settings."""
         if self.pools is None:
-            self.pools = RemotePools(self.uplink, message, self._view)
+            self.pools = RemotePools(self.uplink, message, self._view, waits=self.index is None)
             self.proxy = Proxy(self.pools, self.metrics)
             self.configured.set_result(None)
         else:
@@ -123,9 +124,9 @@ class Relay:
         self._reported = None  # a new flow control learns the prompt counter's state again
 
     def left(self, reason: str) -> None:
-        waiting = self.pools.orphan() if self.pools is not None and self.index is None else 0
-        log_event(logger, "flow_control_lost", level=logging.ERROR, reason=reason, refused_waiting=waiting,
-                  relaying=len(self.pools.requests) if self.pools is not None else 0)
+        waiting = self.pools.wait_alone() if self.pools is not None and self.index is None else 0
+        log_event(logger, "flow_control_lost", level=logging.ERROR, reason=reason, waiting=waiting,
+                  relaying=len(self.pools.requests) - waiting if self.pools is not None else 0)
 
     async def ready(self, request: web.Request) -> web.Response:
         if self.uplink.closed:

@@ -9,6 +9,8 @@ FlowController. `submit()` always answers
 QUEUED, so the proxy awaits `req.waiter` until flow control has decided. Streamed tokens go back only when a
 reservation's blocks change (the mirror ledger says when, exactly as in one process), and an eviction arrives
 as a message that cancels the proxy's task, which the proxy answers as it answers an in-process eviction.
+While a relay run alone has no channel, its undecided requests wait here, each until its deadline, and the next
+flow control it joins learns them from `Holding` (a leader taking over from a killed one takes a few seconds).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
+import math
 import time
 from typing import Callable
 
@@ -23,12 +27,15 @@ from gateway.flow import moves
 from gateway.flow.interface import Outcome
 from gateway.flow.ledger import KvLedger
 from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status
+from gateway.log import log_event
 from gateway.pools import PoolReplicas, PoolRouting
 from gateway.relays import messages as m
 from gateway.relays.channel import ChannelClosed
 from gateway.relays.uplink import Uplink
 from gateway.replicas import Replica
 from gateway.settings import LoadedConfig
+
+logger = logging.getLogger("gateway.relay")
 
 # The answer to a request a relay cannot ask flow control about (503, as with no replica).
 UNREACHABLE = ("This gateway relay cannot reach the gateway's flow control; retry shortly (the gateway's other "
@@ -71,10 +78,13 @@ class RelayPool:
 class RemotePools:
     """`FlowPools` for a relay: a RemoteFlowController per model pool, routing as flow control describes it
     (its pools' served names, sent again whenever they change). The relay's request ids are one sequence over
-    every pool, so flow control's answers find their request whatever its pool."""
+    every pool, so flow control's answers find their request whatever its pool. With `waits` (a relay run alone)
+    a request goes on waiting for a decision while no flow control is reachable; without it (a relay of
+    `--workers N`, which stops with its flow control) it is refused at once."""
 
-    def __init__(self, uplink: Uplink, config: m.Configure, view: m.PoolView):
+    def __init__(self, uplink: Uplink, config: m.Configure, view: m.PoolView, waits: bool = False):
         self.uplink = uplink
+        self.waits = waits
         self.replicas = RelayPool(uplink)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
         self.requests: dict[int, FlowRequest] = {}
@@ -122,14 +132,14 @@ class RemotePools:
             case m.Evict():
                 flow.evict(req)
 
-    def orphan(self) -> int:
+    def wait_alone(self) -> int:
         """The channel to flow control closed, and the relay goes on (`--role relay`): requests waiting for a
-        decision are answered as unreachable; dispatched ones run to their end. Returns how many were waiting."""
+        decision wait for the next flow control, each until its deadline; dispatched ones run to their end.
+        Returns how many wait."""
         waiting = [req for req in self.requests.values() if req.status is Status.QUEUED]
         for req in waiting:
-            self._flows[req.pool].rejected(req, m.Rejected(rid=req.seq, token=0, reason=DropReason.NO_ENDPOINTS.value,
-                                                           message=UNREACHABLE))
-        return len(waiting)
+            self._flows[req.pool].wait_alone(req)
+        return sum(1 for req in waiting if req.status is Status.QUEUED)
 
     def holding(self) -> tuple[m.HeldRequest, ...]:
         """What this relay holds, as it reports it to a flow control it (re)joins: each request running on its
@@ -164,6 +174,7 @@ class RemoteFlowController:
         self.ledger = KvLedger(**dataclasses.asdict(ledger))
         self.configure(loaded, ledger)
         self.tokenizer_state: Callable[[], dict] = lambda: {}
+        self._pools = pools
         self._requests = pools.requests
         self._ids = pools.ids
 
@@ -183,19 +194,28 @@ class RemoteFlowController:
 
     def submit(self, req: FlowRequest) -> Outcome:
         req.seq = rid = next(self._ids)
-        if self.uplink.closed:
+        alone = self.uplink.closed
+        if alone and not self._pools.waits:
             moves.reject(req, DropReason.NO_ENDPOINTS, UNREACHABLE)
             return Outcome.REJECTED
         moves.queue(req, time.monotonic(), asyncio.get_running_loop().create_future())
         self._requests[rid] = req
-        self.uplink.send(m.Submit(rid=rid, ask=req.ask))
+        if alone:  # no Submit: the flow control this relay joins next learns it from `Holding`, once
+            waits = self.wait_deadline(req) - req.arrived
+            log_event(logger, "request_waiting_for_flow_control", request_id=req.request_id,
+                      waits_seconds=round(waits, 3) if waits < math.inf else None)
+            self.wait_alone(req)
+        else:
+            self.uplink.send(m.Submit(rid=rid, ask=req.ask))
         return Outcome.QUEUED
 
     def withdraw(self, req: FlowRequest) -> None:
         # Flow control may have dispatched it already: it then releases it as a disconnect.
         if req.status is Status.QUEUED:
             moves.withdraw(req)
-            self.uplink.send(m.Withdraw(rid=self._requests.pop(req.seq).seq, at=time.monotonic()))
+            self._requests.pop(req.seq, None)
+            if not self.uplink.closed:  # else no flow control holds it: the next learns only what `Holding` lists
+                self.uplink.send(m.Withdraw(rid=req.seq, at=time.monotonic()))
 
     def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None) -> None:
         if req.status is not Status.DISPATCHED:
@@ -238,6 +258,27 @@ class RemoteFlowController:
 
     def count_mid_stream_eviction(self) -> None:
         self.uplink.send(m.MidStream(pool=self.name))
+
+    # -- waiting while no flow control is reachable (a relay run alone) -------------------------------------
+    def wait_deadline(self, req: FlowRequest) -> float:
+        """Until when (monotonic) `req` may wait for a flow control: its own limit (the TTL or deadline header),
+        else the config's `flowControl.defaultRequestTTL` from its arrival (0: no limit, as in flow control)."""
+        if req.ask.expires_at < math.inf:
+            return req.ask.expires_at
+        ttl = self.loaded.config.flowControl.defaultRequestTTL
+        return req.arrived + ttl if ttl > 0 else math.inf
+
+    def wait_alone(self, req: FlowRequest) -> None:
+        """`req` waits for the next flow control; at its deadline, if none has it, it is answered unreachable."""
+        deadline = self.wait_deadline(req)
+        if deadline < math.inf:
+            asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._expire, req)
+
+    def _expire(self, req: FlowRequest) -> None:
+        # A flow control joined meanwhile: it has the request (from `Holding`) and decides it, deadline included.
+        if req.status is Status.QUEUED and self.uplink.closed:
+            self.rejected(req, m.Rejected(rid=req.seq, token=0, reason=DropReason.NO_ENDPOINTS.value,
+                                          message=UNREACHABLE))
 
     # -- decisions from flow control (RemotePools.decided) --------------------------------------------------
     def dispatched(self, req: FlowRequest, message: m.Dispatched) -> None:

@@ -1,6 +1,7 @@
 """Flow controls that elect a leader through Redis (`--lease-redis`): a standby turns relays away, a relay given
 every address finds the leader, every decision carries the leader's fencing token and a relay refuses an older one;
-when the leader is killed the standby takes over with a higher token and the relay serves again through it."""
+when the leader is killed the standby takes over with a higher token and the relay serves again through it, and
+requests that reached the relay meanwhile waited there and are answered."""
 
 from __future__ import annotations
 
@@ -196,4 +197,61 @@ def test_a_killed_leaders_streams_run_on_and_are_re_registered_with_the_standby_
     asyncio.run(main())
     [registered] = fleet.events("relay_reregistered", "flow-b")
     assert registered["running"] == STREAMS and registered["token"] > token
+    assert fleet.events("takeover_done", "flow-b")
+
+
+WAITING = 3
+
+
+def _ready(relay: str) -> int:
+    return httpx.get(relay + "/readyz", timeout=5).status_code
+
+
+def test_requests_sent_while_no_leader_leads_wait_at_the_relay_and_are_answered_once_the_standby_leads(fleet, stack):
+    # While the standby is held stopped (so that it cannot lead yet), realtime requests sent to the relay wait there,
+    # the relay reporting not ready; once the standby leads, the relay reports them in `Holding`, the new leader
+    # submits them after its takeover hold-back, and every one is answered 200.
+    first = fleet.flow_control("flow-a")
+    poll(fleet.leader, 60, "flow-a to take the lease", lambda: stack.procs.log("flow-a"))
+    standby = fleet.flow_control("flow-b")
+    relay = fleet.relay("relay", ["flow-a", "flow-b"])
+    poll(lambda: _ready(relay) == 200, 60, "the relay to be ready", lambda: stack.procs.log("relay"))
+    _, token = fleet.leader()
+    ids = [f"waiting-{i}" for i in range(WAITING)]
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=relay, timeout=180) as client:
+            # The standby cannot take the lease while it is stopped: the requests below reach the relay with no
+            # leader anywhere, whatever the machine's load.
+            standby.send_signal(signal.SIGSTOP)
+            try:
+                first.send_signal(signal.SIGKILL)
+                await wait_until(lambda: _ready(relay) == 503, 60, what=lambda: stack.procs.log("relay"))
+                sent = [asyncio.create_task(client.post(
+                    "/v1/completions", json=blocks_body(2, 8, stream=False),
+                    headers={**hdr("realtime"), "x-request-id": rid})) for rid in ids]
+                waiting = await wait_until(
+                    lambda: {e["request_id"] for e in fleet.events("request_waiting_for_flow_control", "relay")}
+                    >= set(ids), 60, what=lambda: stack.procs.log("relay"))
+                assert waiting and not any(task.done() for task in sent)
+                assert _ready(relay) == 503  # the load balancer keeps sending new clients elsewhere
+                lead = fleet.leader()
+                assert lead is None or lead[1] == token  # nobody took over yet
+            finally:
+                standby.send_signal(signal.SIGCONT)
+            await wait_until(lambda: (lead := fleet.leader()) and lead[1] > token, 60,
+                             what=lambda: stack.procs.log("flow-b"))
+            answers = await asyncio.wait_for(asyncio.gather(*sent), 150)
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+            await wait_until(lambda: _ready(relay) == 200, 60, what=lambda: stack.procs.log("relay"))
+            taken = state(relay)
+            assert taken["leadership"]["token"] > token and taken["totals"]["dispatched"] == WAITING
+
+    asyncio.run(main())
+    lost = fleet.events("flow_control_lost", "relay")
+    assert lost and lost[0]["waiting"] == 0
+    # The new leader learned each waiting request once, from the relay's `Holding`, and dispatched each once.
+    registered = fleet.events("relay_reregistered", "flow-b")
+    assert [r["waiting"] for r in registered] == [WAITING]
     assert fleet.events("takeover_done", "flow-b")

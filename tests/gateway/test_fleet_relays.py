@@ -1,13 +1,15 @@
 """Relays on their own (`holdback gateway --role relay`) over TCP to flow control on its own (`--role
 flow-control`): real processes on loopback, the simulator as replica. A peer without the secret, one that goes
 silent and one whose frame fails its MAC are cut off with a logged reason while the relays serve on; a relay whose
-flow control is gone finishes its streams, says it is not ready, answers 503 and connects again."""
+flow control is gone finishes its streams, says it is not ready, keeps new requests waiting until their deadline
+(then 503) and connects again, and what still waits is answered by the flow control it joins."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -116,7 +118,8 @@ def test_two_relays_on_tcp_serve_streams_and_flow_control_cuts_off_bad_peers(sta
     assert not fleet.events("flow_control_lost", "relay")
 
 
-def test_a_relay_without_flow_control_finishes_its_stream_answers_503_and_connects_again(stack):
+def test_a_relay_without_flow_control_finishes_its_stream_keeps_requests_until_their_deadline_and_connects_again(
+        stack):
     [sim] = stack.sim(1, *SIM_ARGS)
     fleet = Fleet(stack, [sim])
     relay = fleet.relay("relay-a")
@@ -128,14 +131,23 @@ def test_a_relay_without_flow_control_finishes_its_stream_answers_503_and_connec
         stack.procs.stop(fleet.flow)  # flow control goes away mid-stream
         poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 503, 30, "the relay to be unready",
              lambda: fleet.log("relay"))
-        refused = httpx.post(relay + "/v1/completions", json={**body, "stream": False}, headers=hdr("standard"),
-                             timeout=30)
+        # A request that may wait 1 s waits that long for a flow control, then is answered as before.
+        refused = httpx.post(relay + "/v1/completions", json={**body, "stream": False},
+                             headers={**hdr("standard"), "x-holdback-ttl": "1"}, timeout=30)
         assert refused.status_code == 503 and "cannot reach the gateway's flow control" in refused.text
-        assert refused.json()["error"]["message"]
+        assert refused.json()["error"]["message"] and refused.elapsed.total_seconds() >= 0.9
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and len(rest) > 100  # the stream ran to its end
     assert fleet.events("flow_control_lost", "relay-a")
-    fleet.flow = fleet.start_flow_control()
+    # One that may wait the config's 60 s is answered by the flow control that comes back.
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, relay + "/v1/completions", json={**body, "stream": False, "max_tokens": 8},
+                              headers={**hdr("standard"), "x-request-id": "waits"}, timeout=120)
+        poll(lambda: any(e["request_id"] == "waits" for e in fleet.events("request_waiting_for_flow_control",
+                                                                            "relay-a")), 30, "the request to wait",
+             lambda: fleet.log("relay-a"))
+        fleet.flow = fleet.start_flow_control()
+        assert waiting.result(timeout=120).status_code == 200
     poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to connect again",
          lambda: fleet.log("relay-a"))
     assert stream(relay)[-1] == "data: [DONE]"

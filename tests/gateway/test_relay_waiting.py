@@ -1,0 +1,169 @@
+"""A relay run alone whose channel to flow control is down: an undecided request waits, new ones queue, each until
+its deadline (then the old 503 answer), a withdrawn one is dropped without a message, and the flow control the relay
+joins next learns each waiting request once, from `Holding`. A relay of `--workers N` still refuses at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import pytest
+
+from gateway.flow.interface import Outcome
+from gateway.flow.request import Ask, DropReason, FlowRequest, Status
+from gateway.relays import messages as m
+from gateway.relays.relay import Relay
+from gateway.relays.remote_flow import UNREACHABLE
+from gateway.responses import drop_response
+from gateway.settings.loading import parse_config
+
+pytestmark = pytest.mark.unit
+
+# Seconds a request with no limit of its own may wait (the config's flowControl.defaultRequestTTL).
+TTL = 0.3
+LOADED = parse_config(f"flowControl:\n  defaultRequestTTL: {TTL}\n", "test", {})
+
+
+class FakeUplink:
+    """The relay's link, opened and closed by the test; what the relay sends is kept."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[m.Message] = []
+
+    def set_heartbeat(self, seconds: float) -> None:
+        pass
+
+    def send(self, message: m.Message) -> None:
+        if not self.closed:
+            self.sent.append(message)
+
+    def kinds(self) -> list[str]:
+        return [message.kind for message in self.sent]
+
+
+def relay(uplink: FakeUplink, index: int | None = None) -> Relay:
+    relay = Relay(uplink, index, "127.0.0.1:0")  # type: ignore[arg-type]
+    ledger = m.LedgerSettings(block_tokens=16, safety_factor=1.0, window=30.0)
+    relay.handle(m.Configure(token=1, loaded=LOADED, pools=(m.PoolConfig(name="default", loaded=LOADED,
+                                                                         ledger=ledger),)))
+    return relay
+
+
+def request(name: str, wait: float = math.inf) -> FlowRequest:
+    now = time.monotonic()
+    return FlowRequest(Ask(request_id=name, objective="realtime", priority=100, fairness_id="t", tenant="t",
+                           arrived=now, expires_at=now + wait))
+
+
+def held(relay: Relay) -> list[tuple[str, str | None]]:
+    assert relay.pools is not None
+    return [(h.ask.request_id, h.url) for h in relay.pools.holding()]
+
+
+async def outcome(req: FlowRequest) -> Outcome:
+    assert req.waiter is not None
+    return await asyncio.wait_for(asyncio.shield(req.waiter), 30)
+
+
+def test_a_new_request_queues_is_held_and_expires_at_its_deadline_with_the_unreachable_answer(caplog):
+    async def run() -> None:
+        uplink = FakeUplink()
+        alone = relay(uplink)
+        flow = alone.pools.flow("default")
+        uplink.closed = True
+        alone.left("flow control closed the channel")
+        own, by_config = request("own-ttl", wait=0.1), request("config-ttl")
+        assert flow.wait_deadline(by_config) == by_config.arrived + TTL
+        for req in (own, by_config):
+            assert flow.submit(req) is Outcome.QUEUED and req.status is Status.QUEUED
+        assert held(alone) == [("own-ttl", None), ("config-ttl", None)]
+        assert uplink.sent == []  # no Submit on a closed channel
+        for req in (own, by_config):
+            assert await outcome(req) is Outcome.REJECTED
+            assert time.monotonic() >= flow.wait_deadline(req)
+            assert req.status is Status.REJECTED and req.drop_reason is DropReason.NO_ENDPOINTS
+            assert req.drop_message == UNREACHABLE
+        assert alone.pools.requests == {}
+        # The proxy's answer to it, as before: 503, rejected-no-endpoints, saying flow control is unreachable.
+        answer = drop_response(by_config.drop_reason, "r1", by_config.drop_message)
+        assert answer.status == 503 and "cannot reach the gateway's flow control" in answer.text
+
+    with caplog.at_level(logging.INFO, logger="gateway.relay"):
+        asyncio.run(run())
+    waiting = [r.fields for r in caplog.records if r.getMessage() == "request_waiting_for_flow_control"]
+    assert [(w["request_id"], w["waits_seconds"]) for w in waiting] == [("own-ttl", 0.1), ("config-ttl", TTL)]
+
+
+def test_a_withdrawn_request_is_dropped_without_a_message_and_no_deadline_means_waiting_on():
+    async def run() -> None:
+        uplink = FakeUplink()
+        alone = relay(uplink)
+        flow = alone.pools.flow("default")
+        uplink.closed = True
+        left, stays = request("left"), request("stays")
+        flow.submit(left)
+        flow.submit(stays)
+        flow.withdraw(left)  # the caller's task was cancelled while it waited
+        assert left.status is Status.WITHDRAWN and held(alone) == [("stays", None)]
+        uplink.closed = False
+        assert uplink.sent == []
+        # With defaultRequestTTL 0 (no limit) and none of its own, a request waits until a flow control decides.
+        loaded = parse_config("flowControl:\n  defaultRequestTTL: 0\n", "test", {})
+        flow.configure(loaded, m.LedgerSettings(block_tokens=16, safety_factor=1.0, window=30.0))
+        assert flow.wait_deadline(request("any")) == math.inf
+
+    asyncio.run(run())
+
+
+def test_what_waited_is_reported_once_in_holding_and_a_joined_flow_control_decides_it_past_its_deadline():
+    async def run() -> None:
+        uplink = FakeUplink()
+        alone = relay(uplink)
+        flow = alone.pools.flow("default")
+        sent_before = request("sent-before", wait=30)  # submitted to the leader, never decided: the leader dies
+        assert flow.submit(sent_before) is Outcome.QUEUED and uplink.kinds() == ["submit"]
+        uplink.closed = True
+        alone.left("flow control closed the channel")
+        queued_alone = request("queued-alone", wait=0.2)
+        flow.submit(queued_alone)
+        uplink.sent.clear()
+        uplink.closed = False  # the standby leads and the relay joins it
+        alone.joined()
+        assert uplink.kinds() == ["hello", "holding"]  # no Submit again: the new leader submits what `Holding` lists
+        [holding] = [message for message in uplink.sent if isinstance(message, m.Holding)]
+        assert [(h.rid, h.ask.request_id, h.url) for h in holding.requests] == [
+            (sent_before.seq, "sent-before", None), (queued_alone.seq, "queued-alone", None)]
+        # Past its deadline the joined flow control has it: the relay leaves the decision to it. (Timers run in
+        # the order of their times: this sleep ends after the request's deadline timer ran.)
+        await asyncio.sleep(flow.wait_deadline(queued_alone) - time.monotonic() + 0.05)
+        assert queued_alone.status is Status.QUEUED
+        alone.handle(m.Dispatched(rid=queued_alone.seq, token=2, url="http://r:8000", dispatched_at=time.monotonic(),
+                                  enqueued_at=queued_alone.arrived))
+        assert await outcome(queued_alone) is Outcome.DISPATCHED
+        assert queued_alone.lease is not None and queued_alone.lease.replica.url == "http://r:8000"
+        # A request the joined flow control still holds when the channel closes again, past its deadline: answered.
+        late = request("late", wait=0.05)
+        flow.submit(late)
+        await asyncio.sleep(late.expires_at - time.monotonic() + 0.05)
+        assert late.status is Status.QUEUED
+        uplink.closed = True
+        assert alone.pools.wait_alone() == 2  # sent-before and late, until their timers run
+        assert await outcome(late) is Outcome.REJECTED and late.drop_message == UNREACHABLE
+        assert held(alone) == [("sent-before", None), ("queued-alone", "http://r:8000")]
+
+    asyncio.run(run())
+
+
+def test_a_relay_of_workers_still_refuses_at_once_when_its_flow_control_is_gone():
+    async def run() -> None:
+        uplink = FakeUplink()
+        worker = relay(uplink, index=0)
+        uplink.closed = True
+        req = request("refused")
+        assert worker.pools.flow("default").submit(req) is Outcome.REJECTED
+        assert req.drop_message == UNREACHABLE and worker.pools.requests == {}
+
+    asyncio.run(run())
