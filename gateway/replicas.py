@@ -91,6 +91,7 @@ class Replica:
     # Set when the calibration profile does not match this replica: it gets no work until it does.
     refused: str | None = None
     metrics_at: float = 0.0
+    metrics_from: float = 0.0  # monotonic time that scrape began: what it shows is at least as recent
     # Dispatches counted here since start, and their value when the last scrape began: the difference is
     # work the scraped numbers cannot show yet.
     dispatches: int = 0
@@ -405,7 +406,7 @@ class ReplicaPool:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.scrape_interval * 4))
         try:
-            dispatches_before = replica.dispatches
+            dispatches_before, began = replica.dispatches, time.monotonic()
             replica.scrape_began()
             filtered = replica.metrics_filtered is not False
             path = FILTERED_METRICS if filtered else "/metrics"
@@ -445,5 +446,5 @@ class ReplicaPool:
         if replica.identified and pool_before != (replica.num_gpu_blocks, replica.kv_block_size,
                                                   replica.kv_cache_size_tokens):
             self.on_identify(replica)  # its KV pool is known (or changed): the growth-room check reads it
-        replica.metrics_at = time.monotonic()
+        replica.metrics_at, replica.metrics_from = time.monotonic(), began
         replica.dispatches_at_scrape = dispatches_before

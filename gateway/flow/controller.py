@@ -200,7 +200,7 @@ class FlowController:
         if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
                 if self.admission is not None:
-                    self.admission.released(req.leased().replica, req.reservation.used_kv_tokens)
+                    self.admission.released(req.leased().replica, req.reservation.used_kv_tokens, now)
                 if evicted:
                     self.tally.release(req, "evict", req.evicted_at, now, closed)
                 else:

@@ -134,9 +134,9 @@ class EvictionControl:
         return self.enabled and next(t for t in TRIGGERS if t.trigger is name).fire(self, moment)
 
     def kv_grace(self) -> float:
-        """How long after a KV trigger's victims closed before the next: the scraped usage shows the freed
-        blocks only after a scrape."""
-        return max(self.evictor.grace, self.host.pool.scrape_interval + 0.05)
+        """How long after a KV trigger's victims closed before the next: none beyond their closing, since KV
+        admission takes what they held off the scraped usage until a scrape shows it (`KvAdmission.released`)."""
+        return 0.0
 
     def clear_queue(self, replica: Replica, waiting: list[FlowRequest], now: float, **fields: object) -> None:
         """Evict `waiting` (`Evictor.queued_on`), lower-priority requests in `replica`'s own queue, as a slot there

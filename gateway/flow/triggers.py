@@ -123,8 +123,9 @@ class KvWait:
     """A request above batch that KV admission keeps waiting: evict batch work for it, as for one waiting for a
     request slot. The replica is the one where the least must be freed and the batch reservations there cover it.
     The victims (the policy's order) cover its shortfall and what every other request above batch queued behind
-    it needs there, in one decision: a burst is not served `maxPerDecision` victims a scrape. Decisions are paced
-    as the hard-watermark trigger's (the freed blocks show after a scrape)."""
+    it needs there, in one decision: a burst is not served `maxPerDecision` victims a scrape. As the hard-watermark
+    trigger's, a decision waits only for the last one's victims to close: what they held is taken off the scraped
+    usage until a scrape shows it (`KvAdmission.released`)."""
 
     trigger = Trigger.KV_WAIT
     stage = Stage.KV_WAIT

@@ -113,9 +113,9 @@ class ReplicaView(Protocol):
 
     def metrics_fresh(self, now: float, staleness: float) -> bool: ...
 
-    # Monotonic time of its last good scrape (0: never): what it reported is as of then.
+    # Monotonic time its last good scrape began (0: never): what it reported is at least as recent.
     @property
-    def metrics_at(self) -> float: ...
+    def metrics_from(self) -> float: ...
 
 
 class TotalsView(Protocol):

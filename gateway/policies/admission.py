@@ -101,6 +101,11 @@ def reported_pool_tokens(replica: ReplicaView, block_size: int) -> int | None:
     return replica.num_gpu_blocks * block_size if replica.num_gpu_blocks else None
 
 
+# What ended on a replica shows in a scrape begun this long after (vLLM frees a request's blocks at its next step
+# once the abort reaches its engine): until such a scrape, admission takes those blocks off the scraped usage.
+FREED_SHOWS_AFTER = 0.25
+
+
 class KvAdmission:
     def __init__(self, cfg: Admission, ledger: LedgerView, profile: Profile | None = None):
         self.cfg = cfg
@@ -111,9 +116,8 @@ class KvAdmission:
                                     else cfg.default_pool_tokens())
         self.batch_cap = 1.0 - cfg.interactiveReserve
         self.queue_deadline = cfg.queueDeadlineMs / 1000.0
-        # Per replica: KV tokens its reservations that ended since its last scrape held (`released`), with that
-        # scrape's time.
-        self._freed: dict[str, tuple[float, int]] = {}
+        # Per replica: (when, KV tokens) of its reservations that ended and may not show in its last scrape yet.
+        self._freed: dict[str, list[tuple[float, int]]] = {}
 
     # -- capacity ---------------------------------------------------------------------------------------------
     def block_size(self, replica: ReplicaView) -> int:
@@ -128,18 +132,20 @@ class KvAdmission:
         scraped = (replica.kv_usage or 0.0) * self.pool_tokens(replica) - self.freed_since_scrape(replica)
         return max(scraped, float(self.ledger.kv_tokens_on(replica.url)))
 
-    def released(self, replica: ReplicaView, used_tokens: int) -> None:
-        """A reservation on `replica` ended holding `used_tokens` in its KV (an eviction, an end). vLLM frees them at
-        its next step, but the usage it reported shows them until the next scrape: until then they are taken off
-        it, so a request waiting for them (realtime, after the kv-wait trigger evicted for it) runs at the next
-        cycle instead of a scrape later. What ended while a scrape was under way is dropped with that scrape's
-        answer: it may or may not show there, and counting it once too few only waits for the next."""
-        stamp, tokens = self._freed.get(replica.url, (None, 0))
-        self._freed[replica.url] = (replica.metrics_at, used_tokens + (tokens if stamp == replica.metrics_at else 0))
+    def released(self, replica: ReplicaView, used_tokens: int, now: float) -> None:
+        """A reservation on `replica` ended at `now` holding `used_tokens` in its KV (an eviction, an end). vLLM frees
+        them at its next step, but its reported usage shows that only from a scrape begun after: until then they are
+        taken off it, so a request waiting for them (realtime, after the kv-wait trigger evicted for it) runs at the
+        next cycle instead of a scrape later, and the KV triggers see what their victims gave back."""
+        self._freed.setdefault(replica.url, []).append((now, used_tokens))
 
     def freed_since_scrape(self, replica: ReplicaView) -> int:
-        stamp, tokens = self._freed.get(replica.url, (None, 0))
-        return tokens if stamp == replica.metrics_at else 0
+        """KV tokens that ended on `replica` too late to show in its last scrape (FREED_SHOWS_AFTER)."""
+        entries = self._freed.get(replica.url)
+        if not entries:
+            return 0
+        entries[:] = [(at, n) for at, n in entries if at + FREED_SHOWS_AFTER > replica.metrics_from]
+        return sum(n for _, n in entries)
 
     def level(self, replica: ReplicaView) -> str:
         share = self.occupancy(replica) / self.pool_tokens(replica)

@@ -109,7 +109,7 @@ def test_realtime_runs_on_the_blocks_its_victims_held_before_a_scrape_shows_them
         [replica] = fc.pool.replicas
         old, new = (sized(fc, clock, "batch", n) for n in (40, 30))
         assert [fc.submit(r) for r in (old, new)] == [Outcome.DISPATCHED] * 2
-        replica.kv_usage, replica.metrics_at = 0.85, clock.t  # a scrape: 85 of 100 blocks in use
+        replica.kv_usage, replica.metrics_from = 0.85, clock.t  # a scrape: 85 of 100 blocks in use
         rt = sized(fc, clock, "realtime", 20)
         assert fc.submit(rt) is Outcome.QUEUED  # 85 + 20 > 92
         fc.cycle()
@@ -118,8 +118,37 @@ def test_realtime_runs_on_the_blocks_its_victims_held_before_a_scrape_shows_them
         fc.cycle()
         assert rt.status is Status.DISPATCHED, "realtime waited for a scrape to show what its victim freed"
         assert fc.admission.freed_since_scrape(replica) == 29 * 16  # the victim's prompt, in whole blocks
-        replica.metrics_at = clock.t + 0.5  # the next scrape: its figure is taken whole
+        replica.metrics_from = clock.t + 0.1  # a scrape begun too soon after: it may not show them freed
+        assert fc.admission.freed_since_scrape(replica) == 29 * 16
+        replica.metrics_from = clock.t + 0.3  # one begun 0.25 s after: its figure is taken whole
         assert fc.admission.freed_since_scrape(replica) == 0
         for r in (old, new, rt):
+            r.task.cancel()
+    asyncio.run(main())
+
+
+def test_the_next_realtime_waiting_for_kv_is_served_a_victim_as_soon_as_the_last_victims_closed():
+    """No scrape-long pause between two kv-wait decisions: the first decision's victims closed and what they held is
+    off the scraped usage, so a second realtime request arriving 50 ms later gets its own victim at once."""
+    async def main():
+        fc, clock = controller(KV, max_concurrency=8)
+        [replica] = fc.pool.replicas
+        batch = [sized(fc, clock, "batch", n) for n in (30, 20, 20)]
+        assert [fc.submit(r) for r in batch] == [Outcome.DISPATCHED] * 3
+        replica.kv_usage, replica.metrics_from = 0.72, clock.t  # a scrape: what the three hold
+        first = sized(fc, clock, "realtime", 25)
+        assert fc.submit(first) is Outcome.QUEUED  # 72 + 25 > 92
+        fc.cycle()
+        evicted = [r for r in batch if r.drop_reason is DropReason.EVICTED]
+        assert len(evicted) == 1
+        fc.finish(evicted[0])
+        fc.cycle()
+        assert first.status is Status.DISPATCHED
+        clock.t += 0.05  # well inside a scrape interval, no scrape since
+        second = sized(fc, clock, "realtime", 25)
+        assert fc.submit(second) is Outcome.QUEUED
+        fc.cycle()
+        assert sum(r.drop_reason is DropReason.EVICTED for r in batch) == 2, "the second waited for a scrape"
+        for r in (*batch, first, second):
             r.task.cancel()
     asyncio.run(main())
