@@ -9,7 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.replicas import LEARN_SECONDS, Replica
+from gateway.replicas import Replica
+from gateway.slot_learning import LEARN_SECONDS
 from gateway.settings import parse_config
 from tests.gateway.test_gateway_sim import wait_until
 

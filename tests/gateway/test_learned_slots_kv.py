@@ -12,7 +12,8 @@ from dataclasses import replace
 import httpx
 
 from gateway.flow.interface import Outcome
-from gateway.replicas import LEARN_SECONDS, Replica
+from gateway.replicas import Replica
+from gateway.slot_learning import LEARN_SECONDS
 from tests.gateway.conftest import sim_metric
 from tests.gateway.test_flow_control import controller, req
 from tests.gateway.test_gateway_sim import obj, wait_until
