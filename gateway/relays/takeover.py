@@ -76,7 +76,9 @@ class Takeover:
         self.waiting.pop((link.link_id, rid), None)
 
     def _release(self) -> None:
-        if time.monotonic() < self.until:  # a later term's window
+        left = self.until - time.monotonic()
+        if left > 0:  # a later term's window, or a timer that fired a hair early (uvloop counts milliseconds)
+            asyncio.get_running_loop().call_later(left, self._release)
             return
         waiting, self.waiting = self.waiting, {}
         if self.decides():

@@ -167,3 +167,28 @@ def test_a_relay_of_workers_still_refuses_at_once_when_its_flow_control_is_gone(
         assert req.drop_message == UNREACHABLE and worker.pools.requests == {}
 
     asyncio.run(run())
+
+
+def test_a_takeover_hold_back_whose_timer_fires_early_still_submits_what_waited():
+    """The hold-back's timer may fire a hair before its end (uvloop counts milliseconds): what waited is then
+    submitted when the window really ends, never left waiting for good."""
+    import types
+
+    from gateway.relays.takeover import Takeover
+
+    submitted = []
+    link = types.SimpleNamespace(channel=types.SimpleNamespace(closed=False),
+                                 submit=lambda rid, ask: submitted.append(rid))
+
+    async def main():
+        takeover = Takeover(types.SimpleNamespace(), None, window=0.0)
+        takeover.until = time.monotonic() + 0.05
+        takeover.waiting = {(1, 7): (link, object())}
+        takeover._release()  # early: the window has 50 ms to go
+        assert submitted == [] and takeover.holds_back()
+        deadline = time.monotonic() + 30
+        while not submitted and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert submitted == [7] and not takeover.holds_back()
+
+    asyncio.run(main())
