@@ -90,7 +90,7 @@ def responses_body(response_id: str, message_id: str, created: int, model: str, 
         "tool_choice": tool_choice if tools or tool_choice not in ("auto", "none") else "none",
         "tools": tools,
         "top_p": request.get("top_p") if request.get("top_p") is not None else 1.0,
-        "background": False, "max_output_tokens": params.max_tokens, "max_tool_calls": request.get("max_tool_calls"),
+        "background": request.get("background") is True, "max_output_tokens": params.max_tokens, "max_tool_calls": request.get("max_tool_calls"),
         "previous_response_id": request.get("previous_response_id"), "prompt": None,
         "reasoning": request.get("reasoning"), "service_tier": request.get("service_tier") or "auto",
         "status": "incomplete" if incomplete else "completed", "text": request.get("text"), "top_logprobs": None,
@@ -107,6 +107,14 @@ def responses_body(response_id: str, message_id: str, created: int, model: str, 
         "frequency_penalty": request.get("frequency_penalty") or 0.0,
         "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None, "output_messages": None,
     }
+
+
+def responses_queued(response_id: str, created: int, model: str, request: dict, params: GenerationParams) -> dict:
+    """A background response as vLLM answers it at once and stores it until it ends: status `queued`, no output,
+    usage null."""
+    body = responses_body(response_id, "", created, model, request, params, "", None, 0, 0, 0)
+    body.update(output=[], status="queued", usage=None, incomplete_details=None)
+    return body
 
 
 class SseFormatter:

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "401 otherwise; /health /metrics /version /tokenize stay open (default: unset, no key)")
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="as vLLM's flag: usage.prompt_tokens_details carries cached_tokens (null without it)")
+    srv.add_argument("--enable-responses-store", action="store_true",
+                     default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "") not in ("", "0"),
+                     help="store /v1/responses answers in memory, as vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1 "
+                          "(that variable set to anything but 0 turns it on too)")
     srv.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                      help="event loop (asyncio keeps step timing closer to the model under load)")
     srv.add_argument("--log-level", default="INFO", help="logging level")
@@ -162,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         runner=Runner(args.runner),
+        responses_store=args.enable_responses_store,
     )
 
 

@@ -81,6 +81,9 @@ class SimConfig:
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens; off, it is null.
     enable_prompt_tokens_details: bool = False
     runner: Runner = Runner.BOTH
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: /v1/responses answers are stored in memory (GET, cancel,
+    # previous_response_id, background); off, `store` is ignored and `background` refused (model_sim/responses_api.py).
+    responses_store: bool = False
 
     def validate(self) -> None:
         self.engine.validate()

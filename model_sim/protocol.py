@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from holdback.sim_tokenizer import (ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat,
-                                    responses_messages)
+from holdback.sim_tokenizer import ChatTemplateError, Tokenizer, chat_switches, content_text, render_chat
 from model_sim.errors import EnvelopeError, FieldTypeError, InvalidRequest, ValidationFailed
 
 
@@ -250,14 +249,6 @@ def parse_responses(body: dict, priority_header: str | None = None) -> Generatio
         include_usage=False,
         cache_salt=_cache_salt(body),
     )
-
-
-def responses_prompt(body: dict) -> str:
-    """A /v1/responses request's prompt: its instructions and input rendered as vLLM's chat of them."""
-    try:
-        return render_chat(responses_messages(body))
-    except ChatTemplateError as exc:
-        raise InvalidRequest(exc.message, exc.param) from None
 
 
 def truncated(prompt_ids: list[int], body: dict, max_model_len: int, generates: bool = True) -> list[int]:

@@ -32,6 +32,7 @@ from model_sim.generation import continuation_offset, output_text, output_token_
 from model_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from model_sim.middleware import REPLICA_KEY, middlewares, stamp_headers
 from model_sim.request import RequestStatus
+from model_sim.responses_api import ResponsesApi
 
 if TYPE_CHECKING:
     from model_sim.replica import SimReplica
@@ -54,7 +55,11 @@ def build_app(replica: "SimReplica") -> web.Application:
     inference = {CHAT_ENDPOINT: routes.chat_completions, COMPLETIONS_ENDPOINT: routes.completions,
                  EMBEDDINGS_ENDPOINT: routes.embeddings, RESPONSES_ENDPOINT: routes.responses}
     for endpoint in INFERENCE_ENDPOINTS:
-        if replica.config.runner.serves(endpoint):
+        if not replica.config.runner.serves(endpoint):
+            continue
+        if endpoint is RESPONSES_ENDPOINT:
+            routes.responses_api.add_routes(app, routes.responses)
+        else:
             app.router.add_post(endpoint.path, inference[endpoint])
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/tokenize", routes.tokenize)
@@ -96,6 +101,9 @@ class Routes:
         # vLLM's is `vllm-<version>-<config hash>`; ours names the simulator and hashes its settings.
         self.system_fingerprint = "model_sim-" + hashlib.blake2b(repr(replica.config).encode(),
                                                                  digest_size=4).hexdigest()
+        self.responses_api = ResponsesApi(replica.config, self.tokenizer,
+                                          lambda request, params, ids: self._start(request, params, ids, 0, True),
+                                          self._finished, self._abort_unfinished)
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -143,28 +151,10 @@ class Routes:
         return await self._generate(request, params, prompt_ids, chat=False, offset=offset, prompt_is_text=is_text)
 
     async def responses(self, request: web.Request) -> web.Response:
-        """vLLM's Responses API without tools or a response store: the instructions and input rendered as a chat,
-        answered whole with one assistant message."""
+        """vLLM's Responses API without tools, its store when configured (model_sim/responses_api.py)."""
         await self._inject_faults(request)
         body = await _json_object(request)
-        params = protocol.parse_responses(body, priority_header=request.headers.get(PRIORITY_HEADER))
-        prompt_ids = protocol.truncated(self.tokenizer.encode(protocol.responses_prompt(body)), body,
-                                        self.max_model_len)
-        protocol.check_model(body, self.model)
-        streams = self._start(request, params, prompt_ids, offset=0, prompt_is_text=True)
-        created = int(time.time())
-        try:
-            await self._finished(streams)
-            req = streams[0].request
-            # vLLM's ids: the body's `request_id` when it sends one, else resp_ and msg_ with 16 random hex digits.
-            response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
-                f"resp_{uuid.uuid4().hex[:16]}"
-            return json_response(answers.responses_body(
-                response_id, f"msg_{uuid.uuid4().hex[:16]}", created, self.model, body, params,
-                output_text(0, req.num_output_tokens), req.status.finish_reason, req.num_prompt_tokens,
-                req.num_output_tokens, max(req.num_cached_tokens, 0)))
-        finally:
-            self._abort_unfinished(streams)
+        return await self.responses_api.create(request, body, request.headers.get(PRIORITY_HEADER))
 
     def _start(self, request: web.Request, params: protocol.GenerationParams, prompt_ids: list[int], offset: int,
                prompt_is_text: bool) -> list[RequestStream]:

@@ -84,7 +84,7 @@ def sim_config(*, timing: TimingModel | None = None, faults: FaultSettings | Non
     base = dict(num_blocks=4096)
     base.update(engine)
     extra = {k: base.pop(k) for k in ("model", "default_max_tokens", "output_length_mode", "seed", "runner",
-                                      "api_key", "enable_prompt_tokens_details") if k in base}
+                                      "api_key", "enable_prompt_tokens_details", "responses_store") if k in base}
     return SimConfig(
         engine=EngineConfig(**base),
         timing=timing if timing is not None else TimingModel.zero(),
