@@ -10,7 +10,8 @@ Whether a request may run now, and where, is one decision (`_place`) for both: u
 KV room (`KvAdmission`), on the replica the picker chooses. Every reservation lives in the `KvLedger`; the
 controller only calls reserve/revise/release at the request's transitions. It owns the bands (`BandRegistry`),
 the queue deadlines (`Deadlines`), the counts (`FlowTally`) and eviction (`EvictionControl`); /admin/state is
-read out by gateway/flow/state.py.
+read out by gateway/flow/state.py. What a running request holds (its slot, in-flight counts, reservation) is
+counted by the `RunningRequests` part (gateway/flow/running.py), at dispatch and when a new leader adopts it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from gateway.flow.ledger import KvLedger
 from gateway.flow.placement import BLOCKED, WAIT_KV, Placement, Verdict
 from gateway.flow.registry import BandRegistry
 from gateway.flow.replica_checks import check_identified
-from gateway.flow.request import DropReason, End, FlowRequest, Lease, Status, Trigger
+from gateway.flow.running import RunningRequests
+from gateway.flow.request import DropReason, FlowRequest, Lease, Status, Trigger
 from gateway.flow.tally import FlowTally
 from gateway.flow.triggers import Moment, Stage
 from gateway.log import log_event
@@ -50,7 +52,7 @@ logger = logging.getLogger("gateway.flow")
 HISTORY = 10
 
 
-class FlowController:
+class FlowController(RunningRequests):
     """`FlowControl` in one process (gateway/flow/interface.py); the flow-control process of `--workers N` too."""
 
     def __init__(self, loaded: LoadedConfig, pool: ReplicaPool, metrics: GatewayMetrics,
@@ -183,91 +185,6 @@ class FlowController:
         log_event(logger, "withdrawn", request_id=req.request_id, band=req.priority)
         self.wake()
 
-    def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None,
-               closed_at: float | None = None) -> None:
-        """A dispatched request is over (completed, failed, client gone or evicted): release its slot and its
-        KV reservation. `cause` (how it let go) and `event_at` (monotonic time the
-        cause was seen) measure release latency. `closed_at`: when an evicted request's upstream connection
-        closed, if earlier than now (a relay of `--workers` closes it, then tells flow control)."""
-        if req.status is not Status.DISPATCHED:
-            return
-        now = self.clock()
-        closed = min(now, closed_at) if closed_at is not None else now
-        evicted = moves.finish(req)
-        if not req.slot_released:
-            self.release_slot(req)
-        self.floor.ended(req)
-        if req.reservation is not None and self.ledger is not None:
-            if self.ledger.release(req.reservation, now):
-                if self.admission is not None:
-                    self.admission.released(req.leased().replica, req.reservation.used_kv_tokens, now)
-                if evicted:
-                    self.tally.release(req, "evict", req.evicted_at, now, closed)
-                else:
-                    self.tally.release(req, cause.value, event_at if event_at is not None else now, now)
-        self.eviction.finished(req, evicted, closed)
-        if self.total_queued:
-            self.wake()
-        self.bands.forget_if_idle(self.bands[req.priority])
-
-    def release_slot(self, req: FlowRequest) -> None:
-        """Hand the request's slot on: at its end, or when it is chosen as a victim (eviction_control.py)."""
-        self.tally.slot_released_at = self.clock()
-        lease = req.leased()
-        lease.slot_released = True
-        lease.replica.in_flight -= 1
-        self.bands[req.priority].in_flight -= 1
-        self.in_flight -= 1
-
-    async def reassign(self, req: FlowRequest) -> Replica | None:
-        """Move a dispatched request whose replica refused the connection to another replica, if any.
-        A coroutine (that never awaits, so the move is one step of the single writer) because a relay's
-        controller must ask the flow-control process for the answer (gateway/relays/remote_flow.py)."""
-        if req.status is not Status.DISPATCHED or req.slot_released:
-            return None
-        lease = req.leased()
-        old = lease.replica
-        others = [r for r in self.pool.healthy() if r is not old]
-        fits = None
-        admission, res = self.admission, req.reservation
-        if admission is not None and res is not None:
-            # Its blocks are held on the old replica; quotas already count them, only room matters here.
-            demand = admission.within_context(self.demand(req), others)
-            fits = lambda r: admission.fits(demand, admission.kv_tokens(demand, r), r)  # noqa: E731
-        new = self.picker.pick(others, self.detector, self.clock(), fits)
-        if new is None:
-            return None
-        old.in_flight -= 1
-        new.in_flight += 1
-        new.dispatches += 1
-        if res is not None and self.ledger is not None:
-            self.ledger.move(res, new.url, admission.block_size(new) if admission else None)
-        lease.replica = new
-        self.eviction.dispatched(req)  # it may wait inside the new replica as well
-        return new
-
-    def revise(self, req: FlowRequest, output_tokens: int, done: bool = False) -> None:
-        """Relayed output so far: the ledger's reservation follows it; a finished generation frees the rest."""
-        res = req.reservation
-        if self.ledger is None or res is None or req.status is not Status.DISPATCHED:
-            return
-        before = res.kv_tokens
-        self.ledger.revise(res, output_tokens, self.clock(), done=done)
-        if res.kv_tokens < before and self.total_queued:
-            self.wake()
-
-    def started_streaming(self, req: FlowRequest) -> None:
-        """The response's first body chunk went out: evicting it now cuts a stream (victim policies weigh it)."""
-        if req.lease is None:
-            return
-        req.lease.streaming_started = True
-        awaited = req in self.eviction.awaiting
-        self.eviction.answering(req)
-        if (req.sheddable and self.eviction.awaiting) or (awaited and self.total_queued):
-            # A request waiting inside this replica may now have a victim that runs; or lower-priority ones held
-            # back from this replica while this one waited (`holds_back`) may go.
-            self.wake()
-
     def count_mid_stream_eviction(self) -> None:
         self.tally.eviction("mid_stream")
 
@@ -371,24 +288,11 @@ class FlowController:
 
     def _dispatch(self, req: FlowRequest, replica: Replica, band: PriorityBand, now: float, path: str,
                   in_floor: bool = False) -> None:
-        lease = Lease(replica, now, in_floor=in_floor)
-        moves.dispatch(req, lease)
-        replica.in_flight += 1
+        self._occupy(req, Lease(replica, now, in_floor=in_floor), band, now)
         replica.dispatches += 1
         if req.affinity is not None and req.affinity == replica.url:
             self.tally.affinity_kept += 1
-        if self.admission is not None and self.ledger is not None:
-            # As the replica runs it: the output clamped to the context, every sequence's own.
-            demand = self.admission.within_context(self.demand(req), self.pool.healthy())
-            lease.reservation = self.ledger.reserve(
-                request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
-                priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
-                max_new_tokens=demand.output_tokens, block_size=self.admission.block_size(replica), now=now)
-        band.in_flight += 1
         band.dispatched += 1
-        self.in_flight += 1
-        if req.sheddable and not req.in_floor:
-            self.eviction.evictor.track(req)
         self.eviction.dispatched(req)
         self.tally.dispatch(req, band.priority, replica.url, path, now)
         if req.waiter is not None and not req.waiter.done():

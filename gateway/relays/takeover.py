@@ -18,14 +18,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.flow import moves
-from gateway.flow.controller import FlowController
-from gateway.flow.request import Ask, FlowRequest, Lease
+from gateway.flow.request import Ask
 from gateway.log import log_event
 from gateway.metrics import PREFIX
 from gateway.relays import messages as m
 from gateway.relays.leadership import Leadership
-from gateway.replicas import Replica
 
 if TYPE_CHECKING:
     from gateway.relays.flow_process import FlowServer, RelayLink
@@ -101,40 +98,11 @@ class Takeover:
                 continue
             controller = link.pools.flow(held.ask.pool)
             req = link.track(held.rid, held.ask, controller)
-            adopt_running(controller, req, replica, held, now)
+            controller.adopt(req, replica, now, held.traffic_class, held.output_tokens, held.streaming)
             running += 1
         self.adopted += running
         log_event(logger, "relay_reregistered", relay=link.index, peer=link.channel.peer, token=self.token,
                   running=running, waiting=len(holding.requests) - running - len(skipped), skipped=len(skipped))
-
-
-def adopt_running(controller: FlowController, req: FlowRequest, replica: Replica, held: m.HeldRequest,
-                  now: float) -> None:
-    """Count a request another leader dispatched as running on `replica`, as the controller counts a dispatch (its
-    slot, its band's and pool's in-flight, a KV reservation with the output so far), but without dispatching it."""
-    req.seq = req.place = next(controller._seq)  # victims are told apart by it
-    req.traffic_class = (held.traffic_class or controller.traffic_classes.get(req.priority)
-                         or controller.loaded.config.traffic_class(req.priority))
-    band = controller.bands.band_for(req.priority, controller.loaded.config)
-    lease = Lease(replica, now)
-    lease.streaming_started = held.streaming
-    moves.dispatch(req, lease)
-    replica.in_flight += 1
-    band.in_flight += 1
-    controller.in_flight += 1
-    admission, ledger = controller.admission, controller.ledger
-    if admission is not None and ledger is not None:
-        demand = admission.within_context(controller.demand(req), controller.pool.healthy())
-        lease.reservation = ledger.reserve(
-            request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
-            priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
-            max_new_tokens=demand.output_tokens, block_size=admission.block_size(replica), now=now)
-        if held.output_tokens:
-            ledger.revise(lease.reservation, held.output_tokens, now)
-    if req.sheddable and not req.in_floor:
-        controller.eviction.evictor.track(req)
-    else:
-        controller.eviction.dispatched(req)
 
 
 class _LeadershipCollector:
