@@ -1,6 +1,7 @@
 """The gateway service: wires config, replica pool, flow controller and proxy into one aiohttp application.
 
-Routes: the OpenAI inference paths (through flow control), /v1/models, /health and /healthz (liveness),
+Routes: the OpenAI inference paths (through flow control), /v1/models, GET/DELETE and cancel of a stored
+/v1/responses/{id} (to the replica that stores it), /health and /healthz (liveness),
 /readyz (readiness: a healthy replica), /metrics, and the admin
 routes /admin/state and POST /admin/rollback (an admin key once any key is configured).
 `Gateway.reload()` (SIGHUP) re-reads the config file; a bad file is logged and the running config stays.
@@ -118,6 +119,7 @@ class Gateway:
                 await self._loop_task
         await self.pool.stop()
         self.proxy.counter.close()
+        await self.proxy.stored.close()
         if self.proxy.upstream is not None:
             self.proxy.upstream.close()
         if self._session is not None:
@@ -208,6 +210,10 @@ def gateway_app(proxy: Proxy, routes) -> web.Application:  # noqa: ANN001
     for path in INFERENCE_PATHS:
         app.router.add_post(path, proxy.inference)
     app.router.add_get("/v1/models", proxy.models)
+    # A stored response (vLLM's GET and cancel; DELETE, which vLLM lacks, answered by the replica too), relayed to
+    # the replica that stores it (gateway/stored_responses.py).
+    app.router.add_route("*", "/v1/responses/{response_id}", proxy.stored.relay)
+    app.router.add_post("/v1/responses/{response_id}/cancel", proxy.stored.relay)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/healthz", routes.health)
     app.router.add_get("/readyz", routes.ready)

@@ -42,13 +42,14 @@ from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.responses import (drop_response, embeddings_not_served, endpoint_not_served, error_response,
                                evicted_sse_event, model_not_found, models_union)
+from gateway.stored_responses import StoredResponses, Turn
 from gateway.stream_tokens import StreamTokenCount
 from gateway.tokenization import PromptCounter
 from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
 from holdback.contract import (CHAT_ENDPOINT, DROP_REASON_HEADER, EMBEDDINGS_ENDPOINT, QUEUE_MS_HEADER,
-                               REPLICA_HEADER, REQUEST_ID_HEADER, RESUMABLE_HEADER, InferenceEndpoint,
-                               inference_endpoint)
+                               REPLICA_HEADER, REQUEST_ID_HEADER, RESPONSES_ENDPOINT, RESUMABLE_HEADER,
+                               InferenceEndpoint, inference_endpoint)
 
 logger = logging.getLogger("gateway.proxy")
 
@@ -67,6 +68,7 @@ class Proxy:
         self.classifier = Classifier(pools.loaded)
         self.counter = self._counter()
         self.failover = Failover(metrics, self._upstream_headers, self._upstream_failure)
+        self.stored = StoredResponses(pools, lambda: self.session, lambda: self.classifier)
 
     def _counter(self) -> PromptCounter:
         counter = PromptCounter(self.pools.loaded.config.admission, self._count_fallback, self._counted)
@@ -77,6 +79,7 @@ class Proxy:
         self.classifier = Classifier(self.pools.loaded)
         self.counter.close()  # its background tokenizer checks stop; the new counter checks again
         self.counter = self._counter()
+        self.stored.reconfigure()
 
     def _counted(self, source: str) -> None:
         self.metrics.child(self.metrics.prompt_counts, source).inc()
@@ -145,12 +148,18 @@ class Proxy:
             if healthy and all(r.serves_no_embeddings() for r in healthy):
                 return embeddings_not_served(healthy[0], request_id)
         body = salted_body(raw, request.path, cls.cache_salt, doc)
+        turn = None
+        if endpoint is RESPONSES_ENDPOINT:  # named, pinned to the replica storing what it continues, or answered
+            turn = await self.stored.arrive(doc, body, cls.tenant, controller, request_id)
+            if isinstance(turn, web.Response):
+                return turn
+            body = turn.body
         ask = Ask(request_id=request_id, objective=cls.objective, priority=cls.priority,
                   fairness_id=cls.fairness_id, tenant=cls.tenant, arrived=arrived, pool=pool,
                   expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                   resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
                   streamed=isinstance(doc, dict) and doc.get("stream") is True,
-                  at_risk=cls.at_risk and cls.priority < 0)
+                  at_risk=cls.at_risk and cls.priority < 0, home=turn.home if turn is not None else None)
         if controller.admission_enabled:
             counted = await self._count_tokens(controller, ask, doc, endpoint)
             if isinstance(counted, web.Response):
@@ -167,10 +176,10 @@ class Proxy:
                 controller.withdraw(req)
                 raise
             # Decided meanwhile (dispatched, maybe evicted already): nothing sent yet, it ends as any cancel does.
-            return await self._forward(request, controller, req, body, cancelled=exc)
+            return await self._forward(request, controller, req, body, turn, cancelled=exc)
         if outcome is Outcome.REJECTED:
             return drop_response(req.drop_reason or DropReason.SATURATED, request_id, req.drop_message)
-        return await self._forward(request, controller, req, body)
+        return await self._forward(request, controller, req, body, turn)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request.headers)
@@ -218,12 +227,13 @@ class Proxy:
 
     # -- forwarding: the answer, and the one place a request is finished -------------------------------------
     async def _forward(self, request: web.Request, flow: FlowControl, req: FlowRequest, body: bytes,
-                       cancelled: asyncio.CancelledError | None = None) -> web.StreamResponse:
+                       turn: Turn | None = None, cancelled: asyncio.CancelledError | None = None
+                       ) -> web.StreamResponse:
         """Send a dispatched request to its replica and relay the answer (`_relay`). Each step records how the
         request ended; flow control is told here, once, the moment it ended, and then the rest of the answer
         goes out (`_conclude`): the end of a stream, the evicted answer, or the failure. `cancelled`: the handler
         was cancelled (evicted, or the caller left) before anything was sent."""
-        fw = _Forwarding(request, flow, req)
+        fw = _Forwarding(request, flow, req, turn)
         try:
             try:
                 if cancelled is not None:
@@ -234,7 +244,9 @@ class Proxy:
             except (UpstreamError, OSError) as exc:  # OSError includes asyncio.TimeoutError
                 fw.close_upstream()
                 fw.ended(End.ERROR, time.monotonic(), error=exc)
-            flow.finish(req, fw.cause, fw.at)
+            # A background response goes on after its answer: finished when its replica reports it ended.
+            if not self.stored.hold(turn, flow, req, fw.cause, fw.conn.status if fw.conn is not None else 0):
+                flow.finish(req, fw.cause, fw.at)
             return await self._conclude(fw)
         finally:
             if fw.conn is not None:
@@ -249,6 +261,7 @@ class Proxy:
             return
         fw.conn = conn = exchanged
         replica = req.leased().replica
+        self.stored.answered(fw.turn, replica.url, conn.status, req.tenant)
         headers = response_headers(conn.headers, HOP_BY_HOP)
         headers[REQUEST_ID_HEADER] = req.request_id
         headers[REPLICA_HEADER] = replica.url  # the worker records which replica served each attempt
@@ -398,10 +411,10 @@ class Proxy:
 class _Forwarding:
     """One dispatched request on its way: its connection, the caller's stream, and how it ended."""
 
-    __slots__ = ("request", "flow", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted")
+    __slots__ = ("request", "flow", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted", "turn")
 
-    def __init__(self, request: web.Request, flow: FlowControl, req: FlowRequest):
-        self.request, self.flow, self.req = request, flow, req
+    def __init__(self, request: web.Request, flow: FlowControl, req: FlowRequest, turn: Turn | None = None):
+        self.request, self.flow, self.req, self.turn = request, flow, req, turn  # turn: a /v1/responses request's
         self.conn: UpstreamConnection | None = None
         self.stream: web.StreamResponse | None = None
         # How it ended, for flow control (finish's cause and when it was seen), and what is left to answer.

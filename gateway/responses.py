@@ -36,11 +36,11 @@ def error_body(message: str, err_type: str, code: str, param: str | None = None)
 
 
 def error_response(status: int, message: str, err_type: str, code: str, request_id: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
+                   headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
     h = dict(headers or {})
     if request_id:
         h[REQUEST_ID_HEADER] = request_id
-    return web.Response(status=status, body=error_body(message, err_type, code), headers=h,
+    return web.Response(status=status, body=error_body(message, err_type, code, param), headers=h,
                         content_type="application/json")
 
 

@@ -22,6 +22,7 @@ from gateway.flow.eviction import Evictor, plain_view
 from gateway.flow.request import FlowRequest, Status, Trigger
 from gateway.flow.triggers import TRIGGERS, Moment, Stage
 from gateway.log import log_event
+from gateway.policies.picker import Pinned
 from gateway.policies.saturation import SaturationDetector
 from gateway.policies.victims import VictimCandidate, victim_policy
 from gateway.replicas import Replica
@@ -93,8 +94,11 @@ class EvictionControl:
 
     def restore_place(self, req: FlowRequest) -> None:
         """The retry of an evicted request takes back the victim's place in line, its replica and its count of
-        evictions."""
+        evictions. A request that must run on one replica (its ask's `home`: a stored response's next turn) is
+        pinned there instead."""
         req.place, req.affinity, req.evictions = self.places.pop((req.fairness_id, req.request_id), (req.seq, None, 0))
+        if req.ask.home is not None:
+            req.affinity = Pinned(req.ask.home)
         if req.place != req.seq:
             self.host.tally.places_kept += 1
 

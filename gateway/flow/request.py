@@ -91,6 +91,9 @@ class Ask:
     streamed: bool = False
     # Its batch will miss its window at its pace so far (the workers' `x-holdback-at-risk`).
     at_risk: bool = False
+    # The replica it must run on, none other: the one that stores the response it continues (a /v1/responses
+    # `previous_response_id`, gateway/stored_responses.py). None: any.
+    home: str | None = None
 
     @property
     def sheddable(self) -> bool:

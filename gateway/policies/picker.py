@@ -20,6 +20,11 @@ from gateway.settings.names import implemented
 R = TypeVar("R", bound=ReplicaView)
 
 
+class Pinned(str):
+    """A `prefer` that binds: the request runs on this replica or waits (a stored response's next turn, which only
+    the replica that stores the response can answer)."""
+
+
 @dataclass(frozen=True)
 class ReplicaLoad:
     """What a scorer may know about one replica: its load."""
@@ -76,10 +81,14 @@ class EndpointPicker:
     def pick(self, replicas: Sequence[R], detector: SaturationDetector, now: float,
              fits: Callable[[R], bool] | None = None, prefer: str | None = None) -> R | None:
         """The best replica with room; `prefer` (a replica url) wins whenever it has room and fits: the retry of
-        an evicted request goes back to where its prefix is cached, as a prefix-aware scorer would send it."""
+        an evicted request goes back to where its prefix is cached, as a prefix-aware scorer would send it.
+        A `Pinned` one is the only choice, taken past its slot limit (the replica queues it, as vLLM does) so that
+        a turn never waits behind its band for one replica's room: None only while it is down or out of KV."""
         n = len(replicas)
         if n == 0:
             return None
+        if isinstance(prefer, Pinned):
+            return next((r for r in replicas if r.url == prefer and r.healthy and (fits is None or fits(r))), None)
         if prefer is not None:
             for r in replicas:
                 if r.url == prefer and r.healthy and detector.has_room(r, now) and (fits is None or fits(r)):

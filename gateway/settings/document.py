@@ -10,7 +10,8 @@ from gateway.settings.engine import EngineSettings
 from gateway.settings.keys import AdminKey, Anonymous, KeyEntry
 from gateway.settings.pools import PoolSettings, check_pools, pool_config, replica_urls
 from gateway.settings.sections import (Admission, BandSettings, Eviction, FlowControlSettings, Health, Metrics,
-                                       Objective, Picker, Saturation, Upstream, UsageLimit)
+                                       Objective, Picker, ResponsesSettings, Saturation, Upstream,
+                                       UsageLimit)
 from holdback.contract import BATCH_OBJECTIVE, REALTIME_OBJECTIVE, STANDARD_OBJECTIVE
 
 
@@ -38,6 +39,7 @@ class GatewayConfig(SettingsModel):
     metrics: Metrics = Metrics()
     upstream: Upstream = Upstream()
     engine: EngineSettings = EngineSettings()
+    responses: ResponsesSettings = ResponsesSettings()
 
     @field_validator("replicas")
     @classmethod

@@ -238,3 +238,15 @@ class Upstream(SettingsModel):
         return by_replica_url("upstream.replicaKeys", keys)
 
 
+class ResponsesSettings(SettingsModel):
+    """Stored responses (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): gateway/stored_responses.py."""
+
+    # `background: true` is counted (its slot and KV reservation) until its replica reports it ended; false: the
+    # gateway refuses it (400, param `background`).
+    allowBackground: bool = True
+    # How long, and how many, response ids the gateway remembers with the replica that stored them; an id it does
+    # not remember (forgotten, or made before a restart) is looked for by asking the replicas.
+    rememberSeconds: float = Field(default=86400.0, gt=0)
+    rememberMax: int = Field(default=100_000, ge=1)
+    # How often a background response's replica is asked whether it ended.
+    pollSeconds: float = Field(default=1.0, gt=0, le=60)
