@@ -26,6 +26,18 @@ NICE = -15
 SLOTS = 8
 # The CPU backend's KV block (tokens) unless --block-size says otherwise: only whole blocks are prefix-cached.
 CPU_BLOCK_TOKENS = 128
+# The KV-bound replica (issue #47): its pool cut to 40 blocks (5,120 tokens of 128-token blocks, as its
+# vllm:cache_config_info says) under a 2,048-token context, so KV runs out before its 8 slots do: eight
+# sequences of 1,000 prompt and 600 output tokens need 104 blocks. vLLM alone then preempts (and recomputes).
+KV_BOUND_BLOCKS = 40
+KV_BOUND_CONTEXT = 2048
+CONTEXT = 512  # the slot-bound replica's (1 GiB of KV: about two million tokens)
+
+
+def kv_bound_args(blocks: int = KV_BOUND_BLOCKS, context: int = KV_BOUND_CONTEXT) -> list[str]:
+    """vLLM's flags for a replica whose KV pool, not its slots, runs out first (the CPU build honours the
+    override: its 1 GiB allocation is then used for `blocks` blocks only)."""
+    return ["--num-gpu-blocks-override", str(blocks), "--max-model-len", str(context)]
 
 
 def favour(pid: int, nice: int) -> bool:
@@ -64,9 +76,9 @@ def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
 
 
 def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
-               block_size: int | None = None, cpu: int = ENGINE_CPU) -> str:
+               block_size: int | None = None, cpu: int = ENGINE_CPU, kv_blocks: int | None = None) -> str:
     """vLLM on `cpu` alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
-    blocks' tokens (None: the CPU backend's 128)."""
+    blocks' tokens (None: the CPU backend's 128); `kv_blocks` the KV-bound replica's pool (None: 1 GiB)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -74,8 +86,9 @@ def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: in
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
     cmd = [*pinned(cpu, pin), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(slots),
-           "--scheduling-policy", "priority"] + (["--block-size", str(block_size)] if block_size else [])
+           "--dtype", "float32", "--max-num-seqs", str(slots), "--scheduling-policy", "priority"]
+    cmd += kv_bound_args(kv_blocks) if kv_blocks else ["--max-model-len", str(CONTEXT)]
+    cmd += ["--block-size", str(block_size)] if block_size else []
     log = tmp / f"vllm-{cpu}.log"
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)

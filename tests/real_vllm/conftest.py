@@ -117,6 +117,7 @@ class VllmServer:
     proc: subprocess.Popen | None = None
     # Pin the API server and its engine processes to this CPU (None: wherever the kernel puts them).
     cpu: int | None = None
+    context: int = CONTEXT  # --max-model-len
 
     @property
     def url(self) -> str:
@@ -125,7 +126,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--served-model-name",
                self.served, "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype",
-               DTYPE, "--max-model-len", str(CONTEXT), *ENGINE_ARGS, *self.args]
+               DTYPE, "--max-model-len", str(self.context), *ENGINE_ARGS, *self.args]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         env = {**os.environ, **ENGINE_ENV}
