@@ -16,13 +16,15 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from gateway.replicas import Replica
 from gateway.settings import ConfigError
 from holdback.contract import COMPLETIONS_ENDPOINT
 from gateway.vllm_metrics import parse_vllm_metrics
+
+if TYPE_CHECKING:  # only `holdback gateway calibrate` measures; a serving gateway reads profiles and never loads httpx
+    import httpx
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ def measure(replica_url: str, gpu_sku: str, probe_tokens: int = 512, timeout: fl
             api_key: str | None = None) -> Profile:
     """Read a running replica's identity and KV pool geometry, then measure one probe (0: no probe).
     `api_key`: the replica's `--api-key`, sent on every call."""
+    import httpx
+
     url = replica_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=timeout, headers=headers, event_hooks={"response": [_refused_key(api_key)]}) as client:

@@ -13,9 +13,6 @@ import logging
 import os
 import sys
 
-import httpx
-from redis import asyncio as aioredis
-
 from aiohttp import web
 
 from gateway.app import Gateway, until_stopped
@@ -151,6 +148,8 @@ async def serve_flow_control(gateway: Gateway, relays_listen: tuple[str, int], s
     the lease with `--lease-redis`."""
     leadership = None
     if args.lease_redis is not None:
+        from redis import asyncio as aioredis  # only a flow control with a lease talks to Redis
+
         redis = aioredis.from_url(args.lease_redis, socket_timeout=args.lease_seconds / 3,
                                   socket_connect_timeout=args.lease_seconds / 3)
         leadership = Leadership(redis, args.lease_name, ttl=args.lease_seconds)
@@ -194,6 +193,8 @@ def _rollback(argv: list[str]) -> int:
     args = p.parse_args(argv)
     body = {} if args.admission_watermark is None else {"admissionWatermark": args.admission_watermark}
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    import httpx  # the admin commands' client; the serving gateway does without it
+
     try:
         resp = httpx.post(args.url.rstrip("/") + "/admin/rollback", json=body, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
@@ -224,6 +225,8 @@ def _calibrate(argv: list[str]) -> int:
                    help="prompt tokens of the probe request that measures the safety factor (0: no probe; the "
                         "replica should be idle) (default %(default)s)")
     args = p.parse_args(argv)
+    import httpx
+
     try:
         profile = measure(args.replica, args.gpu, args.probe_tokens, api_key=args.api_key)
     except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:

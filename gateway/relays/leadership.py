@@ -17,12 +17,12 @@ import os
 import secrets
 import socket
 import time
-from typing import Callable
-
-from redis import asyncio as aioredis
-from redis.exceptions import RedisError
+from typing import TYPE_CHECKING, Callable
 
 from gateway.log import log_event
+
+if TYPE_CHECKING:  # redis is imported by whoever makes the client: a gateway without a lease never loads it
+    from redis import asyncio as aioredis
 
 logger = logging.getLogger("gateway.leadership")
 
@@ -125,6 +125,8 @@ class Leadership:
             pass
 
     async def _give_back(self, value: str) -> None:
+        from redis.exceptions import RedisError
+
         try:
             await self._resign(keys=[self.key], args=[value])
         except (RedisError, OSError):
@@ -132,6 +134,8 @@ class Leadership:
 
     async def run(self) -> None:
         """Contend for the lease, and renew it while leading, three times a ttl, until cancelled."""
+        from redis.exceptions import RedisError
+
         failing = False
         while True:
             try:
