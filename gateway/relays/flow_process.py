@@ -262,8 +262,7 @@ class FlowServer:
                            "running": [{"index": link.index, "pid": link.hello.pid, "host": link.hello.host,
                                         "listen": link.hello.listen, "peer": link.channel.peer,
                                         "requests": len(link.requests)} for link in self.links.values()]}
-        lease = self.takeover.leadership
-        state["leadership"] = {**lease.state(), "adopted": self.takeover.adopted} if lease is not None else None
+        state["leadership"] = self.takeover.state()
         return state
 
     async def exposition(self) -> bytes:

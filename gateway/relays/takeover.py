@@ -39,6 +39,12 @@ class Takeover:
         self.until = 0.0
         self.waiting: dict[tuple[int, int], tuple["RelayLink", Ask]] = {}
         self.adopted = 0
+        # The takeover under way or the last one done (/admin/state, /metrics): when it began (this process took
+        # the lease, wall clock) and ended (new requests dispatched again), what relays re-registered meanwhile.
+        self.last: dict | None = None
+        self._began = 0.0
+        self._adopted_before = 0
+        self._relays: set[int] = set()
         if leadership is not None:
             leadership.on_change.append(self._changed)
             server.gateway.metrics.registry.register(_LeadershipCollector(self))
@@ -64,6 +70,9 @@ class Takeover:
         if self.token > 1:  # another led before: what its relays hold comes first
             self.until = time.monotonic() + self.window
             asyncio.get_running_loop().call_later(self.window, self._release)
+            self.last = {"token": self.token, "began_at": time.time(), "ended_at": None, "seconds": None,
+                         "adopted": 0, "relays": 0, "submitted": 0}
+            self._began, self._adopted_before, self._relays = time.monotonic(), self.adopted, set()
             log_event(logger, "takeover_started", token=self.token, holding_new_requests_seconds=self.window)
 
     def defer(self, link: "RelayLink", rid: int, ask: Ask) -> None:
@@ -79,10 +88,28 @@ class Takeover:
             return
         waiting, self.waiting = self.waiting, {}
         if self.decides():
-            log_event(logger, "takeover_done", token=self.token, adopted=self.adopted, submitting=len(waiting))
+            self._done(len(waiting))
+            log_event(logger, "takeover_done", token=self.token, adopted=self.adopted, submitting=len(waiting),
+                      seconds=self.last["seconds"] if self.last else None)
         for (_, rid), (link, ask) in waiting.items():
             if not link.channel.closed and self.decides():
                 link.submit(rid, ask)
+
+    def _done(self, submitting: int) -> None:
+        last = self.last
+        if last is None or last["token"] != self.token or last["ended_at"] is not None:
+            return
+        last.update(ended_at=time.time(), seconds=round(time.monotonic() - self._began, 3),
+                    adopted=self.adopted - self._adopted_before, relays=len(self._relays), submitted=submitting)
+
+    def state(self) -> dict | None:
+        """/admin/state's `leadership`: the lease as this process holds or sees it, its relays and the requests
+        they hold, and the last takeover; None without a lease."""
+        if self.leadership is None:
+            return None
+        links = self.server.links.values()
+        return {**self.leadership.state(), "adopted": self.adopted, "relays": len(links),
+                "relay_requests": sum(len(link.requests) for link in links), "last_takeover": dict(self.last) if self.last else None}
 
     # -- what a relay reports -------------------------------------------------------------------------------
     def adopt(self, link: "RelayLink", holding: m.Holding) -> None:
@@ -101,12 +128,15 @@ class Takeover:
             controller.adopt(req, replica, now, held.traffic_class, held.output_tokens, held.streaming)
             running += 1
         self.adopted += running
+        if self.last is not None and self.last["ended_at"] is None:
+            self._relays.add(link.link_id)
         log_event(logger, "relay_reregistered", relay=link.index, peer=link.channel.peer, token=self.token,
                   running=running, waiting=len(holding.requests) - running - len(skipped), skipped=len(skipped))
 
 
 class _LeadershipCollector:
-    """/metrics: whether this flow control leads, its fencing token, since when, and its relays."""
+    """/metrics: whether this flow control leads, its fencing token, since when, its relays and what they hold, and
+    how long its last takeover took."""
 
     def __init__(self, takeover: Takeover):
         self.takeover = takeover
@@ -127,4 +157,12 @@ class _LeadershipCollector:
         adopted = GaugeMetricFamily(f"{PREFIX}_flow_control_adopted_requests", "Running requests relays "
                                     "re-registered with this process when it took over.")
         adopted.add_metric([], float(takeover.adopted))
-        return [leading, token, since, relays, adopted]
+        held = GaugeMetricFamily(f"{PREFIX}_flow_control_relay_requests", "Requests each connected relay holds "
+                                 "(waiting for a decision or running).", labels=["relay"])
+        for link in takeover.server.links.values():
+            held.add_metric([f"{link.hello.host}/{link.hello.pid}"], float(len(link.requests)))
+        last = takeover.last or {}
+        took = GaugeMetricFamily(f"{PREFIX}_flow_control_last_takeover_seconds", "The last takeover by this "
+                                 "process: lease taken -> new requests dispatched again (0 before its first).")
+        took.add_metric([], float(last.get("seconds") or 0))
+        return [leading, token, since, relays, adopted, held, took]

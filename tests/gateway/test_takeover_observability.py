@@ -1,0 +1,68 @@
+"""What a leading flow control says about itself (gateway/relays/takeover.py): on /admin/state's `leadership` and
+in /metrics, its relays and the requests they hold, and the last takeover (lease taken -> new requests dispatched
+again), against the real Redis at 127.0.0.1:6379 (a lease of its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from redis import asyncio as aioredis
+
+from gateway.relays import messages as m
+from gateway.relays.leadership import Leadership
+from gateway.relays.takeover import Takeover
+
+REDIS = "redis://127.0.0.1:6379/0"
+WINDOW = 0.3
+
+
+def _link(link_id: int, host: str, pid: int, held: int) -> SimpleNamespace:
+    return SimpleNamespace(link_id=link_id, index=None, channel=SimpleNamespace(peer=f"10.0.0.{link_id}:5000"),
+                           hello=SimpleNamespace(host=host, pid=pid), requests=dict.fromkeys(range(held)))
+
+
+def test_a_leader_reports_its_relays_their_requests_and_how_long_its_takeover_took():
+    async def run() -> tuple[dict, dict, dict, str]:
+        redis = aioredis.from_url(REDIS)
+        lease = Leadership(redis, f"test-{uuid.uuid4().hex}", ttl=30, holder="fc-b")
+        registry = CollectorRegistry()
+        server = SimpleNamespace(links={}, gateway=SimpleNamespace(metrics=SimpleNamespace(registry=registry)))
+        takeover = Takeover(server, lease, WINDOW)  # type: ignore[arg-type]
+        try:
+            before = takeover.state()
+            await redis.set(lease.token_key, 4)  # four terms led before this one: taking the lease is a takeover
+            began = time.time()
+            assert await lease.acquire()
+            await asyncio.sleep(0)  # the leadership change is told on the loop's next turn
+            assert takeover.holds_back()
+            # Two relays find the new leader and re-register what they hold (nothing running here).
+            server.links = {1: _link(1, "relay-a", 11, held=3), 2: _link(2, "relay-b", 12, held=1)}
+            for link in server.links.values():
+                takeover.adopt(link, m.Holding(requests=()))
+            during = takeover.state()
+            async with asyncio.timeout(30):
+                while takeover.holds_back():
+                    await asyncio.sleep(0.02)
+            after = takeover.state()
+            assert after["last_takeover"]["began_at"] >= began
+            return before, during, after, generate_latest(registry).decode()
+        finally:
+            await redis.delete(lease.key, lease.token_key)
+            await redis.aclose()
+
+    before, during, after, exposition = asyncio.run(run())
+    assert before["leading"] is False and before["relays"] == 0 and before["last_takeover"] is None
+    assert during["leading"] and during["token"] == 5 and during["relays"] == 2 and during["relay_requests"] == 4
+    assert during["last_takeover"]["ended_at"] is None and during["last_takeover"]["seconds"] is None
+    last = after["last_takeover"]
+    assert last["token"] == 5 and last["relays"] == 2 and last["adopted"] == 0 and last["submitted"] == 0
+    assert WINDOW <= last["seconds"] < WINDOW + 10
+    assert last["ended_at"] - last["began_at"] >= WINDOW - 0.01
+    lines = exposition.splitlines()
+    assert f"holdback_gateway_flow_control_last_takeover_seconds {last['seconds']}" in lines, exposition
+    assert 'holdback_gateway_flow_control_relay_requests{relay="relay-a/11"} 3.0' in lines
+    assert 'holdback_gateway_flow_control_relay_requests{relay="relay-b/12"} 1.0' in lines
