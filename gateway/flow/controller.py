@@ -290,7 +290,7 @@ class FlowController(RunningRequests):
                   in_floor: bool = False) -> None:
         self._occupy(req, Lease(replica, now, in_floor=in_floor), band, now)
         replica.dispatches += 1
-        if req.affinity is not None and req.affinity == replica.url:
+        if req.evictions and req.affinity == replica.url:  # an evicted request's retry, not a pinned turn
             self.tally.affinity_kept += 1
         band.dispatched += 1
         self.eviction.dispatched(req)

@@ -62,6 +62,7 @@ def test_every_turn_runs_where_its_previous_response_is_stored(stack):
     sims = stack.sim(3, STORE, "--zero-latency")
     gw = stack.gateway(sims)
     home, last = _conversation_on_its_replica(gw.url, 8)
+    assert gw.state()["totals"]["evicted_replica_kept"] == 0, "a pinned turn is not an evicted request's retry"
     stored = httpx.get(f"{gw.url}/v1/responses/{last}", timeout=10)
     assert stored.status_code == 200 and stored.json()["id"] == last
     cancel = httpx.post(f"{gw.url}/v1/responses/{last}/cancel", timeout=10)
