@@ -4,11 +4,14 @@ it, and what each attempt kept and recomputed.
 A resumable request (one choice, no logprobs, no tools, a text prompt) is sent streamed; when its stream is
 cut, the attempt keeps what it carried so far (a `Partial`: all attempts' output, its text in
 `attempts.partial_output`, reasoning and token ids in `attempts.partial_state`).
-The next attempt continues it: `/v1/completions` with the prompt and output so far as token ids (vLLM's
-`return_token_ids`), or prompt + text so far when the server sent no ids; `/v1/chat/completions` with the
-partial answer as a final assistant message and vLLM's `continue_final_message: true`,
-`add_generation_prompt: false`; the output limits shrink by what was produced. Other requests are sent as
-they are and restart. What earlier attempts left (a `Carryover`) is read when the attempt opens
+The next attempt continues it from the token ids of the prompt and the output so far (vLLM's `return_token_ids`),
+sent as a `/v1/completions` prompt for a chat too: exactly what the model had, so with greedy decoding the answer
+is the one an uninterrupted run gives, whatever the chat template does to the text. Without ids (a server that
+sends none, a stop string still held back, broken characters in the kept text, a chat with no output limit) it
+continues by text: a completion's prompt + text so far; a chat's partial answer as a final assistant message with
+vLLM's `continue_final_message: true`, `add_generation_prompt: false`, less its trailing whitespace, which a
+template that trims content (Llama 3's `| trim`) leaves out of the prompt, so the model writes it again. The
+output limits shrink by what was produced. Other requests are sent as they are and restart. What earlier attempts left (a `Carryover`) is read when the attempt opens
 (`holdback.attempts.transactions.open_attempt`).
 """
 
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from holdback.attempts.outcomes import Reply
 from holdback.attempts.stream import REASONING_FIELDS, StreamAssembly, StreamedReply, TokenSums
-from holdback.contract import COMPLETIONS_ENDPOINT, RESUMABLE_HEADER, inference_endpoint
+from holdback.contract import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESUMABLE_HEADER, inference_endpoint
 from holdback.results import AttemptFigures
 
 if TYPE_CHECKING:  # the open attempt's module reads a carryover from the database: it imports this one
@@ -34,6 +37,12 @@ _CHAT_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format", "au
 _STREAM_METADATA = ("return_token_ids", "return_prompt_text")
 # A broken character: what vLLM streams for bytes that are not (or not yet) valid UTF-8.
 REPLACEMENT_CHARACTER = "\ufffd"
+# A chat's fields that only its renderer reads (or that say something else on /v1/completions): a chat continued
+# from its token ids is sent without them, since the ids are the prompt as already rendered (and truncated).
+_CHAT_ONLY = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+              "documents", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+              "max_completion_tokens", "reasoning_effort", "include_reasoning", "mm_processor_kwargs",
+              "media_io_kwargs", "add_special_tokens", "truncate_prompt_tokens", "echo")
 
 
 def resumable(url: str, body: dict) -> bool:
@@ -83,6 +92,9 @@ class SendPlan:
     resumed: bool  # continues `carryover.text`
     body: bytes
     carryover: Carryover = Carryover()
+    # The path it is sent to when not the row's own: a chat continued from its token ids goes to /v1/completions,
+    # and its answer is assembled as the chat's.
+    path: str | None = None
 
 
 def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool, stream_interval: int = 1) -> SendPlan:
@@ -96,19 +108,24 @@ def plan_attempt(attempt: OpenAttempt, carryover: Carryover, resume: bool, strea
     if not resumable(attempt.url, body):
         return SendPlan(False, False, attempt.body.encode(), carryover)
     point = _resume_point(attempt.url, body, carryover) if resume and carryover.tokens > 0 else None
-    resumed = point is not None and _continue(attempt.url, body, point)
+    path = None
+    if point is not None and point.context_ids and attempt.url == CHAT_ENDPOINT.path:
+        body, path = _chat_as_completion(body), COMPLETIONS_ENDPOINT.path
+    resumed = point is not None and _continue(path or attempt.url, body, point)
+    if not resumed:
+        body, path = json.loads(attempt.body), None
     body["stream"] = True
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if stream_interval > 1:
         body.setdefault("stream_interval", stream_interval)
-    if attempt.url == COMPLETIONS_ENDPOINT.path:
-        body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
-    return SendPlan(True, resumed, json.dumps(body).encode(), point if resumed else carryover)
+    body["return_token_ids"] = True  # so a cut stream leaves the ids a resume continues from
+    return SendPlan(True, resumed, json.dumps(body).encode(), point if resumed else carryover, path)
 
 
 def _resume_point(url: str, body: dict, carryover: Carryover) -> Carryover | None:
     """What a resume continues; None when the request should restart instead."""
-    if url == COMPLETIONS_ENDPOINT.path and carryover.context_ids and _text_keeps_up_with_ids(body):
+    if carryover.context_ids and _text_keeps_up_with_ids(body) and (
+            url == COMPLETIONS_ENDPOINT.path or _chat_continues_by_ids(body, carryover)):
         return carryover
     # Resuming by text tokenizes the kept text again. A trailing U+FFFD is a character whose bytes were cut
     # (or were never valid UTF-8): tokenized again it is the replacement character itself, not the bytes the
@@ -122,7 +139,35 @@ def _resume_point(url: str, body: dict, carryover: Carryover) -> Carryover | Non
         # reasoning that was to lead it, so the request starts over.
         return None
     broken = len(carryover.text) - len(text)
-    return dataclasses.replace(carryover, text=text, tokens=max(0, carryover.tokens - broken), context_ids=None)
+    tokens = carryover.tokens - broken
+    if url == CHAT_ENDPOINT.path and text != text.rstrip():
+        # A template that trims content leaves the trailing whitespace out of the continued prompt while the
+        # answer would keep it: the model writes it again (twice, in the answer). Given up, it is written once,
+        # by the model, on every template. A run of whitespace ends on at least one whole token (tokenizers split
+        # whitespace from words), so one token less never lets the resumed limit pass the caller's.
+        text, tokens = text.rstrip(), tokens - 1
+        if not text:
+            return None
+    return dataclasses.replace(carryover, text=text, tokens=max(0, tokens), context_ids=None)
+
+
+def _chat_continues_by_ids(body: dict, carryover: Carryover) -> bool:
+    """Whether a chat with the ids of its cut stream goes on from them (through /v1/completions): it needs answer
+    text (reasoning alone restarts, as by text), an output limit (a completion's default is 16 tokens, a chat's
+    the rest of the context, which the workers do not know), and no broken character in the text: vLLM primes
+    its detokenizer with the prompt's ids, and after bytes that are not UTF-8 its first text can differ from the
+    uninterrupted stream's (seen on 0.32), while by text those characters are given up and written again."""
+    return (bool(carryover.text) and REPLACEMENT_CHARACTER not in carryover.text and not body.get("echo")
+            and any(isinstance(body.get(k), int) for k in CHAT_ENDPOINT.limit_params))
+
+
+def _chat_as_completion(chat: dict) -> dict:
+    """The chat's body as a completion of the same model with the same sampling; `_continue` sets the prompt
+    (the ids) and the limit (a chat's `max_completion_tokens` wins over its `max_tokens`, as vLLM reads it)."""
+    limit = next(chat[k] for k in CHAT_ENDPOINT.limit_params if isinstance(chat.get(k), int))
+    body = {k: v for k, v in chat.items() if k not in _CHAT_ONLY}
+    body["max_tokens"] = limit
+    return body
 
 
 def _text_keeps_up_with_ids(body: dict) -> bool:
@@ -238,5 +283,6 @@ def streamed_reply(plan: SendPlan, sent: StreamedReply) -> Reply:
     if not sent.events or sent.cut or sent.reply.status is None or sent.reply.status >= 300:
         return sent.reply
     kept = plan.carryover if plan.resumed else Carryover(earlier=plan.carryover.earlier)
-    body = sent.assembly.body(kept.text, kept.earlier, kept.reasoning, kept.reasoning_fields)
+    body = sent.assembly.body(kept.text, kept.earlier, kept.reasoning, kept.reasoning_fields,
+                              as_chat=plan.path is not None)
     return Reply(sent.reply.status, sent.reply.headers, json.dumps(body).encode())

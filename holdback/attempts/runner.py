@@ -141,7 +141,7 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
         # The cancel was published while this attempt was opening: do not send it at all.
         reply = Reply.cancelled("batch cancelled or expired before the request was sent")
     else:
-        url = rt.gateway_url + attempt.url
+        url = rt.gateway_url + (plan.path or attempt.url)
 
         def answered() -> None:
             job.answered = True

@@ -17,6 +17,7 @@ from holdback.attempts.outcomes import PATH_STATUSES, Reply
 from holdback.contract import DROP_REASON_HEADER, DropReason, is_eviction
 
 _CHUNK_OBJECTS = {"chat.completion.chunk": "chat.completion", "text_completion": "text_completion"}
+_COMPLETION_ID_PREFIX, _CHAT_ID_PREFIX = "cmpl-", "chatcmpl-"  # vLLM's response ids: <prefix><request id>
 # Top-level fields of a chunk that describe the stream, not the answer: vLLM's head chunk carries
 # `prompt_token_ids` and `prompt_text` (nulls unless asked for); the ids are kept apart, never in the body.
 _STREAM_FIELDS = ("choices", "usage", "prompt_token_ids", "prompt_text")
@@ -162,14 +163,19 @@ class StreamAssembly:
         return int(((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
     def body(self, kept_text: str = "", earlier: "TokenSums | None" = None, kept_reasoning: str = "",
-             kept_reasoning_fields: tuple[str, ...] = ()) -> dict:
+             kept_reasoning_fields: tuple[str, ...] = (), as_chat: bool = False) -> dict:
         """The non-streamed response: what earlier attempts kept (resumed output) leads the text and the
-        reasoning, usage adds `earlier`."""
+        reasoning, usage adds `earlier`. `as_chat`: a completion stream that continued a chat (from its token
+        ids) answers as that chat, `chat.completion` with vLLM's chat id prefix."""
         head = dict(self.head)
         head["object"] = _CHUNK_OBJECTS.get(head.get("object", ""), head.get("object"))
+        if as_chat and not self.chat:
+            head["object"] = _CHUNK_OBJECTS["chat.completion.chunk"]
+            if isinstance(head.get("id"), str) and head["id"].startswith(_COMPLETION_ID_PREFIX):
+                head["id"] = _CHAT_ID_PREFIX + head["id"][len(_COMPLETION_ID_PREFIX):]
         text = kept_text + self.text
         choice: dict = {"index": 0}
-        if self.chat:
+        if self.chat or as_chat:
             choice["message"] = message = {"role": "assistant", "content": text}
             spellings = [name for name in REASONING_FIELDS
                          if name in kept_reasoning_fields or name in self.reasoning_fields]

@@ -40,7 +40,7 @@ class EvictingGateway(ScriptedGateway):
         rid = request.headers.get("x-request-id", "")
         body = await request.read()
         self.calls[rid].append({"headers": {k.lower(): v for k, v in request.headers.items()},
-                                "body": json.loads(body)})
+                                "body": json.loads(body), "path": request.path})
         cut = self.cuts.get(len(self.calls[rid]))
         streamed = bool(json.loads(body).get("stream"))
         if cut is not None and not streamed:
@@ -143,17 +143,15 @@ def test_an_evicted_request_resumes_and_ends_with_the_uninterrupted_text(stack, 
 
     first, second, third = (c["body"] for c in gw.calls[row.id])
     streaming = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    # Completions ask for vLLM's token ids and resume from them (the prompt's ids and the output's so far).
-    assert first == {**body, **streaming, **({} if "chat" in url else {"return_token_ids": True})}
+    # Both ask for vLLM's token ids, and resume from them (the prompt's ids and the output's so far) when they come.
+    assert first == {**body, **streaming, "return_token_ids": True}
     assert second["max_tokens"] == 12 - 5 and third["max_tokens"] == 12 - 8
-    if "chat" in url:
-        assert second["messages"] == body["messages"] + [{"role": "assistant", "content": output_text(0, 5)}]
-        assert third["messages"][-1] == {"role": "assistant", "content": output_text(0, 8)}
-        assert third["continue_final_message"] is True and third["add_generation_prompt"] is False
-    else:
-        prompt_ids = httpx.post(f"{sim}/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
-        assert second["prompt"] == prompt_ids + [output_token_id(i) for i in range(5)]
-        assert third["prompt"] == prompt_ids + [output_token_id(i) for i in range(8)]
+    # A chat goes on from its ids too, as a completion of them: the prompt as its template rendered it.
+    prompt = {"messages": body["messages"]} if "chat" in url else {"prompt": body["prompt"]}
+    prompt_ids = httpx.post(f"{sim}/tokenize", json=prompt).json()["tokens"]
+    assert [c["path"] for c in gw.calls[row.id]] == [url, "/v1/completions", "/v1/completions"]
+    assert second["prompt"] == prompt_ids + [output_token_id(i) for i in range(5)]
+    assert third["prompt"] == prompt_ids + [output_token_id(i) for i in range(8)]
 
     a1, a2, a3 = stack.attempts(row.id)
     assert (a1.outcome, a1.drop_reason, a1.partial_output, a1.output_tokens) == ("evicted", "evicted",

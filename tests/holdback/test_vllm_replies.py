@@ -237,7 +237,7 @@ def test_completions_ask_for_token_ids_and_the_real_nulls_mean_none_came():
     assert json.loads(plan.body)["return_token_ids"] is True
     chat = plan_attempt(an_attempt(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, number=1), Carryover(),
                         True)
-    assert "return_token_ids" not in json.loads(chat.body), "chat resumes by text"
+    assert json.loads(chat.body)["return_token_ids"] is True, "a cut chat resumes from its ids too"
     a = fold(payloads("completion_stream.sse"))  # vLLM's own `token_ids: null`: not asked for
     assert a.token_ids is None and a.prompt_token_ids is None
 
@@ -286,6 +286,74 @@ def test_the_ids_survive_the_database_and_drop_untold_tokens_from_the_count(db):
         progress = open_attempt(s, row_id, "w-test").carryover
     assert progress.context_ids == (*PROMPT_IDS, 301, 302) and progress.text == " st 810"
     assert progress.tokens == 2, "three tokens came, the last one's text had not"
+
+
+# --- 3b. chats resume by token ids (through /v1/completions), else by text -------------------------------------
+
+
+def chat_with_ids(texts_and_ids: list[tuple[str, list[int]]]) -> list[dict]:
+    """chat_stream.sse's chunks as vLLM 0.32 sends them with `return_token_ids`: the prompt's ids at the top level
+    of the first chunk, each chunk's generated ids in its choice's `token_ids`."""
+    head, template = events("chat_stream.sse")[:2]
+    head = {**head, "prompt_token_ids": PROMPT_IDS}
+    out = [head]
+    for piece, ids in texts_and_ids:
+        chunk = json.loads(json.dumps(template))
+        chunk["choices"][0].update(delta={"content": piece}, token_ids=ids)
+        out.append(chunk)
+    return out
+
+
+def test_a_cut_chat_resumes_from_its_ids_as_a_completion_and_answers_as_the_chat():
+    # A template that trims content (Llama 3's `| trim`) would drop the kept text's trailing "\n\n" from a prompt
+    # continued by text: from the ids, the model has exactly what it had when the stream was cut.
+    a = fold(chat_with_ids([("Once", [301]), (" upon.\n\n", [302, 303])]))
+    figures = attempt_tokens(SendPlan(True, False, b"{}"), StreamedReply(Reply.transport_error("reset"), a, cut=True))
+    kept = Partial.read(figures.partial, figures.partial_state)
+    assert (kept.text, kept.context_ids) == ("Once upon.\n\n", (*PROMPT_IDS, 301, 302, 303))
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
+            "max_tokens": 50, "temperature": 0, "chat_template": "{{ messages }}", "min_tokens": 5}
+    plan = plan_attempt(an_attempt(CHAT, body), Carryover(kept.text, 3, 6, context_ids=kept.context_ids), True)
+    sent = json.loads(plan.body)
+    assert plan.resumed and plan.path == COMPLETIONS
+    assert sent["prompt"] == [*PROMPT_IDS, 301, 302, 303] and sent["max_tokens"] == 10 - 3, "max_completion_tokens wins"
+    assert (sent["min_tokens"], sent["temperature"], sent["return_token_ids"]) == (2, 0, True)
+    assert not {"messages", "chat_template", "max_completion_tokens", "continue_final_message"} & sent.keys()
+
+    rest = fold([*completion_with_ids([("The", [304]), (" end", [305])], finish="length"),
+                 *events("completion_stream.sse")[3:]])
+    answer = json.loads(streamed_reply(plan, done(rest)).body)
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Once upon.\n\nThe end"}
+    assert answer["choices"][0]["finish_reason"] == "length" and "text" not in answer["choices"][0]
+
+
+@pytest.mark.parametrize("change, text", [
+    ({"max_completion_tokens": None}, "Once upon"),  # no limit: a completion's default (16) is not a chat's
+    ({"stop": ["."]}, "Once upon"),  # the stop string's last characters may be held back
+    ({}, "Once \ufffd upon"),  # bytes that are not UTF-8: vLLM's detokenizer may not go on as it went
+])
+def test_a_chat_resumes_by_text_where_its_ids_would_not_continue_it_exactly(change, text):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10, **change}
+    plan = plan_attempt(an_attempt(CHAT, body), Carryover(text, 2, 5, context_ids=(*PROMPT_IDS, 301, 302)), True)
+    assert plan.resumed and plan.path is None
+    assert json.loads(plan.body)["messages"][-1] == {"role": "assistant", "content": text}
+
+
+def test_a_chat_resumed_by_text_gives_up_its_trailing_whitespace_for_the_model_to_write_again():
+    # Llama 3's template trims the continued message: the prompt ends at "upon." and the model writes "\n\n"
+    # again, which the kept "\n\n" before it would double. Without it the answer has it once on every template.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    plan = plan_attempt(an_attempt(CHAT, body), Carryover("Once upon.\n\n", 4), resume=True)
+    sent = json.loads(plan.body)
+    assert sent["messages"][-1] == {"role": "assistant", "content": "Once upon."}
+    assert sent["max_tokens"] == 10 - 3, "the whitespace's token is written again"
+    rest = fold(payloads("chat_stream.sse"))
+    answer = json.loads(streamed_reply(plan, done(rest)).body)
+    assert answer["choices"][0]["message"]["content"] == "Once upon.ps{ 670wh"
+    only_whitespace = plan_attempt(an_attempt(CHAT, body), Carryover(" \n", 2), resume=True)
+    assert not only_whitespace.resumed, "nothing but whitespace kept: it starts again"
 
 
 # An answer may say anything, the opening of the combined value rows held before migration 0008 included.
@@ -417,7 +485,8 @@ def test_a_chat_resume_gives_up_a_trailing_broken_character_and_restarts_when_no
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
     plan = plan_attempt(an_attempt(CHAT, body), Carryover("ok \ufffd", 3, 12), True)
     sent = json.loads(plan.body)
-    assert plan.resumed and sent["messages"][-1]["content"] == "ok " and sent["max_tokens"] == 18
+    # The broken character goes, then the whitespace before it (see the trailing-whitespace test), a token each.
+    assert plan.resumed and sent["messages"][-1]["content"] == "ok" and sent["max_tokens"] == 19
     broken_only = plan_attempt(an_attempt(CHAT, body), Carryover("\ufffd", 2, 11), True)
     assert not broken_only.resumed and json.loads(broken_only.body)["messages"] == body["messages"]
 

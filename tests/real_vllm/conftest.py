@@ -226,7 +226,8 @@ class _SharedEngine:
 
     def get(self, logs: Path) -> VllmServer:
         if self.server is None:
-            server = VllmServer(logs / "shared.log", cpu=FIRST_CPU, args=("--enable-log-requests",)).start()
+            server = VllmServer(logs / "shared.log", cpu=FIRST_CPU,
+                                args=("--enable-log-requests", "--trust-request-chat-template")).start()
             try:
                 server.wait_ready()
             except BaseException:
@@ -246,8 +247,10 @@ SHARED = _SharedEngine()
 
 @pytest.fixture
 def vllm(engine_logs) -> VllmServer:
-    """The tier's shared server: vLLM's defaults (prefix caching on, no prompt-token details), and a log line for
-    each request it aborts (`--enable-log-requests`), which is how a test sees an eviction reach the engine."""
+    """The tier's shared server: vLLM's defaults (prefix caching on, no prompt-token details), a log line for
+    each request it aborts (`--enable-log-requests`), which is how a test sees an eviction reach the engine, and
+    a request's own `chat_template` accepted (`--trust-request-chat-template`), so a test renders its chats with
+    another template than the tiny model's without a server of its own."""
     return SHARED.get(engine_logs)
 
 
