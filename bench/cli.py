@@ -58,6 +58,12 @@ def main(argv: list[str]) -> int:
     dr.add_argument("--out", type=Path, default=None, help="results folder (default results/drills-<mode>-<time>)")
     dr.add_argument("--report", type=Path, default=None, metavar="DIR",
                     help="only regenerate the gate table, summary and report from DIR/raw/drills-*.json")
+    dr.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                    help="vllm: the drills on a real KV-bound vLLM (bench/real_engine/kv_drills.py: long-session, "
+                         "surge, realtime-burst; admission on and off, vLLM alone, realtime alone), which needs "
+                         "HOLDBACK_VLLM_PYTHON and HOLDBACK_VLLM_MODEL")
+    dr.add_argument("--groups", type=int, default=3, help="--engine vllm: groups of every drill's arms")
+    dr.add_argument("--window", type=float, default=12.0, help="--engine vllm: seconds of each drill's traffic")
     args = p.parse_args(argv)
 
     if args.action == "drills":
@@ -89,6 +95,8 @@ def main(argv: list[str]) -> int:
 
 
 def _drills(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _real_engine_drills(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.report is None:
@@ -112,3 +120,16 @@ def _drills(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"report: {path}")
     judged = [gates for record, gates in results if record["admission"]] or [gates for _, gates in results]
     return 1 if any(g.failed for gates in judged for g in gates) else 0
+
+
+def _real_engine_drills(args: argparse.Namespace) -> int:
+    from bench.real_engine import kv_drills, kv_drills_report
+
+    if args.report is not None:
+        print(kv_drills_report.write_report(args.report))
+        return 0
+    out = args.out or Path("results") / f"drills-vllm-{time.strftime('%Y%m%d-%H%M%S')}"
+    argv = ["--out", str(out), "--seed", str(args.seed), "--groups", str(args.groups), "--window", str(args.window)]
+    if args.drills != ",".join(DRILLS):  # the simulator's drill names are not the real engine's
+        argv += ["--drills", args.drills]
+    return kv_drills.main(argv)

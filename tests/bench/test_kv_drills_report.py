@@ -1,0 +1,44 @@
+"""The real-engine KV drills' figures (bench/real_engine/kv_drills_report.py) from hand-made runs: ratios taken
+within a group, preemptions summed over the groups, the ledger against vLLM's usage."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.real_engine.kv_drills_report import ledger_gap, summarise
+
+
+def run(arm: str, group: int, *, ttft=(), tokens=0, steps=None, preemptions=0, samples=()) -> dict:
+    return {"drill": "surge", "arm": arm, "group": group, "window_s": 10, "ttft": list(ttft), "realtime_refused": {},
+            "other": {}, "batch_tokens": tokens, "batch_refused": 0, "batch_evicted": 0, "steps": steps,
+            "preemptions": preemptions, "samples": [list(s) for s in samples]}
+
+
+def test_ratios_are_taken_within_each_group_and_preemptions_summed():
+    raw = {"runs": [
+        run("realtime-alone", 0, ttft=[0.1] * 20), run("vllm-alone", 0, ttft=[0.5] * 20, tokens=1000, steps=500,
+                                                       preemptions=4),
+        run("admission-off", 0, ttft=[0.3] * 20, tokens=900, steps=500, preemptions=6),
+        run("admission-on", 0, ttft=[0.12] * 20, tokens=900, steps=450, preemptions=0),
+        # A slower machine in group 1: every figure doubles, the ratios do not move.
+        run("realtime-alone", 1, ttft=[0.2] * 20), run("vllm-alone", 1, ttft=[1.0] * 20, tokens=500, steps=250,
+                                                       preemptions=2),
+        run("admission-off", 1, ttft=[0.6] * 20, tokens=450, steps=250, preemptions=2),
+        run("admission-on", 1, ttft=[0.24] * 20, tokens=450, steps=225, preemptions=1),
+    ]}
+    s = summarise(raw)["surge"]
+    assert s["preemptions"] == {"vllm-alone": 6, "admission-off": 8, "admission-on": 1}
+    assert s["preemptions_on_over_off"] == pytest.approx(1 / 8)
+    assert s["batch_per_step_on_over_alone"] == pytest.approx([1.0, 1.0])
+    assert s["p95_on_over_alone"] == pytest.approx([1.2, 1.2])
+    assert s["p95_vllm_over_alone"] == pytest.approx([5.0, 5.0])
+
+
+def test_the_ledger_gap_is_reserved_over_used_where_vllm_used_blocks_and_its_worst_shortfall():
+    runs = {0: run("admission-on", 0, samples=[(0.0, 0, 0.0), (0.1, 24, 20.0), (0.2, 24, 24.0), (0.3, None, 10.0),
+                                               (0.4, 10, 13.0)])}
+    gap = ledger_gap(runs)
+    # The idle sample and the one the gateway did not answer are left out.
+    assert gap["samples"] == 3
+    assert gap["median"] == pytest.approx(1.0)  # of 10/13, 1.0, 1.2
+    assert gap["worst_under_blocks"] == 3.0
