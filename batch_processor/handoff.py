@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.jobqueue import RequestQueue
 from batch_processor.metrics import ProcessorMetrics
-from batch_processor.sync_handoff import SyncHandoff
 from holdback.attempts import RetryPolicy
 
 CAPACITY_REFRESH = 5.0  # seconds between reads of the workers' registrations
@@ -81,6 +80,8 @@ def open_handoff(mode: str, queue: RequestQueue, factory: sessionmaker[Session],
     rq = QueueHandoff(queue)
     if mode == "async":
         return rq
+    from batch_processor.sync_handoff import SyncHandoff  # sends through aiohttp: loaded only in sync mode
+
     return SyncHandoff(factory, gateway_url=gateway_url, gateway_key=gateway_key, worker_name=worker_name,
                        max_concurrency=max_concurrency, policy=policy, request_timeout=request_timeout,
                        metrics=metrics, queue=rq)

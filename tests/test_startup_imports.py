@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # (what runs, packages it must not load): each package named costs tens of milliseconds of CPU or more.
 CASES = {
     "gateway": ("import gateway.cli", {"redis", "httpx"}),  # --lease-redis, `calibrate` and `rollback` load them
+    # --dispatch sync sends through aiohttp itself; the default async mode leaves that to the workers.
+    "processor": ("import batch_processor.cli", {"aiohttp", "holdback.attempts.runner"}),
 }
 
 
