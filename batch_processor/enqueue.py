@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.lease import held_by
+from batch_processor.prefix_plan import PrefixPlans
 from holdback import lifecycle
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, RequestRow, RequestStatus
@@ -61,13 +62,16 @@ def in_flight_elsewhere(session: Session, tenant_ids: set[str], own: set[str]) -
 
 
 def take_pending(factory: sessionmaker[Session], steps: list[tuple[str, int]],
-                 owner: str | None) -> list[tuple[str, str]]:
-    """Queue the rows the plan asks for; returns (row_id, batch_id) in the plan's interleaved order."""
+                 owner: str | None, plans: PrefixPlans | None = None) -> list[tuple[str, str]]:
+    """Queue the rows the plan asks for; returns (row_id, batch_id) in the plan's interleaved order. Within a
+    batch, the rows come in its prefix plan's order (`plans`, batch_processor.prefix_plan), else in line order."""
     wanted: dict[str, int] = defaultdict(int)
     for batch_id, n in steps:
         wanted[batch_id] += n
     if not wanted:
         return []
+    if plans is not None:
+        plans.prepare(factory, wanted)
     taken: dict[str, deque[str]] = {}
     now = time.time()
     with transaction(factory) as session:
@@ -78,16 +82,18 @@ def take_pending(factory: sessionmaker[Session], steps: list[tuple[str, int]],
         for batch_id, n in wanted.items():
             if batch_id not in open_batches:
                 continue
-            ids = session.scalars(
-                select(RequestRow.id)
-                .where(RequestRow.batch_id == batch_id, RequestRow.status == RequestStatus.pending.value)
-                .order_by(RequestRow.line)
-                .limit(n)
-            ).all()
+            ids = plans.take(batch_id, n) if plans is not None else None
+            if ids is None:
+                ids = session.scalars(
+                    select(RequestRow.id)
+                    .where(RequestRow.batch_id == batch_id, RequestRow.status == RequestStatus.pending.value)
+                    .order_by(RequestRow.line)
+                    .limit(n)
+                ).all()
             if not ids:
                 continue
             moved = lifecycle.enqueue(session, ids, now)
-            taken[batch_id] = deque(row_id for row_id in ids if row_id in moved)  # keep line order
+            taken[batch_id] = deque(row_id for row_id in ids if row_id in moved)  # keep the order taken
     ordered: list[tuple[str, str]] = []
     for batch_id, n in steps:
         rows = taken.get(batch_id)

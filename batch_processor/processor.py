@@ -31,6 +31,7 @@ from batch_processor.lease import ACTIVE_STATUSES, BatchLease
 from holdback import tracing
 from holdback.logs import log_event
 from batch_processor.metrics import ProcessorMetrics
+from batch_processor.prefix_plan import PrefixPlans
 from batch_processor.processor_config import ProcessorConfig
 from batch_processor.reconcile import reconcile
 from batch_processor.risk_marks import RiskMarks
@@ -101,6 +102,7 @@ class Processor:
         self.risk = RiskMarks(self.factory, self.redis, settings.redis_namespace, self.metrics)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RefillRoundRobin(self.config.window)
+        self.plans = PrefixPlans()  # within a batch, rows sharing a prompt prefix are queued together
         self.step_errors = StepErrors(log)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
@@ -328,7 +330,8 @@ class Processor:
             # Due retries first: they already waited their backoff, and they count against the window.
             jobs += take_due_retries(self.factory, [b.id for b in open_batches], self.config.name,
                                      limit=self.config.window * max(1, len(open_batches)))
-        jobs += take_pending(self.factory, steps, self.config.name)
+        self.plans.retain(b.id for b in open_batches)
+        jobs += take_pending(self.factory, steps, self.config.name, self.plans)
         held: dict[str, int] = dict(elsewhere)
         for b in open_batches:
             held[b.tenant_id] = held.get(b.tenant_id, 0) + counts[b.id].in_flight
