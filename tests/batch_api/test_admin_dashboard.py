@@ -380,3 +380,49 @@ def test_streamed_first_tokens_and_whole_answers_are_separate_series_and_an_old_
     assert _legend(series, stale_before=1000.0)[0][2] == sample.ttft_p95["realtime"]
     assert [value for _, _, value in _legend(series, stale_before=1010.0)] == [None, None]
     assert _legend([charts.Series("x", "#000", [])], stale_before=0.0) == [("x", "#000", None)]
+
+
+def test_gateway_page_shows_the_flow_control_leader_its_relays_and_its_last_takeover(start_api, tmp_path):
+    """A gateway run as one relay and two flow controls contending for the Redis lease: the page says which process
+    leads, since when, with which fencing token, the relays connected and what they hold; once the leader is killed
+    and the standby takes over, the new leader, its token and how long its takeover took."""
+    import signal
+
+    from tests.gateway.conftest import Stack
+    from tests.gateway.test_fleet_leadership import LeasedFleet
+    from tests.support import Processes, poll
+
+    api = start_api()
+    with Processes(log_dir=tmp_path / "logs") as procs:
+        stack = Stack(procs, tmp_path)
+        [sim] = stack.sim(1)
+        fleet = LeasedFleet(stack, [sim], f"adminKeys: [{{key: {api.settings.admin_key}}}]\n"
+                                          "flowControl:\n  heartbeatSeconds: 0.2\n")
+        try:
+            first = fleet.flow_control("flow-a")
+            poll(fleet.leader, 60, "flow-a to take the lease", lambda: procs.log("flow-a"))
+            fleet.flow_control("flow-b")  # the standby
+            relay = fleet.relay("relay", ["flow-a", "flow-b"])
+            page_api = start_api(gateway_url=relay)
+            client, _ = signed_in(page_api)
+
+            def card(token: int) -> str | None:
+                page = client.get("/dashboard/fragments/gateway").text
+                found = re.findall(r'<section class="card" data-testid="leadership">.*?</section>', page, re.S)
+                return found[0] if found and f'data-testid="fencing-token">{token}<' in found[0] else None
+
+            before = poll(lambda: card(1), 60, "the leadership panel of the first leader", lambda: procs.log("relay"))
+            assert "leading</span>" in before and f":{first.pid}<" in before, before
+            assert re.search(r'<div class="stat-value">1</div><div class="stat-label">relays connected', before)
+            assert 'data-testid="last-takeover"' in before and ">none<" in before, "the first term took nothing over"
+            assert before.count("data-relay=") == 1 and '<td class="num">0</td></tr>' in before, before
+
+            first.send_signal(signal.SIGKILL)  # the standby takes the lease once it lapses; the relay re-registers
+            after = poll(lambda: (found := card(2)) and "under way" not in found and found, 120,
+                         "the panel to show the standby's finished takeover", lambda: procs.log("flow-b")[-3000:])
+            assert f':{fleet.procs["flow-b"].pid}<' in after, after
+            seconds = re.search(r'data-testid="last-takeover"[^>]*>([\d.]+) s<', after)
+            assert seconds and 6 <= float(seconds.group(1)) < 60, after  # the hold-back: 3 heartbeats + 6 s
+            assert "token 2" in after and "0 running requests re-registered by 1 relay," in after, after
+        finally:
+            fleet.close()
