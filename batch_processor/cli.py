@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--round-work-seconds", type=float, default=_DEFAULTS.round_work_seconds,
                    help="seconds of whole-batch steps (expand, cancel, expire, finalize) per round before the rest "
                         "wait for the next round; running batches are refilled between them (default %(default)s)")
+    p.add_argument("--prefix-plan", choices=("on", "off"), default="on" if _DEFAULTS.prefix_plan else "off",
+                   help="on: within a batch, rows sharing a prompt prefix are queued together, the longest shared "
+                        "prefix first; off: in line order (default %(default)s)")
     p.add_argument("--log-level", default="info", help="logging level (default %(default)s)")
     return flags_from_env(p, "processor")
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             dispatch=args.dispatch, sync_concurrency=args.sync_concurrency, lease_seconds=args.lease_seconds,
             reconcile_interval=args.reconcile_interval, reconcile_grace=args.reconcile_grace,
             running_grace=args.running_grace, backoff_base=args.backoff_base, backoff_cap=args.backoff_cap,
-            round_work_seconds=args.round_work_seconds,
+            round_work_seconds=args.round_work_seconds, prefix_plan=args.prefix_plan == "on",
         )
     except ValueError as exc:
         print(f"holdback processor: {exc}", file=sys.stderr)

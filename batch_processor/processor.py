@@ -102,7 +102,8 @@ class Processor:
         self.risk = RiskMarks(self.factory, self.redis, settings.redis_namespace, self.metrics)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RefillRoundRobin(self.config.window)
-        self.plans = PrefixPlans()  # within a batch, rows sharing a prompt prefix are queued together
+        # Within a batch, rows sharing a prompt prefix are queued together (None: line order).
+        self.plans = PrefixPlans() if self.config.prefix_plan else None
         self.step_errors = StepErrors(log)
         self.owned: set[str] = set()
         self._last_reconcile = float("-inf")
@@ -330,7 +331,8 @@ class Processor:
             # Due retries first: they already waited their backoff, and they count against the window.
             jobs += take_due_retries(self.factory, [b.id for b in open_batches], self.config.name,
                                      limit=self.config.window * max(1, len(open_batches)))
-        self.plans.retain(b.id for b in open_batches)
+        if self.plans is not None:
+            self.plans.retain(b.id for b in open_batches)
         jobs += take_pending(self.factory, steps, self.config.name, self.plans)
         held: dict[str, int] = dict(elsewhere)
         for b in open_batches:

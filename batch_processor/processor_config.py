@@ -36,6 +36,8 @@ class ProcessorConfig:
     # the next round, so one tenant's many large batches cannot hold up every other batch's dispatch; the
     # steps are taken one tenant at a time in turn, and at least one goes each round.
     round_work_seconds: float = 1.0
+    # Within a batch, rows sharing a prompt prefix are queued together (batch_processor.prefix_plan); off: line order.
+    prefix_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("async", "sync"):

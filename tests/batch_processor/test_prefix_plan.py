@@ -125,3 +125,20 @@ def test_planning_keeps_the_tenants_interleaved_as_the_fair_plan_says(harness: H
     assert pushed in ("a" * 16 + "b" * 16 + "aabb", "b" * 16 + "a" * 16 + "bbaa",
                       "a" * 16 + "b" * 16 + "bbaa", "b" * 16 + "a" * 16 + "aabb")
     assert len(_groups_in_order([rows[i].custom_id for i in queue if rows[i].batch_id == a])) == 3
+
+
+def test_with_the_plan_off_rows_are_queued_in_line_order(harness: Harness):
+    lines = [_question(d, q) for d in range(3) for q in range(4)]
+    random.Random(5).shuffle(lines)
+    batch_id = harness.submit(jsonl(lines))
+    harness.processor(window=12, prefix_plan=False).tick()
+    assert harness.queued_job_ids() == [r.id for r in harness.rows(batch_id)]
+
+
+def test_the_plan_is_switched_by_a_flag_or_its_variable(monkeypatch):
+    from batch_processor.cli import _parser
+
+    assert _parser().parse_args([]).prefix_plan == "on"
+    assert _parser().parse_args(["--prefix-plan", "off"]).prefix_plan == "off"
+    monkeypatch.setenv("HOLDBACK_PROCESSOR_PREFIX_PLAN", "off")
+    assert _parser().parse_args([]).prefix_plan == "off"
