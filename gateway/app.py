@@ -2,7 +2,7 @@
 
 Routes: the OpenAI inference paths (through flow control), /v1/models, GET/DELETE and cancel of a stored
 /v1/responses/{id} (to the replica that stores it), /health and /healthz (liveness),
-/readyz (readiness: a healthy replica), /metrics, and the admin
+/readyz (readiness: a healthy replica, and not draining), /metrics, and the admin
 routes /admin/state and POST /admin/rollback (an admin key once any key is configured).
 `Gateway.reload()` (SIGHUP) re-reads the config file; a bad file is logged and the running config stays.
 `Gateway.rollback()` goes back to the previous config digest with the lower admission watermark kept.
@@ -28,6 +28,7 @@ from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.pools import ModelPools
 from gateway.proxy import Proxy
+from gateway.relays.drain import Drain, DrainCollector
 from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
 from gateway.settings import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
@@ -52,6 +53,10 @@ class Gateway:
         self.pool.key_source = lambda url: self.pools.loaded.replica_key_source(url)
         self.proxy = Proxy(self.pools, self.metrics)
         self.metrics.watch(self.pools.snapshot)
+        # How this process stops on SIGTERM (gateway/relays/drain.py); flow control adds its relays' drains.
+        self.drain = Drain()
+        self.drains = DrainCollector(self.drain)
+        self.metrics.registry.register(self.drains)
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task | None = None
         # Called after a reload or rollback applied a config (the relays of `--workers` take it up).
@@ -154,7 +159,10 @@ class Gateway:
 
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness: at least one replica passes its health checks (and its calibration), so a request can
-        be served; with none the gateway would answer every request 503 `rejected-no-endpoints`."""
+        be served; with none the gateway would answer every request 503 `rejected-no-endpoints`. Not ready
+        once it drains."""
+        if self.drain.draining:
+            return self.drain.not_ready()
         return readiness(self.pool.replicas)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -165,7 +173,8 @@ class Gateway:
         refused = refuse_admin(self.proxy.classifier, request)
         if refused is not None:
             return refused
-        return web.Response(text=json.dumps(self.pools.snapshot()), content_type="application/json")
+        return web.Response(text=json.dumps({**self.pools.snapshot(), "drain": self.drain.state()}),
+                            content_type="application/json")
 
     async def admin_rollback(self, request: web.Request) -> web.Response:
         lower = await rollback_request(self.proxy.classifier, request)
@@ -205,8 +214,9 @@ class Gateway:
 
 def gateway_app(proxy: Proxy, routes) -> web.Application:  # noqa: ANN001
     """The gateway's routes: inference and models through `proxy`, the rest from `routes` (a Gateway, or a
-    relay of `--workers`): health, ready, prometheus, admin_state, admin_rollback."""
-    app = web.Application(client_max_size=64 * 2**20)
+    relay of `--workers`): health, ready, prometheus, admin_state, admin_rollback, and its `drain`, which counts
+    the handlers running."""
+    app = web.Application(client_max_size=64 * 2**20, middlewares=[routes.drain.middleware])
     for path in INFERENCE_PATHS:
         app.router.add_post(path, proxy.inference)
     app.router.add_get("/v1/models", proxy.models)

@@ -19,7 +19,9 @@ from gateway.app import Gateway, until_stopped
 from gateway.calibration import measure, write_profile
 from gateway.log import configure_logging, log_event
 from gateway.relays.channel import split_address
-from gateway.relays.flow_process import FlowServer, listening_socket
+from gateway.relays.drain import CUT_SECONDS, DRAIN_GRACE, DRAIN_SECONDS, Drain
+from gateway.relays.flow_process import FlowServer
+from gateway.relays.local_relays import listening_socket
 from gateway.relays.handshake import MIN_SECRET_BYTES, SECRET_ENV, SecretError, channel_secret, run_secret
 from gateway.relays.leadership import Leadership
 from gateway.relays.relay import run_alone
@@ -72,6 +74,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-seconds", type=float, default=6.0, help=(
         "--lease-redis: the lease's length; a leader renews it three times as often and stops deciding when a "
         "fifth of it is left unrenewed (default %(default)s)"))
+    p.add_argument("--drain-grace", type=float, default=DRAIN_GRACE, metavar="SECONDS", help=(
+        "on SIGTERM a process serving clients (the gateway, each relay) reports not ready at once and goes on "
+        "accepting for this long, so that load balancers' health checks notice, then stops accepting "
+        "(default %(default)s: HAProxy with `inter 2s fall 2` takes 4 s to notice, a Kubernetes endpoint update a few)"))
+    p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS, metavar="SECONDS", help=(
+        "after the grace, how long requests already running may go on; what still runs then is cut (its "
+        "connection closes, flow control releases it) and the process exits (default %(default)s; give a pod a "
+        "terminationGracePeriodSeconds above grace + this)"))
+    p.add_argument("--reuse-port", action="store_true", help=(
+        "--role relay: bind the client port with SO_REUSEPORT, so several relays on one host share it (the "
+        "kernel spreads new connections over them; a relay that stops or dies resets the connections queued to "
+        "it but not yet accepted)"))
     return flags_from_env(p, "gateway")
 
 
@@ -82,6 +96,12 @@ def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> by
     """Refuse flags that do not go together (parser.error exits 2, saying what to change); the channel secret of a
     role that needs one."""
     role = args.role
+    for flag, value in (("--drain-grace", args.drain_grace), ("--drain-seconds", args.drain_seconds)):
+        if not 0 <= value < float("inf"):
+            parser.error(f"{flag} must be 0 or more seconds (got {value:g})")
+    if args.reuse_port and role != "relay":
+        parser.error("--reuse-port is for --role relay (relays sharing one host's port); --workers N relays share "
+                     "one listening socket of their own")
     if role == "all":
         for flag, value, needs in (("--relays-listen", args.relays_listen, "flow-control"),
                                    ("--flow-control", args.flow_control, "relay"),
@@ -137,7 +157,8 @@ def _check_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> by
 
 
 async def serve_workers(gateway: Gateway, host: str, port: int, workers: int, log_level: str) -> None:
-    """One flow-control process (this one) and `workers` relay processes on one listening socket."""
+    """One flow-control process (this one) and `workers` relay processes on one listening socket; on SIGTERM the
+    relays drain while this process goes on deciding for them."""
     server = FlowServer(gateway, workers, listening_socket(host, port), log_level, run_secret())
     await _serve_relays(server, host=host, port=port, workers=workers)
 
@@ -166,7 +187,9 @@ async def _serve_relays(server: FlowServer, **where: object) -> None:
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> None:
-    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    """The gateway as one process; on SIGTERM it drains (gateway/relays/drain.py) and exits."""
+    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=CUT_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     await site.start()
@@ -176,6 +199,7 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
               event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await until_stopped()
+        await gateway.drain.run(runner, role="gateway")
     finally:
         log_event(logger, "stopping")
         await runner.cleanup()
@@ -255,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     port = 8200 if args.port is None else args.port
     if args.role == "relay":
         assert secret is not None
-        return run_alone(args.flow_control, host, port, secret)
+        return run_alone(args.flow_control, host, port, secret, Drain(args.drain_grace, args.drain_seconds),
+                         reuse_port=args.reuse_port)
     if args.upstream_api_key:
         # The config reads the key from this variable, on start and on every SIGHUP reload.
         os.environ[UPSTREAM_KEY_ENV] = args.upstream_api_key
@@ -270,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log_event(logger, "config_rejected", level=logging.ERROR, error=str(exc))
         return 2
+    gateway.drain.grace, gateway.drain.seconds = args.drain_grace, args.drain_seconds
     try:
         import uvloop
     except ImportError:

@@ -1,16 +1,14 @@
 """The flow-control process: the single writer, and under `holdback gateway --workers N` the parent of N relays.
 
-Under `--workers N` it binds the listening socket once and hands it to N relay processes (gateway/relays/relay.py)
-that inherit it, so every relay accepts from the same queue: a relay that dies leaves no accepted-but-unserved
-connections behind (with SO_REUSEPORT each relay would have its own queue, and a killed relay's queued connections
-would be reset), and its replacement serves on the same socket without binding again. This process never accepts
-on it. It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves its
+Under `--workers N` it binds the listening socket and keeps N relay processes (gateway/relays/relay.py) accepting
+on it (gateway/relays/local_relays.py); this process never accepts on it. It runs the one `Gateway` (FlowController, replica checks and scrapes, KV ledger, eviction), serves its
 relays over a Unix socket, and relays of any host over TCP with `--role flow-control --relays-listen HOST:PORT`
 (gateway/relays/channel.py: the same authenticated channel both ways), and answers their messages by calling the
 FlowController of the request's model pool exactly as the in-process proxy does. A relay's channel closing (the
 process died, or its channel was cut) releases all it held: queued requests are withdrawn, dispatched ones finished
 as disconnects, so no reservation or in-flight count outlives it. With `--lease-redis` it serves relays and decides
-only while it leads, and takes over what they hold when it comes to lead (gateway/relays/takeover.py).
+only while it leads, and takes over what they hold when it comes to lead (gateway/relays/takeover.py). Asked to
+stop, it lets its local relays drain while it decides for them, then hands the lease over before it exits.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import itertools
 import logging
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,25 +32,15 @@ from gateway.log import log_event
 from gateway.metrics import merged_exposition, metric_families
 from gateway.relays import messages as m
 from gateway.relays.channel import SILENT_HEARTBEATS, Channel, secure_channel
-from gateway.relays.handshake import SECRET_ENV, PeerRefused
+from gateway.relays.handshake import PeerRefused
 from gateway.relays.leadership import Leadership
+from gateway.relays.local_relays import LocalRelays
 from gateway.relays.takeover import Takeover
 from gateway.relays.uplink import BACKOFF_CAP
 from gateway.replicas import Replica
 from gateway.settings import ConfigError
 
 logger = logging.getLogger("gateway.flow")
-
-# A relay that dies sooner than this after its start is restarted after a growing pause, not at once.
-_QUICK_EXIT = 5.0
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The one listening socket every relay accepts from."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=1024)
-    sock.set_inheritable(True)
-    return sock
 
 
 class _Eviction:
@@ -88,6 +75,8 @@ class RelayLink:
         self._answered: set[int] = set()
         self.tokenizer: dict = {}
         self.families: list = []
+        # When the relay said it drains: it cuts what still runs then (Unix time).
+        self.drain_deadline: float | None = None
 
     # -- decisions back to the relay ------------------------------------------------------------------------
     def answer(self, rid: int, req: FlowRequest) -> None:
@@ -147,6 +136,10 @@ class RelayLink:
                     self.server.gateway.pool.mark_unauthorized(replica, path, status)
             case m.TokenizerReport(state=state):
                 self.tokenizer = state
+            case m.Draining(deadline=deadline):
+                self.drain_deadline = deadline
+                log_event(logger, "relay_draining", relay=self.index, pid=self.hello.pid, peer=self.channel.peer,
+                          drain_deadline=deadline, requests=len(self.requests))
             case m.Call():
                 self.server.call(self, message)
             case _:
@@ -227,14 +220,15 @@ class FlowServer:
         self._link_ids = itertools.count(1)
         # Counters and histograms of relays that exited, as last collected: the totals never go backwards.
         self.retired_families: list[list] = []
-        self.restarts = 0
-        self._relays: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._pool_view: m.PoolView | None = None
         # A relay notices a silent leader after three of its heartbeats, then finds this one within its longest pause.
         self.takeover = Takeover(self, leadership, SILENT_HEARTBEATS * self.heartbeat() + BACKOFF_CAP + 1)
         self._dir = tempfile.mkdtemp(prefix="holdback-gateway-")
         self.channel_path = str(Path(self._dir) / "flow.sock")
+        self.relays = LocalRelays(workers, sock, self.channel_path, secret, log_level, gateway.drain, logger)
+        gateway.drains.relays = lambda: {f"{link.hello.host}/{link.hello.pid}": link.drain_deadline
+                                         for link in self.links.values() if link.drain_deadline is not None}
         self._use_relay_tokenizers()
         gateway.on_config.append(self._config_changed)
         gateway.pool.on_change = self._pool_changed
@@ -258,10 +252,12 @@ class FlowServer:
 
     def snapshot(self) -> dict:
         state = self.pools.snapshot()
-        state["relays"] = {"workers": self.workers, "restarts": self.restarts,
+        state["relays"] = {"workers": self.workers, "restarts": self.relays.restarts,
                            "running": [{"index": link.index, "pid": link.hello.pid, "host": link.hello.host,
                                         "listen": link.hello.listen, "peer": link.channel.peer,
-                                        "requests": len(link.requests)} for link in self.links.values()]}
+                                        "requests": len(link.requests), "draining": link.drain_deadline is not None,
+                                        "drain_deadline": link.drain_deadline} for link in self.links.values()]}
+        state["drain"] = self.gateway.drain.state()
         state["leadership"] = self.takeover.state()
         return state
 
@@ -381,33 +377,9 @@ class FlowServer:
                       relay=link.index, pid=link.hello.pid, peer=channel.peer, released_requests=released,
                       reason=channel.reason or "closed")
 
-    # -- relay processes ------------------------------------------------------------------------------------
-    async def _keep_relay(self, index: int) -> None:
-        """Run relay `index`; when it exits (killed, crashed), start another in its place."""
-        pause = 0.1
-        assert self.sock is not None, "local relays share the listening socket"
-        while not self._stopping:
-            started = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(  # -P: a folder holding a gateway/ directory shadows nothing
-                sys.executable, "-P", "-m", "gateway.relays.relay", "--fd", str(self.sock.fileno()), "--channel",
-                self.channel_path, "--index", str(index), "--log-level", self.log_level,
-                pass_fds=(self.sock.fileno(),), env={**os.environ, SECRET_ENV: self.secret.decode()})
-            self._relays[index] = proc
-            log_event(logger, "relay_started", relay=index, pid=proc.pid)
-            code = await proc.wait()
-            if self._stopping:
-                return
-            self.restarts += 1
-            log_event(logger, "relay_exited", level=logging.ERROR, relay=index, pid=proc.pid, returncode=code,
-                      hint="a new relay takes its place")
-            if time.monotonic() - started < _QUICK_EXIT:
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
-            else:
-                pause = 0.1
-
     async def run(self, stopped: Awaitable[None]) -> None:
-        """Serve the relays and keep `workers` of them running until `stopped` completes."""
+        """Serve the relays and keep `workers` of them running until `stopped` completes; then let the local relays
+        drain (this process decides for them meanwhile) and hand the lease over."""
         # mkdtemp made the directory for this user only; and a peer must hold the secret.
         servers = [await asyncio.start_unix_server(self._accept, path=self.channel_path)] if self.workers else []
         if self.relays_listen is not None:
@@ -416,32 +388,22 @@ class FlowServer:
         await self.gateway.start()
         lease = self.takeover.leadership
         contending = asyncio.create_task(lease.run()) if lease is not None else None
-        keepers = [asyncio.create_task(self._keep_relay(i), name=f"relay-{i}") for i in range(self.workers)]
+        self.relays.start()
         try:
             await stopped
         finally:
             self._stopping = True
+            await self.relays.stop()
+            for server in servers:  # a relay that connects again goes on to its next address: the standby
+                server.close()
             if contending is not None and lease is not None:
                 contending.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(lease.resign(), 2)
-            for proc in self._relays.values():
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.terminate()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*keepers, return_exceptions=True), 10)
-            for proc in self._relays.values():
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-            for server in servers:
-                server.close()
+                for link in list(self.links.values()):  # they re-register with the standby that now leads
+                    link.channel.close()
             await self.gateway.stop()
-            if self.sock is not None:
-                self.sock.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.channel_path)
             with contextlib.suppress(OSError):
                 os.rmdir(self._dir)
-

@@ -10,7 +10,7 @@ request with no deadline) travel as JSON's `Infinity`. Nothing here runs code na
 Either way: ChannelHeartbeat (so that a silent peer is noticed), Call (a question with an id) and Answer (its
 reply).
 Relay → flow control: Hello, Holding, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
-MarkUnauthorized, TokenizerReport. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict; each of Configure and the decisions carries
+MarkUnauthorized, TokenizerReport, Draining. Flow control → relay: Configure, PoolView, Dispatched, Rejected, Evict; each of Configure and the decisions carries
 `token`, the fencing token of the leader that sent it (0 without a lease), and a relay refuses one older than the
 newest it has seen.
 """
@@ -172,6 +172,14 @@ class TokenizerReport:
 
 
 @dataclass(**_FROZEN)
+class Draining:
+    """The relay was asked to stop: it is not ready, stops accepting after its grace, and cuts what still runs at
+    `deadline` (Unix time). Added within version 3: a flow control of before it logs and skips it."""
+    kind: Literal["draining"] = "draining"
+    deadline: Number
+
+
+@dataclass(**_FROZEN)
 class LedgerSettings:
     block_tokens: int
     safety_factor: Number
@@ -278,7 +286,7 @@ class Answer:
 
 
 Message = Union[Hello, Holding, Submit, Withdraw, Revise, Started, Finished, MidStream, Fallbacks, MarkDown,
-                MarkUnauthorized, TokenizerReport, Configure, PoolView, Dispatched, Rejected, Evict, ChannelHeartbeat,
+                MarkUnauthorized, TokenizerReport, Draining, Configure, PoolView, Dispatched, Rejected, Evict, ChannelHeartbeat,
                 Call, Answer]
 
 

@@ -7,12 +7,13 @@ FlowController, so flow control's decisions come from the one flow-control proce
 /admin/state, /admin/rollback and /metrics are answered by flow control for the whole gateway; a relay keeps
 only its own counters and histograms (TTFT, prompt counts, upstream errors), which flow control collects.
 A relay of `--workers N` exits when its channel to flow control closes; flow control starts another in its place.
+Asked to stop (SIGTERM), a relay drains (gateway/relays/drain.py) and tells flow control its drain deadline.
 A relay run alone goes on: the streams it relays run to their end, it reports not ready, keeps the requests that
 wait for a decision and new ones that reach it anyway, each until its deadline (then 503), and connects again
 (gateway/relays/uplink.py); the flow control it joins learns what waits from `Holding` and decides it.
 
-    python -m gateway.relays.relay --fd N --channel PATH --index I   (started by `holdback gateway --workers N`,
-                                                                      the channel's secret in its environment)
+    python -m gateway.relays.relay --fd N --channel PATH --index I [--drain-grace S --drain-seconds S]
+        (started by `holdback gateway --workers N`, the channel's secret in its environment)
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ from typing import Coroutine
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter
 
 from gateway.app import (gateway_app, readiness, refuse_admin, rollback_request, until_stopped,
                          upstream_session)
 from gateway.log import configure_logging, log_event
-from gateway.metrics import GatewayMetrics, metric_families
+from gateway.metrics import PREFIX, GatewayMetrics, metric_families
 from gateway.proxy import Proxy
 from gateway.relays import messages as m
 from gateway.relays.channel import ChannelClosed
-from gateway.relays.flow_process import listening_socket
+from gateway.relays.drain import CUT_SECONDS, DRAIN_GRACE, DRAIN_SECONDS, Drain
+from gateway.relays.local_relays import listening_socket
 from gateway.relays.handshake import SecretError, channel_secret
 from gateway.relays.remote_flow import RemotePools
 from gateway.relays.uplink import Uplink
@@ -50,11 +53,17 @@ TOKENIZER_REPORT_SECONDS = 0.25
 
 
 class Relay:
-    def __init__(self, uplink: Uplink, index: int | None, listen: str):
+    def __init__(self, uplink: Uplink, index: int | None, listen: str, drain: Drain | None = None):
         self.uplink = uplink
         self.index = index
         self.listen = listen
+        self.drain = drain or Drain()
+        self.drain.on_begin.append(lambda deadline: self.uplink.send(m.Draining(deadline=deadline)))
         self.metrics = GatewayMetrics()
+        # Every decision flow control sent, by the fencing token it carried: a deposed leader's shows as refused.
+        self.decisions = Counter(f"{PREFIX}_relay_decisions", "Decisions (config, dispatch, reject, evict) this "
+                                 "relay received, by their fencing token and whether it applied or refused them.",
+                                 ["token", "outcome"], registry=self.metrics.registry)
         self.pools: RemotePools | None = None
         self.proxy: Proxy | None = None
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -89,8 +98,10 @@ class Relay:
             log_event(logger, "decision_refused", level=logging.ERROR, kind=message.kind, token=message.token,
                       newest_token=self.token, reason="an older fencing token than the newest leader's: it comes "
                       "from a flow control that no longer leads")
+            self.decisions.labels(str(message.token), "refused").inc()
             return False
         self.token = message.token
+        self.decisions.labels(str(message.token), "applied").inc()
         return True
 
     def _configure(self, message: m.Configure) -> None:
@@ -121,6 +132,8 @@ class Relay:
         self.uplink.send(m.Hello(pid=os.getpid(), index=self.index, host=socket.gethostname(), listen=self.listen))
         if self.pools is not None:  # a flow control that did not decide what this relay holds counts it first
             self.uplink.send(m.Holding(requests=self.pools.holding()))
+        if self.drain.deadline is not None:
+            self.uplink.send(m.Draining(deadline=self.drain.deadline))
         self._reported = None  # a new flow control learns the prompt counter's state again
 
     def left(self, reason: str) -> None:
@@ -129,6 +142,8 @@ class Relay:
                   relaying=len(self.pools.requests) - waiting if self.pools is not None else 0)
 
     async def ready(self, request: web.Request) -> web.Response:
+        if self.drain.draining:
+            return self.drain.not_ready()
         if self.uplink.closed:
             return web.json_response({"status": "failing", "flow_control": "unreachable"}, status=503)
         return readiness(self.pools.replicas.replicas if self.pools is not None else [])
@@ -180,11 +195,11 @@ def _flow_control_gone() -> web.Response:
                           "service_unavailable", "flow_control_unavailable")
 
 
-async def serve(uplink: Uplink, sock: socket.socket, index: int | None) -> None:
-    """Relay on `sock` for the flow control `uplink` reaches. With an `index` (a relay of `--workers N`) it stops
-    when the channel closes; without one (run alone) it goes on and connects again."""
+async def serve(uplink: Uplink, sock: socket.socket, index: int | None, drain: Drain | None = None) -> None:
+    """Relay on `sock` for the flow control `uplink` reaches; drain on SIGTERM. With an `index` (a relay of
+    `--workers N`) it stops when the channel closes; without one (run alone) it goes on and connects again."""
     alone = index is None
-    relay = Relay(uplink, index, _address(sock))
+    relay = Relay(uplink, index, _address(sock), drain)
     linked = asyncio.create_task(uplink.run(relay.handle, relay.joined, relay.left, reconnect=alone), name="uplink")
     await asyncio.wait([relay.configured, linked], timeout=None if alone else 60,
                        return_when=asyncio.FIRST_COMPLETED)
@@ -198,7 +213,8 @@ async def serve(uplink: Uplink, sock: socket.socket, index: int | None) -> None:
     session = upstream_session(pools.loaded.config, lambda url: pools.loaded.replica_key(url))
     relay.proxy.session = session
     relay.proxy.upstream = UpstreamPool.for_config(pools.loaded.config)
-    runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(relay.make_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=CUT_SECONDS)
     await runner.setup()
     site = web.SockSite(runner, sock, backlog=1024)
     await site.start()
@@ -209,6 +225,11 @@ async def serve(uplink: Uplink, sock: socket.socket, index: int | None) -> None:
     try:
         # A signal, or (a relay of --workers N) flow control gone: it cannot decide anything alone.
         await asyncio.wait([stopped, linked], return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            draining = asyncio.create_task(relay.drain.run(runner, relay=index, pid=os.getpid(), listen=relay.listen))
+            # A relay of --workers N whose flow control died meanwhile stops at once, as it would undrained.
+            await asyncio.wait([draining] if alone else [draining, linked], return_when=asyncio.FIRST_COMPLETED)
+            draining.cancel()
     finally:
         stopped.cancel()
         if not alone and uplink.closed:
@@ -228,10 +249,12 @@ def _address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_alone(addresses: list[str], host: str, port: int, secret: bytes) -> int:
-    """`holdback gateway --role relay`: one relay on its own socket, for the first flow control that answers."""
-    sock = listening_socket(host, port)
-    return _run(serve(Uplink(addresses, secret), sock, None), None)
+def run_alone(addresses: list[str], host: str, port: int, secret: bytes, drain: Drain | None = None,
+              reuse_port: bool = False) -> int:
+    """`holdback gateway --role relay`: one relay on its own socket (shared with other relays of this host with
+    `reuse_port`), for the first flow control that answers."""
+    sock = listening_socket(host, port, reuse_port=reuse_port)
+    return _run(serve(Uplink(addresses, secret), sock, None, drain), None)
 
 
 def _run(main: Coroutine[object, object, None], index: int | None) -> int:
@@ -255,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channel", required=True, help="the flow-control process's Unix socket")
     p.add_argument("--index", type=int, default=0, help="this relay's number (for logs and /admin/state)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--drain-grace", type=float, default=DRAIN_GRACE, help="`holdback gateway --drain-grace`")
+    p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS, help="`holdback gateway --drain-seconds`")
     args = p.parse_args(argv)
     # A reload is flow control's (SIGHUP to the parent); a hangup sent to the whole group must not end relays.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -264,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     except SecretError as exc:
         log_event(logger, "relay_failed", level=logging.ERROR, relay=args.index, error=str(exc))
         return 2
-    return _run(serve(Uplink([args.channel], secret), socket.socket(fileno=args.fd), args.index), args.index)
+    drain = Drain(args.drain_grace, args.drain_seconds)
+    return _run(serve(Uplink([args.channel], secret), socket.socket(fileno=args.fd), args.index, drain), args.index)
 
 if __name__ == "__main__":
     sys.exit(main())
