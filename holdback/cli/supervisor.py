@@ -33,6 +33,10 @@ class Child:
     command: list[str] | None = None
     ready: Callable[[], bool] | None = None
     stop_last: bool = False
+    # Variables for this child only (the gateway fleet's channel secret).
+    env: dict[str, str] = field(default_factory=dict)
+    # Its port is shared with siblings (relays with SO_REUSEPORT): ready only once it listens there itself.
+    shares_port: bool = False
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -59,7 +63,7 @@ class Supervisor:
         # -P: the working directory is not put first on the child's path, so a folder that holds a `holdback`
         # directory (a checkout's parent) does not shadow the installed package.
         child.proc = spawn(child.command or [sys.executable, "-P", "-m", "holdback.cli", *child.args],
-                            env=self.env, stdout=out, stderr=subprocess.STDOUT)
+                            env={**self.env, **child.env}, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         child.started_at = time.monotonic()
         log_line("started", child=child.name, pid=child.proc.pid, log=child.log_path)
@@ -88,7 +92,10 @@ class Supervisor:
                 return False
         except httpx.HTTPError:
             return False
-        self.confirm_own(child)
+        try:
+            self.confirm_own(child)
+        except _NotYet:
+            return False
         return True
 
     def confirm_own(self, child: Child) -> None:
@@ -97,6 +104,8 @@ class Supervisor:
         owners = listener_pids(port) if port else None
         if not owners or child.proc is None:
             return  # no /proc here, or the socket is not visible: the free-port check before start stands
+        if child.shares_port and not owners & descendants(child.proc.pid):
+            raise _NotYet  # a sibling answered: this child does not listen yet
         if not owners & descendants(child.proc.pid):
             raise RuntimeError(f"{child.name}: port {port} is answered by pid {', '.join(map(str, sorted(owners)))}, "
                                f"not by the {child.name} this holdback up started (pid {child.proc.pid}); "
@@ -151,6 +160,10 @@ class Supervisor:
             # uvicorn re-raises the SIGTERM it handled, so a clean stop can also end "by signal".
             log_line("stopped", child=child.name,
                     **({"signal": signal.Signals(-code).name} if code < 0 else {"code": code}))
+
+
+class _NotYet(Exception):
+    """A child sharing its port is not listening there yet."""
 
 
 def spawn(command: list[str], **popen: object) -> subprocess.Popen:

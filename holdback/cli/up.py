@@ -2,6 +2,8 @@
 
 With no configuration it starts an embedded Redis, migrates SQLite under ./data and runs the API
 server with the dashboard, a processor, a worker pool, the gateway and two simulated vLLM replicas.
+`--gateway-relays N` runs the gateway as a fleet instead: N relays sharing its port (SO_REUSEPORT) and a flow
+control, with `--gateway-standby` two flow controls electing a leader through this `up`'s Redis.
 A child that dies (the embedded Redis too) is reported and restarted with backoff; SIGINT (Ctrl-C) or SIGTERM stops
 everything, children first, then the embedded Redis. One `holdback up` runs per data dir (a pid-file
 lock); its children die with it even when it is killed outright (Linux parent-death signal), and a
@@ -12,6 +14,7 @@ DATABASE_URL, REDIS_URL and --replicas switch to PostgreSQL, an external Redis a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -75,7 +78,7 @@ def _write_keys(path: Path, keys: dict[str, str]) -> None:
     path.chmod(0o600)
 
 
-def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
+def build_children(args: argparse.Namespace, settings: Settings, redis_url: str | None = None) -> list[Child]:
     host = args.host
     children: list[Child] = []
     replicas = args.replicas
@@ -85,13 +88,19 @@ def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
                                       str(args.sim_replicas), "--enable-prompt-tokens-details", *args.sim_args],
                               ready_url=f"http://{host}:{args.sim_port}/health"))
         replicas = ",".join(f"http://{host}:{args.sim_port + i}" for i in range(args.sim_replicas))
-    gateway = ["gateway", "--host", host, "--port", str(args.gateway_port), "--replicas", replicas]
-    if args.gateway_config:
-        gateway += ["--config", str(args.gateway_config)]
+    config = ["--config", str(args.gateway_config)] if args.gateway_config else []
+    # No load balancer checks readiness on one machine: a gateway asked to stop stops accepting at once.
+    drain = ["--drain-grace", "0", "--drain-seconds", "10"]
     # With our simulators the gateway must see a healthy replica before it counts as up; real vLLM may
     # still be loading its weights, so then only liveness is awaited and the banner says where to look.
     gateway_probe = "/healthz" if args.replicas else "/readyz"
-    children.append(Child("gateway", gateway, ready_url=f"http://{host}:{args.gateway_port}{gateway_probe}"))
+    ready_url = f"http://{host}:{args.gateway_port}{gateway_probe}"
+    if args.gateway_relays:
+        assert redis_url is not None, "the fleet's lease lives in this up's Redis"
+        children += gateway_fleet(args, replicas, config, drain, redis_url, lease_name(settings), ready_url)
+    else:
+        children.append(Child("gateway", ["gateway", "--host", host, "--port", str(args.gateway_port), "--replicas",
+                                          replicas, *config, *drain], ready_url=ready_url))
     children.append(Child("api", ["api", "--host", host, "--port", str(args.api_port)],
                           ready_url=f"http://{host}:{args.api_port}/readyz"))
     children.append(Child("processor", ["processor", "--metrics-host", host,
@@ -100,6 +109,32 @@ def build_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
     children.append(Child("worker", ["worker", "-n", str(args.worker_concurrency), "--metrics-host", host,
                                      "--metrics-port", str(args.worker_metrics_port)],
                           ready_url=f"http://{host}:{args.worker_metrics_port}/readyz"))
+    return children
+
+
+def lease_name(settings: Settings) -> str:
+    """The fleet's lease name: one per data dir, which one `holdback up` runs at a time."""
+    return "up-" + hashlib.sha256(str(settings.data_dir.resolve()).encode()).hexdigest()[:12]
+
+
+def gateway_fleet(args: argparse.Namespace, replicas: str, config: list[str], drain: list[str], redis_url: str,
+                  lease: str, ready_url: str) -> list[Child]:
+    """The gateway as a fleet on this machine: a flow control (two electing a leader with --gateway-standby) and
+    `--gateway-relays` relays sharing the gateway's port, the channel's secret new each run, in their environment."""
+    from gateway.relays.handshake import SECRET_ENV
+
+    host, secret = args.host, {SECRET_ENV: secrets.token_hex(32)}
+    flows = [args.gateway_flow_port + i for i in range(2 if args.gateway_standby else 1)]
+    lease_flags = ["--lease-redis", redis_url, "--lease-name", lease] if args.gateway_standby else []
+    children = [Child(f"gateway-flow-{'ab'[i]}", ["gateway", "--role", "flow-control", "--relays-listen",
+                                                 f"{host}:{port}", "--replicas", replicas, *config, *lease_flags],
+                      ready=lambda port=port: not port_free(host, port), env=secret)
+                for i, port in enumerate(flows)]
+    addresses = ",".join(f"{host}:{port}" for port in flows)
+    children += [Child(f"gateway-relay-{i}", ["gateway", "--role", "relay", "--flow-control", addresses, "--host",
+                                              host, "--port", str(args.gateway_port), "--reuse-port", *drain],
+                       ready_url=ready_url, env=secret, shares_port=True)
+                 for i in range(args.gateway_relays)]
     return children
 
 
@@ -123,6 +158,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", default=os.environ.get("HOLDBACK_REPLICAS", ""),
                    help="comma-separated vLLM base URLs; when set no simulator is started (env HOLDBACK_REPLICAS)")
     p.add_argument("--gateway-config", type=Path, default=None, help="gateway YAML (default: the built-in config)")
+    p.add_argument("--gateway-relays", type=int, default=0, help=(
+        "run the gateway as a fleet: this many relay processes sharing --gateway-port (SO_REUSEPORT) and a "
+        "separate flow-control process (default 0: the gateway as one process)"))
+    p.add_argument("--gateway-standby", action="store_true", help=(
+        "with --gateway-relays: a second flow control stands by, the two electing a leader through this up's "
+        "Redis; kill the leader and the standby takes over while the relays keep their streams"))
+    p.add_argument("--gateway-flow-port", type=int, default=8210, help=(
+        "with --gateway-relays: where the flow control listens for relays (the standby on the next port) "
+        "(default %(default)s)"))
     p.add_argument("--worker-concurrency", type=int, default=64, help="requests in flight per worker (default %(default)s)")
     return flags_from_env(p, "up")
 
@@ -131,6 +175,9 @@ def _ports_taken(args: argparse.Namespace) -> list[str]:
     """Ports `holdback up` is about to listen on that something else holds, each with its holders' pids."""
     ports = {"api": args.api_port, "gateway": args.gateway_port, "processor metrics": args.processor_metrics_port,
              "worker metrics": args.worker_metrics_port}
+    if args.gateway_relays:
+        ports.update({f"gateway flow control {i + 1}": args.gateway_flow_port + i
+                      for i in range(2 if args.gateway_standby else 1)})
     if not args.replicas:
         ports.update({f"sim replica {i}": args.sim_port + i for i in range(args.sim_replicas)})
     taken = []
@@ -153,6 +200,10 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.sim_replicas < 1:
         _parser().error("--sim-replicas must be at least 1")
+    if args.gateway_relays < 0:
+        _parser().error(f"--gateway-relays must be 0 (the gateway as one process) or more (got {args.gateway_relays})")
+    if args.gateway_standby and not args.gateway_relays:
+        _parser().error("--gateway-standby needs --gateway-relays N: the standby is a second flow control for relays")
     settings = Settings()
     # Handled alike, and installed even when SIGINT arrives ignored (a background job of a script).
     signal.signal(signal.SIGINT, _on_signal)
@@ -212,11 +263,13 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, red
         "HOLDBACK_MIGRATE_ON_START": "false",
         "PYTHONUNBUFFERED": "1",
     }
-    children = build_children(args, settings)
+    children = build_children(args, settings, redis_url)
     sup = Supervisor([redis_child, *children] if redis_child else children, env, settings.data_dir / "logs")
     return_code = 0
     try:
         for child in sup.children:
+            if child.name == "gateway-flow-a" and args.gateway_standby:
+                _clear_lease(redis_url, lease_name(settings))
             sup.start(child)
             sup.wait_ready(child)
         _banner(args, keys, settings)
@@ -233,6 +286,17 @@ def _supervise(args: argparse.Namespace, settings: Settings, redis_url: str, red
     return return_code
 
 
+def _clear_lease(redis_url: str, name: str) -> None:
+    """A new run's first leader starts the fencing tokens again: no leader of this data dir runs now, so none holds
+    back new requests for a takeover that is not one."""
+    import redis
+
+    from gateway.relays.leadership import PREFIX
+
+    with redis.Redis.from_url(redis_url, socket_timeout=5) as client:
+        client.delete(f"{PREFIX}{name}:leader", f"{PREFIX}{name}:fencing-token")
+
+
 def _banner(args: argparse.Namespace, keys: dict[str, str], settings: Settings) -> None:
     api = f"http://{args.host}:{args.api_port}"
     gw = f"http://{args.host}:{args.gateway_port}"
@@ -243,7 +307,7 @@ def _banner(args: argparse.Namespace, keys: dict[str, str], settings: Settings) 
 holdback is up.
   Batch API      {api}/v1          (tenant key: {keys['tenant']})
   Dashboard      {api}/dashboard   (admin key:  {keys['admin']})
-  Gateway        {gw}/v1           (realtime key: {keys['realtime']})
+  Gateway        {gw}/v1           (realtime key: {keys['realtime']}){_fleet_line(args)}
   Logs           {settings.data_dir / "logs"}
 
 Metrics (Prometheus) and probes (/healthz liveness, /readyz readiness) of every component:
@@ -258,6 +322,15 @@ A request line (examples/requests.jsonl has chat, completions and embeddings lin
 {try_commands(args, settings, model, keys['tenant'])}
 Ctrl-C or SIGTERM stops everything.
 """, flush=True)
+
+
+def _fleet_line(args: argparse.Namespace) -> str:
+    if not args.gateway_relays:
+        return ""
+    flows = f"{args.host}:{args.gateway_flow_port}"
+    if args.gateway_standby:
+        flows += f" and {args.host}:{args.gateway_flow_port + 1} (leader and standby)"
+    return f"\n                 {args.gateway_relays} relays on its port, flow control at {flows}"
 
 
 def try_commands(args: argparse.Namespace, settings: Settings, model: str | None, tenant_key: str) -> str:
