@@ -108,8 +108,9 @@ class Takeover:
         if self.leadership is None:
             return None
         links = self.server.links.values()
+        last = dict(self.last) if self.last else None  # a copy: the takeover under way goes on filling its own
         return {**self.leadership.state(), "adopted": self.adopted, "relays": len(links),
-                "relay_requests": sum(len(link.requests) for link in links), "last_takeover": dict(self.last) if self.last else None}
+                "relay_requests": sum(len(link.requests) for link in links), "last_takeover": last}
 
     # -- what a relay reports -------------------------------------------------------------------------------
     def adopt(self, link: "RelayLink", holding: m.Holding) -> None:
