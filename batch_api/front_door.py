@@ -7,6 +7,7 @@ served beside them), following FastAPI's recipe for self-hosted docs assets.
 
 from __future__ import annotations
 
+import importlib.util
 from importlib.resources import files
 from pathlib import Path
 
@@ -21,7 +22,10 @@ ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png", "LICENS
 
 def swagger_ui_assets() -> Path:
     """The folder of Swagger UI's files inside the installed package; fails at start-up when one is missing."""
-    folder = Path(str(files("swagger_ui") / "static"))
+    # Found, not imported: the package's __init__ loads its web-framework handlers, Jinja2 and YAML, none used here.
+    spec = importlib.util.find_spec("swagger_ui")
+    package = Path(spec.origin).parent if spec is not None and spec.origin else Path(str(files("swagger_ui")))
+    folder = package / "static"
     missing = [name for name in ASSETS if not (folder / name).is_file()]
     if missing:
         raise RuntimeError(f"the swagger-ui-py package at {folder} lacks {', '.join(missing)}; reinstall holdback "

@@ -22,11 +22,12 @@ CASES = {
     "gateway": ("import gateway.cli", {"redis", "httpx"}),  # --lease-redis, `calibrate` and `rollback` load them
     # --dispatch sync sends through aiohttp itself; the default async mode leaves that to the workers.
     "processor": ("import batch_processor.cli", {"aiohttp", "holdback.attempts.runner"}),
-    # Alembic only when the database is behind (tests/holdback/test_schema.py).
+    # Alembic only when the database is behind (tests/holdback/test_schema.py), Jinja2 with the first dashboard
+    # page; of Swagger UI's package only where its files are.
     "api": ("import os, tempfile\nimport batch_api.cli\nfrom batch_api.app import create_app\n"
             "from holdback.settings import Settings\nwith tempfile.TemporaryDirectory() as data:\n"
             "    os.environ['HOLDBACK_DATA_DIR'] = data\n    create_app(Settings())",
-            {"alembic"}),
+            {"alembic", "jinja2", "swagger_ui"}),
 }
 
 

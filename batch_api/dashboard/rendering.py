@@ -6,19 +6,21 @@ region then re-fetches its fragment (`/dashboard/fragments/...`) on a timer and 
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse
-from fastapi.templating import Jinja2Templates
 
 from batch_api.context import ApiContext
 from batch_api.dashboard import charts
 from batch_api.dashboard.gateway_view import DROP_REASON_MEANINGS
 
-templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+if TYPE_CHECKING:
+    from fastapi.templating import Jinja2Templates
 
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -84,9 +86,16 @@ def _query(**params: object) -> str:
     return urlencode({k: v for k, v in params.items() if v not in (None, "")})
 
 
-templates.env.filters.update(ts=_ts, clock=_clock, duration=_duration, ago=_ago, percent=_percent,
-                             seconds=_seconds)
-templates.env.globals.update(query=_query, meanings=DROP_REASON_MEANINGS)
+@functools.cache
+def templates() -> Jinja2Templates:
+    """The templates with their filters, made with the first page: an API process that serves none (most of
+    them in the tests) never imports Jinja2."""
+    from fastapi.templating import Jinja2Templates
+
+    made = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+    made.env.filters.update(ts=_ts, clock=_clock, duration=_duration, ago=_ago, percent=_percent, seconds=_seconds)
+    made.env.globals.update(query=_query, meanings=DROP_REASON_MEANINGS)
+    return made
 
 
 def render(request: Request, name: str, session: object | None = None, status_code: int = 200,
@@ -95,7 +104,7 @@ def render(request: Request, name: str, session: object | None = None, status_co
     values.setdefault("namespace", context.settings.redis_namespace)
     values.setdefault("csrf", getattr(session, "csrf", ""))
     values.setdefault("now_ts", time.time())
-    response = templates.TemplateResponse(request, name, values, status_code=status_code)
+    response = templates().TemplateResponse(request, name, values, status_code=status_code)
     response.headers.update(SECURITY_HEADERS)
     if headers:
         response.headers.update(headers)
