@@ -92,7 +92,9 @@ class Processes:
     stop reaches everything it started), at `nice` when given (see renice_session)."""
 
     def __init__(self, env: dict[str, str] | None = None, log_dir: Path | None = None, nice: int | None = None):
-        self.env = {**os.environ, **(env or {})}
+        # No load balancer watches a test's gateways: one asked to stop stops accepting at once instead of after the
+        # production grace (gateway/relays/drain.py); a test of the grace passes --drain-grace itself.
+        self.env = {"HOLDBACK_GATEWAY_DRAIN_GRACE": "0", **os.environ, **(env or {})}
         self.log_dir = log_dir
         self.nice = nice
         self.children: list[tuple[subprocess.Popen, str]] = []
