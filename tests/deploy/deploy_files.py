@@ -55,10 +55,20 @@ def config_map(docs: list[dict], name: str) -> dict:
     return found[0]
 
 
-def deployment(docs: list[dict], name: str) -> dict:
-    found = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"no single Deployment {name!r}"
+def deployment(docs: list[dict], name: str, kind: str = "Deployment") -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"no single {kind} {name!r}"
     return found[0]
+
+
+# The gateway as it runs on Kubernetes: relays (a Deployment) and flow controls contending for the lease (a
+# StatefulSet, so each has a name relays can list); the flow controls read the gateway's config.
+GATEWAY_RELAYS = "holdback-gateway-relay"
+GATEWAY_FLOW_CONTROL = "holdback-gateway-flow-control"
+
+
+def flow_control(docs: list[dict]) -> dict:
+    return deployment(docs, GATEWAY_FLOW_CONTROL, "StatefulSet")
 
 
 def mounted_file(docs: list[dict], pod: dict, path: str) -> str:
@@ -75,8 +85,8 @@ def mounted_file(docs: list[dict], pod: dict, path: str) -> str:
 
 
 def gateway_config_text(docs: list[dict]) -> str:
-    """The gateway's config file as its Deployment sees it: the file its --config names."""
-    pod = deployment(docs, "holdback-gateway")["spec"]["template"]["spec"]
+    """The gateway's config file as its flow controls see it: the file their --config names."""
+    pod = flow_control(docs)["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert "--config" in args, f"the gateway runs without --config: {args}"
     return mounted_file(docs, pod, args[args.index("--config") + 1])

@@ -1,6 +1,7 @@
 """deploy/compose.yaml read by a real Compose implementation, `config` (no daemon needed): with the keys of
 deploy/compose.env.example filled in it renders, the gateway gets its mounted config and vLLM's key; with them
-left empty it refuses, naming each key to set.
+left empty it refuses, naming each key to set. The gateway is two flow controls and two relays behind HAProxy
+(tests/deploy/test_gateway_fleet.py checks that shape in the file as written).
 
 The tool is Docker's Compose v2 (`docker compose`, or a v2 `docker-compose`) when present, else Debian's
 docker-compose 1.29 (`apt-get install docker-compose`, as .ci/run does). 1.29 predates the Compose Spec's
@@ -87,23 +88,32 @@ def test_the_filled_in_example_renders_and_the_gateway_gets_its_config_and_the_u
     done = _config(tmp_path, env)
     assert done.returncode == 0, done.stderr
     rendered = yaml.safe_load(done.stdout)
-    gateway = rendered["services"]["gateway"]
-    source, read_only = _mounts(gateway)[GATEWAY_CONFIG]
-    assert Path(source) == DEPLOY / "gateway-config.yaml" and Path(source).is_file() and read_only, gateway
-    command = gateway["command"]
-    assert command[command.index("--config") + 1] == GATEWAY_CONFIG, command
-    environment = gateway["environment"]
-    assert environment["HOLDBACK_GATEWAY_UPSTREAM_API_KEY"] == env["HOLDBACK_GATEWAY_UPSTREAM_API_KEY"]
-    assert environment["HOLDBACK_GATEWAY_BATCH_KEY"] == env["HOLDBACK_GATEWAY_BATCH_KEY"]
-    # The workers and processors send with the gateway's batch key, to the gateway service.
+    # The flow controls read the gateway's config and keys; the relays get only the channel secret.
+    for name in ("flow-control-1", "flow-control-2"):
+        control = rendered["services"][name]
+        source, read_only = _mounts(control)[GATEWAY_CONFIG]
+        assert Path(source) == DEPLOY / "gateway-config.yaml" and Path(source).is_file() and read_only, control
+        command = control["command"]
+        assert command[command.index("--config") + 1] == GATEWAY_CONFIG, command
+        environment = control["environment"]
+        assert environment["HOLDBACK_GATEWAY_UPSTREAM_API_KEY"] == env["HOLDBACK_GATEWAY_UPSTREAM_API_KEY"]
+        assert environment["HOLDBACK_GATEWAY_BATCH_KEY"] == env["HOLDBACK_GATEWAY_BATCH_KEY"]
+        assert environment["HOLDBACK_GATEWAY_CHANNEL_SECRET"] == env["HOLDBACK_GATEWAY_CHANNEL_SECRET"]
+    for name in ("relay-1", "relay-2"):
+        assert rendered["services"][name]["environment"] == {
+            "HOLDBACK_GATEWAY_CHANNEL_SECRET": env["HOLDBACK_GATEWAY_CHANNEL_SECRET"]}, name
+    # The workers and processors send with the gateway's batch key, to the load balancer in front of the relays.
     for name in ("processor-1", "worker-1"):
         variables = rendered["services"][name]["environment"]
         assert variables["HOLDBACK_GATEWAY_KEY"] == env["HOLDBACK_GATEWAY_BATCH_KEY"], name
         assert variables["HOLDBACK_GATEWAY_URL"] == "http://gateway:8200", name
-    assert "8200" in json.dumps(gateway.get("ports")), gateway
+    balancer = rendered["services"]["gateway"]
+    source, read_only = _mounts(balancer)["/usr/local/etc/haproxy/haproxy.cfg"]
+    assert Path(source) == DEPLOY / "haproxy.cfg" and read_only, balancer
+    assert "8200" in json.dumps(balancer.get("ports")), balancer
 
 
 def test_the_example_as_shipped_is_refused_naming_a_key_to_set(tmp_path):
     done = _config(tmp_path, _example_env(filled=False))
     assert done.returncode != 0, done.stdout
-    assert re.search(r"set (POSTGRES_PASSWORD|HOLDBACK_[A-Z_]+_KEY) in deploy/\.env", done.stderr), done.stderr
+    assert re.search(r"set (POSTGRES_PASSWORD|HOLDBACK_[A-Z_]+_(KEY|SECRET)) in deploy/\.env", done.stderr), done.stderr

@@ -18,8 +18,8 @@ from gateway.settings.keys import UPSTREAM_KEY_ENV
 from holdback.settings import Settings
 from tests.deploy.deploy_files import (
     DEPLOY, K8S, REPO, Invocation, base_files, cli_env_names, cli_help, command_words, compose, compose_invocations,
-    deployment, flags, gateway_config_envs, gateway_config_text, gateway_key_envs, have_kubectl, k8s_invocations,
-    kustomize, settings_env_names,
+    deployment, flags, flow_control, gateway_config_envs, gateway_config_text, gateway_key_envs, have_kubectl,
+    k8s_invocations, kustomize, settings_env_names,
 )
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -133,7 +133,7 @@ def test_the_gateways_config_map_is_its_config_and_sizes_it_from_the_replicas(ma
     assert len(config.replicas) >= 2
     # Sized from the replicas: the slots the gateway counts per replica are the slots each replica runs.
     assert config.engine.maxNumSeqs == config.saturation.maxConcurrency
-    args = deployment(docs, "holdback-gateway")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = flow_control(docs)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--replicas" not in args, "the replicas are the config's, not a flag's"
     if name == "base":
         sim = deployment(docs, "holdback-sim")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -157,7 +157,7 @@ def test_the_config_map_check_refuses_a_config_the_gateway_would_refuse(manifest
 def test_every_deployment_has_probes_and_runs_as_non_root(manifests) -> None:  # noqa: ANN001
     _, docs = manifests
     for doc, pod, container in _containers(docs):
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in ("Deployment", "StatefulSet"):
             assert container.get("livenessProbe") and container.get("readinessProbe"), doc["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
 
@@ -219,10 +219,13 @@ def test_every_environment_variable_is_a_setting(manifests, compose_doc) -> None
     known = _known_env(docs)
     assert {"DATABASE_URL", "REDIS_URL", "HOLDBACK_FILES_URL", "HOLDBACK_S3_ENDPOINT_URL"} <= known
     named = set()
+    # Secrets given to containers as variables (the gateway's channel secret is a mounted file instead).
+    as_env = {source["secretRef"]["name"] for _d, _p, container in _containers(docs)
+              for source in container.get("envFrom", []) if "secretRef" in source}
     for doc in docs:
         if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("holdback-config"):
             named |= set(doc["data"])
-        if doc["kind"] == "Secret":
+        if doc["kind"] == "Secret" and doc["metadata"]["name"] in as_env:
             named |= set(doc.get("stringData", {})) | set(doc.get("data", {}))
     for name, service in compose_doc["services"].items():
         if "holdback" in str(service.get("image", "")):
@@ -236,7 +239,7 @@ def test_compose_file_is_well_formed(compose_doc) -> None:  # noqa: ANN001
     services = compose_doc["services"]
     commands = {name: s.get("command", [None])[0] for name, s in services.items()}
     count = {c: sum(1 for v in commands.values() if v == c) for c in ("api", "processor", "worker", "gateway", "sim")}
-    assert count == {"api": 2, "processor": 2, "worker": 2, "gateway": 1, "sim": 1}
+    assert count == {"api": 2, "processor": 2, "worker": 2, "gateway": 4, "sim": 1}  # 2 relays, 2 flow controls
     assert {"postgres", "redis", "migrate"} <= set(services) and commands["migrate"] == "db"
     host_ports = [p.split(":")[0] for s in services.values() for p in s.get("ports", [])]
     assert len(host_ports) == len(set(host_ports)), host_ports

@@ -17,7 +17,9 @@ from batch_processor.metrics import ProcessorMetrics
 from holdback import contract
 from holdback.settings import Settings
 from tests.deploy.dashboard_names import exported_names, promql_metric_names
-from tests.deploy.deploy_files import K8S, REPO, config_map, deployment, have_kubectl, kustomize
+from tests.deploy.deploy_files import (
+    GATEWAY_RELAYS, K8S, REPO, config_map, deployment, flow_control, have_kubectl, kustomize,
+)
 
 OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 # Who schedules the vLLM pods in each rendering: one scheduler, never both (docs/llm-d.md).
@@ -40,6 +42,10 @@ def rendered() -> dict[str, list[dict]]:
 
 def _named(docs: list[dict], kind: str, prefix: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(prefix)]
+
+
+def _secret(docs: list[dict], name: str) -> dict:
+    return next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == name)
 
 
 def _gateway_url_each_caller_reads(docs: list[dict]) -> dict[str, str]:
@@ -80,24 +86,24 @@ def test_every_rendering_is_well_formed_and_validates(rendered, name):
 
 @pytest.mark.parametrize("name", HOLDBACK_SCHEDULES)
 def test_where_holdbacks_gateway_schedules_it_is_there_alone(rendered, name):
+    # Its relays and flow controls (their shape: tests/deploy/test_gateway_fleet.py), one client-facing Service.
     docs = rendered[name]
-    gateway = deployment(docs, "holdback-gateway")
-    assert gateway["spec"]["replicas"] == 1 and gateway["spec"]["strategy"]["type"] == "Recreate"
-    (service,) = _named(docs, "Service", "holdback-gateway")
+    assert deployment(docs, GATEWAY_RELAYS) and flow_control(docs)
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "holdback-gateway"]
     port = service["spec"]["ports"][0]["port"]
     for caller, url in _gateway_url_each_caller_reads(docs).items():
         assert urlsplit(url).hostname == "holdback-gateway" and urlsplit(url).port == port, (caller, url)
     assert _named(docs, "ConfigMap", "holdback-gateway"), "the gateway's config"
     assert [d for d in docs if d["apiVersion"].startswith(LLM_D_GROUPS)] == [], \
         f"{name}: llm-d is not in this path, so nothing here is llm-d's"
-    keys = set(next(d for d in docs if d["kind"] == "Secret")["stringData"])
+    keys = set(_secret(docs, "holdback-secrets")["stringData"])
     assert {"HOLDBACK_GATEWAY_REALTIME_KEY", "HOLDBACK_GATEWAY_BATCH_KEY", "HOLDBACK_GATEWAY_KEY"} <= keys
 
 
 def test_where_llm_d_schedules_holdback_runs_no_gateway_and_sends_to_llm_ds(rendered):
     docs = rendered["overlays/llm-d"]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for kind in ("Deployment", "Service", "ConfigMap"):
+    for kind in ("Deployment", "StatefulSet", "Service", "ConfigMap", "Secret", "PodDisruptionBudget"):
         for prefix in ("holdback-gateway", "holdback-sim"):
             assert not _named(docs, kind, prefix), f"{kind} {prefix} is rendered where llm-d schedules"
     commands = {c["args"][0] for d in docs if d["kind"] in ("Deployment", "Job")
@@ -113,7 +119,7 @@ def test_where_llm_d_schedules_holdback_runs_no_gateway_and_sends_to_llm_ds(rend
     assert url.scheme == "http" and host[2:] in (["svc"], ["svc", "cluster", "local"]), url.geturl()
     assert host[1] != own_namespace and host[0] not in {d["metadata"]["name"] for d in docs}, url.geturl()
     # No holdback gateway keys; the workers' key is what llm-d passes on to vLLM.
-    keys = set(next(d for d in docs if d["kind"] == "Secret")["stringData"])
+    keys = set(_secret(docs, "holdback-secrets")["stringData"])
     assert "HOLDBACK_GATEWAY_KEY" in keys and not {k for k in keys if k.endswith(("_REALTIME_KEY", "_STANDARD_KEY",
                                                                                   "_BATCH_KEY", "_UPSTREAM_API_KEY"))}
 
