@@ -36,9 +36,12 @@ PREFIX = "holdback:gateway:"
 # drift between two renewals.
 MARGIN_SHARE = 0.2
 
-# KEYS: the lease, the fencing-token key. ARGV: the holder, the ttl in ms. A taken lease answers {0, its value}.
+# KEYS: the lease, the fencing-token key. ARGV: the holder, the ttl in ms, the newest token the contender has seen.
+# A taken lease answers {0, its value}. The token never falls below one seen: a Redis restarted without its data
+# (no persistence, a failover to a replica behind) would count from 1 again, and relays refuse an older token.
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('GET', KEYS[1])} end
+if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3]) end
 local token = redis.call('INCR', KEYS[2])
 local value = ARGV[1] .. '#' .. token
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
@@ -78,6 +81,8 @@ class Leadership:
         # When this term began (wall clock, for /admin/state), and the lease's value as last read.
         self.since: float | None = None
         self.leader: str | None = None
+        # The newest fencing token this process has seen (its own, the lease's holders'): its next is above it.
+        self.newest_token = 0
         # Told True when this process comes to lead, False when it steps down (soon after, never inside a decision).
         self.on_change: list[Callable[[bool], None]] = []
         self._value = ""
@@ -105,8 +110,11 @@ class Leadership:
     async def acquire(self) -> bool:
         """Take the lease if nobody holds it; True when this process now leads."""
         sent = self.clock()
-        token, value = await self._acquire(keys=[self.key, self.token_key], args=[self.holder, self._ms()])
+        token, value = await self._acquire(keys=[self.key, self.token_key],
+                                           args=[self.holder, self._ms(), self.newest_token])
         self.leader = value.decode() if isinstance(value, bytes) else value
+        if self.leader and self.leader.rpartition("#")[2].isdigit():
+            self.newest_token = max(self.newest_token, int(self.leader.rpartition("#")[2]))
         if not int(token):
             self._notice = None  # another took the lease the notice was about
             return False

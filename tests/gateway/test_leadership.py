@@ -156,3 +156,28 @@ def test_the_state_says_who_leads_since_when_and_with_which_token(ttl):
             await _cleanup(redis, a)
 
     asyncio.run(run())
+
+
+def test_a_lease_store_that_lost_its_data_never_hands_out_an_older_fencing_token():
+    # A Redis restarted without persistence (or failed over to a replica behind) has no token key: the next term's
+    # token is still above every token the contenders saw, or relays, which keep the newest, refuse every decision.
+    async def run() -> list[int]:
+        redis, (a, b) = await _contenders(2, ttl=30)
+        try:
+            await redis.set(a.token_key, 6)
+            assert await a.acquire() and a.token == 7
+            assert not await b.acquire()  # b stands by and reads the leader's value
+            await redis.delete(a.key, a.token_key)  # the store comes back empty
+            assert await b.acquire()
+            first = b.token
+            a.step_down("a test")
+            assert not await a.acquire()  # the old leader stands by and reads the new one's value
+            await redis.delete(a.key, a.token_key)
+            assert await a.acquire()
+            return [first, a.token]
+        finally:
+            await _cleanup(redis, a)
+
+    first, second = asyncio.run(run())
+    assert first == 8 and second == 9
+
