@@ -109,11 +109,12 @@ def responses_body(response_id: str, message_id: str, created: int, model: str, 
     }
 
 
-def responses_queued(response_id: str, created: int, model: str, request: dict, params: GenerationParams) -> dict:
-    """A background response as vLLM answers it at once and stores it until it ends: status `queued`, no output,
-    usage null."""
+def responses_unfinished(response_id: str, created: int, model: str, request: dict, params: GenerationParams,
+                         status: str) -> dict:
+    """A response before its output: no output, usage null. Status `queued`: a background response as vLLM
+    answers it at once and stores it until it ends; `in_progress`: a stream's first events."""
     body = responses_body(response_id, "", created, model, request, params, "", None, 0, 0, 0)
-    body.update(output=[], status="queued", usage=None, incomplete_details=None)
+    body.update(output=[], status=status, usage=None, incomplete_details=None)
     return body
 
 

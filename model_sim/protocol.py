@@ -235,17 +235,15 @@ def _cache_salt(body: dict) -> str | None:
 
 def parse_responses(body: dict, priority_header: str | None = None) -> GenerationParams:
     """The fields of a /v1/responses body: its cap is `max_output_tokens` (none: the rest of the context, as a
-    chat). Streaming is not modelled: a streamed request is refused naming the field."""
+    chat)."""
     stream = _bool_field(body, "stream")
-    if stream:
-        raise InvalidRequest("The simulator answers /v1/responses only whole; send \"stream\": false.", "stream")
     return GenerationParams(
         requested_max_tokens=_int_field(body, "max_output_tokens", None),
         max_tokens_param="max_output_tokens",
         min_tokens=0,
         ignore_eos=_bool_field(body, "ignore_eos"),
         priority=_priority(body, priority_header),
-        stream=False,
+        stream=stream,
         include_usage=False,
         cache_salt=_cache_salt(body),
     )

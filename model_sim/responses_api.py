@@ -7,12 +7,14 @@ says false) is kept in this replica's memory, as vLLM keeps it: GET /v1/response
 answer; POST /v1/responses/{id}/cancel cancels a background response that has not ended. Unknown ids are
 vLLM's 404 (`Response with id '...' not found.`, param `response_id`); DELETE is FastAPI's 405 (vLLM has no
 DELETE route; the server's error middleware answers it). Without the store, `store` is ignored and `background` is refused as vLLM refuses it.
+`stream: true` answers with vLLM 0.32's events (model_sim/responses_events.py); the store keeps the final answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,8 +24,10 @@ from aiohttp import web
 
 from holdback.sim_tokenizer import ChatTemplateError, render_chat, responses_messages
 from model_sim import answers, protocol
+from holdback.logs import log_event
 from model_sim.errors import EnvelopeError, InvalidRequest, json_response
-from model_sim.generation import output_text
+from model_sim.generation import output_text, output_token_text
+from model_sim.responses_events import ResponseEventStream
 
 if TYPE_CHECKING:
     from model_sim.engine import RequestStream
@@ -31,6 +35,9 @@ if TYPE_CHECKING:
 # What a cancel may still stop (vLLM's `cancel_responses`); a stored background response reads `queued` until
 # it ends (vLLM 0.32 never writes `in_progress` there).
 _CANCELLABLE = ("queued", "in_progress")
+
+
+log = logging.getLogger("model_sim.responses")
 
 
 def not_found(response_id: str) -> EnvelopeError:
@@ -70,6 +77,10 @@ class ResponsesApi:
         params = protocol.parse_responses(body, priority_header=priority_header)
         store = body.get("store", True) is not False and self.store_enabled
         background = body.get("background") is True
+        if background and params.stream:
+            raise InvalidRequest("The simulator does not stream a background response (vLLM does); send "
+                                 "\"stream\": false with \"background\": true, and GET the response for its end.",
+                                 "stream")
         if background and body.get("store", True) is False:
             raise EnvelopeError(400, "background can only be used when `store` is true (parameter=background)",
                                 "background", "BadRequestError")
@@ -90,15 +101,19 @@ class ResponsesApi:
         # vLLM's ids: the body's `request_id` when it sends one, else resp_ and msg_ with 16 random hex digits.
         response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
             f"resp_{uuid.uuid4().hex[:16]}"
+        message_id = f"msg_{uuid.uuid4().hex[:16]}"
         if background:
-            queued = answers.responses_queued(response_id, created, self.model, body, params)
+            queued = answers.responses_unfinished(response_id, created, self.model, body, params, "queued")
             stored = StoredResponse(queued, messages, streams=streams)
             self.store[response_id] = stored
             stored.task = asyncio.create_task(self._run_background(stored, body, params, created))
             return json_response(queued)
+        if params.stream:
+            return await self._stream(request, streams, (response_id, message_id, created), body, params,
+                                      messages if store else None)
         try:
             await self._finished(streams)
-            answer = self._answer(streams, response_id, created, body, params)
+            answer = self._answer(streams, response_id, message_id, created, body, params)
         finally:
             self._abort(streams)
         if store:
@@ -119,12 +134,58 @@ class ResponsesApi:
         except ChatTemplateError as exc:
             raise InvalidRequest(exc.message, exc.param) from None
 
-    def _answer(self, streams: list[RequestStream], response_id: str, created: int, body: dict, params) -> dict:
+    def _answer(self, streams: list[RequestStream], response_id: str, message_id: str, created: int, body: dict,
+                params) -> dict:
         req = streams[0].request
         return answers.responses_body(
-            response_id, f"msg_{uuid.uuid4().hex[:16]}", created, self.model, body, params,
+            response_id, message_id, created, self.model, body, params,
             output_text(0, req.num_output_tokens), req.status.finish_reason, req.num_prompt_tokens,
             req.num_output_tokens, max(req.num_cached_tokens, 0))
+
+    async def _stream(self, request: web.Request, streams: list[RequestStream], ids: tuple[str, str, int],
+                      body: dict, params, messages: list[dict] | None) -> web.StreamResponse:
+        """The answer as vLLM streams it: one delta event per output token; `messages` (the store on): the final
+        answer is stored. An engine failure cuts the connection without a last event, as vLLM's does (its
+        error is no Responses event, so writing it fails and the server drops the unfinished body)."""
+        response_id, message_id, created = ids
+        req = streams[0].request
+        events = ResponseEventStream(message_id)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        try:
+            await resp.prepare(request)
+            started = answers.responses_unfinished(response_id, created, self.model, body, params, "in_progress")
+            out = [events.opening(started)]
+            sent = 0
+            while req.error is None:
+                made = req.num_output_tokens
+                if made > sent and not sent:
+                    out.append(events.message_opened())
+                out.extend(events.delta(output_token_text(i)) for i in range(sent, made))
+                sent = made
+                if req.status.is_finished:
+                    break
+                if out:
+                    await resp.write(b"".join(out))
+                    out = []
+                await streams[0].wait()
+            if req.error is not None:
+                log_event(log, "responses_stream_cut", level=logging.WARNING, request_id=req.request_id,
+                          error=req.error)
+                if out:
+                    await resp.write(b"".join(out))
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+            answer = self._answer(streams, response_id, message_id, created, body, params)
+            await resp.write(b"".join([*out, events.message_done() if sent else b"", events.completed(answer)]))
+            await resp.write_eof()
+            if messages is not None:
+                self.store[response_id] = StoredResponse(answer, self._conversation(messages, answer))
+        except ConnectionResetError:  # the caller left; the generation is aborted below
+            log_event(log, "client_disconnected_mid_stream", level=logging.DEBUG, request_id=req.request_id)
+        finally:
+            self._abort(streams)
+        return resp
 
     @staticmethod
     def _conversation(messages: list[dict], answer: dict) -> list[dict]:
@@ -136,7 +197,7 @@ class ResponsesApi:
         response_id = stored.body["id"]
         try:
             await self._finished(streams)
-            answer = self._answer(streams, response_id, created, body, params)
+            answer = self._answer(streams, response_id, f"msg_{uuid.uuid4().hex[:16]}", created, body, params)
         except EnvelopeError:
             if stored.body["status"] in _CANCELLABLE:
                 stored.body = {**stored.body, "status": "failed"}

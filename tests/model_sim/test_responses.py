@@ -49,7 +49,7 @@ def test_a_responses_answer_has_vllms_keys_and_reads_with_the_official_client(si
 
 def test_bad_responses_requests_say_what_to_change(sim):
     for body, param in (({"model": "sim-model"}, "input"), ({"model": "sim-model", "input": []}, "input"),
-                        ({"model": "sim-model", "input": "hi", "stream": True}, "stream"),
+                        ({"model": "sim-model", "input": "hi", "stream": True, "background": True}, "stream"),
                         ({"model": "sim-model", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
                          "input")):
         r = sim.http.post("/v1/responses", json=body)
