@@ -2,8 +2,8 @@
 prefix run close together, the longest shared prefix first. A batch in which no two rows share a leading block
 keeps file order (no plan is kept for it).
 
-A prompt is the text the engine renders (holdback.sim_tokenizer's chat template for chats and Responses; the
-prompt for completions), cut into `BLOCK_CHARS`-character blocks; the first `MAX_BLOCKS` of them are hashed. Blocks
+A prompt is the text the engine renders (holdback.sim_tokenizer.prompt_text: its chat template for chats and
+Responses, the prompt for completions), cut into `BLOCK_CHARS`-character blocks; the first `MAX_BLOCKS` of them are hashed. Blocks
 of characters, not tokens: the processor has no tokenizer of the served model in process (the gateway asks a
 replica), and a shared run of characters is a shared run of tokens up to the block the two texts part in, which is
 all the grouping needs. A plan is per batch, hence per tenant: one tenant's rows are never grouped with another's,
@@ -25,32 +25,13 @@ import orjson
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from holdback.contract import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT
 from holdback.models import RequestRow, RequestStatus
-from holdback.sim_tokenizer import ChatTemplateError, render_chat, responses_messages
+from holdback.sim_tokenizer import prompt_text
 
 BLOCK_CHARS = 128  # about 30 tokens of English: two of vLLM's 16-token KV blocks
 MAX_BLOCKS = 64  # 8,192 characters: rows alike this far are one group, however long they are
 DIGEST = 8  # bytes of each block's hash
 READ_CHUNK = 2000
-
-
-def prompt_text(url: str, body: dict) -> str | None:
-    """The prompt as the engine renders it, or None for a body with no prompt to share (embeddings, a prompt
-    of token ids or of several prompts, a chat the template refuses)."""
-    try:
-        if url == CHAT_ENDPOINT.path:
-            return render_chat(body.get("messages"))
-        if url == RESPONSES_ENDPOINT.path:
-            return render_chat(responses_messages(body))
-    except ChatTemplateError:
-        return None
-    if url == COMPLETIONS_ENDPOINT.path:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return prompt if isinstance(prompt, str) else None
-    return None
 
 
 def prefix_key(text: str) -> bytes:

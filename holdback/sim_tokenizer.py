@@ -1,7 +1,8 @@
 """The simulator's tokenizer and chat template: deterministic, reversible, and the same everywhere it is used.
 
 `model_sim` tokenizes and renders chats with them; the gateway counts a `holdback sim` replica's prompts in
-process with the same code (gateway/tokenization.py), so both always agree. Pure: no imports but `re`.
+process with the same code (gateway/tokenization.py), so both always agree. `prompt_text` is the prompt a request body renders to, for
+the processor's prefix plans and the gateway's prefix routing. Pure: no imports but `re` and holdback.contract.
 
 Text is split as GPT-2-style tokenizers do: words and punctuation marks with at most one leading space,
 and whitespace runs (a run before a word leaves its last space to the word, so a newline never merges with
@@ -14,6 +15,8 @@ in any language. English prose comes out at roughly one token per short word, tw
 from __future__ import annotations
 
 import re
+
+from holdback.contract import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT
 
 MAX_PIECE_BYTES = 6
 _PIECES = re.compile(r" ?\w+| ?[^\w\s]|\s+(?!\S)|\s+")
@@ -184,3 +187,22 @@ def responses_messages(body: dict) -> list[dict]:
             content = [{"type": "text", "text": t} for t in texts]
         messages.append({"role": item["role"], "content": content})
     return messages
+
+
+def prompt_text(path: str, body: dict) -> str | None:
+    """The prompt a request body renders to (this template for a chat or a Responses request, the prompt of a
+    completion), or None for a body with no text prompt to share (embeddings, token ids, several prompts, a chat
+    the template refuses)."""
+    try:
+        if path == CHAT_ENDPOINT.path:
+            return render_chat(body.get("messages"))
+        if path == RESPONSES_ENDPOINT.path:
+            return render_chat(responses_messages(body))
+    except ChatTemplateError:
+        return None
+    if path == COMPLETIONS_ENDPOINT.path:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+    return None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from batch_processor.prefix_plan import BLOCK_CHARS, MAX_BLOCKS, plan_order, prefix_key, prompt_text
+from batch_processor.prefix_plan import BLOCK_CHARS, MAX_BLOCKS, plan_order, prefix_key
+from holdback.sim_tokenizer import prompt_text
 from tests.batch_processor.test_processor_support import Harness, chat, harness, jsonl  # noqa: F401
 
 CHAT = "/v1/chat/completions"
