@@ -1,15 +1,20 @@
 """What the gateway reads of a request's body and of a replica's answer body, beyond relaying them.
 
 The request body is parsed once (for the cache salt and KV admission); a /v1/responses body is counted as the
-chat vLLM renders it to; a replica's 404 is told apart from vLLM's own error envelopes.
+chat vLLM renders it to; a prompt's leading blocks are hashed for prefix routing; a replica's 404 is told apart from
+vLLM's own error envelopes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from holdback.contract import CHAT_ENDPOINT, RESPONSES_ENDPOINT
-from holdback.sim_tokenizer import ChatTemplateError, responses_messages
+from holdback.sim_tokenizer import ChatTemplateError, prompt_text, responses_messages
+
+PREFIX_BLOCK_CHARS = 128  # about 30 tokens of English: two of vLLM's 16-token KV blocks
+PREFIX_MAX_BLOCKS = 64
 
 
 def document(body: bytes) -> object:
@@ -38,6 +43,22 @@ def responses_as_chat(doc: dict) -> tuple[dict, str]:
         if doc.get("truncation") == "auto":  # vLLM then keeps the input's last (context − 1) tokens
             chat["truncate_prompt_tokens"] = -1
     return chat, CHAT_ENDPOINT.path
+
+
+def prefix_blocks(doc: object, path: str, salt: str | None) -> tuple[int, ...]:
+    """The prompt's leading `PREFIX_BLOCK_CHARS`-character blocks as chained hashes under the request's cache salt
+    (the i-th hash stands for the salt and the first i + 1 blocks, so a replica holding it holds the whole prefix
+    that far, in that tenant's scope): what the prefix-affinity picker remembers per replica. Stable across
+    processes (a relay computes it, flow control compares). () when the body renders no text prompt."""
+    text = prompt_text(path, doc) if isinstance(doc, dict) else None
+    if not text:
+        return ()
+    chain = hashlib.blake2b((salt or "").encode("utf-8", "surrogatepass"), digest_size=8)
+    out = []
+    for start in range(0, min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS), PREFIX_BLOCK_CHARS):
+        chain.update(text[start:start + PREFIX_BLOCK_CHARS].encode("utf-8", "surrogatepass"))
+        out.append(int.from_bytes(chain.digest(), "big"))
+    return tuple(out)
 
 
 def route_not_found(body: bytes) -> bool:

@@ -79,11 +79,14 @@ class EndpointPicker:
                            self.occupancy(replica))
 
     def pick(self, replicas: Sequence[R], detector: SaturationDetector, now: float,
-             fits: Callable[[R], bool] | None = None, prefer: str | None = None) -> R | None:
+             fits: Callable[[R], bool] | None = None, prefer: str | None = None,
+             prefix: Sequence[int] = ()) -> R | None:
         """The best replica with room; `prefer` (a replica url) wins whenever it has room and fits: the retry of
         an evicted request goes back to where its prefix is cached, as a prefix-aware scorer would send it.
         A `Pinned` one is the only choice, taken past its slot limit (the replica queues it, as vLLM does) so that
-        a turn never waits behind its band for one replica's room: None only while it is down or out of KV."""
+        a turn never waits behind its band for one replica's room: None only while it is down or out of KV.
+        `prefix`: the prompt's block hashes (gateway/bodies.py `prefix_blocks`), for a scorer that places by them
+        (gateway/policies/prefix_affinity.py); the others ignore it."""
         n = len(replicas)
         if n == 0:
             return None
@@ -94,6 +97,11 @@ class EndpointPicker:
                 if r.url == prefer and r.healthy and detector.has_room(r, now) and (fits is None or fits(r)):
                     return r
         self._turn = (self._turn + 1) % n
+        choose = getattr(self.scorer, "choose", None)
+        if prefix and choose is not None:
+            candidates = [r for r in (replicas[(self._turn + i) % n] for i in range(n))
+                          if r.healthy and detector.has_room(r, now) and (fits is None or fits(r))]
+            return choose(candidates, self.load, prefix) if candidates else None
         best, best_score = None, 0.0
         for i in range(n):
             r = replicas[(self._turn + i) % n]
