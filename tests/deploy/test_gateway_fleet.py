@@ -16,9 +16,12 @@ import subprocess
 
 import pytest
 
+from gateway.relays.channel import SILENT_HEARTBEATS
+from gateway.relays.uplink import BACKOFF_CAP
+from gateway.settings import parse_config
 from tests.deploy.deploy_files import (
     DEPLOY, GATEWAY_FLOW_CONTROL, GATEWAY_RELAYS, K8S, base_files, cli_help, compose, config_map, deployment,
-    flow_control, have_kubectl, kustomize,
+    flow_control, gateway_config_text, have_kubectl, kustomize,
 )
 
 CHANNEL_SECRET = "holdback-gateway-channel"
@@ -137,6 +140,11 @@ def test_flow_control_is_two_pods_leading_by_the_lease_in_the_platforms_redis_ea
     assert listed == [f"{GATEWAY_FLOW_CONTROL}-{i}.{name}:{channel['port']}" for i in range(2)], listed
     budget = _one(docs, "PodDisruptionBudget", control["spec"]["selector"]["matchLabels"])
     assert budget["spec"].get("maxUnavailable") == 1
+    # Rolled one at a time, the next stopped only after the new leader's takeover window has passed.
+    heartbeat = parse_config(gateway_config_text(docs), "deployed", env={}).config.flowControl.heartbeatSeconds
+    takeover = SILENT_HEARTBEATS * heartbeat + BACKOFF_CAP + 1
+    assert control["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert control["spec"]["minReadySeconds"] > takeover, (control["spec"].get("minReadySeconds"), takeover)
     _secret_file(docs, pod, args)
 
 
