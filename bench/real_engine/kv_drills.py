@@ -45,7 +45,7 @@ from bench.lib.engines import ENGINE_CPU, KV_BOUND_BLOCKS, NICE, RELAY_CPU, SLOT
     pinned, start_vllm, wait_idle
 from bench.lib.processes import Children, holdback
 from bench.lib.readiness import free_port, wait_http
-from bench.real_engine.kv_drills_report import write_report
+from bench.real_engine.kv_drills_report import ARMS, write_report
 from bench.real_engine.traffic import BROKEN, Streamed, stream
 from holdback.contract import FAIRNESS_HEADER, OBJECTIVE_HEADER
 
@@ -54,10 +54,11 @@ CONFIG = """anonymous: {enabled: true, objectives: [realtime, standard, batch], 
             relaysTenants: true}
 adminKeys: [{key: %(admin)s}]
 engine: {schedulingPolicy: priority, maxNumSeqs: %(slots)d}
-admission: {enabled: %(admission)s}
+admission: {enabled: %(admission)s%(tuned)s}
 """
 DRILLS = ("long-session", "surge", "realtime-burst")
-ARMS = ("realtime-alone", "vllm-alone", "admission-off", "admission-on")
+# With --tuned: admission on with other settings (e.g. a smaller interactive reserve), as one more arm.
+TUNED = "admission-tuned"
 # vLLM's priority (lower first) for each objective, where no gateway passes it on.
 VLLM_PRIORITY = {"realtime": -100, "standard": 0, "batch": 10}
 
@@ -78,6 +79,9 @@ class KvDrillRun:
     preemptions: float | None = None
     # (t, gateway reserved blocks or None, vLLM used blocks) every 100 ms
     samples: list[tuple[float, int | None, float | None]] = field(default_factory=list)
+    # The drill's window in the samples' time (seconds since the sampler started, `origin` monotonic).
+    window: tuple[float, float] | None = None
+    origin: float = 0.0
 
 
 class KvDrillLoad:
@@ -148,6 +152,7 @@ async def drill(load: KvDrillLoad, name: str, batch: bool, window_s: float, lead
     """One drill's traffic: batch loops from `lead_s` before the window, the drill's own requests in it."""
     t0 = time.monotonic() + (lead_s if batch else 0.5)
     window = (t0, t0 + window_s)
+    load.run.window = (round(t0 - load.run.origin, 2), round(t0 + window_s - load.run.origin, 2))
     steps = asyncio.create_task(steps_in(engine, window))
     shape = (900, 600, 5) if name == "realtime-burst" else (800, 400, 4)
     loops = [asyncio.create_task(load.batch_loop(window, shape[0], shape[1])) for _ in range(shape[2] if batch else 0)]
@@ -203,7 +208,7 @@ class Sampler(threading.Thread):
         self.record.samples.append((round(time.monotonic() - t0, 2), reserved, used))
 
     def run(self) -> None:
-        t0 = time.monotonic()
+        t0 = self.record.origin
         with httpx.Client() as client:
             while not self.stopped.is_set():
                 self.run_once(client, t0)
@@ -216,10 +221,11 @@ COUNTERS = ("vllm:num_preemptions_total",)
 def one_run(engine: str, gateways: dict[str, str], drill_name: str, arm: str, group: int,
             args: argparse.Namespace) -> KvDrillRun:
     run = KvDrillRun(drill_name, arm, group, args.window)
-    url = engine if arm == "vllm-alone" else gateways["off" if arm == "admission-off" else "on"]
+    url = engine if arm == "vllm-alone" else gateways[{"admission-off": "off", TUNED: "tuned"}.get(arm, "on")]
     wait_idle(engine)
     with httpx.Client() as client:
         before = vllm_values(client, engine, COUNTERS)
+    run.origin = time.monotonic()
     sampler = Sampler(run, engine, None if arm == "vllm-alone" else url)
     sampler.start()
 
@@ -241,13 +247,16 @@ def one_run(engine: str, gateways: dict[str, str], drill_name: str, arm: str, gr
     return run
 
 
-def start_gateway(children: Children, tmp: Path, engine: str, admission: bool) -> str:
+def start_gateway(children: Children, tmp: Path, engine: str, admission: bool, tuned: str = "") -> str:
+    """A gateway in front of `engine`; `tuned`: more admission settings (YAML flow mapping entries)."""
     port = free_port()
-    path = tmp / f"gateway-{'on' if admission else 'off'}.yaml"
-    path.write_text(CONFIG % {"admin": ADMIN_KEY, "slots": SLOTS, "admission": str(admission).lower()})
+    name = "tuned" if tuned else "on" if admission else "off"
+    path = tmp / f"gateway-{name}.yaml"
+    path.write_text(CONFIG % {"admin": ADMIN_KEY, "slots": SLOTS, "admission": str(admission).lower(),
+                              "tuned": f", {tuned}" if tuned else ""})
     proc = children.start([*pinned(RELAY_CPU, True), *holdback(
         "gateway", "--config", str(path), "--port", str(port), "--replicas", engine, "--log-level", "WARNING")],
-        tmp / f"gateway-{'on' if admission else 'off'}.log")
+        tmp / f"gateway-{name}.log")
     favour(proc.pid, NICE)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/v1/models", proc, timeout=60, what="gateway")
@@ -263,7 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lead", type=float, default=3.0, help="seconds batch runs before the window (default %(default)s)")
     p.add_argument("--seed", type=int, default=47)
     p.add_argument("--out", type=Path, required=True, help="folder for raw/ and report.md")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS)
+                   + f" (and {TUNED} with --tuned); ratios need realtime-alone and vllm-alone")
+    p.add_argument("--tuned", default="", metavar="SETTINGS",
+                   help=f"run one more arm, {TUNED}: admission on with these settings, e.g. "
+                        "'interactiveReserve: 0.1, batchPauseWatermark: 0.92'")
     args = p.parse_args(argv)
+    arm_names = [a.strip() for a in args.arms.split(",") if a.strip()] + ([TUNED] if args.tuned else [])
+    if [a for a in arm_names if a not in (*ARMS, TUNED)]:
+        p.error(f"unknown arm(s) in --arms; choose from {', '.join(ARMS)}")
     drills = [d.strip() for d in args.drills.split(",") if d.strip()]
     unknown = [d for d in drills if d not in DRILLS]
     if unknown:
@@ -289,9 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = start_vllm(children, tmp, python, model, SLOTS, pin=True, cpu=ENGINE_CPU, kv_blocks=KV_BOUND_BLOCKS)
         gateways = {"on": start_gateway(children, tmp, engine, True),
                     "off": start_gateway(children, tmp, engine, False)}
+        if args.tuned:
+            gateways["tuned"] = start_gateway(children, tmp, engine, True, args.tuned)
         for group in range(args.groups):
             for name in drills:
-                arms = list(ARMS)
+                arms = list(arm_names)
                 order.shuffle(arms)
                 for arm in arms:
                     runs.append(one_run(engine, gateways, name, arm, group, args))

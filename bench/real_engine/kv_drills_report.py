@@ -16,6 +16,8 @@ from pathlib import Path
 
 from bench.stats import bootstrap_median, percentile
 
+ARMS = ("realtime-alone", "vllm-alone", "admission-off", "admission-on")
+
 # The largest request of the drills (900 prompt + 600 output tokens) in 128-token blocks.
 ONE_REQUEST_BLOCKS = math.ceil(1500 / 128)
 
@@ -50,17 +52,23 @@ def _median(values: list[float]) -> str:
 
 
 def ledger_gap(runs: dict[int, dict]) -> dict:
-    """Reserved ÷ used over the samples where vLLM used blocks and the gateway answered; the worst shortfall."""
-    ratios, worst_under = [], 0.0
+    """Reserved ÷ used over the samples within the drill's window where vLLM used blocks and the gateway
+    answered, and the worst shortfall; also the worst over the whole run. After the window the bench closes its
+    batch streams at once: the gateway releases their blocks then, vLLM at its next step and its gauge after,
+    so a sample there can show the ledger a whole batch under vLLM's usage while that KV is being freed."""
+    ratios, worst_under, worst_any = [], 0.0, 0.0
     for run in runs.values():
-        for _, reserved, used in run["samples"]:
+        lo, hi = run.get("window") or (-math.inf, math.inf)
+        for t, reserved, used in run["samples"]:
             if reserved is None or not used:
                 continue
-            ratios.append(reserved / used)
-            worst_under = max(worst_under, used - reserved)
+            worst_any = max(worst_any, used - reserved)
+            if lo <= t <= hi:
+                ratios.append(reserved / used)
+                worst_under = max(worst_under, used - reserved)
     ratios.sort()
     return {"samples": len(ratios), "median": ratios[len(ratios) // 2] if ratios else None,
-            "worst_under_blocks": round(worst_under, 2)}
+            "worst_under_blocks": round(worst_under, 2), "worst_under_blocks_whole_run": round(worst_any, 2)}
 
 
 def summarise(raw: dict) -> dict:
@@ -87,6 +95,14 @@ def summarise(raw: dict) -> dict:
                                       for a in arm},
             "ledger_gap": ledger_gap(arm["admission-on"]),
         }
+        tuned = _runs(raw, drill, "admission-tuned")
+        if tuned:
+            out[drill]["tuned"] = {
+                "preemptions": sum(r["preemptions"] or 0 for r in tuned.values()),
+                "batch_per_step_over_alone": _ratios(tuned, arm["vllm-alone"], _tokens_per_step),
+                "batch_per_step_over_on": _ratios(tuned, arm["admission-on"], _tokens_per_step),
+                "p95_over_alone": _ratios(tuned, arm["realtime-alone"], _p95),
+                "ledger_gap": ledger_gap(tuned)}
     return out
 
 
@@ -101,7 +117,9 @@ def _verdict(values: list[float], goal: float, at_least: bool) -> str:
 def markdown(raw: dict, summary: dict) -> str:
     args = raw["args"]
     lines = ["# The KV drills on a real vLLM (issue #47)", "",
-             f"`holdback bench drills --engine vllm --groups {args['groups']} --window {args['window']}` "
+             f"`python -m bench.real_engine.kv_drills --groups {args['groups']} --window {args['window']}"
+             + (f" --arms {args['arms']}" if args.get("arms", ",".join(ARMS)) != ",".join(ARMS) else "")
+             + (f" --tuned '{args['tuned']}'" if args.get("tuned") else "") + "` "
              f"(seed {args['seed']}): one vLLM 0.32 CPU engine, tiny model, {raw['engine']['kv_blocks']} KV blocks "
              f"of {raw['engine']['block_size']} tokens, {raw['engine']['slots']} slots, priority scheduling, pinned "
              f"to CPU {raw['engine']['cpu']}; gateways and load on the other CPU (favoured with nice: "
@@ -110,8 +128,8 @@ def markdown(raw: dict, summary: dict) -> str:
              "bench/real_engine/kv_drills.py.", "",
              "| drill | preemptions alone / off / on (sum) | on ÷ off (goal ≤ 0.1) | batch tokens/step on ÷ alone "
              "(≥ 0.9) | off ÷ alone | realtime p95 on ÷ alone (≤ 1.25) | vLLM alone ÷ alone | off ÷ alone | "
-             "ledger ÷ vLLM used, median (within 10%) | worst under (blocks; one request = "
-             f"{ONE_REQUEST_BLOCKS}) |", "|" + "---|" * 10]
+             "ledger ÷ vLLM used, median (within 10%) | worst under in the window, whole run (blocks; one "
+             f"request = {ONE_REQUEST_BLOCKS}) |", "|" + "---|" * 10]
     for drill, s in summary.items():
         pre = s["preemptions"]
         ratio = s["preemptions_on_over_off"]
@@ -119,13 +137,25 @@ def markdown(raw: dict, summary: dict) -> str:
         gap_median = "n/a" if gap["median"] is None else f"{gap['median']:.2f}"
         lines.append(
             f"| {drill} | {pre['vllm-alone']:.0f} / {pre['admission-off']:.0f} / {pre['admission-on']:.0f} | "
-            f"{'n/a (off: 0)' if ratio is None else f'{ratio:.2f}'} | "
+            f"{'n/a (off: 0 or not run)' if ratio is None else f'{ratio:.2f}'} | "
             f"{_median(s['batch_per_step_on_over_alone'])} {_verdict(s['batch_per_step_on_over_alone'], 0.9, True)} | "
             f"{_median(s['batch_per_step_off_over_alone'])} | "
             f"{_median(s['p95_on_over_alone'])} {_verdict(s['p95_on_over_alone'], 1.25, False)} | "
             f"{_median(s['p95_vllm_over_alone'])} | {_median(s['p95_off_over_alone'])} | "
             f"{gap_median} ({gap['samples']} samples) | "
-            f"{gap['worst_under_blocks']} |")
+            f"{gap['worst_under_blocks']}, {gap['worst_under_blocks_whole_run']} |")
+    tuned = {drill: s["tuned"] for drill, s in summary.items() if "tuned" in s}
+    if tuned:
+        lines += ["", f"Admission on with `{args.get('tuned')}` (arm admission-tuned), in the same groups:", "",
+                  "| drill | preemptions (sum) | batch tokens/step ÷ vLLM alone | ÷ admission on | realtime p95 ÷ "
+                  "alone | ledger ÷ vLLM used, median | worst under in the window, whole run (blocks) |", "|" + "---|" * 7]
+        for drill, t in tuned.items():
+            gap = t["ledger_gap"]
+            gap_median = "n/a" if gap["median"] is None else f"{gap['median']:.2f}"
+            lines.append(f"| {drill} | {t['preemptions']:.0f} | {_median(t['batch_per_step_over_alone'])} | "
+                         f"{_median(t['batch_per_step_over_on'])} | {_median(t['p95_over_alone'])} | "
+                         f"{gap_median} ({gap['samples']} samples) | {gap['worst_under_blocks']}, "
+                         f"{gap['worst_under_blocks_whole_run']} |")
     lines += ["", "Per run (group order): realtime p95 TTFT in ms, realtime refusals by status, the drill's own "
               "requests by status, batch (refused, evicted):", ""]
     for drill, s in summary.items():

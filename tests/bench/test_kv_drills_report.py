@@ -8,10 +8,10 @@ import pytest
 from bench.real_engine.kv_drills_report import ledger_gap, summarise
 
 
-def run(arm: str, group: int, *, ttft=(), tokens=0, steps=None, preemptions=0, samples=()) -> dict:
+def run(arm: str, group: int, *, ttft=(), tokens=0, steps=None, preemptions=0, samples=(), window=None) -> dict:
     return {"drill": "surge", "arm": arm, "group": group, "window_s": 10, "ttft": list(ttft), "realtime_refused": {},
             "other": {}, "batch_tokens": tokens, "batch_refused": 0, "batch_evicted": 0, "steps": steps,
-            "preemptions": preemptions, "samples": [list(s) for s in samples]}
+            "preemptions": preemptions, "samples": [list(s) for s in samples], "window": window}
 
 
 def test_ratios_are_taken_within_each_group_and_preemptions_summed():
@@ -32,6 +32,20 @@ def test_ratios_are_taken_within_each_group_and_preemptions_summed():
     assert s["batch_per_step_on_over_alone"] == pytest.approx([1.0, 1.0])
     assert s["p95_on_over_alone"] == pytest.approx([1.2, 1.2])
     assert s["p95_vllm_over_alone"] == pytest.approx([5.0, 5.0])
+    assert "tuned" not in s
+
+
+def test_a_tuned_admission_arm_is_compared_with_vllm_alone_and_with_admission_on_in_its_group():
+    raw = {"runs": [
+        run("realtime-alone", 0, ttft=[0.1] * 20), run("vllm-alone", 0, tokens=1000, steps=500, preemptions=4),
+        run("admission-on", 0, tokens=600, steps=500), run("admission-tuned", 0, ttft=[0.15] * 20, tokens=800,
+                                                           steps=500, samples=[(0.1, 30, 25.0)]),
+    ]}
+    t = summarise(raw)["surge"]["tuned"]
+    assert t["batch_per_step_over_alone"] == pytest.approx([0.8])
+    assert t["batch_per_step_over_on"] == pytest.approx([800 / 600])
+    assert t["p95_over_alone"] == pytest.approx([1.5])
+    assert t["ledger_gap"]["median"] == pytest.approx(1.2) and t["preemptions"] == 0
 
 
 def test_the_ledger_gap_is_reserved_over_used_where_vllm_used_blocks_and_its_worst_shortfall():
@@ -41,4 +55,13 @@ def test_the_ledger_gap_is_reserved_over_used_where_vllm_used_blocks_and_its_wor
     # The idle sample and the one the gateway did not answer are left out.
     assert gap["samples"] == 3
     assert gap["median"] == pytest.approx(1.0)  # of 10/13, 1.0, 1.2
-    assert gap["worst_under_blocks"] == 3.0
+    assert gap["worst_under_blocks"] == gap["worst_under_blocks_whole_run"] == 3.0  # no window recorded: all
+
+
+def test_the_ledger_gap_in_the_window_leaves_out_the_streams_closed_at_its_end():
+    # At 10.4 the bench has closed its batch streams: the gateway released 30 blocks, vLLM's gauge still shows them.
+    runs = {0: run("admission-on", 0, window=[0.5, 10.5], samples=[(0.2, 0, 4.0), (5.0, 30, 25.0),
+                                                                     (10.4, 30, 26.0), (10.6, 0, 25.0)])}
+    gap = ledger_gap(runs)
+    assert gap["samples"] == 2 and gap["worst_under_blocks"] == 0.0
+    assert gap["worst_under_blocks_whole_run"] == 25.0
