@@ -38,14 +38,16 @@ from gateway.failover import Failover
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
+from gateway.forwarding import Forwarding
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.responses import (drop_response, embeddings_not_served, endpoint_not_served, error_response,
-                               evicted_sse_event, model_not_found, models_union)
+                               evicted_message, evicted_sse_event, model_not_found, models_union)
+from gateway.responses_stream import RelayedResponseEvents
 from gateway.stored_responses import StoredResponses, Turn
 from gateway.stream_tokens import StreamTokenCount
 from gateway.tokenization import PromptCounter
-from gateway.upstream import ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool, response_headers
+from gateway.upstream import ConnectFailed, UpstreamError, UpstreamPool, response_headers
 from holdback import tracing
 from holdback.contract import (CHAT_ENDPOINT, DROP_REASON_HEADER, EMBEDDINGS_ENDPOINT, QUEUE_MS_HEADER,
                                REPLICA_HEADER, REQUEST_ID_HEADER, RESPONSES_ENDPOINT, RESUMABLE_HEADER,
@@ -233,7 +235,7 @@ class Proxy:
         request ended; flow control is told here, once, the moment it ended, and then the rest of the answer
         goes out (`_conclude`): the end of a stream, the evicted answer, or the failure. `cancelled`: the handler
         was cancelled (evicted, or the caller left) before anything was sent."""
-        fw = _Forwarding(request, flow, req, turn)
+        fw = Forwarding(request, flow, req, turn)
         try:
             try:
                 if cancelled is not None:
@@ -252,7 +254,7 @@ class Proxy:
             if fw.conn is not None:
                 self.upstream.put(fw.conn)  # type: ignore[union-attr]
 
-    async def _relay(self, fw: _Forwarding, body: bytes) -> None:
+    async def _relay(self, fw: Forwarding, body: bytes) -> None:
         """The exchange, then the answer: read whole when sized and not an event stream, else relayed."""
         request, req = fw.request, fw.req
         exchanged = await self.failover.exchange(self.upstream, fw.flow, request, req, body)  # type: ignore[arg-type]
@@ -273,7 +275,7 @@ class Proxy:
         else:
             await self._relay_stream(fw, headers, event_stream)
 
-    async def _read_whole(self, fw: _Forwarding, headers: CIMultiDict) -> None:
+    async def _read_whole(self, fw: Forwarding, headers: CIMultiDict) -> None:
         conn, req = fw.conn, fw.req
         assert conn is not None
         while not conn.complete:
@@ -294,12 +296,14 @@ class Proxy:
         else:
             fw.answer = web.Response(status=conn.status, body=data, headers=headers)
 
-    async def _relay_stream(self, fw: _Forwarding, headers: CIMultiDict, event_stream: bool) -> None:
+    async def _relay_stream(self, fw: Forwarding, headers: CIMultiDict, event_stream: bool) -> None:
         """Headers go out with the first body chunk (an eviction before it is still a clean 429); then the
         connection relays the rest by itself."""
         request, req, conn = fw.request, fw.req, fw.conn
         assert conn is not None
         fw.stream = stream = web.StreamResponse(status=conn.status, headers=headers)
+        if event_stream and fw.turn is not None:  # a Responses stream: read, so an eviction can end it in kind
+            fw.events = RelayedResponseEvents(fw.turn.response_id)
         conn.streaming = True
         while not conn.pieces and not conn.complete:
             await conn.wait()
@@ -319,13 +323,15 @@ class Proxy:
                 return
         fw.ended(End.END, time.monotonic())
 
-    async def _relay_body(self, fw: _Forwarding, chunk: bytes) -> None:
+    async def _relay_body(self, fw: Forwarding, chunk: bytes) -> None:
         """The first chunk carries the headers; then the connection relays the rest by itself, waking this task
         only at the end, on an error, when the caller left or must drain."""
         request, req, conn, stream = fw.request, fw.req, fw.conn, fw.stream
         assert conn is not None and stream is not None
         res = req.reservation
         counter = StreamTokenCount(fw.flow, req, res).count if res is not None else None
+        if fw.events is not None:
+            counter = fw.events.tap(counter)
         while chunk:
             if counter is not None:
                 counter(chunk)
@@ -344,7 +350,7 @@ class Proxy:
                 await _drained(request)
                 conn.resume()
 
-    def _cancelled(self, fw: _Forwarding, exc: asyncio.CancelledError) -> None:
+    def _cancelled(self, fw: Forwarding, exc: asyncio.CancelledError) -> None:
         """The handler was cancelled: the request was evicted, or its caller left."""
         seen = time.monotonic()
         fw.close_upstream()
@@ -359,7 +365,7 @@ class Proxy:
         fw.evicted = True
         fw.ended(End.EVICT, None)  # flow control times an eviction from its decision
 
-    async def _conclude(self, fw: _Forwarding) -> web.StreamResponse:
+    async def _conclude(self, fw: Forwarding) -> web.StreamResponse:
         """Flow control knows the request ended: finish the answer, or end the handler with the error."""
         if fw.evicted:
             return await self._evicted(fw)
@@ -385,19 +391,21 @@ class Proxy:
             return self._broken(fw, exc)
         return stream
 
-    async def _evicted(self, fw: _Forwarding) -> web.StreamResponse:
-        """429 `evicted` while nothing went out; mid-stream, the SSE evicted event ends the stream."""
+    async def _evicted(self, fw: Forwarding) -> web.StreamResponse:
+        """429 `evicted` while nothing went out; mid-stream, the SSE evicted event ends the stream (a Responses
+        stream: the Responses API's `error` and `response.failed`, gateway/responses_stream.py)."""
         stream = fw.stream
         if stream is not None and stream.prepared:
             fw.flow.count_mid_stream_eviction()
             log_event(logger, "evicted_mid_stream", request_id=fw.req.request_id)
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # caller gone
-                await stream.write(evicted_sse_event())
+                await stream.write(evicted_sse_event() if fw.events is None else
+                                   fw.events.failed(DropReason.EVICTED.value, evicted_message()))
                 await stream.write_eof()
             return stream
         return drop_response(DropReason.EVICTED, fw.req.request_id)
 
-    def _broken(self, fw: _Forwarding, exc: BaseException) -> web.Response:
+    def _broken(self, fw: Forwarding, exc: BaseException) -> web.Response:
         """The exchange failed: 502 while nothing went out; after the status and part of the body, dropping the
         connection is the only honest signal."""
         failed = fw.req.leased().replica
@@ -406,33 +414,6 @@ class Proxy:
                       replica=failed.url, error=f"{type(exc).__name__}: {exc}")
             raise exc
         return self._upstream_failure(failed, exc, fw.req.request_id)
-
-
-class _Forwarding:
-    """One dispatched request on its way: its connection, the caller's stream, and how it ended."""
-
-    __slots__ = ("request", "flow", "req", "conn", "stream", "cause", "at", "answer", "error", "evicted", "turn")
-
-    def __init__(self, request: web.Request, flow: FlowControl, req: FlowRequest, turn: Turn | None = None):
-        self.request, self.flow, self.req, self.turn = request, flow, req, turn  # turn: a /v1/responses request's
-        self.conn: UpstreamConnection | None = None
-        self.stream: web.StreamResponse | None = None
-        # How it ended, for flow control (finish's cause and when it was seen), and what is left to answer.
-        self.cause = End.END
-        self.at: float | None = None
-        self.answer: web.StreamResponse | None = None
-        self.error: BaseException | None = None
-        self.evicted = False
-
-    def ended(self, cause: End, at: float | None, *, answer: web.StreamResponse | None = None,
-              error: BaseException | None = None) -> None:
-        """`cause` and `at` (monotonic; None: flow control times it, an eviction from its decision) for finish."""
-        self.cause, self.at = cause, at
-        self.answer, self.error = answer, error
-
-    def close_upstream(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
 
 
 async def _drained(request: web.Request) -> None:

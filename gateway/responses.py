@@ -28,6 +28,9 @@ _DROPS: dict[DropReason, tuple[int, str, str]] = {
     # Retrying cannot help a request longer than the context limit: 400, not 429.
     DropReason.CONTEXT_LENGTH: (400, "", "The request exceeds the context limit; shorten the prompt or lower "
                                 "max_tokens."),
+    DropReason.SHUTTING_DOWN: (503, "1", "The gateway process that held this request is shutting down (its drain "
+                               "deadline came while the request waited in its queue); retry it: a load balancer "
+                               "sends it to another gateway process."),
 }
 
 
@@ -89,10 +92,15 @@ def endpoint_not_served(path: str, pool: str, endpoints: tuple[str, ...], reques
     return error_response(404, message, "invalid_request_error", "endpoint_not_served", request_id)
 
 
+def evicted_message() -> str:
+    """What an evicted request is told: why, and to retry at once."""
+    return _DROPS[DropReason.EVICTED][2]
+
+
 def evicted_sse_event() -> bytes:
-    """The last event of a stream cut by eviction: the client sees an error, not a silent truncation."""
-    _status, _retry, message = _DROPS[DropReason.EVICTED]
-    payload = {"error": {"message": message, "type": "rate_limit_error", "param": None,
+    """The last event of a chat or completions stream cut by eviction: the client sees an error, not a silent
+    truncation (a Responses stream ends with its own events, gateway/responses_stream.py)."""
+    payload = {"error": {"message": evicted_message(), "type": "rate_limit_error", "param": None,
                          "code": DropReason.EVICTED.value}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
