@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.classification import ClassificationError, Classifier
 from gateway.flow.controller import FlowController
+from gateway.flow.request import DropReason
 from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.pools import ModelPools
@@ -55,6 +56,7 @@ class Gateway:
         self.metrics.watch(self.pools.snapshot)
         # How this process stops on SIGTERM (gateway/relays/drain.py); flow control adds its relays' drains.
         self.drain = Drain()
+        self.drain.on_deadline.append(lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN))
         self.drains = DrainCollector(self.drain)
         self.metrics.registry.register(self.drains)
         self._session: aiohttp.ClientSession | None = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from gateway.flow.controller import HISTORY, FlowController
 from gateway.flow.replica_checks import check_files
+from gateway.flow.request import DropReason
 from gateway.replicas import Replica, ReplicaPool
 from gateway.settings import LoadedConfig, PoolSettings
 
@@ -267,6 +268,10 @@ class ModelPools:
 
     def flows(self) -> list[FlowController]:
         return [p.controller for p in self.ordered()]
+
+    def refuse_waiting(self, reason: DropReason) -> int:
+        """Every pool's queued requests refused with `reason` (the process is at its drain deadline)."""
+        return sum(controller.refuse_waiting(reason) for controller in self.flows())
 
     def snapshot(self) -> dict:
         """/admin/state: the default pool's document at the top level (as with one pool), and `pools`, one

@@ -107,6 +107,7 @@ class DropReason(str, enum.Enum):
     KV_CAPACITY = "rejected-kv-capacity"
     QUOTA = "rejected-quota"
     CONTEXT_LENGTH = "rejected-context-length"
+    SHUTTING_DOWN = "rejected-shutting-down"  # still queued when its gateway process's drain deadline came
 
 
 def _in_family(reason: object, family: DropReason) -> bool:

@@ -173,17 +173,29 @@ class FlowController(RunningRequests):
         self.wake()
         return Outcome.QUEUED
 
-    def withdraw(self, req: FlowRequest) -> None:
-        """The caller left while `req` was queued: take it out now."""
+    def withdraw(self, req: FlowRequest, reason: DropReason = DropReason.CONTEXT_CANCELLED) -> None:
+        """The caller left while `req` was queued (or its relay refused it, `reason`): take it out now."""
         if req.status is not Status.QUEUED:
             return
         moves.withdraw(req)
         band = self.bands[req.priority]
         band.forget(req)
         self.total_queued -= 1
-        self.tally.rejection(req, DropReason.CONTEXT_CANCELLED, band.priority, self.clock())
-        log_event(logger, "withdrawn", request_id=req.request_id, band=req.priority)
+        self.tally.rejection(req, reason, band.priority, self.clock())
+        log_event(logger, "withdrawn", request_id=req.request_id, band=req.priority, reason=reason.value)
         self.wake()
+
+    def refuse_waiting(self, reason: DropReason) -> int:
+        """Refuse every queued request with `reason` (its caller gets the drop answer): the process is at its
+        drain deadline (gateway/relays/drain.py). Returns how many."""
+        refused = 0
+        for band in self.bands.desc:
+            for req in band.waiting():
+                band.forget(req)
+                self.total_queued -= 1
+                self._reject(req, reason, band)
+                refused += 1
+        return refused
 
     def count_mid_stream_eviction(self) -> None:
         self.tally.eviction("mid_stream")

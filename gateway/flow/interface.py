@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from gateway.flow.request import End
+from gateway.flow.request import DropReason, End
 
 if TYPE_CHECKING:
     from gateway.settings import LoadedConfig
@@ -59,8 +59,8 @@ class FlowControl(Protocol):
     def submit(self, req: FlowRequest) -> Outcome:
         """Dispatch `req` now, reject it, or queue it (then await `req.waiter`)."""
 
-    def withdraw(self, req: FlowRequest) -> None:
-        """The caller left while `req` was queued."""
+    def withdraw(self, req: FlowRequest, reason: DropReason = DropReason.CONTEXT_CANCELLED) -> None:
+        """The caller left while `req` was queued (or its relay refused it with `reason`)."""
 
     def finish(self, req: FlowRequest, cause: End = End.END, event_at: float | None = None) -> None:
         """A dispatched request is over (`cause`, seen at `event_at`)."""
@@ -101,3 +101,6 @@ class FlowPools(Protocol):
 
     def flows(self) -> list[FlowControl]:
         """Every pool's flow control, the default pool's first."""
+
+    def refuse_waiting(self, reason: DropReason) -> int:
+        """Refuse every request still waiting for a decision with `reason`; how many."""

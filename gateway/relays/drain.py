@@ -3,8 +3,10 @@
 Its readiness goes false at once, so a load balancer stops sending it new clients; it goes on accepting for
 `grace` seconds, the time a load balancer's health checks take to notice; then it stops accepting (idle keep-alive
 connections are closed) and lets the requests it runs finish until `grace + seconds` after the signal, the drain
-deadline. What still runs then is cut: its caller's connection closes as when a relay dies (a batch row is retried
-by its worker) and flow control is told it ended, releasing its slot and reservation. The same for a relay run
+deadline. What still waits in line for a decision then is refused (503 `rejected-shutting-down`, which a batch
+worker retries without spending its budget); what still runs is cut: its caller's connection closes as when a
+relay dies (a batch row is retried by its worker) and flow control is told it ended, releasing its slot and
+reservation. The same for a relay run
 alone, the relays of `--workers N` and the single-process gateway.
 """
 
@@ -48,6 +50,8 @@ class Drain:
         self.running = 0
         # Told the deadline when the drain begins (a relay tells its flow control).
         self.on_begin: list[Callable[[float], None]] = []
+        # Called at the deadline: refuse what still waits for a decision; each returns how many it refused.
+        self.on_deadline: list[Callable[[], int]] = []
         self._end = 0.0
 
     @property
@@ -96,9 +100,10 @@ class Drain:
         log_event(logger, "drain_stopped_accepting", **who, running=self.running)
         while self.running and time.monotonic() < self._end:
             await asyncio.sleep(0.05)
-        cut = self.running
-        log_event(logger, "drained", level=logging.WARNING if cut else logging.INFO, **who, cut=cut,
-                  seconds=round(time.time() - (self.began or 0), 3))
+        refused = sum(refuse() for refuse in self.on_deadline) if self.running else 0
+        cut = max(0, self.running - refused)  # the refused ones answer at once, during the runner's cleanup
+        log_event(logger, "drained", level=logging.WARNING if cut or refused else logging.INFO, **who, cut=cut,
+                  refused=refused, seconds=round(time.time() - (self.began or 0), 3))
         return cut
 
 

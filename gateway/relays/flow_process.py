@@ -118,8 +118,8 @@ class RelayLink:
                 self._answered.discard(rid)
                 if req is not None and controller is not None:
                     controller.finish(req, End(cause), event_at, closed_at)
-            case m.Withdraw(rid=rid, at=at):
-                self._withdraw(rid, at)
+            case m.Withdraw(rid=rid, at=at, reason=reason):
+                self._withdraw(rid, at, DropReason(reason))
             case m.Started(rid=rid):
                 if (req := self.requests.get(rid)) is not None:
                     self.controllers[rid].started_streaming(req)
@@ -174,8 +174,9 @@ class RelayLink:
         else:
             self.answer(rid, req)
 
-    def _withdraw(self, rid: int, at: float) -> None:
-        """The caller left while the relay waited for the decision: the decision may be made already."""
+    def _withdraw(self, rid: int, at: float, reason: DropReason = DropReason.CONTEXT_CANCELLED) -> None:
+        """The caller left (or the relay refused it, `reason`) while the relay waited for the decision: the
+        decision may be made already."""
         req = self.requests.pop(rid, None)
         controller = self.controllers.pop(rid, None)
         self._answered.discard(rid)
@@ -183,7 +184,7 @@ class RelayLink:
             self.server.takeover.forget(self, rid)
             return
         if req.status is Status.QUEUED:
-            controller.withdraw(req)
+            controller.withdraw(req, reason)
         elif req.status is Status.DISPATCHED:
             controller.finish(req, End.DISCONNECT, at)
 

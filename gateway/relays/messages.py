@@ -98,10 +98,12 @@ class Submit:
 
 @dataclass(**_FROZEN)
 class Withdraw:
-    """The caller left before the relay learned the decision."""
+    """The caller left before the relay learned the decision, or the relay refused it (`reason`: at its drain
+    deadline, `rejected-shutting-down`)."""
     kind: Literal["withdraw"] = "withdraw"
     rid: int
     at: Number
+    reason: str = "rejected-context-cancelled"
 
 
 @dataclass(**_FROZEN)

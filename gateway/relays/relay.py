@@ -34,6 +34,7 @@ from prometheus_client import Counter
 
 from gateway.app import (gateway_app, readiness, refuse_admin, rollback_request, until_stopped,
                          upstream_session)
+from gateway.flow.request import DropReason
 from gateway.log import configure_logging, log_event
 from gateway.metrics import PREFIX, GatewayMetrics, metric_families
 from gateway.proxy import Proxy
@@ -59,6 +60,8 @@ class Relay:
         self.listen = listen
         self.drain = drain or Drain()
         self.drain.on_begin.append(lambda deadline: self.uplink.send(m.Draining(deadline=deadline)))
+        self.drain.on_deadline.append(
+            lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN) if self.pools is not None else 0)
         self.metrics = GatewayMetrics()
         # Every decision flow control sent, by the fencing token it carried: a deposed leader's shows as refused.
         self.decisions = Counter(f"{PREFIX}_relay_decisions", "Decisions (config, dispatch, reject, evict) this "

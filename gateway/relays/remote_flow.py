@@ -154,6 +154,14 @@ class RemotePools:
                                       streaming=url is not None and lease is not None and lease.streaming_started))
         return tuple(held)
 
+    def refuse_waiting(self, reason: DropReason) -> int:
+        """Refuse what still waits for a decision with `reason` (its caller gets the drop answer), telling flow
+        control: the relay is at its drain deadline. Returns how many."""
+        waiting = [req for req in self.requests.values() if req.status is Status.QUEUED]
+        for req in waiting:
+            self._flows[req.pool].refuse(req, reason)
+        return len(waiting)
+
     def lost(self) -> None:
         """Flow control is gone and the relay stops: it cancels what it holds."""
         for req in list(self.requests.values()):
@@ -301,6 +309,15 @@ class RemoteFlowController:
             return
         self._requests.pop(req.seq, None)
         moves.reject(req, DropReason(message.reason), message.message)
+        if req.waiter is not None and not req.waiter.done():
+            req.waiter.set_result(Outcome.REJECTED)
+
+    def refuse(self, req: FlowRequest, reason: DropReason) -> None:
+        """Refused here (`RemotePools.refuse_waiting`); flow control, if it is reachable, takes it out of line."""
+        self._requests.pop(req.seq, None)
+        if not self.uplink.closed:
+            self.uplink.send(m.Withdraw(rid=req.seq, at=time.monotonic(), reason=reason.value))
+        moves.reject(req, reason)
         if req.waiter is not None and not req.waiter.done():
             req.waiter.set_result(Outcome.REJECTED)
 
