@@ -50,7 +50,8 @@ def require_engine() -> None:
 # 3.6 ms, a request's round trip 6 ms against 8-10 ms). What the tier asks of vLLM (its API, scheduler, aborts,
 # metrics) is the same code either way.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 ENGINE_ARGS = ("--distributed-executor-backend", "uni")
 
 
