@@ -124,7 +124,7 @@ def markdown(raw: dict, summary: dict) -> str:
              f"of {raw['engine']['block_size']} tokens, {raw['engine']['slots']} slots, priority scheduling, pinned "
              f"to CPU {raw['engine']['cpu']}; gateways and load on the other CPU (favoured with nice: "
              f"{raw['favoured']}). The machine was shared with other work while it ran: ratios are taken within "
-             "a group of four runs next to each other. Raw records: `raw/runs.json`; the method: "
+             "a group of runs of every arm next to each other. Raw records: `raw/runs.json`; the method: "
              "bench/real_engine/kv_drills.py.", "",
              "| drill | preemptions alone / off / on (sum) | on ÷ off (goal ≤ 0.1) | batch tokens/step on ÷ alone "
              "(≥ 0.9) | off ÷ alone | realtime p95 on ÷ alone (≤ 1.25) | vLLM alone ÷ alone | off ÷ alone | "
