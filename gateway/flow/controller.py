@@ -215,8 +215,11 @@ class FlowController(RunningRequests):
         while True:
             timeout = self.tick if (self.total_queued or self.eviction.evictor.pending) else None
             if not self._wake.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):  # the tick: expire TTLs, time out evictions
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                # The tick: expire TTLs, time out evictions. asyncio.timeout, not wait_for: on Python 3.11 a
+                # wake-up landing with a cancel made wait_for swallow the cancel, and the loop never stopped.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
             self._wake.clear()
             try:
                 self.cycle()
