@@ -55,6 +55,10 @@ class FleetSpec:
     netns: bool = True
     sim_args: tuple[str, ...] = ("--decode-base-ms", "20", "--step-overhead-ms", "1")
     log_level: str = "INFO"
+    # A relay asked to stop (SIGTERM) turns unready and accepts for `drain_grace` seconds, longer than HAProxy's
+    # checks take to mark it down (inter 300 ms x fall 2), then lets its streams run `drain_seconds` more.
+    drain_grace: float = 1.0
+    drain_seconds: float = 5.0
     # The source tree the fleet's processes run from (default: this one), e.g. a snapshot to compare with.
     tree: Path | None = None
 
@@ -171,7 +175,8 @@ class Fleet(ProcessSet):
             self.addresses[host] = f"{net.addresses[host]}:{port}"
             self.relay_urls[host] = f"http://{self.addresses[host]}"
             self._holdback(host, "gateway", "--role", "relay", "--flow-control", flow_addresses, "--host",
-                           net.bind_address(host), "--port", str(port))
+                           net.bind_address(host), "--port", str(port), "--drain-grace",
+                           f"{self.spec.drain_grace:g}", "--drain-seconds", f"{self.spec.drain_seconds:g}")
         for host, url in self.relay_urls.items():
             wait_http(url + "/readyz", self.procs[host], 120, what=f"{host} (log {self.log_dir / host}.log)")
         self._start_haproxy()

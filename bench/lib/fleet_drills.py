@@ -1,7 +1,7 @@
 """The fleet drills of issue 46, each a strike on a running fleet (bench/lib/fleet.py) under load
-(bench/lib/fleet_load.py): kill -9 the leader, SIGSTOP it, kill -9 a relay, stop the lease store. A drill returns
-what its load saw and what the fleet logged, for tests/gateway/test_fleet_drills.py to check and bench/fleet.py to
-report.
+(bench/lib/fleet_load.py): kill -9 the leader, SIGSTOP it, kill -9 a relay, stop the lease store, restart every
+relay and flow control one at a time. A drill returns what its load saw and what the fleet logged, for
+tests/gateway/test_fleet_drills.py to check and bench/fleet.py to report.
 """
 
 from __future__ import annotations
@@ -154,6 +154,38 @@ def stop_lease_store(seconds: float) -> Strike:
         lost = _event(fleet, name, "leadership_lost", run.struck_wall)
         run.seen["old_leader_lost_after"] = lost["ts"] - run.struck_wall if lost else None
         await _new_leader(fleet, run, token)
+    return strike
+
+
+def rolling_restart(names: list[str], timeout: float = 120) -> Strike:
+    """Restart `names` one at a time as a Deployment rollout does: SIGTERM, wait for the exit, start it again,
+    wait until it is ready (a relay: up at HAProxy; a flow control: standing by or leading, and after a leader's
+    hand-over the new leader's takeover done) before the next. seen["steps"]: each one's timings and exit code;
+    seen["rolled_after"]: the last one ready, after the strike."""
+    async def strike(fleet: Fleet, run: FleetDrillRun) -> None:
+        steps = run.seen["steps"] = []
+        for name in names:
+            began, lead = time.time(), fleet.leader()
+            fleet.signal(name, signal.SIGTERM)
+            code = await asyncio.to_thread(fleet.procs[name].wait, timeout)
+            step = {"name": name, "exit": code, "was_leader": bool(lead and lead[0] == name),
+                    "stopped_after": time.time() - began}
+            fleet.restart(name)
+            if name in fleet.relay_urls:
+                await _until(lambda: fleet.up_relays() == len(fleet.relay_urls), timeout, f"{name} up at HAProxy")
+            else:
+                await _until(lambda: _event(fleet, name, "lease_watched", began)
+                             or _event(fleet, name, "leadership_taken", began), timeout, f"{name} to stand by")
+            if step["was_leader"]:
+                token = lead[1]
+                heir, new = await _until(lambda: (now := fleet.leader()) and now[1] > token and now, timeout,
+                                         "the heir to lead")
+                done = await _until(lambda: _event(fleet, heir, "takeover_done", began, token=new), timeout,
+                                    f"{heir} to end its takeover")
+                step.update(heir=heir, takeover_done_after=done["ts"] - began)
+            step["ready_after"] = time.time() - began
+            steps.append(step)
+        run.seen["rolled_after"] = time.time() - run.struck_wall
     return strike
 
 

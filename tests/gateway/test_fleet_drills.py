@@ -1,8 +1,9 @@
 """The fleet drills of issue 46 (bench/lib/fleet_drills.py): three relays on three hosts, two flow controls with
 the lease in a Redis of the fleet's own, two simulated replicas and HAProxy in front, started once for the module;
 realtime clients stream and a batch of rows is sent at batch priority through HAProxy while the leader is killed,
-paused, a relay is killed and the lease store stopped. Hosts are network namespaces where the machine allows them
-(the output says which). `python -m bench.fleet` runs the same drills at the issue's size."""
+paused, a relay is killed, the lease store stopped and every process restarted in turn. Hosts are network
+namespaces where the machine allows them (the output says which). `python -m bench.fleet` measures the issue's
+Goals on the same fleet."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import statistics
 import pytest
 
 from bench.lib.fleet import Fleet, FleetSpec, haproxy_unavailable
-from bench.lib.fleet_drills import (FleetDrillRun, Load, drill, kill_leader, kill_relay, pause_leader, stop_lease_store,
-                                    terms)
+from bench.lib.fleet_drills import (FleetDrillRun, Load, drill, kill_leader, kill_relay, pause_leader, rolling_restart,
+                                    stop_lease_store, terms)
 from tests.support import poll
 
 pytestmark = pytest.mark.e2e
@@ -122,3 +123,23 @@ def test_the_lease_store_stopped_30_s_never_gives_two_leaders(settled: Fleet):
         assert ended <= began and next_token > token, led
     _no_batch_loss(run)
     assert all(s.done for s in run.realtime.streams), [s.error for s in run.realtime.streams if not s.done][:5]
+
+
+def test_a_rolling_restart_of_every_relay_and_flow_control_fails_no_request(settled: Fleet):
+    fleet = settled
+    leader = fleet.leader()[0]
+    # Relays first, then the standby, then the leader: one hand-over, as a rollout that restarts the standby first.
+    order = [*fleet.relay_urls, *(f for f in FLOWS if f != leader), leader]
+    run = asyncio.run(drill(fleet, Load(clients=12, tokens=30, rows=1500, senders=16, strike_after=0.02),
+                            rolling_restart(order)))
+    steps = run.seen["steps"]
+    for step in steps:
+        print(step)
+    assert [step["exit"] for step in steps] == [0] * len(order)
+    failed = [s for s in run.realtime.streams if not s.done]
+    print(f"rolling restart: {len(failed)} realtime requests failed, of {len(run.realtime.streams)}")
+    assert failed == [], [(s.relay, s.status, s.error) for s in failed][:5]
+    # Load ran through the whole rollout: batch rows were answered after the last process was ready again.
+    rolled = run.wall_to_mono(run.struck_wall + run.seen["rolled_after"])
+    assert any(a.status == 200 and a.sent > rolled for a in run.batch.attempts), "the batch ended before the rollout"
+    _no_batch_loss(run)
