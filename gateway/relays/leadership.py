@@ -6,7 +6,8 @@ carries it (relays refuse an older one). The leader renews by a script that exte
 the value it set. It leads only while its last successful renewal, timed by the monotonic clock from when that
 renewal was sent, is younger than the ttl less a margin: a leader that cannot renew, or that was paused past that
 (SIGSTOP, a GC pause, a partition) and then resumed, steps down before it decides anything, never after Redis may
-have handed the lease to another.
+have handed the lease to another. A renewal that fails (Redis stopped, slow or cut off) is retried while the lease
+is still valid by that measure: the leader keeps leading through a store's pause shorter than its lease.
 
 A leader asked to stop hands the lease over: it stops deciding, deletes the lease only while it still holds its own
 value and, in the same script, publishes a notice on `<lease key>:released`; a standby subscribed there tries the
@@ -35,6 +36,8 @@ PREFIX = "holdback:gateway:"
 # The margin of a lease a leader does not count on: the time a renewal may take to reach Redis, and a clock's
 # drift between two renewals.
 MARGIN_SHARE = 0.2
+# A failed renewal is tried again after this share of a lease (never past the lease's validity).
+RETRY_SHARE = 0.1
 
 # KEYS: the lease, the fencing-token key. ARGV: the holder, the ttl in ms, the newest token the contender has seen.
 # A taken lease answers {0, its value}. The token never falls below one seen: a Redis restarted without its data
@@ -92,6 +95,8 @@ class Leadership:
         self.handover: dict | None = None
         self._notice: dict | None = None
         self._watch = None  # the standby's subscription to `released`
+        # Why the last renewal failed while the lease was still valid (None once one succeeds).
+        self._failure: str | None = None
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._resign = redis.register_script(_RESIGN)
@@ -103,8 +108,9 @@ class Leadership:
         age = self.clock() - self.renewed_at
         if age < self.ttl - self.margin:
             return True
+        failure = f"; its renewals failed: {self._failure}" if self._failure else ""
         self.step_down(f"its lease was last renewed {age:.1f}s ago (a lease lasts {self.ttl:g}s, counted on for "
-                       f"{self.ttl - self.margin:g}s): paused, starved or cut off from Redis")
+                       f"{self.ttl - self.margin:g}s): paused, starved or cut off from Redis{failure}")
         return False
 
     async def acquire(self) -> bool:
@@ -119,6 +125,7 @@ class Leadership:
             self._notice = None  # another took the lease the notice was about
             return False
         self.token, self._value, self.renewed_at, self.since = int(token), self.leader or "", sent, time.time()
+        self._failure = None
         self.handover, self._notice = self._notice, None
         after = self.handover or {}
         log_event(logger, "leadership_taken", holder=self.holder, token=self.token, lease_seconds=self.ttl,
@@ -136,7 +143,7 @@ class Leadership:
         if not int(extended):
             self.step_down("the lease is no longer ours (it expired and another process may hold it)")
             return False
-        self.renewed_at = sent
+        self.renewed_at, self._failure = sent, None
         return True
 
     def step_down(self, reason: str) -> None:
@@ -180,20 +187,28 @@ class Leadership:
                 failing = False
             except (RedisError, OSError, TimeoutError) as exc:
                 if self.token:
-                    self.step_down(f"the lease could not be renewed: {type(exc).__name__}: {exc}")
+                    # Still ours in Redis until its ttl from the last renewal: try again while it is valid here
+                    # (`leads` steps down when it is not).
+                    self._failure = f"{type(exc).__name__}: {exc}"
+                    log_event(logger, "lease_renewal_failed", level=logging.WARNING, holder=self.holder,
+                              token=self.token, error=self._failure,
+                              valid_seconds=round(self.renewed_at + self.ttl - self.margin - self.clock(), 3))
+                    self.leads()
                 elif not failing:
                     log_event(logger, "lease_unreachable", level=logging.ERROR, key=self.key,
                               error=f"{type(exc).__name__}: {exc}", hint="check --lease-redis")
                 failing = True
-            await self._pause()
+            await self._pause(retry=failing)
 
-    async def _pause(self) -> None:
-        """A third of a lease between two attempts; a standby's ends as soon as a leader announces it gave the lease
-        back (a lost notice, or a subscription Redis refused, leaves the third of a lease)."""
+    async def _pause(self, retry: bool = False) -> None:
+        """A third of a lease between two attempts (a tenth after a renewal failed, never past the lease's validity);
+        a standby's ends as soon as a leader announces it gave the lease back (a lost notice, or a subscription Redis
+        refused, leaves the third of a lease)."""
         from redis.exceptions import RedisError
 
         if self.token:
-            await asyncio.sleep(self.ttl / 3)
+            valid = self.renewed_at + self.ttl - self.margin - self.clock()
+            await asyncio.sleep(max(0.0, min(self.ttl * RETRY_SHARE, valid)) if retry else self.ttl / 3)
             return
         started = self.clock()
         try:

@@ -1,16 +1,20 @@
 """The flow-control lease against the real Redis at 127.0.0.1:6379 (a key of its own per test): one contender leads,
-a leader that stops renewing is followed by another with a higher fencing token, a leader whose renewal fails or
-that was paused past its lease steps down and decides nothing."""
+a leader that stops renewing is followed by another with a higher fencing token, a leader whose renewal is refused
+or that was paused past its lease steps down and decides nothing, and one cut off from Redis leads on while its
+lease is valid, stopping before another can take it."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 import uuid
 
 import pytest
 from redis import asyncio as aioredis
+from redis.exceptions import RedisError
 
-from gateway.relays.leadership import Leadership
+from gateway.relays.leadership import MARGIN_SHARE, Leadership
 from tests.support import free_port
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -85,9 +89,9 @@ def test_a_leader_that_stops_renewing_is_followed_by_another_with_a_higher_token
     asyncio.run(run())
 
 
-def test_a_leader_whose_renewal_fails_steps_down_at_once(caplog):
+def test_a_leader_whose_renewal_is_refused_steps_down_at_once(caplog):
     async def run():
-        redis, (a, b) = await _contenders(2, ttl=30)
+        redis, (a,) = await _contenders(1, ttl=30)
         try:
             assert await a.acquire()
             # Another process holds the lease now (ours expired and it took it): the renewal is refused.
@@ -95,24 +99,111 @@ def test_a_leader_whose_renewal_fails_steps_down_at_once(caplog):
             assert not await a.renew()
             assert not a.leads() and a.token == 0
             assert await redis.get(a.key) == b"someone-else#99"  # stepping down gives back only our own lease
-            await redis.delete(a.key)
-            # Redis unreachable while leading: the renewal loop steps down (no lease, no decision).
-            assert await b.acquire()
-            dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
-            b._renew = dead.register_script("return 1")
-            renewing = asyncio.create_task(b.run())
-            await _until(lambda: not b.token)
-            assert not b.leads()
-            renewing.cancel()
-            await dead.aclose()
         finally:
             await _cleanup(redis, a)
 
     with caplog.at_level("ERROR", logger="gateway.leadership"):
         asyncio.run(run())
-    reasons = [r.fields["reason"] for r in caplog.records if r.getMessage() == "leadership_lost"]
-    assert len(reasons) == 2
-    assert "no longer ours" in reasons[0] and "could not be renewed" in reasons[1]
+    [reason] = [r.fields["reason"] for r in caplog.records if r.getMessage() == "leadership_lost"]
+    assert "no longer ours" in reason
+
+
+def test_a_leader_cut_off_from_redis_leads_while_its_lease_is_valid_and_stops_before_another_can_take_it(caplog):
+    # The issue's rule (a Redis stopped: the leader keeps leading while its lease is valid, then steps down safely):
+    # renewals that fail are retried, and the leader stops deciding when the lease, counted from the last renewal
+    # that succeeded, is within its margin of running out. The standby can take the key only once Redis expired
+    # it, after that: no two leaders decide at once.
+    ttl = 2.0
+
+    async def run() -> tuple[float, float, float]:
+        redis, (a, b) = await _contenders(2, ttl=ttl)
+        dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+        try:
+            assert await a.acquire()
+            taken = asyncio.get_running_loop().time()
+            # A partition between a and Redis: its renewals fail, and so would giving the lease back or taking it.
+            a._renew = a._resign = a._acquire = dead.register_script("return 1")
+            tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+            a_stopped = b_led = None
+            async with asyncio.timeout(30):
+                while a_stopped is None or b_led is None:
+                    now = asyncio.get_running_loop().time()
+                    if a_stopped is None and not a.leads():
+                        a_stopped = now - taken
+                    if b_led is None and b.leads():
+                        b_led = now - taken
+                    assert not (a.leads() and b.leads())
+                    await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+            return a_stopped, b_led, b.token
+        finally:
+            await dead.aclose()
+            await _cleanup(redis, a)
+
+    with caplog.at_level("WARNING", logger="gateway.leadership"):
+        a_stopped, b_led, token = asyncio.run(run())
+    failed = [r.fields for r in caplog.records if r.getMessage() == "lease_renewal_failed"]
+    assert len([f for f in failed if 0 < f["valid_seconds"] <= ttl]) >= 2  # it tried again while still valid
+    # Its first renewal (a third of a lease in) failed, yet it led until the lease's validity less its margin.
+    assert ttl * (1 - MARGIN_SHARE) - 0.05 <= a_stopped, a_stopped
+    assert a_stopped < b_led and b_led >= ttl - 0.05 and token > 1, (a_stopped, b_led)
+    lost = [r.fields for r in caplog.records if r.getMessage() == "leadership_lost"]
+    assert [f["holder"] for f in lost] == ["fc-0"], lost
+    assert "its renewals failed" in lost[0]["reason"]
+
+
+def test_a_leader_leads_on_through_a_redis_paused_for_less_than_its_lease(tmp_path):
+    # A real Redis of the test's own, stopped (SIGSTOP) for 1.5 s right after a renewal: the next renewal times out
+    # (the client's socket timeout, as `holdback gateway` sets it: a third of a lease, here a tenth), the leader
+    # tries again and leads throughout with the same token.
+    ttl, paused = 3.0, 1.5
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+
+    async def run() -> list[bool]:
+        redis = aioredis.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=ttl / 10,
+                                  socket_connect_timeout=ttl / 10)
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    await redis.ping()
+                    break
+                except (OSError, RedisError):
+                    await asyncio.sleep(0.05)
+        lease = Leadership(redis, "paused", ttl=ttl, holder="fc-a")
+        try:
+            assert await lease.acquire()
+            token, running = lease.token, asyncio.create_task(lease.run())
+            renewed = lease.renewed_at
+            async with asyncio.timeout(30):
+                while lease.renewed_at == renewed:  # just renewed: the next renewal falls in the pause
+                    await asyncio.sleep(0.01)
+            server.send_signal(signal.SIGSTOP)
+            leading, resume = [], asyncio.get_running_loop().time() + paused
+            try:
+                while asyncio.get_running_loop().time() < resume:
+                    leading.append(lease.leads())
+                    await asyncio.sleep(0.02)
+            finally:
+                server.send_signal(signal.SIGCONT)
+            paused_at = lease.renewed_at
+            async with asyncio.timeout(30):
+                while lease.renewed_at == paused_at and lease.token:  # a renewal after the pause succeeds
+                    await asyncio.sleep(0.01)
+            assert lease.leads() and lease.token == token
+            running.cancel()
+            return leading
+        finally:
+            await redis.aclose()
+
+    try:
+        leading = asyncio.run(run())
+    finally:
+        server.kill()
+        server.wait()
+    assert leading and all(leading)
 
 
 def test_a_leader_paused_past_its_lease_decides_nothing_when_it_resumes(caplog):
