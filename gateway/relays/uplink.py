@@ -2,7 +2,9 @@
 
 It connects to the first of its addresses that answers and passes the handshake, in the order given. A relay of
 `--workers N` has one address (its parent's Unix socket) and stops when the channel closes; a relay run alone
-(`--role relay`) connects again, over every address in turn, after a pause that doubles up to `BACKOFF_CAP`. While
+(`--role relay`) connects again, over every address in turn, after a pause that doubles up to `BACKOFF_CAP`; while
+one of them answers as a standby (a leader is being elected: the old one's lease has yet to lapse), it tries again
+every `STANDBY_RETRY` seconds for up to `STANDBY_RETRY_FOR`, so it finds the new leader soon after it leads. While
 no channel is up, `send` drops the message (flow control has released what it concerned) and `call` raises
 `ChannelClosed`.
 """
@@ -18,12 +20,17 @@ from pydantic import JsonValue
 from gateway.log import log_event
 from gateway.relays import messages as m
 from gateway.relays.channel import Channel, ChannelClosed, open_channel
-from gateway.relays.handshake import HANDSHAKE_SECONDS, PeerRefused
+from gateway.relays.handshake import HANDSHAKE_SECONDS, PeerRefused, Standby
 
 logger = logging.getLogger("gateway.relay")
 
 BACKOFF_FIRST = 0.2
 BACKOFF_CAP = 5.0
+# A standby answers in a round trip and a handshake: asking it again this often costs it little, for a while.
+STANDBY_RETRY = 0.25
+# Longer than a lease (default 6 s) plus a relay's notice of a silent leader: a standby that still stands by after
+# this is not about to lead (the leader is alive and out of this relay's reach), and the capped backoff applies.
+STANDBY_RETRY_FOR = 15.0
 
 
 class Uplink:
@@ -32,6 +39,8 @@ class Uplink:
         self.secret = secret
         self.heartbeat = heartbeat
         self.channel: Channel | None = None
+        # Whether one of the addresses answered as a standby at the last attempt to connect.
+        self.standby_answered = False
 
     @property
     def closed(self) -> bool:
@@ -58,12 +67,14 @@ class Uplink:
     async def connect(self) -> Channel:
         """A channel to the first address that passes the handshake; `ConnectionError` saying why each failed."""
         failures = []
+        self.standby_answered = False
         for address in self.addresses:
             try:
                 async with asyncio.timeout(HANDSHAKE_SECONDS + 5):
                     self.channel = await open_channel(address, self.secret, "relay", self.heartbeat)
                 return self.channel
             except PeerRefused as exc:
+                self.standby_answered |= isinstance(exc, Standby)
                 failures.append(f"{address}: {exc.reason}")
             except (OSError, TimeoutError) as exc:
                 failures.append(f"{address}: {type(exc).__name__}: {exc}")
@@ -73,19 +84,28 @@ class Uplink:
                   left: Callable[[str], None], reconnect: bool) -> None:
         """Connect and serve the channel; when it closes, `left(reason)`, and connect again if `reconnect` (else
         return). Without `reconnect`, a first connection that fails raises its `ConnectionError`."""
-        pause = BACKOFF_FIRST
+        pause, electing_since = BACKOFF_FIRST, None  # since when a standby answers (a leader being elected)
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 channel = await self.connect()
             except ConnectionError as exc:
                 if not reconnect:
                     raise
+                if self.standby_answered:
+                    if electing_since is None:
+                        electing_since = loop.time()
+                        log_event(logger, "flow_control_electing", level=logging.WARNING, error=str(exc),
+                                  retry_every=STANDBY_RETRY, for_seconds=STANDBY_RETRY_FOR)
+                    if loop.time() - electing_since < STANDBY_RETRY_FOR:
+                        await asyncio.sleep(STANDBY_RETRY)
+                        continue
                 log_event(logger, "flow_control_unreachable", level=logging.WARNING, error=str(exc),
                           retry_in=round(pause, 2))
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BACKOFF_CAP)
                 continue
-            pause = BACKOFF_FIRST
+            pause, electing_since = BACKOFF_FIRST, None
             log_event(logger, "flow_control_connected", address=channel.peer)
             joined()
             await channel.serve(handle)

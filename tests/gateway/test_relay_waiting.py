@@ -192,3 +192,48 @@ def test_a_takeover_hold_back_whose_timer_fires_early_still_submits_what_waited(
         assert submitted == [7] and not takeover.holds_back()
 
     asyncio.run(main())
+
+
+def test_a_relay_turned_away_by_a_standby_asks_again_every_quarter_second_and_joins_soon_after_it_leads():
+    # A leader is being elected (the old one's lease has yet to lapse): the standby answers at once, so the relay
+    # asks it again every STANDBY_RETRY instead of backing off (0.2, 0.4, 0.8, 1.6 s...), and joins it soon after
+    # it leads. The standby here turns the relay away five times, then leads.
+    from gateway.relays.channel import secure_channel
+    from gateway.relays.handshake import PeerRefused, run_secret
+    from gateway.relays.uplink import STANDBY_RETRY, Uplink
+
+    secret, refusals = run_secret(), 5
+
+    async def main() -> tuple[float, int]:
+        asked, led_at = [0], [0.0]
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            asked[0] += 1
+            standby = asked[0] <= refusals
+            try:
+                channel = await secure_channel(reader, writer, secret, "flow-control", 1.0, standby=standby)
+            except PeerRefused:
+                return
+            if standby:
+                channel.close()
+                if asked[0] == refusals:
+                    led_at[0] = time.monotonic()  # it leads from now on
+                return
+            await channel.serve(lambda message: None)
+
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        uplink = Uplink([f"127.0.0.1:{server.sockets[0].getsockname()[1]}"], secret)
+        joined = asyncio.Event()
+        running = asyncio.create_task(uplink.run(lambda message: None, joined.set, lambda reason: None, True))
+        try:
+            await asyncio.wait_for(joined.wait(), 60)
+            return time.monotonic() - led_at[0], asked[0]
+        finally:
+            running.cancel()
+            if uplink.channel is not None:
+                uplink.channel.close()
+            server.close()
+
+    after, asked = asyncio.run(main())
+    # Backing off, the sixth attempt would come 3.2 s after the fifth; asking every quarter second, 0.25 s after.
+    assert asked == refusals + 1 and after < STANDBY_RETRY + 1.0, after
