@@ -195,6 +195,19 @@ class Fleet(ProcessSet):
         self.stats_url = f"http://127.0.0.1:{stats}/stats"
         self.wait(lambda: self.up_relays() == len(relays), 60, "HAProxy to see every relay up")
 
+    def start_gateway(self, host: str) -> str:
+        """The whole gateway as one process (flow control and proxy, the fleet's config and replicas) on `host`,
+        beside what runs there: the baseline a relay's channel is measured against. Its URL once ready."""
+        assert self.network is not None
+        port = free_port()
+        self._run(host, [sys.executable, "-P", "-m", "holdback.cli", "gateway", "--config", str(self.work / "flow.yaml"),
+                         "--replicas", ",".join(self.replica_urls), "--host", self.network.bind_address(host),
+                         "--port", str(port), "--drain-grace", "0", "--log-level", self.spec.log_level],
+                  name="gateway")
+        url = f"http://{self.network.addresses[host]}:{port}"
+        wait_http(url + "/readyz", self.procs["gateway"], 120, what=f"the one-process gateway (log {self.log_dir})")
+        return url
+
     def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.spec.tree is not None:
