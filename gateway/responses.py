@@ -23,6 +23,10 @@ _DROPS: dict[DropReason, tuple[int, str, str]] = {
     DropReason.CONTEXT_CANCELLED: (503, "1", "The request was cancelled by the caller."),
     DropReason.KV_CAPACITY: (429, "2", "KV-cache admission refused the request: its worst-case KV "
                              "commitment (prompt + max_tokens) does not fit; lower max_tokens or retry later."),
+    # A request no replica may ever hold: retrying cannot help (a worker's row fails at once, saying why).
+    DropReason.KV_NEVER_FITS: (400, "", "KV-cache admission refused the request: its worst-case KV commitment "
+                               "(prompt + max_tokens) is more than a replica may ever hold; lower max_tokens or "
+                               "shorten the prompt."),
     DropReason.QUOTA: (429, "2", "A KV quota of this tenant or traffic class is reached; retry after some of "
                        "its requests finish."),
     # Retrying cannot help a request longer than the context limit: 400, not 429.

@@ -105,6 +105,8 @@ class DropReason(str, enum.Enum):
     NO_ENDPOINTS = "rejected-no-endpoints"
     CONTEXT_CANCELLED = "rejected-context-cancelled"
     KV_CAPACITY = "rejected-kv-capacity"
+    # Needs more KV than a replica may ever give it (its pool times the cap of its class): retrying cannot help.
+    KV_NEVER_FITS = "rejected-kv-capacity-never-fits"
     QUOTA = "rejected-quota"
     CONTEXT_LENGTH = "rejected-context-length"
     SHUTTING_DOWN = "rejected-shutting-down"  # still queued when its gateway process's drain deadline came

@@ -31,6 +31,8 @@ DROP_REASON_MEANINGS = {
                                         "(a client timeout or disconnect, or a worker aborting a cancelled "
                                         "batch's request); nothing reached a replica.",
     DropReason.KV_CAPACITY.value: "KV admission refused it: its worst-case KV need did not fit the pool.",
+    DropReason.KV_NEVER_FITS.value: "KV admission refused it at once: its worst-case KV need is more than a "
+                                    "replica may ever hold (answered 400).",
     DropReason.QUOTA.value: "A KV quota of the tenant or traffic class was reached.",
     DropReason.CONTEXT_LENGTH.value: "The prompt leaves no room in the model's context (answered 400).",
 }

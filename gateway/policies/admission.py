@@ -285,7 +285,7 @@ class KvAdmission:
         if need[best.url] > cap * self.pool_tokens(best):
             size, pool = self.block_size(best), self.pool_tokens(best)
             seqs = f" x {d.sequences} sequences" if d.sequences > 1 else ""
-            return Decision(KvOutcome.REJECT, DropReason.KV_CAPACITY,
+            return Decision(KvOutcome.REJECT, DropReason.KV_NEVER_FITS,
                             f"this request needs {need[best.url] // size} KV blocks of {size} tokens (prompt "
                             f"{d.prompt_tokens} + max new {d.max_new_tokens} tokens{seqs}) but at most "
                             f"{math.floor(cap * pool / size)} of a replica's {pool // size} blocks may hold it; "

@@ -411,14 +411,15 @@ def test_kv_admission_queues_then_rejects_after_its_deadline():
         assert fc.submit(rt) is Outcome.DISPATCHED     # 90 <= 92: the interactive reserve
         never = req(fc, clock, "batch")
         never.ask = replace(never.ask, prompt_tokens=80 * 16)
-        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_CAPACITY
+        assert fc.submit(never) is Outcome.REJECTED and never.drop_reason is DropReason.KV_NEVER_FITS
         clock.t += 0.6
         fc.cycle()
         assert nxt.drop_reason is DropReason.KV_CAPACITY and "queueDeadlineMs" in nxt.drop_message
         assert fc.ledger.kv_tokens_on(fc.pool.replicas[0].url) == 90 * 16
         fc.finish(big)
         assert fc.ledger.kv_tokens_on(fc.pool.replicas[0].url) == 20 * 16
-        assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 90 * 16}
+        assert fc.snapshot()["kv"]["rejected_tokens"] == {"rejected-kv-capacity-never-fits": 80 * 16,
+                                                          "rejected-kv-capacity": 10 * 16}
     run(main())
 
 

@@ -117,7 +117,9 @@ def test_watermark_ladder_and_the_three_outcomes(stack):
             # Rejected at once: could never fit a replica (more than the hard watermark of 1000 blocks).
             r = await client.post("/v1/completions", json=blocks_body(930, 1000, stream=False),
                                   headers=hdr("realtime", "g"))
-            assert r.status_code == 429 and r.headers["x-llm-d-request-dropped-reason"] == "rejected-kv-capacity"
+            assert r.status_code == 400, r.text  # retrying cannot help
+            assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-kv-capacity-never-fits"
+            assert "Retry-After" not in r.headers
             assert "930 KV blocks" in r.json()["error"]["message"] and "lower max_tokens" in r.json()["error"]["message"]
             await base.close()  # 790 blocks back: everything waiting runs
             await wait_until(lambda: [gw.band(p)["queued"] for p in (100, 0, -10)] == [0, 0, 0])
@@ -128,7 +130,7 @@ def test_watermark_ladder_and_the_three_outcomes(stack):
             for held in (short_std, long_std, long_rt, batch, rt_over):
                 await held.close()
             await wait_until(lambda: kv(gw, sim)["reserved_blocks"] == 0)
-            assert gw.state()["kv"]["rejected_tokens"] == {"rejected-kv-capacity": 930 * 16}
+            assert gw.state()["kv"]["rejected_tokens"] == {"rejected-kv-capacity-never-fits": 930 * 16}
 
     asyncio.run(main())
 
