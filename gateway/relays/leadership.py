@@ -9,6 +9,11 @@ renewal was sent, is younger than the ttl less a margin: a leader that cannot re
 have handed the lease to another. A renewal that fails (Redis stopped, slow or cut off) is retried while the lease
 is still valid by that measure: the leader keeps leading through a store's pause shorter than its lease.
 
+Each renewal also writes the leader's relay roster (`<lease key>:relays`: its term's token and the relays it serves,
+as each names itself in `Hello`) in the same script, so only while the lease is still its own. The roster outlives
+the lease (`ROSTER_LEASES` of them): the successor reads it as it takes the lease and ends its takeover hold-back
+as soon as every relay on it has re-registered (gateway/relays/takeover.py).
+
 A leader asked to stop hands the lease over: it stops deciding, deletes the lease only while it still holds its own
 value and, in the same script, publishes a notice on `<lease key>:released`; a standby subscribed there tries the
 lease at once instead of at its next attempt (every third of a lease), which stays the bound when a notice is lost.
@@ -38,9 +43,13 @@ PREFIX = "holdback:gateway:"
 MARGIN_SHARE = 0.2
 # A failed renewal is tried again after this share of a lease (never past the lease's validity).
 RETRY_SHARE = 0.1
+# The roster lasts this many leases from the renewal that wrote it: long enough for a successor to read it after
+# the lease lapsed (a standby tries the lease every third of one).
+ROSTER_LEASES = 3
 
-# KEYS: the lease, the fencing-token key. ARGV: the holder, the ttl in ms, the newest token the contender has seen.
-# A taken lease answers {0, its value}. The token never falls below one seen: a Redis restarted without its data
+# KEYS: the lease, the fencing-token key, the roster. ARGV: the holder, the ttl in ms, the newest token the
+# contender has seen. A taken lease answers {0, its value}; a lease taken here {token, value, the roster the last
+# leader wrote or ''}. The token never falls below one seen: a Redis restarted without its data
 # (no persistence, a failover to a replica behind) would count from 1 again, and relays refuse an older token.
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('GET', KEYS[1])} end
@@ -48,12 +57,15 @@ if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then redis.ca
 local token = redis.call('INCR', KEYS[2])
 local value = ARGV[1] .. '#' .. token
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
-return {token, value}
+return {token, value, redis.call('GET', KEYS[3]) or ''}
 """
-# KEYS: the lease. ARGV: the value this holder set, the ttl in ms. 1 when extended, 0 when it is not ours.
+# KEYS: the lease, the roster. ARGV: the value this holder set, the ttl in ms, the roster ('' leaves it), its ttl in
+# ms. 1 when extended (and the roster written), 0 when the lease is not ours (nothing written).
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4]) end
+return 1
 """
 # KEYS: the lease. ARGV: the value this holder set, the notice, the channel standbys listen on. 1 when given back.
 _RESIGN = """
@@ -73,6 +85,7 @@ class Leadership:
         self.key = f"{PREFIX}{name}:leader"
         self.token_key = f"{PREFIX}{name}:fencing-token"
         self.released = f"{self.key}:released"
+        self.roster_key = f"{self.key}:relays"
         self.ttl = ttl
         self.margin = ttl * MARGIN_SHARE
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -95,6 +108,11 @@ class Leadership:
         self.handover: dict | None = None
         self._notice: dict | None = None
         self._watch = None  # the standby's subscription to `released`
+        # The relays this process serves while it leads (written at each renewal); None writes no roster.
+        self.roster: Callable[[], list[str]] | None = None
+        # The roster the last leader wrote, read when this process took the lease: {"token", "relays"}; None when
+        # there was none (a first term, or a lease that lapsed longer ago than the roster lasts).
+        self.roster_seen: dict | None = None
         # Why the last renewal failed while the lease was still valid (None once one succeeds).
         self._failure: str | None = None
         self._acquire = redis.register_script(_ACQUIRE)
@@ -116,8 +134,8 @@ class Leadership:
     async def acquire(self) -> bool:
         """Take the lease if nobody holds it; True when this process now leads."""
         sent = self.clock()
-        token, value = await self._acquire(keys=[self.key, self.token_key],
-                                           args=[self.holder, self._ms(), self.newest_token])
+        token, value, *roster = await self._acquire(keys=[self.key, self.token_key, self.roster_key],
+                                                    args=[self.holder, self._ms(), self.newest_token])
         self.leader = value.decode() if isinstance(value, bytes) else value
         if self.leader and self.leader.rpartition("#")[2].isdigit():
             self.newest_token = max(self.newest_token, int(self.leader.rpartition("#")[2]))
@@ -125,7 +143,7 @@ class Leadership:
             self._notice = None  # another took the lease the notice was about
             return False
         self.token, self._value, self.renewed_at, self.since = int(token), self.leader or "", sent, time.time()
-        self._failure = None
+        self.roster_seen, self._failure = _roster(roster[0] if roster else b""), None
         self.handover, self._notice = self._notice, None
         after = self.handover or {}
         log_event(logger, "leadership_taken", holder=self.holder, token=self.token, lease_seconds=self.ttl,
@@ -137,7 +155,10 @@ class Leadership:
     async def renew(self) -> bool:
         """Extend the lease while it is still ours; step down (and False) when it is not."""
         sent = self.clock()
-        extended = await self._renew(keys=[self.key], args=[self._value, self._ms()])
+        token = self.token
+        roster = json.dumps({"token": token, "relays": self.roster()}) if self.roster is not None else ""
+        extended = await self._renew(keys=[self.key, self.roster_key],
+                                     args=[self._value, self._ms(), roster, self._ms() * ROSTER_LEASES])
         if not self.token:
             return False  # stepped down while the renewal was on its way: a new term needs a new token
         if not int(extended):
@@ -268,3 +289,15 @@ class Leadership:
                 asyncio.get_running_loop().call_soon(listener, leading)
             except RuntimeError:
                 listener(leading)
+
+
+def _roster(raw: bytes | str) -> dict | None:
+    """The roster as the last leader wrote it; None when there is none (or it cannot be read: then the takeover
+    waits its whole window)."""
+    try:
+        roster = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if not isinstance(roster, dict) or not isinstance(roster.get("relays"), list):
+        return None
+    return {"token": roster.get("token"), "relays": [str(name) for name in roster["relays"]]}

@@ -4,9 +4,12 @@ decides), what a leader that steps down lets go of, and how a new leader takes o
 Right after `Hello` a relay reports everything it holds (`Holding`). Each running request is adopted as it stands:
 counted on its replica, its band and the pool, and reserved in the KV ledger with the tokens relayed so far,
 without a new dispatch. A leader whose term follows another's (its fencing token is above 1) holds new submissions
-back for `window` seconds after taking the lease, the time a relay may take to notice the old leader is gone and to
-find this one, so that what relays report is counted before anything new is dispatched; then it submits them in
-the order they came (each still bounded by its deadline).
+back until every relay on the roster the last leader left in Redis (gateway/relays/leadership.py) has reported
+what it holds, or for `window` seconds after taking the lease at most (the time a relay may take to notice the old
+leader is gone and to find this one: the bound for a relay that died with the old leader, and the whole hold-back
+without a roster), so that what relays report is counted before anything new is dispatched; then it submits them
+in the order they came (each still bounded by its deadline). Relays that were not on the roster are counted when
+they come.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gateway.flow")
 
 
+def relay_name(hello: m.Hello) -> str:
+    """A relay as it names itself in `Hello` (its host and pid): how a leader's roster lists it."""
+    return f"{hello.host}/{hello.pid}"
+
+
 class Takeover:
     def __init__(self, server: "FlowServer", leadership: Leadership | None, window: float):
         self.server = server
@@ -45,8 +53,12 @@ class Takeover:
         self._began = 0.0
         self._adopted_before = 0
         self._relays: set[int] = set()
+        # Relays on the last leader's roster that have not re-registered yet (None: no roster, the window decides).
+        self.awaited: set[str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         if leadership is not None:
             leadership.on_change.append(self._changed)
+            leadership.roster = self.roster
             server.gateway.metrics.registry.register(_LeadershipCollector(self))
 
     def decides(self) -> bool:
@@ -61,6 +73,12 @@ class Takeover:
     def holds_back(self) -> bool:
         return bool(self.waiting) or time.monotonic() < self.until
 
+    def roster(self) -> list[str]:
+        """The relays this leader serves, for its successor: those run alone (a relay of `--workers N` stops with
+        its flow control), and those of the last leader's roster still awaited (they may come yet)."""
+        names = {relay_name(link.hello) for link in self.server.links.values() if link.index is None}
+        return sorted(names | (self.awaited or set()))
+
     def _changed(self, leading: bool) -> None:
         if not leading:
             # A leader that stepped down holds nothing: its relays find the new leader and re-register there.
@@ -68,12 +86,33 @@ class Takeover:
                 link.channel.close()
             return
         if self.token > 1:  # another led before: what its relays hold comes first
+            assert self.leadership is not None
+            roster = self.leadership.roster_seen
+            self.awaited = set(roster["relays"]) if roster is not None else None
             self.until = time.monotonic() + self.window
-            asyncio.get_running_loop().call_later(self.window, self._release)
+            self._schedule(self.window)
             self.last = {"token": self.token, "began_at": time.time(), "ended_at": None, "seconds": None,
-                         "adopted": 0, "relays": 0, "submitted": 0}
+                         "adopted": 0, "relays": 0, "submitted": 0,
+                         "awaited": len(self.awaited) if self.awaited is not None else None, "ended_by": None}
             self._began, self._adopted_before, self._relays = time.monotonic(), self.adopted, set()
-            log_event(logger, "takeover_started", token=self.token, holding_new_requests_seconds=self.window)
+            log_event(logger, "takeover_started", token=self.token, holding_new_requests_seconds=self.window,
+                      roster=sorted(self.awaited) if self.awaited is not None else None,
+                      roster_token=roster["token"] if roster is not None else None)
+            self._all_back()  # an empty roster: the last leader served no relay
+
+    def _schedule(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._release)
+
+    def _all_back(self) -> None:
+        """Every relay on the roster has re-registered: new requests go on at once, the window's rest unneeded."""
+        if self.awaited or self.awaited is None or time.monotonic() >= self.until:
+            return
+        self.until = 0.0
+        if self.last is not None and self.last["ended_at"] is None:
+            self.last["ended_by"] = "relays"
+        self._release()
 
     def defer(self, link: "RelayLink", rid: int, ask: Ask) -> None:
         self.waiting[(link.link_id, rid)] = (link, ask)
@@ -84,13 +123,20 @@ class Takeover:
     def _release(self) -> None:
         left = self.until - time.monotonic()
         if left > 0:  # a later term's window, or a timer that fired a hair early (uvloop counts milliseconds)
-            asyncio.get_running_loop().call_later(left, self._release)
+            self._schedule(left)
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.last is not None and self.last["ended_at"] is None and self.last.get("ended_by") is None:
+            self.last["ended_by"] = "window"
+        self.awaited = None
         waiting, self.waiting = self.waiting, {}
         if self.decides():
             self._done(len(waiting))
             log_event(logger, "takeover_done", token=self.token, adopted=self.adopted, submitting=len(waiting),
-                      seconds=self.last["seconds"] if self.last else None)
+                      seconds=self.last["seconds"] if self.last else None,
+                      ended_by=self.last.get("ended_by") if self.last else None)
         for (_, rid), (link, ask) in waiting.items():
             if not link.channel.closed and self.decides():
                 link.submit(rid, ask)
@@ -131,8 +177,12 @@ class Takeover:
         self.adopted += running
         if self.last is not None and self.last["ended_at"] is None:
             self._relays.add(link.link_id)
+        if self.awaited is not None:
+            self.awaited.discard(relay_name(link.hello))
         log_event(logger, "relay_reregistered", relay=link.index, peer=link.channel.peer, token=self.token,
-                  running=running, waiting=len(holding.requests) - running - len(skipped), skipped=len(skipped))
+                  running=running, waiting=len(holding.requests) - running - len(skipped), skipped=len(skipped),
+                  awaited=len(self.awaited) if self.awaited is not None else None)
+        self._all_back()
 
 
 class _LeadershipCollector:

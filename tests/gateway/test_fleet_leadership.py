@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import socket
+import time
 import uuid
 
 import httpx
@@ -255,3 +256,39 @@ def test_requests_sent_while_no_leader_leads_wait_at_the_relay_and_are_answered_
     registered = fleet.events("relay_reregistered", "flow-b")
     assert [r["waiting"] for r in registered] == [WAITING]
     assert fleet.events("takeover_done", "flow-b")
+
+
+def test_after_a_leader_is_killed_the_standby_dispatches_as_soon_as_both_relays_on_its_roster_re_registered(
+        fleet, stack):
+    # The leader keeps its relays on a roster in Redis; killed, its successor reads it with the lease and holds new
+    # requests back only until both relays re-registered (each finds it within a quarter second of its leading),
+    # not for its whole window (3 heartbeats of 2 s + 5 s + 1 s = 12 s here).
+    first = fleet.flow_control("flow-a")
+    poll(fleet.leader, 60, "flow-a to take the lease", lambda: stack.procs.log("flow-a"))
+    fleet.flow_control("flow-b")
+    poll(lambda: _accepts(fleet.ports["flow-b"]), 60, "flow-b to listen for relays", lambda: stack.procs.log("flow-b"))
+    relays = [fleet.relay(f"relay-{i}", ["flow-a", "flow-b"]) for i in range(2)]
+    for relay in relays:
+        poll(lambda: _ready(relay) == 200, 60, "the relays to be ready", lambda: stack.procs.log("flow-a"))
+    _, token = fleet.leader()
+    roster = f"{PREFIX}{fleet.name}:leader:relays"
+    poll(lambda: (raw := fleet.redis.get(roster)) and len(json.loads(raw)["relays"]) == 2, 60,
+         "the leader's roster to list both relays", lambda: stack.procs.log("flow-a"))
+
+    async def main() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=relays[0], timeout=120) as client:
+            first.send_signal(signal.SIGKILL)
+            answer = await client.post("/v1/completions", json=blocks_body(2, 8, stream=False),
+                                       headers=hdr("realtime"))
+            return answer, time.time()
+
+    answer, answered_at = asyncio.run(main())
+    assert answer.status_code == 200, answer.text
+    lead = state(relays[0])["leadership"]
+    assert lead["token"] > token and lead["leading"]
+    last = lead["last_takeover"]
+    assert last["ended_by"] == "relays" and last["awaited"] == 2 and last["relays"] == 2, last
+    assert last["seconds"] <= 2.5, last
+    assert answered_at - lead["since"] <= 4.0, (answered_at - lead["since"], last)
+    [started] = fleet.events("takeover_started", "flow-b")
+    assert len(started["roster"]) == 2 and started["roster_token"] == token

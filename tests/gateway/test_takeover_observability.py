@@ -22,7 +22,8 @@ WINDOW = 0.3
 
 def _link(link_id: int, host: str, pid: int, held: int) -> SimpleNamespace:
     return SimpleNamespace(link_id=link_id, index=None, channel=SimpleNamespace(peer=f"10.0.0.{link_id}:5000"),
-                           hello=SimpleNamespace(host=host, pid=pid), requests=dict.fromkeys(range(held)))
+                           hello=SimpleNamespace(host=host, pid=pid), requests=dict.fromkeys(range(held)),
+                           pools=SimpleNamespace(pools={}))
 
 
 def test_a_leader_reports_its_relays_their_requests_and_how_long_its_takeover_took():
@@ -66,3 +67,42 @@ def test_a_leader_reports_its_relays_their_requests_and_how_long_its_takeover_to
     assert f"holdback_gateway_flow_control_last_takeover_seconds {last['seconds']}" in lines, exposition
     assert 'holdback_gateway_flow_control_relay_requests{relay="relay-a/11"} 3.0' in lines
     assert 'holdback_gateway_flow_control_relay_requests{relay="relay-b/12"} 1.0' in lines
+
+
+def test_a_new_leader_ends_its_hold_back_as_soon_as_every_relay_on_the_last_leaders_roster_re_registered():
+    # The old leader wrote its roster (the relays it served) at its renewal; it dies, its lease lapses, and the
+    # successor holds new requests back only until both relays on the roster re-registered, not for its window.
+    async def run() -> tuple[dict, list[str]]:
+        redis = aioredis.from_url(REDIS)
+        name = f"test-{uuid.uuid4().hex}"
+        old, new = (Leadership(redis, name, ttl=30, holder=holder) for holder in ("fc-a", "fc-b"))
+        servers = [SimpleNamespace(links={}, gateway=SimpleNamespace(metrics=SimpleNamespace(
+            registry=CollectorRegistry()))) for _ in range(2)]
+        takeovers = [Takeover(server, lease, 60) for server, lease in zip(servers, (old, new))]  # type: ignore
+        try:
+            assert await old.acquire()
+            local = _link(3, "fc-a-host", 13, held=0)
+            local.index = 0  # a relay of the old leader's `--workers N`: it stops with it, nobody waits for it
+            servers[0].links = {1: _link(1, "relay-a", 11, held=0), 2: _link(2, "relay-b", 12, held=0), 3: local}
+            assert await old.renew()
+            roster = takeovers[0].roster()
+            await redis.delete(old.key)  # the old leader died and its lease lapsed
+            assert await new.acquire()
+            await asyncio.sleep(0)  # the leadership change is told on the loop's next turn
+            takeover = takeovers[1]
+            assert takeover.holds_back() and takeover.awaited == {"relay-a/11", "relay-b/12"}
+            servers[1].links = {1: _link(1, "relay-a", 11, held=0)}
+            takeover.adopt(servers[1].links[1], m.Holding(requests=()))
+            # One relay back; the other may still come: still held back, and still on this leader's roster.
+            assert takeover.holds_back() and takeover.roster() == ["relay-a/11", "relay-b/12"]
+            servers[1].links[2] = _link(2, "relay-b", 12, held=0)
+            takeover.adopt(servers[1].links[2], m.Holding(requests=()))
+            assert not takeover.holds_back()
+            return dict(takeover.last or {}), roster
+        finally:
+            await redis.delete(old.key, old.token_key, old.roster_key)
+            await redis.aclose()
+
+    last, roster = asyncio.run(run())
+    assert roster == ["relay-a/11", "relay-b/12"]
+    assert last["ended_by"] == "relays" and last["awaited"] == 2 and last["relays"] == 2 and last["seconds"] < 5
