@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.bodies import document, responses_as_chat, route_not_found
+from gateway.bodies import document, prefix_blocks, responses_as_chat, route_not_found
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
@@ -161,7 +161,9 @@ class Proxy:
                   expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                   resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
                   streamed=isinstance(doc, dict) and doc.get("stream") is True,
-                  at_risk=cls.at_risk and cls.priority < 0, home=turn.home if turn is not None else None)
+                  at_risk=cls.at_risk and cls.priority < 0, home=turn.home if turn is not None else None,
+                  prefix=prefix_blocks(doc, request.path, cls.cache_salt)
+                  if controller.loaded.config.picker.policy == "prefix-affinity" else ())
         if controller.admission_enabled:
             counted = await self._count_tokens(controller, ask, doc, endpoint)
             if isinstance(counted, web.Response):

@@ -298,7 +298,7 @@ class FlowController(RunningRequests):
         if self.eviction.awaiting:  # a higher-priority request not answering yet keeps lower ones off its replica
             within, control = fits, self.eviction
             fits = lambda r: (within is None or within(r)) and not control.holds_back(r, req.priority)  # noqa: E731
-        replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity)
+        replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity, prefix=req.ask.prefix)
         return Placement(Verdict.RUN, replica) if replica is not None else BLOCKED
 
     def _dispatch(self, req: FlowRequest, replica: Replica, band: PriorityBand, now: float, path: str,

@@ -94,6 +94,9 @@ class Ask:
     # The replica it must run on, none other: the one that stores the response it continues (a /v1/responses
     # `previous_response_id`, gateway/stored_responses.py). None: any.
     home: str | None = None
+    # The prompt's leading blocks as chained hashes under its cache salt (gateway/bodies.py `prefix_blocks`), for
+    # the prefix-affinity picker; () when that picker is not configured or the body renders no prompt.
+    prefix: tuple[int, ...] = ()
 
     @property
     def sheddable(self) -> bool:

@@ -63,7 +63,14 @@ class KvHeadroom:
 SCORERS: dict[str, Callable[[float, float], ReplicaScorer]] = implemented("picker", {
     "least-loaded": lambda in_flight_weight, kv_usage_weight: LeastLoaded(in_flight_weight, kv_usage_weight),
     "kv-headroom": lambda in_flight_weight, kv_usage_weight: KvHeadroom(),
+    "prefix-affinity": lambda in_flight_weight, kv_usage_weight: _prefix_affinity(in_flight_weight, kv_usage_weight),
 })
+
+
+def _prefix_affinity(in_flight_weight: float, kv_usage_weight: float) -> ReplicaScorer:
+    from gateway.policies.prefix_affinity import PrefixAffinity  # it builds on LeastLoaded, defined here
+
+    return PrefixAffinity(in_flight_weight, kv_usage_weight)
 
 
 class EndpointPicker:

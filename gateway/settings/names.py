@@ -18,7 +18,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "saturation detector": ("concurrency", "utilization"),
     "usage limit": ("priority-holdback", "static", "adaptive-reserve"),
     "eviction": ("none", "newest-first", "least-refill", "cost-ranked"),
-    "picker": ("least-loaded", "kv-headroom"),
+    "picker": ("least-loaded", "kv-headroom", "prefix-affinity"),
 }
 
 T = TypeVar("T")

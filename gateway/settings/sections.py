@@ -201,7 +201,8 @@ class Admission(SettingsModel):
 
 
 class Picker(SettingsModel):
-    # Replica scorer by name (gateway/policies/picker.py): least-loaded | kv-headroom.
+    # Replica scorer by name (gateway/policies/picker.py): least-loaded | kv-headroom | prefix-affinity (where the
+    # prompt's leading blocks were sent before, unless much busier: gateway/policies/prefix_affinity.py).
     policy: PickerName = "least-loaded"
     inFlightWeight: float = Field(default=1.0, ge=0)
     kvUsageWeight: float = Field(default=1.0, ge=0)

@@ -3,6 +3,7 @@ much busier than the least loaded; block hashes are salted per tenant and chaine
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from gateway.bodies import PREFIX_BLOCK_CHARS, PREFIX_MAX_BLOCKS, prefix_blocks
@@ -78,3 +79,41 @@ def test_what_was_sent_is_remembered_per_replica_up_to_its_bound():
     assert scorer.held("http://a", (1, 2)) == 0 and scorer.held("http://a", (7, 8)) == 2
     with pytest.raises(ValueError, match="max_load_gap"):
         PrefixAffinity(max_load_gap=-1)
+
+
+def _hits(url: str) -> tuple[float, float]:
+    """The simulator's prefix-cache counters (vllm:prefix_cache_hits, _queries), in tokens."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    read = {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "_total"))
+            for name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
+    return read["vllm:prefix_cache_hits"], read["vllm:prefix_cache_queries"]
+
+
+@pytest.mark.parametrize("gateway_workers", [1, 2], ids=["one-process", "workers-2"], indirect=True)
+def test_configured_the_gateway_sends_each_documents_questions_where_its_prefix_went(stack):
+    """`picker: {policy: prefix-affinity}`: questions about three documents, interleaved, each go to the replica
+    the document's first question went to, and the replicas' prefix caches hit what least-loaded's rotation
+    misses (the relays of `--workers 2` send the blocks to flow control with the request)."""
+    # Three (not an even number): least-loaded's rotation over two idle replicas would keep an even count apart.
+    documents = [f"Document {d}: " + " ".join(f"word{d}x{i}" for i in range(400)) for d in range(3)]
+    asks = [(d, f"{documents[d]}\nQuestion {q}?") for q in range(4) for d in range(3)]
+
+    def run(policy: str) -> tuple[dict[int, set[str]], float]:
+        sims = stack.sim(2, "--zero-latency", "--enable-prefix-caching")
+        gw = stack.gateway(sims, f"picker: {{policy: {policy}}}\n")
+        homes: dict[int, set[str]] = {}
+        for d, text in asks:
+            r = httpx.post(gw.url + "/v1/completions", json={"model": "sim-model", "prompt": text, "max_tokens": 2},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+            homes.setdefault(d, set()).add(r.headers["x-holdback-replica"])
+        hits, queries = map(sum, zip(*(_hits(url) for url in sims)))
+        return homes, hits / queries
+
+    homes, rate = run("prefix-affinity")
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    assert len(set().union(*homes.values())) == 2, "the documents are spread over both replicas"
+    rotated, least_loaded_rate = run("least-loaded")
+    assert any(len(replicas) == 2 for replicas in rotated.values()), rotated
+    assert rate > least_loaded_rate, (rate, least_loaded_rate)
