@@ -360,7 +360,9 @@ def test_sighup_rejects_a_bad_config_and_applies_a_good_one(stack):
 
 
 def test_utilization_detector_reads_the_replicas_metrics(stack):
-    sims = stack.sim(1, "--max-num-seqs", "1")
+    # About a second per request: the replica stays saturated (three or more waiting) for about three seconds after
+    # the gateway first sees it, long enough on a loaded machine for the two late requests to arrive while it is.
+    sims = stack.sim(1, "--max-num-seqs", "1", "--decode-base-ms", "30")
     # With one sequence at a time the replica queues the rest: waiting / queueDepthThreshold drives saturation.
     gw = stack.gateway(sims, "saturation: {detector: utilization, queueDepthThreshold: 2}\n"
                              "metrics: {scrapeIntervalSeconds: 0.05}\nusageLimit: {policy: static}\n")
