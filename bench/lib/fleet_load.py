@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from holdback.contract import OBJECTIVE_HEADER
+from holdback.contract import OBJECTIVE_HEADER, REQUEST_ID_HEADER
 
 RELAY_HEADER = "x-fleet-relay"  # set by the fleet's HAProxy (bench/lib/fleet.py): the relay that answered
 _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -159,7 +159,7 @@ class BatchRows:
         sent, status, relay, error = time.monotonic(), 0, None, None
         try:
             async with session.post(self.url + "/v1/completions", json=_body(self.tokens, False),
-                                    headers={OBJECTIVE_HEADER: "batch", "x-request-id": f"row-{row}"}) as r:
+                                    headers={OBJECTIVE_HEADER: "batch", REQUEST_ID_HEADER: f"row-{row}"}) as r:
                 status, relay = r.status, r.headers.get(RELAY_HEADER)
                 text = await r.text()
                 if status != 200:

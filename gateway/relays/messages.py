@@ -24,7 +24,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
-from gateway.flow.request import Ask
+from gateway.flow.request import Ask, DropReason
 from gateway.settings import LoadedConfig
 
 # The protocol's version: a frame of another version is refused (across hosts, the version says which end to
@@ -103,7 +103,7 @@ class Withdraw:
     kind: Literal["withdraw"] = "withdraw"
     rid: int
     at: Number
-    reason: str = "rejected-context-cancelled"
+    reason: str = DropReason.CONTEXT_CANCELLED.value
 
 
 @dataclass(**_FROZEN)
