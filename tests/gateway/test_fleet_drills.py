@@ -71,6 +71,10 @@ def test_kill_9_the_leader_cuts_no_stream_and_the_standby_leads_within_2_s(settl
     ttfts = sorted(s.ttft for s in during if s.ttft is not None)
     print(f"{len(during)} realtime requests during the takeover: TTFT p50 {statistics.median(ttfts):.2f}s, "
           f"max {ttfts[-1]:.2f}s; replicas' running count peaks {run.sampler.peaks} over {run.sampler.samples} samples")
+    # The takeover ends once the relays on the old leader's roster re-registered (0.16 s here), not after its
+    # 12 s window: requests sent meanwhile wait about as long as the lease takes to lapse.
+    assert seen["takeover_done_after"] - seen["led_after"] <= 1.0, seen
+    assert ttfts[-1] <= 3.0, ttfts
     _no_batch_loss(run)
     assert run.sampler.samples > 50
     assert run.sampler.over == [], (run.sampler.over, run.struck_at)
