@@ -122,8 +122,9 @@ def test_a_relay_refuses_a_decision_with_an_older_fencing_token(caplog):
 
 
 SLOTS = 3
-# Heartbeats of 2 s: a relay notices a silent leader within 6 s; the new leader holds new requests back for
-# 3 x 2 + 5 + 1 = 12 s after taking over. 2 streams of 1,200 tokens at 30 ms a step outlast the takeover.
+# Heartbeats of 2 s: a relay notices a silent leader within 6 s; the new leader holds new requests back until the
+# relays on its predecessor's roster re-registered, 3 x 2 + 5 + 1 = 12 s after taking over at most. 2 streams of
+# 1,200 tokens at 30 ms a step outlast the takeover.
 TAKEOVER_CONFIG = BASE + f"flowControl:\n  heartbeatSeconds: 2\nengine:\n  maxNumSeqs: {SLOTS}\n"
 STREAMS = 2
 BLOCKS, TOKENS = 80, 1200
