@@ -1,8 +1,9 @@
 """The gateway fleet bench (issue 46's Goals): relays on three hosts, two flow controls with the lease in a Redis
 of the fleet's own, two simulated replicas and HAProxy in front (bench/lib/fleet.py), measured in one run.
 
-1. Relays scale out. Each round streams realtime clients for --seconds through one relay (its own address) and
-   through all three (HAProxy), in alternating order, counting the CPU seconds the relays and the leader spent.
+1. Relays scale out. Each round streams realtime clients for --seconds through all three relays (HAProxy) and a
+   third as many through one relay (its own address; each relay carries the same load), in alternating order,
+   then nothing for as long (the idle arm), counting the CPU seconds the relays and the leader spent.
    Figures: streamed tokens per relay CPU-second with 3 relays ÷ with 1 (goal >= 0.9), the leader's CPU per
    request ÷ a relay's (goal <= 10%), and from that how many relays one leader can serve before its core is full
    (a relay's CPU per request ÷ the leader's).
@@ -187,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the scale and channel phases")
     p.add_argument("--seconds", type=float, default=15, help="each arm's streaming time in a round")
     p.add_argument("--clients", type=int, default=50, help="realtime streaming clients (scale and load phases)")
+    p.add_argument("--same-total", action="store_true", help="scale phase: send one relay all --clients (default: "
+                   "a third of them, so that each relay carries the same load in both arms)")
     p.add_argument("--ttft-clients", type=int, default=4, help="realtime clients of the channel phase")
     p.add_argument("--tokens", type=int, default=30, help="each realtime stream's tokens")
     p.add_argument("--rows", type=int, default=5000, help="batch rows of the load phase")
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     results: dict = {"command": "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])}
-    tree = None
+    tree, rev = None, "HEAD"
     if args.commit:
         commit = _git("rev-parse", "--short", args.commit)
         if not commit:
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         tree = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{commit}-"))
         archive = subprocess.run(["git", "archive", commit], capture_output=True, check=True, timeout=120).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
-        results["commit"] = results["takeover_commit"] = commit
+        results["commit"], rev = commit, commit  # HEAD may move while the bench runs
     else:
         dirty = " with uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
         results["commit"] = _git("rev-parse", "--short", "HEAD") + dirty
@@ -240,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             if phase == "scale":
                 results["scale"] = []
                 for r in range(args.rounds):
-                    arms = [("one", relays[:1], args.clients), ("three", relays, args.clients), ("idle", relays, 0)]
+                    # Each relay carries the same load in both arms (a third of the clients through one), unless
+                    # --same-total: then one relay carries what three share.
+                    one = args.clients if args.same_total else max(1, round(args.clients / len(relays)))
+                    arms = [("one", relays[:1], one), ("three", relays, args.clients), ("idle", relays, 0)]
                     record = {name: scale_arm(fleet, chosen, clients, args.tokens, args.seconds)
                               for name, chosen, clients in (arms if r % 2 == 0 else arms[1::-1] + arms[2:])}
                     results["scale"].append(record)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        senders=args.senders, strike_after=0.5, deadline=1800), FLOWS)
                 print(json.dumps({k: v for k, v in results["load"].items() if k != "eviction_closed_s"}), flush=True)
             else:
-                results["takeover_commit"] = _git("log", "-1", "--format=%h %s", args.commit or "HEAD", "--",
+                results["takeover_commit"] = _git("log", "-1", "--format=%h %s", rev, "--",
                                                   "gateway/relays/takeover.py", "gateway/relays/leadership.py")[:120]
                 results["takeover"] = []
                 for k in range(args.kills):
