@@ -367,6 +367,7 @@ class FlowServer:
                           listen=message.listen, peer=channel.peer)
                 channel.send(self._config_message())
                 channel.send(self._pool_message())
+                self.takeover.joined(link)
 
         await channel.serve(handle)
         if link is not None:

@@ -22,6 +22,7 @@ lease at once instead of at its next attempt (every third of a lease), which sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -166,6 +167,17 @@ class Leadership:
             return False
         self.renewed_at, self._failure = sent, None
         return True
+
+    async def write_roster(self) -> None:
+        """Renew now, writing the roster with it: a relay joined, and a successor should wait for it too. A failure
+        is left to the renewal loop."""
+        from redis.exceptions import RedisError
+
+        if not self.token:
+            return
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(max(0.01, self.renewed_at + self.ttl - self.margin - self.clock())):
+                await self.renew()
 
     def step_down(self, reason: str) -> None:
         """Stop leading at once; the lease is given back if it is still ours (another may take it sooner)."""

@@ -56,6 +56,8 @@ class Takeover:
         # Relays on the last leader's roster that have not re-registered yet (None: no roster, the window decides).
         self.awaited: set[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._writing: asyncio.Task | None = None  # the roster written because a relay joined
+        self._rewrite = False
         if leadership is not None:
             leadership.on_change.append(self._changed)
             leadership.roster = self.roster
@@ -99,6 +101,24 @@ class Takeover:
                       roster=sorted(self.awaited) if self.awaited is not None else None,
                       roster_token=roster["token"] if roster is not None else None)
             self._all_back()  # an empty roster: the last leader served no relay
+
+    def joined(self, link: "RelayLink") -> None:
+        """A relay joined: on the roster at once (not at the next renewal), so a successor counts on it even if this
+        leader dies within a third of a lease."""
+        if self.leadership is None or link.index is not None:
+            return
+        self._rewrite = True  # a write under way may have read the roster before this relay was on it
+        if self._writing is None:
+            self._writing = asyncio.get_running_loop().create_task(self._write_roster())
+
+    async def _write_roster(self) -> None:
+        assert self.leadership is not None
+        try:
+            while self._rewrite:
+                self._rewrite = False
+                await self.leadership.write_roster()
+        finally:
+            self._writing = None
 
     def _schedule(self, delay: float) -> None:
         if self._timer is not None:

@@ -5,6 +5,7 @@ again), against the real Redis at 127.0.0.1:6379 (a lease of its own)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from types import SimpleNamespace
@@ -106,3 +107,29 @@ def test_a_new_leader_ends_its_hold_back_as_soon_as_every_relay_on_the_last_lead
     last, roster = asyncio.run(run())
     assert roster == ["relay-a/11", "relay-b/12"]
     assert last["ended_by"] == "relays" and last["awaited"] == 2 and last["relays"] == 2 and last["seconds"] < 5
+
+
+def test_a_relay_that_joins_is_on_the_leaders_roster_at_once_not_at_the_next_renewal():
+    # A leader that dies within a third of a lease of a relay joining: its successor must wait for that relay too.
+    async def run() -> dict:
+        redis = aioredis.from_url(REDIS)
+        lease = Leadership(redis, f"test-{uuid.uuid4().hex}", ttl=30, holder="fc-a")  # next renewal in 10 s
+        server = SimpleNamespace(links={}, gateway=SimpleNamespace(metrics=SimpleNamespace(
+            registry=CollectorRegistry())))
+        takeover = Takeover(server, lease, WINDOW)  # type: ignore[arg-type]
+        try:
+            assert await lease.acquire()
+            for link_id, pid in ((1, 11), (2, 12)):  # two join at once: both end up on it
+                server.links[link_id] = link = _link(link_id, "relay-a", pid, held=0)
+                takeover.joined(link)
+            async with asyncio.timeout(5):
+                while True:
+                    raw = await redis.get(lease.roster_key)
+                    if raw is not None and len(json.loads(raw)["relays"]) == 2:
+                        return json.loads(raw)
+                    await asyncio.sleep(0.02)
+        finally:
+            await redis.delete(lease.key, lease.token_key, lease.roster_key)
+            await redis.aclose()
+
+    assert asyncio.run(run()) == {"token": 1, "relays": ["relay-a/11", "relay-a/12"]}
