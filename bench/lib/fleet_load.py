@@ -181,16 +181,26 @@ class BatchRows:
         return sum(n - 1 for n in self.answers.values() if n > 1)
 
 
+HELD = 0.25  # seconds over the limit in every sample: requests sent past the slots, not an eviction's hand-on
+
+
 @dataclass
 class RunningSampler:
-    """Each replica's `vllm:num_requests_running`, read from its /metrics every `every` seconds."""
+    """Each replica's `vllm:num_requests_running`, read from its /metrics every `every` seconds.
+
+    An eviction hands its victim's slot on at the decision: the next request may start on the replica a few
+    milliseconds before the victim's abort reaches it, so one sample can catch one request more than the slots
+    (`blips`). A replica sent more than its slots holds them as long as those requests run (a second or more at the
+    drills' sizes), so a count above the limit in every sample for HELD seconds is kept in `over`."""
 
     replicas: list[str]
     every: float = 0.05
-    limit: int = 0  # samples above it are kept in `over` (monotonic time, replica, running)
+    limit: int = 0  # samples above it: (monotonic time, replica, running)
     peaks: dict[str, int] = field(default_factory=dict)
     samples: int = 0
     over: list[tuple[float, str, int]] = field(default_factory=list)
+    blips: list[tuple[float, str, int]] = field(default_factory=list)
+    _over_since: dict[str, float] = field(default_factory=dict)  # each replica over the limit since, in a row
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -205,8 +215,13 @@ class RunningSampler:
                         continue
                     running = sum(int(float(v)) for v in _RUNNING.findall(text))
                     self.peaks[url] = max(self.peaks.get(url, 0), running)
+                    now = time.monotonic()
                     if self.limit and running > self.limit:
-                        self.over.append((time.monotonic(), url, running))
+                        self.blips.append((now, url, running))
+                        if now - self._over_since.setdefault(url, now) >= HELD:
+                            self.over.append((now, url, running))  # held, not a blip
+                    else:
+                        self._over_since.pop(url, None)
                 self.samples += 1
                 await asyncio.sleep(max(0.0, self.every - (time.monotonic() - began)))
 
