@@ -421,8 +421,11 @@ def test_gateway_page_shows_the_flow_control_leader_its_relays_and_its_last_take
             after = poll(lambda: (found := card(2)) and "under way" not in found and found, 120,
                          "the panel to show the standby's finished takeover", lambda: procs.log("flow-b")[-3000:])
             assert f':{fleet.procs["flow-b"].pid}<' in after, after
-            seconds = re.search(r'data-testid="last-takeover"[^>]*>([\d.]+) s<', after)
-            assert seconds and 6 <= float(seconds.group(1)) < 60, after  # the hold-back: 3 heartbeats + 6 s
+            took = re.search(r'data-testid="last-takeover"[^>]*>([\d.]+) (ms|s)<', after)
+            assert took, after
+            # Until the relay on the old leader's roster re-registered (a fraction of a second), at most the
+            # hold-back window (3 heartbeats + 6 s; its timer may fire late on a loaded machine).
+            assert float(took.group(1)) / (1000 if took.group(2) == "ms" else 1) < 30, after
             assert "token 2" in after and "0 running requests re-registered by 1 relay," in after, after
         finally:
             fleet.close()
