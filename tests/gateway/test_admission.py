@@ -119,7 +119,7 @@ def test_batch_reservations_keep_the_interactive_reserve():
 def test_never_fits_and_context_limits_reject_with_what_to_change():
     r = rep()
     big = setup()[0].decide(d(16 * 930, 0, prio=100), [r], 0)
-    assert big.reason is DropReason.KV_CAPACITY and "930 KV blocks of 16 tokens" in big.message
+    assert big.reason is DropReason.KV_NEVER_FITS and "930 KV blocks of 16 tokens" in big.message
     assert "lower max_tokens" in big.message
     adm, _ = setup(maxContextTokens=8000, tenantQuota=Quota(maxContextTokens=4000))
     ctx = adm.decide(d(8000, 16), [r], 0)
@@ -210,7 +210,7 @@ def test_every_sequence_reserves_its_own_output():
     assert adm.kv_tokens(d(100, 100, sequences=3), r) == 400
     assert adm.decide(d(16 * 100, 16 * 500, prio=100), [r], 0).outcome is KvOutcome.RUN  # 600 of 920 blocks
     two = adm.decide(d(16 * 100, 16 * 500, prio=100, sequences=2), [r], 0)          # 1100: never fits
-    assert two.reason is DropReason.KV_CAPACITY and "x 2 sequences" in two.message
+    assert two.reason is DropReason.KV_NEVER_FITS and "x 2 sequences" in two.message
 
 
 def test_tenant_hard_share_and_soft_share():
@@ -238,7 +238,7 @@ def test_a_tenant_holding_nothing_runs_one_request_bigger_than_its_hard_share():
     hold(ledger, r, 200, fid="t")
     second = adm.decide(d(16 * 200, 0), [r], 0)
     assert second.reason is DropReason.QUOTA and "3200 KV tokens reserved + 3200 asked" in second.message
-    assert adm.decide(d(16 * 1200, 0), [r], 0).reason is DropReason.KV_CAPACITY, "the pool itself still binds"
+    assert adm.decide(d(16 * 1200, 0), [r], 0).reason is DropReason.KV_NEVER_FITS, "the pool itself still binds"
 
 
 @pytest.mark.parametrize("quota,asked,name", [
