@@ -242,7 +242,8 @@ class KvAdmission:
         share_after = (tenant.kv_tokens + kv_tokens) / total_pool
         # A fairness id holding nothing runs one request past its share: else a request bigger than the share
         # (a long context on a small pool) would be refused "retry later" forever, with nothing of its own to end.
-        if share_after > self.cfg.tenantMaxShare and tenant.kv_tokens > 0:
+        # A share of the whole pool is no quota: what does not fit then waits for room like anyone's request.
+        if self.cfg.tenantMaxShare < 1.0 and share_after > self.cfg.tenantMaxShare and tenant.kv_tokens > 0:
             return _quota("tenantMaxShare", f"fairness id {d.fairness_id!r}", f"{self.cfg.tenantMaxShare:.2f} "
                           f"of the KV pool ({total_pool} tokens)", f"{tenant.kv_tokens} KV tokens reserved + "
                           f"{kv_tokens} asked = {share_after:.3f} of the pool")

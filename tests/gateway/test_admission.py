@@ -241,6 +241,16 @@ def test_a_tenant_holding_nothing_runs_one_request_bigger_than_its_hard_share():
     assert adm.decide(d(16 * 1200, 0), [r], 0).reason is DropReason.KV_NEVER_FITS, "the pool itself still binds"
 
 
+def test_a_tenant_allowed_the_whole_pool_waits_for_room_instead_of_being_refused():
+    """tenantMaxShare 1.0 (a lone tenant's setting): a tenant whose next request would take it past the pool is
+    not over any quota; it waits for KV room (queued until queueDeadlineMs) as any request that does not fit."""
+    adm, ledger = setup()
+    r = rep()
+    hold(ledger, r, 950, fid="t")
+    over = adm.decide(d(16 * 100, 0, prio=100), [r], 0)  # 1,050 of the pool's 1,000 blocks: no room now
+    assert (over.outcome, over.reason) == (KvOutcome.QUEUE, None), over
+
+
 @pytest.mark.parametrize("quota,asked,name", [
     (Quota(maxReservedTokens=1000), 600, "maxReservedTokens"),
     (Quota(maxActiveSequences=1), 16, "maxActiveSequences"),
