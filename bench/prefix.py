@@ -37,25 +37,33 @@ from bench.stats import bootstrap_median
 
 ARMS = ("file-order", "plan")
 MODEL = "sim-model"
+SYSTEM = "Answer from the document."
 
 
 def document(rng: random.Random, words: int) -> str:
     return " ".join(f"w{rng.randrange(50_000)}" for _ in range(words))
 
 
-def lines(documents: int, questions: int, doc_tokens: int, max_tokens: int, shared: bool, seed: int) -> bytes:
-    """The batch file: documents × questions, shuffled; `shared=False`: every line a document of its own."""
+def questions_about(documents: int, questions: int, doc_tokens: int, shared: bool, seed: int) -> list[tuple[str, str]]:
+    """Documents × questions, shuffled, as (custom id, the document then its question); `shared=False`: every
+    line a document of its own. The real-engine study (bench/real_engine/prefix.py) sends the same texts."""
     rng = random.Random(seed)
     docs = [document(rng, doc_tokens) for _ in range(documents)]
     out = []
     for d in range(documents):
         for q in range(questions):
             text = docs[d] if shared else document(rng, doc_tokens)
-            out.append({"custom_id": f"d{d}-q{q}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "messages": [
-                            {"role": "system", "content": "Answer from the document."},
-                            {"role": "user", "content": f"{text}\n\nQuestion {q}: what does it say of item {q}?"}]}})
+            out.append((f"d{d}-q{q}", f"{text}\n\nQuestion {q}: what does it say of item {q}?"))
     rng.shuffle(out)
+    return out
+
+
+def lines(documents: int, questions: int, doc_tokens: int, max_tokens: int, shared: bool, seed: int) -> bytes:
+    """The batch file: `questions_about` as chat completions."""
+    out = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "messages": [
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]}}
+           for cid, text in questions_about(documents, questions, doc_tokens, shared, seed)]
     return b"".join(json.dumps(line).encode() + b"\n" for line in out)
 
 
