@@ -28,9 +28,10 @@ class HoldbackUp:
     """`holdback up --replicas ENGINE` with a fresh data dir, as an operator starts it; the keys it made."""
 
     def __init__(self, engine: str, tmp: Path, group: int | str, pin: bool, overrides: dict | None = None,
-                 keep: Path | None = None):
+                 keep: Path | None = None, env: dict[str, str] | None = None):
         """`overrides`: merged key by key over the built-in gateway config; `keep`: where its components' logs are
-        copied when it stops. Use as `with HoldbackUp(...) as up:`."""
+        copied when it stops; `env`: more of its environment (its components' settings, e.g.
+        `HOLDBACK_PROCESSOR_PREFIX_PLAN`). Use as `with HoldbackUp(...) as up:`."""
         self.data = tmp / f"holdback-{group}"
         self.keep = keep
         config: list[str] = []
@@ -41,8 +42,8 @@ class HoldbackUp:
         api = free_port_block(4)
         gateway, m1, m2 = api + 1, api + 2, api + 3
         self.api, self.gateway = f"http://127.0.0.1:{api}", f"http://127.0.0.1:{gateway}"
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "HOLDBACK_ADMIN_KEY")}
-        env["HOLDBACK_DATA_DIR"] = str(self.data)
+        env = {**{k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "HOLDBACK_ADMIN_KEY")},
+               **(env or {}), "HOLDBACK_DATA_DIR": str(self.data)}
         self.log = tmp / f"holdback-{group}.log"
         self.proc = subprocess.Popen(
             [*pinned(RELAY_CPU, pin), *holdback("up", "--replicas", engine, "--api-port", str(api), "--gateway-port",
