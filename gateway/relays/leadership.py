@@ -16,7 +16,10 @@ as soon as every relay on it has re-registered (gateway/relays/takeover.py).
 
 A leader asked to stop hands the lease over: it stops deciding, deletes the lease only while it still holds its own
 value and, in the same script, publishes a notice on `<lease key>:released`; a standby subscribed there tries the
-lease at once instead of at its next attempt (every third of a lease), which stays the bound when a notice is lost.
+lease at once instead of at its next attempt, which stays the bound when a notice is lost. A standby turned away
+reads how long the lease has left (its `PTTL`, in the same script) and tries again as it lapses, or after a third of
+a lease if that comes first: a leader that dies is followed within its lease's remainder, never a third of a lease
+later.
 """
 
 from __future__ import annotations
@@ -45,15 +48,18 @@ MARGIN_SHARE = 0.2
 # A failed renewal is tried again after this share of a lease (never past the lease's validity).
 RETRY_SHARE = 0.1
 # The roster lasts this many leases from the renewal that wrote it: long enough for a successor to read it after
-# the lease lapsed (a standby tries the lease every third of one).
+# the lease lapsed (a standby tries the lease at the latest every third of one).
 ROSTER_LEASES = 3
+# A standby tries the lease this long after it should have lapsed: Redis expires a key on its own clock, and a
+# try a moment early would wait again.
+LAPSE_SLACK = 0.005
 
 # KEYS: the lease, the fencing-token key, the roster. ARGV: the holder, the ttl in ms, the newest token the
-# contender has seen. A taken lease answers {0, its value}; a lease taken here {token, value, the roster the last
-# leader wrote or ''}. The token never falls below one seen: a Redis restarted without its data
+# contender has seen. A taken lease answers {0, its value, the ms it has left}; a lease taken here {token, value,
+# the roster the last leader wrote or ''}. The token never falls below one seen: a Redis restarted without its data
 # (no persistence, a failover to a replica behind) would count from 1 again, and relays refuse an older token.
 _ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('GET', KEYS[1])} end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])} end
 if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3]) end
 local token = redis.call('INCR', KEYS[2])
 local value = ARGV[1] .. '#' .. token
@@ -109,6 +115,8 @@ class Leadership:
         self.handover: dict | None = None
         self._notice: dict | None = None
         self._watch = None  # the standby's subscription to `released`
+        # When the lease this standby was turned away by lapses (monotonic, from its PTTL); None: not known.
+        self.lapses_at: float | None = None
         # The relays this process serves while it leads (written at each renewal); None writes no roster.
         self.roster: Callable[[], list[str]] | None = None
         # The roster the last leader wrote, read when this process took the lease: {"token", "relays"}; None when
@@ -135,14 +143,18 @@ class Leadership:
     async def acquire(self) -> bool:
         """Take the lease if nobody holds it; True when this process now leads."""
         sent = self.clock()
-        token, value, *roster = await self._acquire(keys=[self.key, self.token_key, self.roster_key],
-                                                    args=[self.holder, self._ms(), self.newest_token])
+        token, value, *rest = await self._acquire(keys=[self.key, self.token_key, self.roster_key],
+                                                  args=[self.holder, self._ms(), self.newest_token])
         self.leader = value.decode() if isinstance(value, bytes) else value
         if self.leader and self.leader.rpartition("#")[2].isdigit():
             self.newest_token = max(self.newest_token, int(self.leader.rpartition("#")[2]))
         if not int(token):
             self._notice = None  # another took the lease the notice was about
+            # Counted from the answer, not the call: the lease lapses no sooner than that.
+            left = int(rest[0]) if rest else -1
+            self.lapses_at = self.clock() + left / 1000 if left >= 0 else None
             return False
+        roster, self.lapses_at = rest, None
         self.token, self._value, self.renewed_at, self.since = int(token), self.leader or "", sent, time.time()
         self.roster_seen, self._failure = _roster(roster[0] if roster else b""), None
         self.handover, self._notice = self._notice, None
@@ -233,27 +245,35 @@ class Leadership:
                 failing = True
             await self._pause(retry=failing)
 
+    def standby_wait(self) -> float:
+        """How long a standby waits before it tries the lease again: until the lease it was turned away by lapses,
+        at most a third of a lease (the leader may renew meanwhile, and a lease of unknown length is tried then)."""
+        if self.lapses_at is None:
+            return self.ttl / 3
+        return min(self.ttl / 3, max(0.0, self.lapses_at + LAPSE_SLACK - self.clock()))
+
     async def _pause(self, retry: bool = False) -> None:
-        """A third of a lease between two attempts (a tenth after a renewal failed, never past the lease's validity);
-        a standby's ends as soon as a leader announces it gave the lease back (a lost notice, or a subscription Redis
-        refused, leaves the third of a lease)."""
+        """A third of a lease between a leader's renewals (a tenth after one failed, never past the lease's
+        validity); a standby's `standby_wait`, ended as soon as a leader announces it gave the lease back (a lost
+        notice, or a subscription Redis refused, leaves the wait)."""
         from redis.exceptions import RedisError
 
         if self.token:
             valid = self.renewed_at + self.ttl - self.margin - self.clock()
             await asyncio.sleep(max(0.0, min(self.ttl * RETRY_SHARE, valid)) if retry else self.ttl / 3)
             return
-        started = self.clock()
+        started, wait = self.clock(), self.standby_wait()
         try:
             if self._watch is None:
                 self._watch = self.redis.pubsub()
                 await self._watch.subscribe(self.released)
                 log_event(logger, "lease_watched", holder=self.holder, channel=self.released, leader=self.leader)
-            async with asyncio.timeout(self.ttl / 3 + 1):
-                message = await self._watch.get_message(ignore_subscribe_messages=True, timeout=self.ttl / 3)
+            async with asyncio.timeout(wait + 1):
+                message = await self._watch.get_message(ignore_subscribe_messages=True,
+                                                        timeout=max(0.0, started + wait - self.clock()))
         except (RedisError, OSError, TimeoutError):
             await self.unwatch()
-            await asyncio.sleep(max(0.0, started + self.ttl / 3 - self.clock()))
+            await asyncio.sleep(max(0.0, started + wait - self.clock()))
             return
         if message is not None and message.get("type") == "message":
             try:

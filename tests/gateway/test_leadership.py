@@ -14,7 +14,7 @@ import pytest
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.relays.leadership import MARGIN_SHARE, Leadership
+from gateway.relays.leadership import LAPSE_SLACK, MARGIN_SHARE, Leadership
 from tests.support import free_port
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -83,6 +83,31 @@ def test_a_leader_that_stops_renewing_is_followed_by_another_with_a_higher_token
             assert not a.leads() and a.token == 0
             await _until(lambda: told == [True, False])
             contending.cancel()
+        finally:
+            await _cleanup(redis, a)
+
+    asyncio.run(run())
+
+
+def test_a_standby_tries_again_as_the_lease_it_was_turned_away_by_lapses():
+    """Not a third of a lease later: a leader killed just after a renewal is followed within its lease's remainder
+    (the fleet's takeover bound), and a lease renewed meanwhile is waited for again, a third of a lease at most."""
+    async def run():
+        clock = Clock()
+        redis, (a, b) = await _contenders(2, ttl=30, clock=clock)
+        try:
+            assert b.standby_wait() == 10  # nothing read yet: a third of a lease
+            assert await a.acquire() and not await b.acquire()
+            assert b.standby_wait() == 10  # the lease has 30 s left: a third of it first
+            await redis.pexpire(a.key, 2000)  # as if a had renewed 28 s ago and died
+            assert not await b.acquire()
+            assert 1.5 < b.standby_wait() <= 2.0 + LAPSE_SLACK  # its remainder, by the answer's clock
+            clock.now += 1.0
+            assert 0.5 < b.standby_wait() <= 1.0 + LAPSE_SLACK
+            clock.now += 5.0
+            assert b.standby_wait() == 0.0  # lapsed: try at once
+            await redis.delete(a.key)
+            assert await b.acquire() and b.lapses_at is None
         finally:
             await _cleanup(redis, a)
 
