@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +76,11 @@ def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
 
 
 def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
-               block_size: int | None = None, cpu: int = ENGINE_CPU, kv_blocks: int | None = None) -> str:
+               block_size: int | None = None, cpu: int = ENGINE_CPU, kv_blocks: int | None = None,
+               flags: Sequence[str] = ()) -> str:
     """vLLM on `cpu` alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
-    blocks' tokens (None: the CPU backend's 128); `kv_blocks` the KV-bound replica's pool (None: 1 GiB)."""
+    blocks' tokens (None: the CPU backend's 128); `kv_blocks` the KV-bound replica's pool (None: 1 GiB); `flags`
+    more of vLLM's own (a study's step token budget)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -89,6 +91,7 @@ def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: in
            "--dtype", "float32", "--max-num-seqs", str(slots), "--scheduling-policy", "priority"]
     cmd += kv_bound_args(kv_blocks) if kv_blocks else ["--max-model-len", str(CONTEXT)]
     cmd += ["--block-size", str(block_size)] if block_size else []
+    cmd += list(flags)
     log = tmp / f"vllm-{cpu}.log"
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -121,9 +124,11 @@ class StartedEngine:
 
 
 @contextlib.contextmanager
-def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Iterator[StartedEngine]:
+def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str, kv_blocks: int | None = None,
+               vllm_flags: Sequence[str] = ()) -> Iterator[StartedEngine]:
     """The run's one engine (`--engine`: vllm, or the simulator with `--sim-arg`s), stopped with its scratch
-    directory at the end; pinned, this process moves to the other CPU."""
+    directory at the end; pinned, this process moves to the other CPU. `kv_blocks`, `vllm_flags`: vLLM's, as
+    `start_vllm` takes them."""
     pin = args.engine == "vllm" and not args.unpinned
     if pin:
         os.sched_setaffinity(0, {RELAY_CPU})
@@ -132,7 +137,8 @@ def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str
     try:
         if args.engine == "vllm":
             python, model_path = engine_paths(p)
-            url = start_vllm(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU)
+            url = start_vllm(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU, kv_blocks=kv_blocks,
+                             flags=vllm_flags)
         else:
             # Prefix caching on, as vLLM (V1) has it by default: a resumed request finds its kept prefix cached.
             url = start_sim(children, tmp, ["--replicas", "1", "--scheduling-policy", "priority",
