@@ -36,10 +36,13 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 
 from bench.lib.engines import one_engine, wait_idle
 from bench.lib.holdback_up import HoldbackUp, create_batch, finished, upload, warm_up
+from bench.lib.process_cpu import CpuSampler
 from bench.lib.traffic import schedule
+from bench.real_engine.study import cpu_role
 from bench.real_engine.traffic import BROKEN, Streamed, prompt, stream
 from bench.stats import bootstrap_median, percentile, verdict
 
@@ -65,6 +68,9 @@ class MakespanRun:
     slots_known: int | None = None
     # How far the engine's counters moved during the arm (its steps, prompt and output tokens): where the time went.
     engine: dict[str, float] = field(default_factory=dict)
+    # CPU seconds each part spent during the arm: vLLM's API server and its engine (core and worker), holdback's
+    # processes, this process (the load). On this machine the API server shares the engine's core.
+    cpu: dict[str, float] = field(default_factory=dict)
     evictions: list[int] = field(default_factory=list)  # per row (holdback)
     eviction_waits: list[float] = field(default_factory=list)  # evicted attempt's end → the row's next attempt
 
@@ -109,8 +115,6 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
         done = asyncio.Event()
         rt = asyncio.create_task(realtime(session, engine, {"X-Vllm-Priority": "-100"}, lines[0]["model"],
                                           args.rate, args.seed + group, done, run))
-        start = time.monotonic()
-
         # With --workers-streaming, the workers' own stream options (a usage object on every event).
         extra = {"stream_options": WORKERS_STREAM_OPTIONS} if args.workers_streaming else {}
 
@@ -118,8 +122,11 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
             got = await stream(session, engine, {**body, **extra}, {"X-Vllm-Priority": "10"})
             run.lines_failed += not (got.status == 200 and got.finished)
 
-        await asyncio.gather(*(line(body) for body in lines))
-        run.makespan = time.monotonic() - start
+        with CpuSampler(cpu_part, interval=0.5) as sampler:
+            start = time.monotonic()
+            await asyncio.gather(*(line(body) for body in lines))
+            run.makespan = time.monotonic() - start
+        run.cpu = cpu_seconds(sampler)
         run.engine = counters_since(engine, before)
         done.set()
         await rt
@@ -140,10 +147,12 @@ async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: arg
             done = asyncio.Event()
             rt = asyncio.create_task(realtime(session, up.gateway, up.realtime, lines[0]["model"], args.rate,
                                               args.seed + group, done, run))
-            start, posted = time.monotonic(), time.time()
-            batch = await create_batch(api, file_id)
-            batch = await finished(api, batch, start, args, up.log)
-            run.makespan, seen = time.monotonic() - start, time.time()
+            with CpuSampler(cpu_part, interval=0.5) as sampler:
+                start, posted = time.monotonic(), time.time()
+                batch = await create_batch(api, file_id)
+                batch = await finished(api, batch, start, args, up.log)
+                run.makespan, seen = time.monotonic() - start, time.time()
+            run.cpu = cpu_seconds(sampler)
             done.set()
             await rt
     counts = batch["request_counts"]
@@ -154,6 +163,20 @@ async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: arg
     run.lead_in = min(row["first_attempt_at"] or seen for row in rows) - posted
     run.lead_out = seen - max(row["finished_at"] or posted for row in rows)
     return run
+
+
+def cpu_part(proc: psutil.Process) -> str | None:
+    """What a process of the run is, for its CPU seconds: vLLM's parts as the real-engine study names them, else
+    holdback (`holdback up` and what it starts) or the simulator."""
+    part = cpu_role(proc)
+    if part is None or part == "gateway":
+        return "holdback"
+    return part
+
+
+def cpu_seconds(sampler: CpuSampler) -> dict[str, float]:
+    shares = sampler.shares
+    return {part: round(cores * shares.seconds, 2) for part, cores in shares.by_role.items()} if shares else {}
 
 
 def eviction_record(up: HoldbackUp, batch_id: str) -> tuple[list[dict], list[float]]:
@@ -236,9 +259,24 @@ def summarise(runs: list[MakespanRun]) -> dict:
         "evictions_per_group": [sum(r.evictions) for r in ours],
         "longest_eviction_wait_s": max((max(r.eviction_waits, default=0.0) for r in ours), default=0.0),
         "median_eviction_wait_s": percentile([w for r in ours for w in r.eviction_waits], 0.5),
+        "engine_cpu_seconds_ratio": {part: bootstrap_median(per_group).as_dict() for part, per_group in
+                                     cpu_ratios(runs, groups).items()},
         "lines_failed": sum(r.lines_failed for r in runs),
         "realtime_failed": sum(r.realtime_failed for r in runs),
     }
+
+
+def cpu_ratios(runs: list[MakespanRun], groups: list[int]) -> dict[str, list[float]]:
+    """Per group, the CPU seconds each of the engine's parts spent in holdback's arm ÷ in vLLM priority's (where
+    the engine spent the makespan's difference; the real engine only)."""
+    by = {(r.arm, r.group): r for r in runs}
+    out: dict[str, list[float]] = {}
+    for part in ("vLLM API server", "vLLM engine"):
+        for g in groups:
+            ours, theirs = by.get(("holdback", g)), by.get(("vllm-priority", g))
+            if ours and theirs and theirs.cpu.get(part):
+                out.setdefault(part, []).append(ours.cpu.get(part, 0.0) / theirs.cpu[part])
+    return out
 
 
 def markdown(summary: dict, args: argparse.Namespace) -> str:
@@ -259,6 +297,8 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
         f"; eviction → next attempt: median {summary['median_eviction_wait_s'] or 0:.3f} s, longest "
         f"{summary['longest_eviction_wait_s']:.3f} s",
         f"- lines not completed {summary['lines_failed']}; realtime without a first token {summary['realtime_failed']}",
+        *(f"- {part}'s CPU seconds, holdback ÷ vLLM priority: {fig(e)}"
+          for part, e in summary["engine_cpu_seconds_ratio"].items()),
     ])
 
 

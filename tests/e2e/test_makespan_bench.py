@@ -27,6 +27,9 @@ def test_a_small_makespan_run_on_the_simulator(tmp_path):
     for run in runs.values():
         assert run["lines_failed"] == 0 and run["realtime_failed"] == 0 and run["makespan"] > 0
         assert run["ttft"] and run["engine"]["generated"] > 0
+    # Where the engine's CPU went in each arm: the simulator served both, holdback's processes only one.
+    assert runs["vllm-priority"]["cpu"]["simulator"] > 0 and "holdback" not in runs["vllm-priority"]["cpu"]
+    assert runs["holdback"]["cpu"]["simulator"] > 0 and runs["holdback"]["cpu"]["holdback"] > 0
     ours = runs["holdback"]
     assert len(ours["evictions"]) == 40 and len(ours["eviction_waits"]) == sum(ours["evictions"])
     summary = record["summary"]
