@@ -215,3 +215,54 @@ def test_on_one_host_a_silent_peer_is_not_cut_off_only_a_closed_one():
         return open_while_silent, channel.closed
 
     assert asyncio.run(run()) == (True, True)
+
+
+class _Writes:
+    """A stream writer that keeps each write, to see how the channel groups its frames."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_extra_info(self, name: str):
+        return ("127.0.0.1", 1) if name == "peername" else None
+
+    def close(self) -> None:
+        pass
+
+
+def _kinds(write: bytes, opener: FrameSeal) -> list[str]:
+    kinds = []
+    while write:
+        size = m.frame_length(write[:m.LENGTH.size], 1 << 20)
+        kinds.append(m.decode(opener.open(write[m.LENGTH.size:m.LENGTH.size + size])).kind)
+        write = write[m.LENGTH.size + size:]
+    return kinds
+
+
+def test_messages_telling_what_happened_go_out_with_the_next_one_something_waits_for_in_one_write():
+    """Started, Revise and Finished wait (at most `FLUSH_DELAY`) for the next message a peer acts on, and go
+    out with it in one write, in order: one wake-up of the peer's event loop, not three. Alone, they go out after
+    the delay; a channel closing writes them first."""
+    async def run():
+        writes, opener = _Writes(), FrameSeal(b"j" * 32, b"k" * 32)
+        channel = Channel(asyncio.StreamReader(), writes, FrameSeal(b"k" * 32, b"j" * 32))
+        channel.send(m.Started(rid=1))
+        channel.send(m.Finished(rid=1, cause="end", event_at=1.0))
+        assert writes.writes == []
+        channel.send(m.Withdraw(rid=2, at=2.0))
+        assert [_kinds(w, opener) for w in writes.writes] == [["started", "finish", "withdraw"]]
+        channel.send(m.Revise(rid=3, output_tokens=5, done=False))
+        async with asyncio.timeout(30):
+            while len(writes.writes) < 2:
+                await asyncio.sleep(0.001)
+        assert _kinds(writes.writes[1], opener) == ["revise"]
+        channel.send(m.Started(rid=4))
+        channel.close()
+        assert [_kinds(w, opener) for w in writes.writes[2:]] == [["started"]]
+        channel.send(m.Started(rid=5))  # closed: nothing more is written
+        assert len(writes.writes) == 3
+
+    asyncio.run(run())
