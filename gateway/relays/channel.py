@@ -8,12 +8,6 @@ frame that passes its MAC but is not a message of this protocol is logged and sk
 frame limit closes the channel (what follows it cannot be found). Each end sends a `ChannelHeartbeat` every
 `heartbeat` seconds and closes a channel whose peer sent nothing for three of the peer's heartbeats
 (`channel_peer_silent`).
-
-A message that only tells the other end what already happened (`DEFERRABLE`: a stream started, grew or ended)
-waits up to `FLUSH_DELAY` for company: it goes out with the next message something waits for (a submission, a
-decision, a call), or with the others that came meanwhile, in one write. Order is kept. Each write wakes the
-peer's event loop, and a wake-up, not a message's few microseconds of work, is most of what a message costs a
-leader serving many relays.
 """
 
 from __future__ import annotations
@@ -28,15 +22,12 @@ from gateway.log import log_event
 from pydantic import JsonValue
 
 from gateway.relays.handshake import MAX_SEALED_FRAME, FrameSeal, PeerRefused, Role, Standby, handshake
-from gateway.relays.messages import (LENGTH, Answer, Call, CallName, ChannelHeartbeat, Fallbacks, Finished, Malformed,
-                                     Message, MidStream, Revise, Started, decode, dump, frame_length)
+from gateway.relays.messages import (LENGTH, Answer, Call, CallName, ChannelHeartbeat, Malformed, Message, decode,
+                                     dump, frame_length)
 
 logger = logging.getLogger("gateway.channel")
 # A peer silent for this many of its heartbeats is gone.
 SILENT_HEARTBEATS = 3
-# What may wait for company, and how long at most (a slot freed is told to flow control this much later).
-DEFERRABLE = (Started, Revise, Finished, MidStream, Fallbacks)
-FLUSH_DELAY = 0.002
 
 
 class ChannelClosed(ConnectionError):
@@ -65,36 +56,11 @@ class Channel:
         self.refused = 0
         # Why the channel closed, once it has ("" when the peer closed it or this end stopped).
         self.reason = ""
-        # Sealed frames of deferrable messages not written yet, and the timer that writes them.
-        self._pending: list[bytes] = []
-        self._flush_at: asyncio.TimerHandle | None = None
 
     def send(self, message: Message) -> None:
         if self.closed:
             return
-        frame = self.seal.seal(dump(message))
-        if isinstance(message, DEFERRABLE):
-            self._pending.append(frame)
-            if self._flush_at is None:
-                try:
-                    self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY, self.flush)
-                except RuntimeError:  # no loop runs (a caller outside one): nothing would write it later
-                    self.flush()
-            return
-        if self._pending:
-            self._pending.append(frame)
-            self.flush()
-        else:
-            self.writer.write(frame)
-
-    def flush(self) -> None:
-        """Write the deferred messages now, in one write."""
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
-        if self._pending and not self.closed:
-            self.writer.write(b"".join(self._pending))
-        self._pending.clear()
+        self.writer.write(self.seal.seal(dump(message)))
 
     async def call(self, name: CallName, *args: JsonValue, timeout: float = 30.0) -> JsonValue:
         """Ask the other end and wait for its answer."""
@@ -188,7 +154,6 @@ class Channel:
     def close(self) -> None:
         if self.closed:
             return
-        self.flush()
         self.closed = True
         for future in self._calls.values():
             if not future.done():
