@@ -22,7 +22,8 @@ ARMS = ("realtime-alone", "vllm-alone", "admission-off", "admission-on")
 ONE_REQUEST_BLOCKS = math.ceil(1500 / 128)
 
 
-def _runs(raw: dict, drill: str, arm: str) -> dict[int, dict]:
+def runs_of(raw: dict, drill: str, arm: str) -> dict[int, dict]:
+    """One drill's runs of one arm, by group."""
     return {r["group"]: r for r in raw["runs"] if r["drill"] == drill and r["arm"] == arm}
 
 
@@ -75,7 +76,7 @@ def summarise(raw: dict) -> dict:
     drills = sorted({r["drill"] for r in raw["runs"]}, key=lambda d: [r["drill"] for r in raw["runs"]].index(d))
     out = {}
     for drill in drills:
-        arm = {a: _runs(raw, drill, a) for a in ("realtime-alone", "vllm-alone", "admission-off", "admission-on")}
+        arm = {a: runs_of(raw, drill, a) for a in ("realtime-alone", "vllm-alone", "admission-off", "admission-on")}
         pre = {a: sum(r["preemptions"] or 0 for r in arm[a].values()) for a in ("vllm-alone", "admission-off",
                                                                                 "admission-on")}
         out[drill] = {
@@ -95,7 +96,7 @@ def summarise(raw: dict) -> dict:
                                       for a in arm},
             "ledger_gap": ledger_gap(arm["admission-on"]),
         }
-        tuned = _runs(raw, drill, "admission-tuned")
+        tuned = runs_of(raw, drill, "admission-tuned")
         if tuned:
             out[drill]["tuned"] = {
                 "preemptions": sum(r["preemptions"] or 0 for r in tuned.values()),
@@ -169,6 +170,10 @@ def write_report(out: Path) -> str:
     raw = json.loads((out / "raw" / "runs.json").read_text())
     summary = summarise(raw)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    text = markdown(raw, summary)
+    # Imported here: the plots take this module's figures, and summarising needs no matplotlib.
+    from bench.real_engine import kv_drills_plots
+
+    plots = kv_drills_plots.make_plots(out, raw, summary)
+    text = markdown(raw, summary) + "\n".join(kv_drills_plots.markdown(plots)) + "\n"
     (out / "report.md").write_text(text)
     return text

@@ -1,11 +1,13 @@
 """The real-engine KV drills' figures (bench/real_engine/kv_drills_report.py) from hand-made runs: ratios taken
-within a group, preemptions summed over the groups, the ledger against vLLM's usage."""
+within a group, preemptions summed over the groups, the ledger against vLLM's usage; the report's plots."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from bench.real_engine.kv_drills_report import ledger_gap, summarise
+from bench.real_engine.kv_drills_report import ledger_gap, summarise, write_report
 
 
 def run(arm: str, group: int, *, ttft=(), tokens=0, steps=None, preemptions=0, samples=(), window=None) -> dict:
@@ -65,3 +67,22 @@ def test_the_ledger_gap_in_the_window_leaves_out_the_streams_closed_at_its_end()
     gap = ledger_gap(runs)
     assert gap["samples"] == 2 and gap["worst_under_blocks"] == 0.0
     assert gap["worst_under_blocks_whole_run"] == 25.0
+
+
+def test_the_report_draws_each_drills_kv_blocks_and_the_goal_ratios_and_links_them(tmp_path):
+    samples = [(0.1 * i, 30, 24.0) for i in range(40)]
+    runs = [run("realtime-alone", g, ttft=[0.1] * 20) for g in (0, 1)]
+    runs += [run("vllm-alone", g, tokens=1000, steps=500, preemptions=3, window=[1.0, 3.0],
+                 samples=[(t, None, 39.0) for t, _, _ in samples]) for g in (0, 1)]
+    runs += [run("admission-on", g, ttft=[0.11] * 20, tokens=700, steps=500, window=[1.0, 3.0], samples=samples)
+             for g in (0, 1)]
+    runs += [run("admission-tuned", 0, ttft=[0.12] * 20, tokens=800, steps=500, samples=samples)]
+    raw = {"args": {"groups": "2", "window": "2.0", "seed": "47", "tuned": "interactiveReserve: 0.1"},
+           "favoured": True, "engine": {"kv_blocks": 40, "block_size": 128, "slots": 8, "cpu": 0}, "runs": runs}
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "runs.json").write_text(json.dumps(raw))
+    report = write_report(tmp_path)
+    for name in ("kv_blocks_surge.png", "goal_ratios.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+        assert f"]({name})" in report
+    assert (tmp_path / "report.md").read_text() == report
