@@ -130,10 +130,12 @@ def test_a_channel_closes_on_a_frame_that_fails_its_mac_saying_why(caplog):
 def test_a_channel_beats_and_closes_when_its_peer_is_silent_for_three_heartbeats(caplog):
     async def run() -> tuple[Channel, float, bytes]:
         ours, theirs, seal, peer = _channel_pair(tcp=True)
+        # Timed from before the channel exists: it counts silence from its making, and awaiting the other end's
+        # connection can take a while on a loaded machine.
+        started = asyncio.get_running_loop().time()
         channel = Channel(*await asyncio.open_connection(sock=ours), seal, peer="silent peer", heartbeat=0.05,
                           peer_heartbeat=0.1)
         reader, _writer = await asyncio.open_connection(sock=theirs)
-        started = asyncio.get_running_loop().time()
         async with asyncio.timeout(30):
             await channel.serve(lambda message: None)
             beats = await reader.read()
