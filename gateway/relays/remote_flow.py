@@ -163,9 +163,10 @@ class RemotePools:
         return len(waiting)
 
     def lost(self) -> None:
-        """Flow control is gone and the relay stops: it cancels what it holds."""
+        """Flow control is gone and the relay stops: it cancels what it holds, but not what it already refused
+        (`refuse_waiting` at its drain deadline): that one's handler answers its 503 as the relay closes."""
         for req in list(self.requests.values()):
-            if req.task is not None:
+            if req.task is not None and req.status is not Status.REJECTED:
                 req.task.cancel()
 
 
