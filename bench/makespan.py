@@ -279,10 +279,15 @@ def cpu_ratios(runs: list[MakespanRun], groups: list[int]) -> dict[str, list[flo
     return out
 
 
+def fig(e: dict) -> str:
+    """A median and its interval, as the reports print them."""
+    if e.get("value") is None:
+        return "—"
+    interval = f" [{e['lo']:.3f}, {e['hi']:.3f}]" if e.get("lo") is not None else ""
+    return f"{e['value']:.3f}{interval}"
+
+
 def markdown(summary: dict, args: argparse.Namespace) -> str:
-    def fig(e: dict) -> str:
-        interval = f" [{e['lo']:.3f}, {e['hi']:.3f}]" if e.get("lo") is not None else ""
-        return f"{e['value']:.3f}{interval}" if e.get("value") is not None else "—"
     m, lat = summary["makespan_ratio"], summary["realtime_p95_ratio"]
     return "\n".join([
         f"Makespan ({args.engine}{', slots told' if args.slots_known else ''}"

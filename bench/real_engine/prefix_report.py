@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.makespan import fig
 from bench.report.pyplot import pyplot
 from bench.stats import bootstrap_median, verdict
 
@@ -75,14 +76,6 @@ def summarise(runs: list[dict]) -> dict:
     return {"groups": len({r["group"] for r in runs}), "ratios": ratios, "hit_rate": hit_rate,
             "lines_failed": sum(r["lines_failed"] for r in runs),
             "realtime_failed": sum(r["realtime_failed"] for r in runs), "evictions_per_group": evictions}
-
-
-def fig(e: dict) -> str:
-    """A median and its interval, as the reports print them."""
-    if e.get("value") is None:
-        return "—"
-    interval = f" [{e['lo']:.3f}, {e['hi']:.3f}]" if e.get("lo") is not None else ""
-    return f"{e['value']:.3f}{interval}"
 
 
 def markdown(summary: dict, args: argparse.Namespace) -> str:
