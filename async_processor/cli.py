@@ -76,9 +76,9 @@ def _parser(env: WorkerSettings) -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=env.stream_interval,
                    help="ask vLLM to send a resumable (streamed) request's tokens this many per event: fewer events "
                         "cost the replica's API server, the gateway and the worker less per token; an eviction "
-                        "loses at most this many unsent tokens. Needs a vLLM that knows the per-request "
-                        "stream_interval (0.32 does); 1 sends every token and not the field (HOLDBACK_WORKER_STREAM_INTERVAL; default "
-                        "%(default)s)")
+                        "loses at most this many unsent tokens, decoded again. A vLLM that does not know the "
+                        "per-request stream_interval (older than 0.32) ignores it; 1 sends every token and not the "
+                        "field (HOLDBACK_WORKER_STREAM_INTERVAL; default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="DEBUG also logs every successful request (default %(default)s)")
     return flags_from_env(p, "worker")

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from holdback.contract import cancel_channel
 from holdback.attempts import Jitter, RetryPolicy
+from holdback.attempts.resume import STREAM_INTERVAL
 
 
 class WorkerSettings(BaseSettings):
@@ -32,7 +33,7 @@ class WorkerSettings(BaseSettings):
     db_lanes: int = Field(2, description="database threads, each grouping waiting calls into one transaction (SQLite: 1)")
     probe_interval: float = Field(1.0, description="seconds between probes of the gateway while its circuit is open")
     resume: bool = Field(True, description="an evicted streamed request continues from its partial output")
-    stream_interval: int = Field(1, description="tokens per event of a resumable stream (vLLM's "
+    stream_interval: int = Field(STREAM_INTERVAL, description="tokens per event of a resumable stream (vLLM's "
                                  "stream_interval; 1: every token, the field not sent)")
 
 
@@ -56,7 +57,7 @@ class WorkerConfig:
     probe_interval: float = 1.0
     db_lanes: int = 2
     resume: bool = True
-    stream_interval: int = 1
+    stream_interval: int = STREAM_INTERVAL
     burst: bool = False
     metrics_port: int | None = None
     drain_timeout: float = 30.0

@@ -50,6 +50,8 @@ ARMS = ("vllm-priority", "holdback")
 MAKESPAN_GOAL, REALTIME_GOAL = 1.03, 0.2
 # What the workers ask of a resumable stream besides `return_token_ids` (holdback/attempts/resume.py).
 WORKERS_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+# The workers' default tokens per event of such a stream (`holdback worker --stream-interval`).
+WORKERS_STREAM_INTERVAL = 8
 
 
 @dataclass
@@ -116,7 +118,10 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
         rt = asyncio.create_task(realtime(session, engine, {"X-Vllm-Priority": "-100"}, lines[0]["model"],
                                           args.rate, args.seed + group, done, run))
         # With --workers-streaming, the workers' own stream options (a usage object on every event).
+        # With --stream-interval N as well, the events N tokens at a time, as the workers ask then.
         extra = {"stream_options": WORKERS_STREAM_OPTIONS} if args.workers_streaming else {}
+        if args.workers_streaming and args.stream_interval > 1:
+            extra["stream_interval"] = args.stream_interval
 
         async def line(body: dict) -> None:
             got = await stream(session, engine, {**body, **extra}, {"X-Vllm-Priority": "10"})
@@ -292,6 +297,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join([
         f"Makespan ({args.engine}{', slots told' if args.slots_known else ''}"
         f"{', vLLM fed the workers streaming' if args.workers_streaming else ''}"
+        f", workers --stream-interval {args.stream_interval}"
         f"{'' if args.warm_up else ', no warm-up'}, {args.lines} lines of {args.tokens[0]}–{args.tokens[1]} tokens, realtime "
         f"{args.rate}/s, {summary['groups']} groups)",
         f"- makespan, holdback ÷ vLLM priority: {fig(m)} (per group {', '.join(f'{x:.3f}' for x in m['per_group'])}); "
@@ -322,13 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers-streaming", action="store_true",
                    help="feed vLLM priority the lines with the workers' stream options (a usage object on every "
                         "event), so the ratio leaves out what those cost the engine's API server")
+    p.add_argument("--stream-interval", type=int, default=WORKERS_STREAM_INTERVAL,
+                   help="the workers' --stream-interval (tokens per event of a batch stream; 1: every token; "
+                        "default %(default)s, the workers' own)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="measure a stack's very first batch (by default a first batch without realtime runs before "
                         "the measured one, as in a stack already serving: the gateway learns the engine's slots)")
     common_arguments(p, timeout=1800.0)
     args = p.parse_args(argv)
-    if args.rate <= 0 or args.lines < 1 or args.groups < 1:
-        p.error("--rate, --lines and --groups must be positive")
+    if args.rate <= 0 or args.lines < 1 or args.groups < 1 or args.stream_interval < 1:
+        p.error("--rate, --lines, --groups and --stream-interval must be positive")
+    env = {"HOLDBACK_WORKER_STREAM_INTERVAL": str(args.stream_interval)}
     runs: list[MakespanRun] = []
     with one_engine(p, args, "hb-makespan-") as engine:
         lines = batch_lines(args.seed, args.lines, args.tokens, engine.model)
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     # With --slots-known, the engine's slots told, as an operator who knows them does.
                     told = {"engine": {"maxNumSeqs": args.slots}} if args.slots_known else None
                     with HoldbackUp(engine.url, engine.tmp, group, engine.pin, told,
-                                    args.out / "logs" / f"group-{group}" if args.out else None) as up:
+                                    args.out / "logs" / f"group-{group}" if args.out else None, env) as up:
                         run = asyncio.run(holdback_arm(up, engine.url, lines, args, group))
                 runs.append(run)
                 print(f"group {group} {arm}: makespan {run.makespan:.1f} s (lead-in {run.lead_in:.1f}, lead-out "

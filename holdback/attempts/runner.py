@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from holdback import tracing
 from holdback.attempts.lanes import DatabaseLane
 from holdback.attempts.outcomes import Reply
-from holdback.attempts.resume import attempt_tokens, plan_attempt, send_headers, streamed_reply
+from holdback.attempts.resume import STREAM_INTERVAL, attempt_tokens, plan_attempt, send_headers, streamed_reply
 from holdback.attempts.retry import RetryPolicy
 from holdback.attempts.send import send_plain, send_streamed
 from holdback.attempts.transactions import OpenAttempt, Recorded, Skip, open_attempt, record_attempt
@@ -50,7 +50,7 @@ class Runtime:
     request_timeout: float
     resume: bool = True  # evicted streams continue from their partial output (False: they restart)
     # Tokens per event of a resumable stream (vLLM's `stream_interval`; 1: every token, and the field not sent).
-    stream_interval: int = 1
+    stream_interval: int = STREAM_INTERVAL
     owns_engine: bool = True  # close() disposes the engine (False: it belongs to the caller)
     _next_lane: int = 0
 
@@ -63,7 +63,7 @@ class Runtime:
     @classmethod
     def over(cls, sessions: sessionmaker[Session], *, gateway_url: str, gateway_key: str | None,
              policy: RetryPolicy, worker_name: str, request_timeout: float, db_lanes: int = 2, resume: bool = True,
-             stream_interval: int = 1, owns_engine: bool = True, lane_name: str = "db") -> "Runtime":
+             stream_interval: int = STREAM_INTERVAL, owns_engine: bool = True, lane_name: str = "db") -> "Runtime":
         """A runtime whose database lanes use these sessions."""
         # SQLite has one writer at a time: more lanes would only queue on its lock.
         n = 1 if sessions.kw["bind"].dialect.name == "sqlite" else max(1, db_lanes)

@@ -288,10 +288,10 @@ def test_eviction_parks_the_row_honours_retry_after_and_then_succeeds(stack, scr
             assert h["x-llm-d-inference-fairness-id"] == tenant_id
             assert h["authorization"] == "Bearer gw-secret"
             assert abs(int(h["x-holdback-deadline"]) - rows[0].created_at - 3600) < 60
-            # A resumable chat request is asked for streamed with its token ids (to resume from them), and says
-            # it can resume.
+            # A resumable chat request is asked for streamed with its token ids (to resume from them), 8 tokens
+            # an event, and says it can resume.
             assert json.loads(call["body"]) == {**CHAT, "stream": True, "return_token_ids": True, "stream_options": {
-                "include_usage": True, "continuous_usage_stats": True}}
+                "include_usage": True, "continuous_usage_stats": True}, "stream_interval": 8}
             assert h["x-holdback-resumable"] == "1"
     poll(lambda: metric(proc.metrics_url, "holdback_worker_evictions_total") == 3, 20, "three evictions counted")
     assert metric(proc.metrics_url, "holdback_worker_retries_total", outcome="evicted") == 3

@@ -24,6 +24,9 @@ from tests.async_processor.test_worker_integration import CHAT, ScriptedGateway,
 COMPLETION = {"model": "sim-model", "prompt": "Once upon a time", "max_tokens": 12}
 LONG_CHAT = {**CHAT, "max_tokens": 12}
 SIM_ARGS = ("--decode-base-ms", "1", "--step-overhead-ms", "0.5")
+# The tests that cut a stream after so many of its events and count the tokens kept ask for every token in its own
+# event (the workers send 8 a time by default: test_with_a_stream_interval_... covers that).
+EVERY_TOKEN = ("--stream-interval", "1")
 
 
 class EvictingGateway(ScriptedGateway):
@@ -133,7 +136,7 @@ def test_an_evicted_request_resumes_and_ends_with_the_uninterrupted_text(stack, 
     sim = stack.sim(*SIM_ARGS)
     gw = evicting(sim, cuts={1: 5, 2: 3})  # evicted twice: after 5 tokens, then after 3 more
     _, _, row_ids = stack.batch(1, body, url=url)
-    stack.worker(gw.url)
+    stack.worker(gw.url, *EVERY_TOKEN)
     (row,) = stack.wait_final(row_ids)
     assert (row.status, row.attempts, row.evictions) == ("succeeded", 3, 2)
     expected = direct(sim, url, body)
@@ -195,7 +198,7 @@ def test_with_prefix_caching_a_resumed_attempt_finds_its_prompt_and_partial_outp
     sim = stack.sim(*SIM_ARGS, "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", "16")
     gw = evicting(sim, cuts={1: 40})
     _, _, row_ids = stack.batch(1, body, url=url)
-    stack.worker(gw.url)
+    stack.worker(gw.url, *EVERY_TOKEN)
     (row,) = stack.wait_final(row_ids)
     assert text_of(output_line(row)["response"]["body"]) == output_text(0, 80)
     a1, a2 = stack.attempts(row.id)
@@ -224,7 +227,7 @@ def test_with_resume_off_an_evicted_stream_restarts_and_counts_the_decode_it_rep
     sim = stack.sim(*SIM_ARGS)
     gw = evicting(sim, cuts={1: 5})
     _, _, row_ids = stack.batch(1, LONG_CHAT)
-    stack.worker(gw.url, "--no-resume")
+    stack.worker(gw.url, "--no-resume", *EVERY_TOKEN)
     (row,) = stack.wait_final(row_ids)
     first, second = (c["body"] for c in gw.calls[row.id])
     assert first == second, "the retry sends the original request again"

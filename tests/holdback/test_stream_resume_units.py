@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from holdback.attempts.resume import Carryover, SendPlan, plan_attempt, resumable, streamed_reply
+from holdback.attempts.resume import STREAM_INTERVAL, Carryover, SendPlan, plan_attempt, resumable, streamed_reply
 from holdback.attempts.outcomes import classify
 from holdback.attempts.stream import StreamAssembly, StreamedReply, TokenSums, cut_reply, summed_usage
 from holdback.attempts.transactions import OpenAttempt
@@ -79,6 +79,17 @@ def test_a_stream_interval_is_asked_of_resumable_streams_only_and_a_callers_own_
     assert sent(CHAT, {**chat, "stream_interval": 4}, 16)["stream_interval"] == 4
     not_resumable = {**chat, "n": 2}
     assert "stream_interval" not in sent(CHAT, not_resumable, 16), "a request sent as it is gets nothing added"
+
+
+def test_the_workers_default_stream_options_are_the_ones_the_makespan_bench_feeds_vllm():
+    # `bench.makespan --workers-streaming` feeds vLLM priority what the workers ask of a batch stream by default; a
+    # benchmark uses public interfaces only, so it keeps its own copy, which must follow the workers'.
+    from bench.makespan import WORKERS_STREAM_INTERVAL, WORKERS_STREAM_OPTIONS
+
+    body = json.loads(plan_attempt(an_attempt(COMPLETIONS, {"prompt": "hi", "max_tokens": 5}), Carryover(),
+                                   resume=True).body)
+    assert body["stream_options"] == WORKERS_STREAM_OPTIONS
+    assert body["stream_interval"] == STREAM_INTERVAL == WORKERS_STREAM_INTERVAL == 8
 
 
 def events(*payloads: dict | str) -> StreamAssembly:
