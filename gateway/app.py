@@ -57,6 +57,7 @@ class Gateway:
         # How this process stops on SIGTERM (gateway/relays/drain.py); flow control adds its relays' drains.
         self.drain = Drain()
         self.drain.on_deadline.append(lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN))
+        self.drain.on_deadline.append(lambda: self.proxy.refuse_unanswered(DropReason.SHUTTING_DOWN))
         self.drains = DrainCollector(self.drain)
         self.metrics.registry.register(self.drains)
         self._session: aiohttp.ClientSession | None = None

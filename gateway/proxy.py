@@ -35,6 +35,7 @@ from gateway.bodies import document, prefix_blocks, responses_as_chat, route_not
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
+from gateway.flow import moves
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
@@ -71,6 +72,8 @@ class Proxy:
         self.counter = self._counter()
         self.failover = Failover(metrics, self._upstream_headers, self._upstream_failure)
         self.stored = StoredResponses(pools, lambda: self.session, lambda: self.classifier)
+        # The inference requests this process's handlers hold now, by id (`refuse_unanswered`).
+        self.handling: dict[int, FlowRequest] = {}
 
     def _counter(self) -> PromptCounter:
         counter = PromptCounter(self.pools.loaded.config.admission, self._count_fallback, self._counted)
@@ -171,6 +174,14 @@ class Proxy:
             ask = counted
         req = FlowRequest(ask)
         req.task = asyncio.current_task()
+        self.handling[id(req)] = req
+        try:
+            return await self._decided(request, controller, req, body, turn)
+        finally:
+            del self.handling[id(req)]
+
+    async def _decided(self, request: web.Request, controller: FlowControl, req: FlowRequest, body: bytes,
+                       turn: Turn | None) -> web.StreamResponse:
         outcome = controller.submit(req)
         try:
             if outcome is Outcome.QUEUED and req.waiter is not None:
@@ -182,8 +193,22 @@ class Proxy:
             # Decided meanwhile (dispatched, maybe evicted already): nothing sent yet, it ends as any cancel does.
             return await self._forward(request, controller, req, body, turn, cancelled=exc)
         if outcome is Outcome.REJECTED:
-            return drop_response(req.drop_reason or DropReason.SATURATED, request_id, req.drop_message)
+            return drop_response(req.drop_reason or DropReason.SATURATED, req.request_id, req.drop_message)
         return await self._forward(request, controller, req, body, turn)
+
+    def refuse_unanswered(self, reason: DropReason) -> int:
+        """At the drain deadline (gateway/relays/drain.py), after what still waits was refused: a running request
+        whose answer has not begun is refused too, with `reason`, rather than cut (its caller gets a 503 it can
+        retry, not a closed connection): a slot freed just before the deadline may have dispatched it a moment
+        ago. Returns how many."""
+        refused = 0
+        for req in list(self.handling.values()):
+            if req.status is Status.DISPATCHED and req.drop_reason is None and not req.streaming_started \
+                    and req.task is not None:
+                moves.stop(req, reason)
+                req.task.cancel()
+                refused += 1
+        return refused
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request.headers)
@@ -357,6 +382,12 @@ class Proxy:
         seen = time.monotonic()
         fw.close_upstream()
         req = fw.req
+        if req.drop_reason is DropReason.SHUTTING_DOWN and req.status is Status.DISPATCHED \
+                and not (fw.stream is not None and fw.stream.prepared):
+            _uncancel()  # refused at the drain deadline before its answer began (`refuse_unanswered`): we answer
+            fw.ended(End.DISCONNECT, seen, answer=drop_response(DropReason.SHUTTING_DOWN, req.request_id))
+            log_event(logger, "refused_at_drain_deadline", request_id=req.request_id, band=req.priority)
+            return
         if req.drop_reason is not DropReason.EVICTED or req.status is not Status.DISPATCHED:
             # The caller left: the closed upstream frees the replica's slot. Mid-stream it is a cancel.
             fw.ended(End.CANCEL if req.streaming_started else End.DISCONNECT, seen, error=exc)

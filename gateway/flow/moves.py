@@ -6,6 +6,8 @@
     reject      NEW, QUEUED          REJECTED     with a drop reason (saturated, expired, ...)
     withdraw    QUEUED               WITHDRAWN    the caller left while it waited
     evict       DISPATCHED           DISPATCHED   marked: its task is cancelled, its finish follows
+    stop        DISPATCHED           DISPATCHED   marked: its process is at its drain deadline before the answer
+                                                  began; its task is cancelled and answers 503, its finish follows
     finish      DISPATCHED           FINISHED     or EVICTED, when it was marked by `evict`
 
 Flow control (gateway/flow/controller.py, eviction_control.py) and a relay's mirror of it
@@ -61,6 +63,13 @@ def evict(req: FlowRequest, now: float) -> None:
     _from(req, "evict", Status.DISPATCHED)
     req.drop_reason = DropReason.EVICTED
     req.evicted_at = now
+
+
+def stop(req: FlowRequest, reason: DropReason) -> None:
+    """Mark a running request whose answer has not begun refused with `reason`: its process is at its drain
+    deadline (gateway/relays/drain.py). Its handler closes the upstream and answers; it ends FINISHED."""
+    _from(req, "stop", Status.DISPATCHED)
+    req.drop_reason = reason
 
 
 def finish(req: FlowRequest) -> bool:

@@ -4,9 +4,10 @@ Its readiness goes false at once, so a load balancer stops sending it new client
 `grace` seconds, the time a load balancer's health checks take to notice; then it stops accepting (idle keep-alive
 connections are closed) and lets the requests it runs finish until `grace + seconds` after the signal, the drain
 deadline. What still waits in line for a decision then is refused (503 `rejected-shutting-down`, which a batch
-worker retries without spending its budget); what still runs is cut: its caller's connection closes as when a
-relay dies (a batch row is retried by its worker) and flow control is told it ended, releasing its slot and
-reservation. The same for a relay run
+worker retries without spending its budget), and so is what runs with no byte of its answer sent yet (a slot
+freed just before the deadline may have dispatched it a moment ago); what still streams is cut: its caller's
+connection closes as when a relay dies (a batch row is retried by its worker). Either way flow control is told it
+ended, releasing its slot and reservation. The same for a relay run
 alone, the relays of `--workers N` and the single-process gateway.
 """
 
@@ -50,7 +51,8 @@ class Drain:
         self.running = 0
         # Told the deadline when the drain begins (a relay tells its flow control).
         self.on_begin: list[Callable[[float], None]] = []
-        # Called at the deadline: refuse what still waits for a decision; each returns how many it refused.
+        # Called at the deadline, in order: refuse what still waits for a decision, then what runs with its answer
+        # not begun; each returns how many it refused.
         self.on_deadline: list[Callable[[], int]] = []
         self._end = 0.0
 

@@ -62,6 +62,8 @@ class Relay:
         self.drain.on_begin.append(lambda deadline: self.uplink.send(m.Draining(deadline=deadline)))
         self.drain.on_deadline.append(
             lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN) if self.pools is not None else 0)
+        self.drain.on_deadline.append(
+            lambda: self.proxy.refuse_unanswered(DropReason.SHUTTING_DOWN) if self.proxy is not None else 0)
         self.metrics = GatewayMetrics()
         # Every decision flow control sent, by the fencing token it carried: a deposed leader's shows as refused.
         self.decisions = Counter(f"{PREFIX}_relay_decisions", "Decisions (config, dispatch, reject, evict) this "

@@ -164,9 +164,10 @@ class RemotePools:
 
     def lost(self) -> None:
         """Flow control is gone and the relay stops: it cancels what it holds, but not what it already refused
-        (`refuse_waiting` at its drain deadline): that one's handler answers its 503 as the relay closes."""
+        at its drain deadline (waiting, or running with no answer begun: drain.py): those handlers answer their
+        503 as the relay closes."""
         for req in list(self.requests.values()):
-            if req.task is not None and req.status is not Status.REJECTED:
+            if req.task is not None and req.drop_reason is not DropReason.SHUTTING_DOWN:
                 req.task.cancel()
 
 
