@@ -145,14 +145,16 @@ def test_a_leader_cut_off_from_redis_leads_while_its_lease_is_valid_and_stops_be
         dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
         try:
             assert await a.acquire()
-            taken = asyncio.get_running_loop().time()
+            # Times on the leader's own clock from when its lease counts (the acquire was sent, before Redis set
+            # the key): the round trip, long on a loaded machine, is not taken off the lease it counts on.
+            taken = a.renewed_at
             # A partition between a and Redis: its renewals fail, and so would giving the lease back or taking it.
             a._renew = a._resign = a._acquire = dead.register_script("return 1")
             tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
             a_stopped = b_led = None
             async with asyncio.timeout(30):
                 while a_stopped is None or b_led is None:
-                    now = asyncio.get_running_loop().time()
+                    now = a.clock()
                     if a_stopped is None and not a.leads():
                         a_stopped = now - taken
                     if b_led is None and b.leads():
@@ -172,7 +174,9 @@ def test_a_leader_cut_off_from_redis_leads_while_its_lease_is_valid_and_stops_be
     assert len([f for f in failed if 0 < f["valid_seconds"] <= ttl]) >= 2  # it tried again while still valid
     # Its first renewal (a third of a lease in) failed, yet it led until the lease's validity less its margin.
     assert ttl * (1 - MARGIN_SHARE) - 0.05 <= a_stopped, a_stopped
-    assert a_stopped < b_led and b_led >= ttl - 0.05 and token > 1, (a_stopped, b_led)
+    # (Seen in the same turn of this loop when it was starved for the lease's margin: hence <=; that both never led
+    # at once is asserted on every turn.)
+    assert a_stopped <= b_led and b_led >= ttl - 0.05 and token > 1, (a_stopped, b_led)
     lost = [r.fields for r in caplog.records if r.getMessage() == "leadership_lost"]
     assert [f["holder"] for f in lost] == ["fc-0"], lost
     assert "its renewals failed" in lost[0]["reason"]
