@@ -29,7 +29,7 @@ from gateway.log import log_event
 from gateway.metrics import GatewayMetrics
 from gateway.pools import ModelPools
 from gateway.proxy import Proxy
-from gateway.relays.drain import Drain, DrainCollector
+from gateway.relays.drain import Drain, DrainCollector, refuse_unanswered
 from gateway.replicas import Replica, ReplicaPool
 from gateway.responses import error_response
 from gateway.settings import ConfigError, GatewayConfig, LoadedConfig, load_config, with_admission, with_replicas
@@ -57,7 +57,8 @@ class Gateway:
         # How this process stops on SIGTERM (gateway/relays/drain.py); flow control adds its relays' drains.
         self.drain = Drain()
         self.drain.on_deadline.append(lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN))
-        self.drain.on_deadline.append(lambda: self.proxy.refuse_unanswered(DropReason.SHUTTING_DOWN))
+        self.drain.on_deadline.append(
+            lambda: refuse_unanswered(self.proxy.handling.values(), DropReason.SHUTTING_DOWN))
         self.drains = DrainCollector(self.drain)
         self.metrics.registry.register(self.drains)
         self._session: aiohttp.ClientSession | None = None

@@ -35,7 +35,6 @@ from gateway.bodies import document, prefix_blocks, responses_as_chat, route_not
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
-from gateway.flow import moves
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
@@ -72,7 +71,7 @@ class Proxy:
         self.counter = self._counter()
         self.failover = Failover(metrics, self._upstream_headers, self._upstream_failure)
         self.stored = StoredResponses(pools, lambda: self.session, lambda: self.classifier)
-        # The inference requests this process's handlers hold now, by id (`refuse_unanswered`).
+        # The inference requests this process's handlers hold now, by id (drain.py `refuse_unanswered`).
         self.handling: dict[int, FlowRequest] = {}
 
     def _counter(self) -> PromptCounter:
@@ -195,20 +194,6 @@ class Proxy:
         if outcome is Outcome.REJECTED:
             return drop_response(req.drop_reason or DropReason.SATURATED, req.request_id, req.drop_message)
         return await self._forward(request, controller, req, body, turn)
-
-    def refuse_unanswered(self, reason: DropReason) -> int:
-        """At the drain deadline (gateway/relays/drain.py), after what still waits was refused: a running request
-        whose answer has not begun is refused too, with `reason`, rather than cut (its caller gets a 503 it can
-        retry, not a closed connection): a slot freed just before the deadline may have dispatched it a moment
-        ago. Returns how many."""
-        refused = 0
-        for req in list(self.handling.values()):
-            if req.status is Status.DISPATCHED and req.drop_reason is None and not req.streaming_started \
-                    and req.task is not None:
-                moves.stop(req, reason)
-                req.task.cancel()
-                refused += 1
-        return refused
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request.headers)
@@ -384,7 +369,7 @@ class Proxy:
         req = fw.req
         if req.drop_reason is DropReason.SHUTTING_DOWN and req.status is Status.DISPATCHED \
                 and not (fw.stream is not None and fw.stream.prepared):
-            _uncancel()  # refused at the drain deadline before its answer began (`refuse_unanswered`): we answer
+            _uncancel()  # refused at the drain deadline before its answer began (drain.py): we answer
             fw.ended(End.DISCONNECT, seen, answer=drop_response(DropReason.SHUTTING_DOWN, req.request_id))
             log_event(logger, "refused_at_drain_deadline", request_id=req.request_id, band=req.priority)
             return

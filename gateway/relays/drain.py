@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 
+from gateway.flow import moves
+from gateway.flow.request import DropReason, FlowRequest, Status
 from gateway.log import log_event
 from gateway.metrics import PREFIX
 
@@ -107,6 +109,21 @@ class Drain:
         log_event(logger, "drained", level=logging.WARNING if cut or refused else logging.INFO, **who, cut=cut,
                   refused=refused, seconds=round(time.time() - (self.began or 0), 3))
         return cut
+
+
+def refuse_unanswered(requests: Iterable[FlowRequest], reason: DropReason) -> int:
+    """At the drain deadline, after what still waits was refused: a running request whose answer has not begun
+    is refused too, with `reason`, rather than cut (its caller gets a 503 it can retry, not a closed connection):
+    a slot freed just before the deadline may have dispatched it a moment ago. Its handler closes the upstream
+    and answers (gateway/proxy.py `_cancelled`). Returns how many."""
+    refused = 0
+    for req in list(requests):
+        if req.status is Status.DISPATCHED and req.drop_reason is None and not req.streaming_started \
+                and req.task is not None:
+            moves.stop(req, reason)
+            req.task.cancel()
+            refused += 1
+    return refused
 
 
 class DrainCollector:

@@ -40,7 +40,7 @@ from gateway.metrics import PREFIX, GatewayMetrics, metric_families
 from gateway.proxy import Proxy
 from gateway.relays import messages as m
 from gateway.relays.channel import ChannelClosed
-from gateway.relays.drain import CUT_SECONDS, DRAIN_GRACE, DRAIN_SECONDS, Drain
+from gateway.relays.drain import CUT_SECONDS, DRAIN_GRACE, DRAIN_SECONDS, Drain, refuse_unanswered
 from gateway.relays.local_relays import listening_socket
 from gateway.relays.handshake import SecretError, channel_secret
 from gateway.relays.remote_flow import RemotePools
@@ -63,7 +63,8 @@ class Relay:
         self.drain.on_deadline.append(
             lambda: self.pools.refuse_waiting(DropReason.SHUTTING_DOWN) if self.pools is not None else 0)
         self.drain.on_deadline.append(
-            lambda: self.proxy.refuse_unanswered(DropReason.SHUTTING_DOWN) if self.proxy is not None else 0)
+            lambda: refuse_unanswered(self.proxy.handling.values(), DropReason.SHUTTING_DOWN)
+            if self.proxy is not None else 0)
         self.metrics = GatewayMetrics()
         # Every decision flow control sent, by the fencing token it carried: a deposed leader's shows as refused.
         self.decisions = Counter(f"{PREFIX}_relay_decisions", "Decisions (config, dispatch, reject, evict) this "
