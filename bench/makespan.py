@@ -124,6 +124,12 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
             extra["stream_interval"] = args.stream_interval
 
         async def line(body: dict) -> None:
+            if args.vllm_whole:  # --vllm-whole: each answer whole, as vLLM's own batch runner asks
+                async with session.post(engine + "/v1/completions", json={**body, "stream": False},
+                                        headers={"X-Vllm-Priority": "10"}) as resp:
+                    answer = await resp.json() if resp.status == 200 else {}
+                run.lines_failed += not (answer.get("choices") and answer["choices"][0].get("finish_reason"))
+                return
             got = await stream(session, engine, {**body, **extra}, {"X-Vllm-Priority": "10"})
             run.lines_failed += not (got.status == 200 and got.finished)
 
@@ -297,6 +303,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join([
         f"Makespan ({args.engine}{', slots told' if args.slots_known else ''}"
         f"{', vLLM fed the workers streaming' if args.workers_streaming else ''}"
+        f"{', vLLM asked for whole answers' if args.vllm_whole else ''}"
         f", workers --stream-interval {args.stream_interval}"
         f"{'' if args.warm_up else ', no warm-up'}, {args.lines} lines of {args.tokens[0]}–{args.tokens[1]} tokens, realtime "
         f"{args.rate}/s, {summary['groups']} groups)",
@@ -328,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers-streaming", action="store_true",
                    help="feed vLLM priority the lines with the workers' stream options (a usage object on every "
                         "event), so the ratio leaves out what those cost the engine's API server")
+    p.add_argument("--vllm-whole", action="store_true",
+                   help="feed vLLM priority each line unstreamed (its answer whole, as vLLM's own batch runner "
+                        "asks): the least its API server can do for the batch")
     p.add_argument("--stream-interval", type=int, default=WORKERS_STREAM_INTERVAL,
                    help="the workers' --stream-interval (tokens per event of a batch stream; 1: every token; "
                         "default %(default)s, the workers' own)")
@@ -338,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rate <= 0 or args.lines < 1 or args.groups < 1 or args.stream_interval < 1:
         p.error("--rate, --lines, --groups and --stream-interval must be positive")
+    if args.vllm_whole and args.workers_streaming:
+        p.error("--vllm-whole and --workers-streaming say two ways to feed vLLM priority: give one")
     env = {"HOLDBACK_WORKER_STREAM_INTERVAL": str(args.stream_interval)}
     runs: list[MakespanRun] = []
     with one_engine(p, args, "hb-makespan-") as engine:
