@@ -196,7 +196,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
         p.error("--rate must be positive: realtime runs beside every arm")
     if not 0 < args.tenant_share <= 1:
         p.error("--tenant-share must be in (0, 1]: a share of the KV pool")
-    args.workers_streaming = False  # bench/makespan.py's vllm_arm: vLLM alone fed plain streams
+    args.workers_streaming = args.vllm_whole = False  # bench/makespan.py's vllm_arm: vLLM alone fed plain streams
     return p, args
 
 
