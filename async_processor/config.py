@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from holdback.contract import cancel_channel
+from holdback.contract import cancel_channel, wake_channel, work_channel
 from holdback.attempts import Jitter, RetryPolicy
 from holdback.attempts.resume import STREAM_INTERVAL
 
@@ -84,3 +84,11 @@ class WorkerConfig:
     @property
     def cancel_channel(self) -> str:
         return cancel_channel(self.namespace)
+
+    @property
+    def wake_channel(self) -> str:
+        return wake_channel(self.namespace)
+
+    @property
+    def work_channel(self) -> str:
+        return work_channel(self.namespace)

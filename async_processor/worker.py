@@ -3,7 +3,8 @@
 It consumes RQ's queue itself (see `async_processor.queue`), keeps every running job in the
 StartedJobRegistry with a heartbeat, parks retries in the ScheduledJobRegistry instead of holding a slot,
 takes turns at RQ's scheduler lock to move due retries back, requeues the jobs of dead workers, and
-aborts the in-flight requests of a batch when the processor publishes its id on `<namespace>:cancel`.
+aborts the in-flight requests of a batch when the processor publishes its id on `<namespace>:cancel`. An idle
+worker claims again as soon as the processor publishes on `<namespace>:work` that it pushed jobs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AsyncWorker:
         self.stopping = asyncio.Event()  # stop claiming, drain
         self.closing = asyncio.Event()  # drained: stop the helper loops
         self.slot_freed = asyncio.Event()
+        self.work_pushed = asyncio.Event()  # the processor pushed jobs since the last claim (`work_channel`)
         self.holds_scheduler = False
         self.paused = False
         self.pause_checked_at = float("-inf")
@@ -87,7 +89,7 @@ class AsyncWorker:
             log_event(logger, "worker_started", worker=cfg.name, queue=cfg.queue_name,
                       concurrency=cfg.concurrency, gateway=cfg.gateway_url, burst=cfg.burst or None)
             helpers = [asyncio.create_task(c) for c in (
-                self._heartbeat_loop(), self._scheduler_loop(), self._cancel_listener(), self._depth_loop(),
+                self._heartbeat_loop(), self._scheduler_loop(), self._channel_listener(), self._depth_loop(),
                 self.circuit.watch(self.http, self.closing))]
             try:
                 await self._claim_loop()
@@ -139,6 +141,7 @@ class AsyncWorker:
                 if await self._paused() or await self.circuit.is_open():
                     await self._sleep(PAUSE_CHECK)
                     continue
+                self.work_pushed.clear()  # a push from here on wakes the idle wait below
                 claims, missing = await self.queue.claim(min(free, cfg.claim_batch))
             except RedisError as exc:
                 log_event(logger, "claim_failed", level=logging.WARNING, worker=cfg.name,
@@ -151,7 +154,7 @@ class AsyncWorker:
                 if cfg.burst and not self.tasks:
                     log_event(logger, "burst_done", worker=cfg.name)
                     return
-                await self._sleep(idle)
+                await self._idle(idle)
                 idle = min(idle * 2, IDLE_POLL_MAX)
                 continue
             idle = IDLE_POLL_MIN
@@ -175,6 +178,15 @@ class AsyncWorker:
         self.tasks.discard(task)
         self.metrics.in_flight.set(len(self.tasks))
         self.slot_freed.set()
+
+    async def _idle(self, seconds: float) -> None:
+        """The queue was empty: wait until the processor pushes jobs (or at most `seconds`, or a stop)."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.work_pushed, self.stopping)]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -256,6 +268,8 @@ class AsyncWorker:
                       final=rec.final_status.value, **fields)
             await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed,
                                     reason=rec.reason)
+            if rec.batch_done:  # its last row: the processors finalize it now, not at their next poll
+                await self.redis.publish(self.config.wake_channel, d.batch_id)
         elif rec.disposition is Disposition.duplicate:
             m.duplicates.labels("result").inc()
             log_event(logger, "duplicate_result", **fields)
@@ -291,17 +305,22 @@ class AsyncWorker:
         log_event(logger, "batch_cancel_received", batch_id=batch_id, aborted=aborted, worker=self.config.name)
         return aborted
 
-    async def _cancel_listener(self) -> None:
-        channel = self.config.cancel_channel
+    async def _channel_listener(self) -> None:
+        """The processor's cancels (abort the batch's requests here) and pushes (claim now)."""
+        channel, work = self.config.cancel_channel, self.config.work_channel.encode()
         while not self.closing.is_set():
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(channel)
+                await pubsub.subscribe(channel, work)
                 while not self.closing.is_set():
                     message = await pubsub.get_message(timeout=0.5)
-                    if message is not None and message.get("type") == "message":
-                        data = message["data"]
-                        self.cancel_batch(data.decode() if isinstance(data, bytes) else str(data))
+                    if message is None or message.get("type") != "message":
+                        continue
+                    if message["channel"] == work:
+                        self.work_pushed.set()
+                        continue
+                    data = message["data"]
+                    self.cancel_batch(data.decode() if isinstance(data, bytes) else str(data))
             except RedisError as exc:
                 log_event(logger, "cancel_channel_lost", level=logging.WARNING, channel=channel, error=str(exc))
                 await self._pause(1.0)

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, BackgroundTasks, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -72,10 +72,10 @@ def retrieve_any_batch(batch_id: str, session: SessionDep) -> dict:
 
 
 @router.post("/admin/batches/{batch_id}/cancel", response_model=AdminBatch, summary="Cancel any tenant's batch")
-def cancel_any_batch(batch_id: str, session: SessionDep) -> dict:
+def cancel_any_batch(batch_id: str, session: SessionDep, context: ContextDep, background: BackgroundTasks) -> dict:
     """The tenant route's cancel, on behalf of the batch's tenant: validating/in_progress → cancelling."""
     batch = any_batch(session, batch_id)
-    batches.cancel_batch(batch.id, CurrentTenant(batch.tenant_id, ""), session)
+    batches.cancel_batch(batch.id, CurrentTenant(batch.tenant_id, ""), session, context, background)
     log_event(log, "batch.cancel_by_operator", batch_id=batch.id, tenant_id=batch.tenant_id, status=batch.status)
     return admin_batch(batch)
 

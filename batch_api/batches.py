@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+import redis
+from fastapi import APIRouter, BackgroundTasks, Query
 
 from batch_api.auth import ContextDep, SessionDep, TenantDep, TenantRoute
 from batch_api.errors import BadRequest, LimitReached
@@ -19,6 +20,7 @@ from batch_api.openapi import TENANT_ERRORS
 from batch_api.schemas import BatchCreate, BatchList, BatchObject, batch_to_api, list_page
 from batch_api.tenant_scope import get_batch, get_file, list_batches
 from holdback import lifecycle, tenant_limits
+from holdback.contract import wake_channel
 from holdback.models import Batch, BatchStatus, now
 
 router = APIRouter(tags=["batches"], route_class=TenantRoute, responses=TENANT_ERRORS)
@@ -28,7 +30,8 @@ ALREADY_CANCELLING = (BatchStatus.cancelling.value, BatchStatus.cancelled.value)
 
 
 @router.post("/v1/batches", response_model=BatchObject, summary="Create a batch from an uploaded JSONL file")
-def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep, context: ContextDep) -> dict:
+def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep, context: ContextDep,
+                 background: BackgroundTasks) -> dict:
     file = get_file(session, tenant.id, body.input_file_id, param="input_file_id")
     if file.purpose != "batch":
         raise BadRequest(
@@ -62,6 +65,7 @@ def create_batch(body: BatchCreate, tenant: TenantDep, session: SessionDep, cont
         log, "batch.created", batch_id=batch.id, tenant_id=tenant.id, input_file_id=file.id,
         endpoint=batch.endpoint, window_seconds=window,
     )
+    background.add_task(wake_processors, context, batch.id)
     return batch_to_api(batch)
 
 
@@ -82,7 +86,8 @@ def retrieve_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dic
 
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, summary="Cancel a batch")
-def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
+def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep, context: ContextDep,
+                 background: BackgroundTasks) -> dict:
     batch = get_batch(session, tenant.id, batch_id)
     # Compare-and-set on the status: the processor may move the batch at the same moment.
     moved = lifecycle.request_cancel(session, batch.id, now())
@@ -90,6 +95,7 @@ def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     session.refresh(batch)
     if moved:
         log_event(log, "batch.cancel_requested", batch_id=batch.id, tenant_id=tenant.id)
+        background.add_task(wake_processors, context, batch.id)
     elif batch.status not in ALREADY_CANCELLING:
         raise BadRequest(_not_cancellable(batch), param="batch_id", code="batch_not_cancellable")
     return batch_to_api(batch)
@@ -105,3 +111,14 @@ def _not_cancellable(batch: Batch) -> str:
         f"Batch '{batch.id}' is already {batch.status} and cannot be cancelled; only validating or "
         "in_progress batches can. Its results, if any, are in output_file_id and error_file_id."
     )
+
+
+def wake_processors(context, batch_id: str) -> None:  # noqa: ANN001 - ApiContext
+    """After the answer went: the processors take the batch up now, not at their next poll. Best effort: without
+    Redis they find it at their next poll, as before."""
+    if context.redis is None:
+        return
+    try:
+        context.redis.publish(wake_channel(context.settings.redis_namespace), batch_id)
+    except redis.RedisError as exc:
+        log_event(log, "processor_wake_failed", level=logging.WARNING, batch_id=batch_id, error=str(exc))

@@ -1,10 +1,11 @@
 """The processor loop: one `tick()` does a round of every lifecycle step for the batches it leases.
 
-A round: renew leases and claim new batches (none while the gateway is not reached: `gateway_reach`);
-expand `validating` batches; cancel `cancelling` ones; expire those past their window; finalize those whose
-rows are all final; refill every in_progress batch's window in fair order and hand the rows off (`handoff`:
-RQ jobs, or the in-process sync mode); and every `reconcile_interval`, reconcile the database with Redis. Each
-step commits before the next starts, so a processor can die anywhere and the next lease holder carries on.
+A round (every poll interval, or at once when a wake-up comes: `jobqueue.Wakes`): renew leases and claim new
+batches (none while the gateway is not reached: `gateway_reach`); expand `validating` batches; cancel `cancelling`
+ones; expire those past their window; finalize those whose rows are all final; refill every in_progress batch's
+window in fair order and hand the rows off (`handoff`: RQ jobs, or the in-process sync mode); and every
+`reconcile_interval`, reconcile the database with Redis. Each step commits before the next starts, so a processor
+can die anywhere and the next lease holder carries on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from batch_processor.finalize import FinalizeResult, begin_finalizing, finalize_
 from batch_processor.gateway_reach import GatewayReach
 from batch_processor.handoff import Handoff, open_handoff
 from batch_processor.ingest import expand_batch, fail_batch
-from batch_processor.jobqueue import RequestQueue
+from batch_processor.jobqueue import RequestQueue, Wakes
 from batch_processor.lease import ACTIVE_STATUSES, BatchLease
 from holdback import tracing
 from holdback.logs import log_event
@@ -99,6 +100,7 @@ class Processor:
         self.collector = FileCollector(self.factory, self.store, grace_seconds=settings.file_retention_grace_seconds,
                                        metrics=RetentionMetrics(self.metrics.registry))
         self.queue = RequestQueue(self.redis, settings.redis_namespace)
+        self.wakes = Wakes(self.redis, settings.redis_namespace)
         self.risk = RiskMarks(self.factory, self.redis, settings.redis_namespace, self.metrics)
         self.lease = BatchLease(self.factory, self.config.name, self.config.lease_seconds)
         self.fair = RefillRoundRobin(self.config.window)
@@ -406,10 +408,14 @@ class Processor:
                 log.exception("tick_failed", extra={"fields": {"owner": self.config.name, "failures": failures}})
             if once:
                 break
-            stop.wait(min(self.config.poll_interval * (2 ** min(failures, 5)), 5.0))
+            if failures:
+                stop.wait(min(self.config.poll_interval * (2 ** min(failures, 5)), 5.0))
+            else:
+                self.wakes.wait(stop, self.config.poll_interval)  # or at once, for a batch to act on
 
     def close(self) -> None:
         """Clean stop: hand rows the hand-off never started (sync mode) back to pending and release every lease."""
+        self.wakes.close()
         unstarted = self.handoff.close()
         if unstarted:
             with transaction(self.factory) as session:

@@ -17,10 +17,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-
-import aiohttp
 from typing import TYPE_CHECKING
 
+import aiohttp
+from redis.exceptions import RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_processor.metrics import ProcessorMetrics
@@ -225,3 +225,8 @@ class SyncHandoff:
         if self.metrics is not None:
             self.metrics.sync_requests.labels(kind.value).inc()
             self.metrics.sync_concurrency_limit.set(self.aimd.limit)
+        if result.recorded.batch_done and self.queue is not None:
+            try:  # its last row: this processor (and any other) finalizes it now, not at its next poll
+                self.queue.queue.publish_wake(job.batch_id)
+            except RedisError as exc:
+                log_event(log, "wake_not_published", level=logging.WARNING, batch_id=job.batch_id, error=str(exc))

@@ -158,6 +158,18 @@ def cancel_channel(namespace: str) -> str:
     return f"{namespace}:cancel"
 
 
+def work_channel(namespace: str) -> str:
+    """Pub/sub channel: the processor pushed jobs on the request queue; idle workers claim at once instead of at
+    their next idle poll (up to a quarter of a second later)."""
+    return f"{namespace}:work"
+
+
+def wake_channel(namespace: str) -> str:
+    """Pub/sub channel: a batch to act on now (the API: created or cancelled; a worker: its last row final). The
+    processors take their next round at once instead of at their next poll."""
+    return f"{namespace}:processor:wake"
+
+
 def circuit_key(namespace: str) -> str:
     """Why the workers' gateway circuit is open; absent while it is closed."""
     return f"{namespace}:circuit:gateway"

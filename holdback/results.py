@@ -234,6 +234,17 @@ def count_unfinished(session: Session, batch_id: str) -> int:
     ) or 0
 
 
+_UNFINISHED_VALUES = tuple(s.value for s in RequestStatus if s.value not in REQUEST_TERMINAL_VALUES)
+
+
+def unfinished_up_to(session: Session, batch_id: str, cap: int) -> int:
+    """How many rows of the batch are not final yet, counted up to `cap`: seeks of the (batch_id, status) index,
+    at most `cap` of them, at any batch size."""
+    first = (select(RequestRow.id).where(RequestRow.batch_id == batch_id, RequestRow.status.in_(_UNFINISHED_VALUES))
+             .limit(cap).subquery())
+    return session.scalar(select(func.count()).select_from(first)) or 0
+
+
 def output_line(row: RequestRow) -> dict:
     """The OpenAI batch output/error line for a final row."""
     if row.response_status is not None:

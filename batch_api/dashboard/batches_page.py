@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.responses import HTMLResponse, Response
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -100,10 +100,11 @@ def batches_fragment(request: Request, session: SessionCookie, db: SessionDep, s
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel_batch(request: Request, batch_id: str, _session: CheckedPost, db: SessionDep) -> HTMLResponse:
+def cancel_batch(request: Request, batch_id: str, _session: CheckedPost, db: SessionDep, context: ContextDep,
+                 background: BackgroundTasks) -> HTMLResponse:
     try:
         before = admin_queries.any_batch(db, batch_id).status
-        after = admin.cancel_any_batch(batch_id, db)["status"]
+        after = admin.cancel_any_batch(batch_id, db, context, background)["status"]
     except ApiError as exc:
         return flash(request, exc.message, ok=False, status_code=exc.status)
     if before in CANCELLABLE:

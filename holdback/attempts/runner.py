@@ -28,9 +28,12 @@ from holdback.attempts.outcomes import Reply
 from holdback.attempts.resume import STREAM_INTERVAL, attempt_tokens, plan_attempt, send_headers, streamed_reply
 from holdback.attempts.retry import RetryPolicy
 from holdback.attempts.send import send_plain, send_streamed
-from holdback.attempts.transactions import OpenAttempt, Recorded, Skip, open_attempt, record_attempt
+from holdback.attempts.transactions import (
+    NEAR_END, Disposition, OpenAttempt, Recorded, Skip, open_attempt, record_attempt,
+)
 from holdback.attempts.write_lock import make_worker_engine
 from holdback.db import make_sessionmaker
+from holdback.results import unfinished_up_to
 
 T = TypeVar("T")
 # Each batch's trace context, read once per batch by this process (only while tracing is on).
@@ -167,4 +170,8 @@ async def run_attempt(rt: Runtime, http: aiohttp.ClientSession, job: InFlight,
             reply, tokens = streamed_reply(plan, sent), attempt_tokens(plan, sent)
     seconds = time.monotonic() - started
     recorded = await rt.db(record_attempt, attempt, reply, rt.policy, tokens)
+    if recorded.disposition is Disposition.final and 0 < recorded.batch_left < NEAR_END:
+        # Near the batch's end: count again now that this result is committed (`NEAR_END`).
+        left = await rt.db(unfinished_up_to, attempt.batch_id, NEAR_END)
+        recorded = dataclasses.replace(recorded, batch_left=left)
     return AttemptResult(attempt=attempt, recorded=recorded, seconds=seconds)

@@ -33,7 +33,9 @@ from holdback.models import (
     RequestRow,
     RequestStatus,
 )
-from holdback.results import AttemptFigures, FinalResult, TokenUsage, end_attempt, record_final, schedule_retry
+from holdback.results import (
+    AttemptFigures, FinalResult, TokenUsage, end_attempt, record_final, schedule_retry, unfinished_up_to,
+)
 
 # --- the attempt's first transaction --------------------------------------------------------------------
 
@@ -181,6 +183,12 @@ class Disposition(str, enum.Enum):
     cancelled = "cancelled"  # aborted because the batch was cancelled or expired
 
 
+# A final result counts its batch's unfinished rows up to this many. Below it, the batch is near its end and the
+# runner counts again once the result is committed: on PostgreSQL the last rows, ending at once, each see the
+# others unfinished inside their own transactions, but whichever commits last sees every other after it.
+NEAR_END = 64
+
+
 @dataclass(frozen=True)
 class Recorded:
     disposition: Disposition
@@ -190,6 +198,15 @@ class Recorded:
     delay: float | None = None  # the backoff chosen (retry)
     usage: TokenUsage = TokenUsage()
     reason: str | None = None  # why the row failed (final failed): what RQ's failed job shows
+    # Final: the rows of its batch still unfinished, counted up to NEAR_END (`batch_done`).
+    batch_left: int = NEAR_END
+
+
+    @property
+    def batch_done(self) -> bool:
+        """This row's final result left no row of its batch unfinished: the processors can finalize the batch
+        now (the worker says so on `holdback.contract.wake_channel`)."""
+        return self.disposition is Disposition.final and self.batch_left == 0
 
 
 def record_outcome(
@@ -261,7 +278,8 @@ def _final(session: Session, attempt: OpenAttempt, outcome: ReplyClass, result: 
            usage: TokenUsage = TokenUsage()) -> Recorded:
     if record_final(session, attempt.request_id, result):
         return Recorded(Disposition.final, outcome, final_status=result.status, usage=usage,
-                        reason=None if result.status is RequestStatus.succeeded else failure_reason(result))
+                        reason=None if result.status is RequestStatus.succeeded else failure_reason(result),
+                        batch_left=unfinished_up_to(session, attempt.batch_id, NEAR_END))
     return Recorded(Disposition.duplicate, outcome)
 
 

@@ -318,3 +318,17 @@ def test_a_resumed_attempt_refused_with_4xx_starts_again_from_scratch_once(db):
     fresh, rec = _attempt(db, row_id, Reply(400, {}, refused))
     assert fresh.carryover.tokens == 0 and fresh.carryover.text == "", "nothing is carried over"
     assert rec.disposition is Disposition.final and rec.final_status is RequestStatus.failed
+
+
+def test_the_final_result_of_a_batch_s_last_unfinished_row_says_the_batch_is_done(db):
+    # What a worker publishes on the processors' wake channel: only the last row to end says so, whatever order
+    # the rows end in and however they end (a failure and a retry in between included).
+    _, (first, second, third) = _rows(db, n=3)
+    _, rec = _attempt(db, second, Reply(200, {}, OK_BODY))
+    assert rec.disposition is Disposition.final and not rec.batch_done
+    _, rec = _attempt(db, first, Reply(400, {}, b'{"error": {"message": "bad"}}'))
+    assert rec.final_status is RequestStatus.failed and not rec.batch_done
+    _, rec = _attempt(db, third, Reply(500, {}, b"{}"))
+    assert rec.disposition is Disposition.retry and not rec.batch_done  # the row waits for its retry
+    _, rec = _attempt(db, third, Reply(200, {}, OK_BODY), now=time.time() + 60)
+    assert rec.disposition is Disposition.final and rec.batch_done
