@@ -4,13 +4,16 @@ arriving throughout, against vLLM's own priority scheduler fed the same lines wi
 One engine serves the whole run: the simulator (`holdback sim --scheduling-policy priority`, the default) or
 the real-engine tier's vLLM (`--engine vllm`, pinned to CPU 0 with `--scheduling-policy priority`; this process
 and the holdback stack pinned to CPU 1). Each group runs both arms back to back on it, in alternating order, once
-the engine is idle:
+the engine is idle, and each in a prefix-cache scope of its own (every group's lines are the same, and an arm
+that found an earlier arm's blocks cached would skip their prefill):
 - `vllm-priority`: every line of the batch sent straight to the engine at once as a streamed completion with
-  `X-Vllm-Priority: 10`, realtime with `-100`; makespan = first send → last line finished.
+  `X-Vllm-Priority: 10`, realtime with `-100`, all with the group's own `cache_salt`; makespan = first send →
+  last line finished.
 - `holdback`: `holdback up --replicas ENGINE` with its built-in gateway config (a fresh data dir each group;
   `--slots-known` adds `engine.maxNumSeqs`, else the gateway learns the engine's slots in its first seconds),
   the same lines uploaded as a JSONL file and run as one batch; realtime through the gateway with the realtime
-  key; makespan = `POST /v1/batches` → the batch seen `completed`. Afterwards every evicted row's attempts are
+  key (the stack's tenants are new each group, and so are their salts; its warm-up batch has lines of its own);
+  makespan = `POST /v1/batches` → the batch seen `completed` (polled every 0.1 s). Afterwards every evicted row's attempts are
   read from the operator API: evictions per row, and the wait from an evicted attempt's end to the row's next
   attempt.
 Realtime in both arms: the same seeded Poisson arrivals at `--rate`/s from the arm's start until its batch is
@@ -85,13 +88,15 @@ def batch_lines(seed: int, n: int, tokens: tuple[int, int], model: str) -> list[
 
 
 async def realtime(session: aiohttp.ClientSession, url: str, headers: dict, model: str, rate: float, seed: int,
-                   done: asyncio.Event, run: MakespanRun) -> None:
-    """Poisson arrivals at `rate`/s from now until `done`, each a streamed completion of 8 tokens."""
+                   done: asyncio.Event, run: MakespanRun, extra: dict | None = None) -> None:
+    """Poisson arrivals at `rate`/s from now until `done`, each a streamed completion of 8 tokens (`extra`: more
+    of its body)."""
     start, rng, sent = time.monotonic(), random.Random(seed), []
 
     async def one(text: str) -> None:
         try:
-            got = await stream(session, url, {"model": model, "prompt": text, "max_tokens": 8}, headers)
+            got = await stream(session, url, {"model": model, "prompt": text, "max_tokens": 8, **(extra or {})},
+                               headers)
         except aiohttp.ClientConnectionError:
             got = Streamed(BROKEN)
         if got.status != 200 or got.first is None:
@@ -109,14 +114,19 @@ async def realtime(session: aiohttp.ClientSession, url: str, headers: dict, mode
     await asyncio.gather(*sent)
 
 
-async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, group: int) -> MakespanRun:
+async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, group: int,
+                   salt: str | None = None) -> MakespanRun:
+    """`salt`: a `cache_salt` for every line and realtime request, so that the arm finds nothing an earlier arm
+    left in the engine's prefix cache (the holdback arm's tenant is new each group, and its salt with it)."""
     run = MakespanRun("vllm-priority", group)
     before = engine_counters(engine)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
+    scope = {"cache_salt": salt} if salt else {}
+    lines = [{**line, **scope} for line in lines]
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         done = asyncio.Event()
         rt = asyncio.create_task(realtime(session, engine, {"X-Vllm-Priority": "-100"}, lines[0]["model"],
-                                          args.rate, args.seed + group, done, run))
+                                          args.rate, args.seed + group, done, run, scope))
         # With --workers-streaming, the workers' own stream options (a usage object on every event).
         # With --stream-interval N as well, the events N tokens at a time, as the workers ask then.
         extra = {"stream_options": WORKERS_STREAM_OPTIONS} if args.workers_streaming else {}
@@ -147,8 +157,9 @@ async def vllm_arm(engine: str, lines: list[dict], args: argparse.Namespace, gro
 async def holdback_arm(up: HoldbackUp, engine: str, lines: list[dict], args: argparse.Namespace,
                        group: int) -> MakespanRun:
     run = MakespanRun("holdback", group)
-    if args.warm_up:
-        run.slots_known = await warm_up(up, lines, args)
+    if args.warm_up:  # lines of its own: the measured batch's prompts are new to the engine, as vLLM alone's are
+        warm = batch_lines(args.seed + 1000 + group, 8 * args.slots, (8, 8), lines[0]["model"])
+        run.slots_known = await warm_up(up, warm, args)
         wait_idle(engine)
     before = engine_counters(engine)
     async with httpx.AsyncClient(base_url=up.api, headers=up.tenant, timeout=60) as api:
@@ -358,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in (ARMS if group % 2 == 0 else ARMS[::-1]):
                 wait_idle(engine.url)
                 if arm == "vllm-priority":
-                    run = asyncio.run(vllm_arm(engine.url, lines, args, group))
+                    run = asyncio.run(vllm_arm(engine.url, lines, args, group, salt=f"makespan-vllm-{group}"))
                 else:
                     # With --slots-known, the engine's slots told, as an operator who knows them does.
                     told = {"engine": {"maxNumSeqs": args.slots}} if args.slots_known else None
