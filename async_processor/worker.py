@@ -269,7 +269,11 @@ class AsyncWorker:
             await self.queue.finish(claim, Finish.failed if failed else Finish.delete, succeeded=not failed,
                                     reason=rec.reason)
             if rec.batch_done:  # its last row: the processors finalize it now, not at their next poll
-                await self.redis.publish(self.config.wake_channel, d.batch_id)
+                try:
+                    await self.redis.publish(self.config.wake_channel, d.batch_id)
+                except RedisError as exc:  # the job is done; the processors find the batch at their next poll
+                    log_event(logger, "wake_not_published", level=logging.WARNING, batch_id=d.batch_id,
+                              error=f"{type(exc).__name__}: {exc}")
         elif rec.disposition is Disposition.duplicate:
             m.duplicates.labels("result").inc()
             log_event(logger, "duplicate_result", **fields)

@@ -1,4 +1,5 @@
-"""The sync mode: the AIMD limit, and a cancel that reaches requests in flight at the simulator."""
+"""The sync mode: the AIMD limit, a cancel that reaches requests in flight at the simulator, and the wake-up its
+last row sends."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import httpx
 from sqlalchemy import select
 
 from batch_processor.sync_handoff import Aimd
+from holdback.contract import wake_channel
 from holdback.models import Attempt
 from tests.batch_processor.test_processor_support import Harness, chat, jsonl
 from tests.support import Processes, free_port, wait_http
@@ -72,4 +74,32 @@ def test_cancel_aborts_sync_requests_in_flight_at_the_simulator(backend, tmp_pat
             assert (batch.status, batch.total, batch.completed, batch.failed) == ("cancelled", 6, 0, 6)
             assert {r.status for r in harness.rows(batch_id)} == {"cancelled"}
         finally:
+            harness.close()
+
+
+def test_the_sync_hand_off_that_ends_a_batch_s_last_row_wakes_the_processors(backend, tmp_path):
+    sim_url = f"http://127.0.0.1:{free_port()}"
+    with Processes(env=backend.env, log_dir=tmp_path) as procs:
+        sim = procs.start("sim", "--port", sim_url.rsplit(":", 1)[1], "--model", "sim-model",
+                          "--decode-base-ms", "1", "--step-overhead-ms", "0", name="sim")
+        wait_http(f"{sim_url}/health", proc=sim)
+        harness = Harness(backend, gateway_url=sim_url)
+        wakes = harness.redis.pubsub(ignore_subscribe_messages=True)
+        wakes.subscribe(wake_channel(backend.namespace))
+        heard: list[str] = []
+
+        def woken(batch_id: str) -> bool:
+            message = wakes.get_message(timeout=0.5)
+            if message is not None:
+                heard.append(message["data"].decode())
+            return batch_id in heard
+
+        try:
+            batch_id = harness.submit(jsonl([chat(i, model="sim-model", max_tokens=4) for i in range(3)]))
+            p = harness.processor(dispatch="sync", sync_concurrency=4, window=6)
+            p.tick()  # expands the batch and sends its three rows
+            _wait(lambda: woken(batch_id), 30, "a wake-up naming the batch once its last row ended")
+            assert {r.status for r in harness.rows(batch_id)} == {"succeeded"}
+        finally:
+            wakes.close()
             harness.close()
