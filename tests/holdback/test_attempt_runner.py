@@ -20,7 +20,10 @@ from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from tests.support import free_port, poll
 
-TIMEOUT = 1.0
+# The timeout case's gateway answers after 5 s: sent alone with a 1 s request timeout, it times out however busy
+# the machine is. The other cases are sent with 30 s, which an answer the gateway gives at once never needs (with
+# 1 s for all, a CI machine stalled past it turned every answer into a timeout).
+TIMEOUT, PATIENT = 1.0, 30.0
 # case -> (row status, attempt outcome, evictions, transient failures) after one attempt
 EXPECTED = {
     "ok": ("succeeded", "success", 0, 0),
@@ -125,10 +128,10 @@ def _observed(factory, rows):
 POLICY = RetryPolicy(base=60.0, cap=60.0)  # retries wait a minute: one attempt per row here
 
 
-def _through_worker(factory, url, batch_rows):
+def _through_worker(factory, url, batch_rows, timeout):
     async def run():
         rt = Runtime.over(factory, gateway_url=url, gateway_key=None, policy=POLICY, worker_name="w",
-                          request_timeout=TIMEOUT, owns_engine=False)
+                          request_timeout=timeout, owns_engine=False)
         try:
             async with aiohttp.ClientSession() as http:
                 await asyncio.gather(*(run_attempt(rt, http, InFlight(row_id)) for _, row_id in batch_rows))
@@ -137,9 +140,9 @@ def _through_worker(factory, url, batch_rows):
     asyncio.run(run())
 
 
-def _through_sync(factory, url, batch_rows):
+def _through_sync(factory, url, batch_rows, timeout):
     sync = SyncHandoff(factory, gateway_url=url, gateway_key=None, worker_name="p/sync", max_concurrency=8,
-                       policy=POLICY, request_timeout=TIMEOUT)
+                       policy=POLICY, request_timeout=timeout)
     try:
         sync.push([(row_id, batch_id) for batch_id, row_id in batch_rows])
         poll(lambda: sync.in_flight == 0, 30, "the sync mode to finish every row")
@@ -156,11 +159,14 @@ def test_worker_and_sync_mode_make_the_same_move_for_every_answer(backend, gatew
     try:
         seen = {}
         for name, run in (("worker", _through_worker), ("sync", _through_sync)):
-            batch_id, rows = _rows(factory, list(EXPECTED), streamed)
-            run(factory, url, [(batch_id, row_id) for row_id in rows.values()])
+            batch_id, rows = _rows(factory, [case for case in EXPECTED if case != "timeout"], streamed)
+            run(factory, url, [(batch_id, row_id) for row_id in rows.values()], PATIENT)
+            slow_batch, slow = _rows(factory, ["timeout"], streamed)
+            run(factory, url, [(slow_batch, slow["timeout"])], TIMEOUT)
             unreachable_batch, unreachable = _rows(factory, ["ok"], streamed)
-            run(factory, dead, [(unreachable_batch, unreachable["ok"])])
-            seen[name] = {**_observed(factory, rows), "unreachable": _observed(factory, unreachable)["ok"]}
+            run(factory, dead, [(unreachable_batch, unreachable["ok"])], PATIENT)
+            seen[name] = {**_observed(factory, rows), **_observed(factory, slow),
+                          "unreachable": _observed(factory, unreachable)["ok"]}
         expected = {**EXPECTED, "unreachable": ("retry_wait", "transport_error", 0, 0)}
         assert seen["worker"] == expected
         assert seen["sync"] == expected
