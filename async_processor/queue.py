@@ -233,6 +233,12 @@ class ClaimQueue:
             pipe.expire(self.executions_key, self.ttl + 60)
             await pipe.execute()
 
+    async def forget(self, claims: list[Claim]) -> None:
+        """Take these ended executions out of the StartedJobRegistry: a heartbeat that read them as in flight
+        just before they ended may have added them back (`heartbeat`)."""
+        if claims:
+            await self.redis.zrem(self.started_key, *(f"{c.job_id}:{c.execution_id}" for c in claims))
+
     async def move_due(self, limit: int = 1000) -> int:
         """Move scheduled jobs whose time has come to the queue; returns how many were moved."""
         return int(await self._move_due(

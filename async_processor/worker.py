@@ -52,6 +52,7 @@ class AsyncWorker:
         self.closing = asyncio.Event()  # drained: stop the helper loops
         self.slot_freed = asyncio.Event()
         self.work_pushed = asyncio.Event()  # the processor pushed jobs since the last claim (`work_channel`)
+        self.requeued: list[Claim] = []  # claims put back on the queue at the drain timeout
         self.holds_scheduler = False
         self.paused = False
         self.pause_checked_at = float("-inf")
@@ -101,6 +102,9 @@ class AsyncWorker:
                 _done, stuck = await asyncio.wait(helpers, timeout=5)
                 for t in stuck:
                     t.cancel()
+                # No heartbeat runs now: take back any started entry one re-added for a job requeued at the drain
+                # (it read the claim just before the requeue), which would show the job started with no worker.
+                await _quietly(self.queue.forget(self.requeued))
                 await self.circuit.close()
                 if self.holds_scheduler:
                     await _quietly(self.registration.release_scheduler())
@@ -213,6 +217,7 @@ class AsyncWorker:
             # Shutdown after the drain timeout: the job goes back to the front of the queue; the next
             # delivery's begin closes this attempt as abandoned.
             await asyncio.shield(_quietly(self.queue.finish(claim, Finish.requeue)))
+            self.requeued.append(claim)
             log_event(logger, "requeued_on_shutdown", batch_id=job.batch_id, request_id=row_id)
             raise
         except Exception as exc:  # the database or Redis failed beyond its retries

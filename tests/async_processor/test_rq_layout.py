@@ -128,6 +128,30 @@ def test_a_failed_job_without_a_reason_writes_no_result(layout):
     asyncio.run(scenario())
 
 
+def test_a_heartbeat_that_read_a_claim_before_its_requeue_re_adds_it_and_forget_takes_it_back(layout):
+    # The race a stopping worker meets (CI, test_sigterm_requeues_...): a heartbeat's snapshot of its claims is
+    # taken, the drain requeues one of them, then the heartbeat writes; the started registry shows the requeued job
+    # started by nobody until the worker, its heartbeats stopped, forgets what it requeued.
+    backend, sync, queue, ids = layout
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(backend.redis_url)
+        rq_queue = ClaimQueue(client, queue.name, f"{backend.namespace}-w", ttl=60, failure_ttl=600)
+        started = StartedJobRegistry(queue=queue)
+        try:
+            claims, _ = await rq_queue.claim(1)
+            await rq_queue.finish(claims[0], Finish.requeue)
+            assert started.get_job_ids(cleanup=False) == [] and claims[0].job_id in queue.get_job_ids()
+            await rq_queue.heartbeat(claims)  # the snapshot taken before the requeue
+            assert started.get_job_ids(cleanup=False) == [claims[0].job_id]
+            await rq_queue.forget(claims)
+            assert started.get_job_ids(cleanup=False) == [] and claims[0].job_id in queue.get_job_ids()
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_stock_rq_worker_tears_down_after_its_pubsub_thread_has_read_the_unsubscribe(backend):
     # RQ's worker listens for commands on a pubsub thread that waits up to 60 s for a subscription, and its
     # teardown stops that thread expecting `stop()` to return at once (it joins for 1 s itself). redis-py 8.2
