@@ -35,6 +35,7 @@ from gateway.bodies import document, prefix_blocks, responses_as_chat, route_not
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
+from gateway.flow.cached_first import wants_prefix
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
@@ -165,7 +166,7 @@ class Proxy:
                   streamed=isinstance(doc, dict) and doc.get("stream") is True,
                   at_risk=cls.at_risk and cls.priority < 0, home=turn.home if turn is not None else None,
                   prefix=prefix_blocks(doc, request.path, cls.cache_salt)
-                  if controller.loaded.config.picker.policy == "prefix-affinity" else ())
+                  if wants_prefix(controller.loaded.config, cls.priority) else ())
         if controller.admission_enabled:
             counted = await self._count_tokens(controller, ask, doc, endpoint)
             if isinstance(counted, web.Response):

@@ -36,6 +36,22 @@ class FlowQueue:
             heapq.heappop(heap)
         return heap[0] if heap else None
 
+    def first(self, k: int) -> list[FlowRequest]:
+        """Up to `k` queued requests in order, head first, without taking any (a best-first walk of the heap;
+        requests already gone are stepped over, at most `k` of them)."""
+        heap, out = self._heap, []
+        frontier = [(heap[0][0], 0)] if heap else []
+        steps = 0
+        while frontier and len(out) < k and steps < 2 * k:
+            _key, i = heapq.heappop(frontier)
+            steps += 1
+            if heap[i][1].status is Status.QUEUED:
+                out.append(heap[i][1])
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child][0], child))
+        return out
+
     def pop_head(self) -> FlowRequest:
         head = self.head()
         if head is None:
@@ -108,6 +124,13 @@ class PriorityBand:
         self.fairness.dispatched(req.fairness_id)
         if flow.count == 0:
             del self.flows[req.fairness_id]
+
+    def take(self, req: FlowRequest) -> None:
+        """Take a queued request other than the head of its flow to dispatch it (cached-first dispatch,
+        gateway/flow/cached_first.py): counted as its flow's turn; its heap entry goes once it is no longer
+        QUEUED."""
+        self.forget(req)
+        self.fairness.dispatched(req.fairness_id)
 
     def forget(self, req: FlowRequest) -> None:
         """Account for a queued request that left without dispatch (its status is no longer QUEUED)."""

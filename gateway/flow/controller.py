@@ -28,6 +28,7 @@ from gateway.calibration import Profile
 from gateway.flow import moves, state
 from gateway.flow.assembly import assemble, configure_replicas, objectives_by_priority
 from gateway.flow.band import PriorityBand
+from gateway.flow.cached_first import CachedPrefixes
 from gateway.flow.deadlines import Deadlines
 from gateway.flow.eviction_control import EvictionControl
 from gateway.flow.floor import AtRiskFloor
@@ -69,6 +70,7 @@ class FlowController(RunningRequests):
         self.tally = FlowTally(metrics, clock, pool_name)
         self.eviction = EvictionControl(self)
         self.floor = AtRiskFloor()
+        self.cached = CachedPrefixes()
         self.admission: KvAdmission | None = None
         self.ledger: KvLedger | None = None
         self.profile: Profile | None = None
@@ -105,6 +107,7 @@ class FlowController(RunningRequests):
                 self._on_identify(replica)
         self.tick = cfg.flowControl.tickSeconds
         self.floor.share = cfg.flowControl.atRiskFloor
+        self.lookahead = cfg.flowControl.cachedFirstLookahead
         self.global_max_requests = cfg.flowControl.maxRequests
         self.traffic_classes, self.objective_names = objectives_by_priority(cfg)
         for band in self.bands.configure(cfg):
@@ -253,7 +256,12 @@ class FlowController(RunningRequests):
                     self._start_kv_wait(req, now)
                     self.eviction.run(Stage.KV_WAIT, Moment(now, healthy, waiting=req))
                     break  # head-of-line: this band and the ones below wait for KV room
-                band.pop(req)
+                ahead = self._cached_first(band, req, placed, healthy, now, saturation)
+                if ahead is not None:
+                    req, placed = ahead
+                    band.take(req)
+                else:
+                    band.pop(req)
                 self.total_queued -= 1
                 if placed.verdict is Verdict.REJECT:
                     self._reject_kv(req, placed.kv, band)
@@ -265,6 +273,30 @@ class FlowController(RunningRequests):
                 if blocked is not None and self.eviction.run(Stage.BLOCKED, Moment(now, healthy, saturation, blocked)):
                     continue  # the victims' slots were handed on at once: dispatch into them now
                 return
+
+    def _cached_first(self, band: PriorityBand, head: FlowRequest, placed: Placement, healthy: list[Replica],
+                      now: float, saturation: float) -> tuple[FlowRequest, Placement] | None:
+        """A request of the head's flow, within the lookahead, with more of its prefix cached on the replica the
+        head would run on, and its placement there; None: the head goes (gateway/flow/cached_first.py)."""
+        if (placed.verdict is not Verdict.RUN or not head.sheddable or self.lookahead == 0
+                or head.passed_over >= self.lookahead):
+            return None
+        url = placed.replica.url
+        if not self.cached.knows(url):
+            return None
+        best, most = head, self.cached.held(url, head.ask.prefix)
+        for req in band.flows[head.fairness_id].first(self.lookahead)[1:]:
+            held = self.cached.held(url, req.ask.prefix)
+            if held > most:
+                best, most = req, held
+        if best is head:
+            return None
+        ahead = self._place(best, healthy, now, saturation, prefer=url)
+        if ahead.verdict is not Verdict.RUN:
+            return None  # it needs KV room the head does not: it waits for its own turn
+        head.passed_over += 1
+        self.tally.cached_first += 1
+        return best, ahead
 
     def _fill_floor(self, healthy: list[Replica], now: float) -> None:
         """Requests of at-risk batches first, past every band, while the floor has room (gateway/flow/floor.py)."""
@@ -280,11 +312,11 @@ class FlowController(RunningRequests):
 
     # -- the decision and the transitions -------------------------------------------------------------------
     def _place(self, req: FlowRequest, healthy: list[Replica], now: float, saturation: float,
-               kv: Decision | None = None) -> Placement:
+               kv: Decision | None = None, prefer: str | None = None) -> Placement:
         """Can `req` run now, and where: the one dispatch decision, for the head of a band (`cycle`) and for an
         arrival (`submit`, which passes KV admission's answer at arrival as `kv`). Under its band's ceiling, with
         KV room for it, on the replica the picker chooses among those with room (an evicted request's retry
-        prefers the replica its attempt ran on)."""
+        prefers the replica its attempt ran on; else `prefer`, the replica cached-first dispatch chose it for)."""
         if saturation >= self.bands.ceilings[req.priority]:
             return BLOCKED
         if self.admission is not None:
@@ -298,7 +330,8 @@ class FlowController(RunningRequests):
         if self.eviction.awaiting:  # a higher-priority request not answering yet keeps lower ones off its replica
             within, control = fits, self.eviction
             fits = lambda r: (within is None or within(r)) and not control.holds_back(r, req.priority)  # noqa: E731
-        replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity, prefix=req.ask.prefix)
+        replica = self.picker.pick(healthy, self.detector, now, fits, prefer=req.affinity or prefer,
+                                   prefix=req.ask.prefix)
         return Placement(Verdict.RUN, replica) if replica is not None else BLOCKED
 
     def _dispatch(self, req: FlowRequest, replica: Replica, band: PriorityBand, now: float, path: str,

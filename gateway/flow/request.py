@@ -95,7 +95,8 @@ class Ask:
     # `previous_response_id`, gateway/stored_responses.py). None: any.
     home: str | None = None
     # The prompt's leading blocks as chained hashes under its cache salt (gateway/bodies.py `prefix_blocks`), for
-    # the prefix-affinity picker; () when that picker is not configured or the body renders no prompt.
+    # the prefix-affinity picker and cached-first dispatch; () when neither is on for it or the body renders no
+    # prompt.
     prefix: tuple[int, ...] = ()
 
     @property
@@ -154,6 +155,8 @@ class FlowRequest:
     evicted_at: float = 0.0
     # Non-sheddable and queued for a request slot at arrival (no room): its wait for a released slot is measured.
     blocked_on_arrival: bool = False
+    # Times a request behind it in its flow went first because its prefix was cached (gateway/flow/cached_first.py).
+    passed_over: int = 0
     # The task proxying this request; eviction cancels it so the upstream connection closes.
     task: Cancellable | None = None
     waiter: asyncio.Future | None = field(default=None, repr=False)

@@ -14,8 +14,8 @@ from gateway.replicas import Replica
 
 class RunningRequests:
     """The running-request part of a `FlowController`: its fields and readings are the controller's own (pool,
-    bands, ledger, admission, eviction, floor, tally, in_flight, total_queued, clock, loaded, traffic_classes,
-    picker, detector, demand)."""
+    bands, ledger, admission, eviction, floor, tally, cached, in_flight, total_queued, clock, loaded,
+    traffic_classes, picker, detector, demand)."""
 
     def adopt(self, req: FlowRequest, replica: Replica, now: float, traffic_class: str | None, output_tokens: int,
               streaming: bool) -> None:
@@ -40,6 +40,7 @@ class RunningRequests:
         replica.in_flight += 1
         band.in_flight += 1
         self.in_flight += 1
+        self.cached.ran(replica.url, req.ask.prefix)
         if self.admission is not None and self.ledger is not None:
             demand = self.admission.within_context(self.demand(req), self.pool.healthy())
             lease.reservation = self.ledger.reserve(
@@ -62,6 +63,8 @@ class RunningRequests:
         evicted = moves.finish(req)
         if not req.slot_released:
             self.release_slot(req)
+        replica = req.leased().replica
+        self.cached.ended(replica.url, req.ask.prefix, replica.capacity or self.loaded.config.saturation.maxConcurrency)
         self.floor.ended(req)
         if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):
@@ -109,6 +112,7 @@ class RunningRequests:
         if res is not None and self.ledger is not None:
             self.ledger.move(res, new.url, admission.block_size(new) if admission else None)
         lease.replica = new
+        self.cached.moved(old.url, new.url, req.ask.prefix)
         self.eviction.dispatched(req)  # it may wait inside the new replica as well
         return new
 

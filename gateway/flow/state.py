@@ -59,7 +59,7 @@ def snapshot(fc: FlowController) -> dict:
         "kv": kv_state(fc, now),
         "totals": {"dispatched": tally.dispatched, "evictions": dict(tally.evictions),
                    "rejections": dict(tally.rejections), "evicted_places_kept": tally.places_kept,
-                   "evicted_replica_kept": tally.affinity_kept,
+                   "evicted_replica_kept": tally.affinity_kept, "cached_first": tally.cached_first,
                    "evicted_places_waiting": len(fc.eviction.places)},
     }
 

@@ -40,6 +40,8 @@ class FlowTally:
         # Evicted requests' retries that kept their place in line, and that went back to their replica.
         self.places_kept = 0
         self.affinity_kept = 0
+        # Requests dispatched ahead of their flow's head because their prefix was cached (cached_first.py).
+        self.cached_first = 0
         self.recent_releases: deque[dict] = deque(maxlen=RECENT_RELEASES)
         # When a request slot was last handed back (a finish, or an eviction decision that hands it on): what a
         # blocked arrival waited for (the blocked_release histogram).
