@@ -16,8 +16,11 @@ in holdback) so that none finds what another cached:
 - `plan`: `holdback up` as shipped (the processor's prefix plan on), the file run as one batch through the Batch
   API, the processor, the workers and the gateway, after a warm-up batch of other prompts (the gateway learns the
   engine's slots, as in a stack already serving).
-- `plan-off`: the same with `HOLDBACK_PROCESSOR_PREFIX_PLAN=off` (rows in line order): the plan's own share.
-The no-shared workload runs `plan` and `plan-off` only. Realtime throughout every arm: Poisson `--rate`/s streamed
+- `plan-off`: the same with `HOLDBACK_PROCESSOR_PREFIX_PLAN=off` (rows in line order): the plan's own share. The
+  gateway's cached-first dispatch is on in both (as shipped).
+- `line-order`: the plan off and the gateway's cached-first dispatch off too (`flowControl.cachedFirstLookahead:
+  0`): rows dispatched in line order, holdback before either; `plan-off` ÷ `line-order` is cached-first's share.
+The no-shared workload runs `plan` and `line-order` only. Realtime throughout every arm: Poisson `--rate`/s streamed
 completions of 8 tokens (bench/makespan.py `realtime`).
 
 Figures per arm: batch output tokens per engine step (the completed lines' tokens ÷ the engine's steps,
@@ -49,7 +52,7 @@ from bench.prefix import SYSTEM, questions_about
 from bench.real_engine.prefix_report import make_plots, markdown, summarise
 from bench.stats import percentile
 
-WORKLOADS = {"shared": ("vllm-priority", "plan", "plan-off"), "no-shared": ("plan", "plan-off")}
+WORKLOADS = {"shared": ("vllm-priority", "plan", "plan-off", "line-order"), "no-shared": ("plan", "line-order")}
 PLAN_ENV = "HOLDBACK_PROCESSOR_PREFIX_PLAN"
 
 
@@ -70,6 +73,7 @@ class PrefixRun:
     lines_failed: int = 0
     realtime_failed: int = 0
     evictions: int = 0
+    cached_first: int = 0  # holdback: requests the gateway sent ahead of their flow's head (cached-first dispatch)
     engine: dict[str, float] = field(default_factory=dict)  # the engine's counters moved (bench/makespan.py)
 
 
@@ -93,22 +97,33 @@ def new_tenant(up: HoldbackUp, name: str) -> dict[str, str]:
 
 
 def run_holdback(engine: str, tmp: Path, pin: bool, lines: list[dict], args: argparse.Namespace, label: str,
-                 plan: bool, group: int) -> MakespanRun:
-    """`holdback up` with the processor's plan on or off: a warm-up batch of short prompts under the stack's own
-    tenant, then the measured batch under a tenant of its own."""
+                 arm: str, group: int) -> tuple[MakespanRun, int]:
+    """`holdback up` with the processor's plan on (`plan`) or off, the gateway's cached-first dispatch on or off
+    (`line-order`): a warm-up batch of short prompts under the stack's own tenant, then the measured batch under a
+    tenant of its own. Also how many of the batch's requests cached-first dispatch sent ahead."""
     keep = args.logs / label if args.logs else None
     # One tenant's batch is the whole load: its KV share is the pool's (the shipped 0.15 is a share among many
     # tenants, which would hold this batch to two documents' questions at a time on the small pool).
-    share = {"admission": {"tenantMaxShare": args.tenant_share, "tenantSoftShare": args.tenant_share}}
-    with HoldbackUp(engine, tmp, label, pin, share, keep, env={PLAN_ENV: "on" if plan else "off"}) as up:
+    config: dict = {"admission": {"tenantMaxShare": args.tenant_share, "tenantSoftShare": args.tenant_share}}
+    if arm == "line-order":
+        config["flowControl"] = {"cachedFirstLookahead": 0}
+    with HoldbackUp(engine, tmp, label, pin, config, keep, env={PLAN_ENV: "on" if arm == "plan" else "off"}) as up:
         warm = batch_lines(args.seed + 1000 + group, 8 * args.slots, (8, 8), lines[0]["model"])
         slots = asyncio.run(warm_up(up, warm, args))
         wait_idle(engine)
         up.tenant = new_tenant(up, label)
+        before = sent_ahead(up)
         run = asyncio.run(holdback_arm(up, engine, lines, argparse.Namespace(**{**vars(args), "warm_up": False}),
                                        group))
+        ahead = sent_ahead(up) - before
     run.slots_known = slots
-    return run
+    return run, ahead
+
+
+def sent_ahead(up: HoldbackUp) -> int:
+    """The gateway's count of requests cached-first dispatch sent ahead so far (`/admin/state` totals)."""
+    state = httpx.get(up.gateway + "/admin/state", headers=up.admin, timeout=30).raise_for_status().json()
+    return state["totals"]["cached_first"]
 
 
 def run_arm(engine: str, tmp: Path, pin: bool, workload: str, arm: str, lines: list[dict], args: argparse.Namespace,
@@ -116,11 +131,12 @@ def run_arm(engine: str, tmp: Path, pin: bool, workload: str, arm: str, lines: l
     label = f"{workload}-{arm}-{group}"
     wait_idle(engine)
     hits, queries = cache_counters(engine)
+    ahead = 0
     if arm == "vllm-priority":
         salted = [{**line, "cache_salt": label} for line in lines]
         run = asyncio.run(vllm_arm(engine, salted, args, group))
     else:
-        run = run_holdback(engine, tmp, pin, lines, args, label, arm == "plan", group)
+        run, ahead = run_holdback(engine, tmp, pin, lines, args, label, arm, group)
     hits_now, queries_now = cache_counters(engine)
     done = len(lines) - run.lines_failed
     steps = run.engine.get("steps", 0.0)
@@ -128,7 +144,7 @@ def run_arm(engine: str, tmp: Path, pin: bool, workload: str, arm: str, lines: l
         workload, arm, group, run.makespan, done * args.max_tokens, steps,
         done * args.max_tokens / steps if steps else 0.0, hits_now - hits, queries_now - queries,
         (hits_now - hits) / (queries_now - queries) if queries_now > queries else 0.0, run.ttft,
-        percentile(run.ttft, 0.95), run.lines_failed, run.realtime_failed, sum(run.evictions), run.engine)
+        percentile(run.ttft, 0.95), run.lines_failed, run.realtime_failed, sum(run.evictions), ahead, run.engine)
 
 
 def sim_flags(args: argparse.Namespace) -> list[str]:
@@ -153,7 +169,7 @@ def run_groups(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Pre
                     print(f"group {group} {workload} {arm}: {run.tokens_per_step:.3f} batch tokens/step "
                           f"({run.steps:.0f} steps), makespan {run.makespan:.1f} s, hit rate {run.hit_rate:.2f}, "
                           f"realtime p95 {run.ttft_p95 or 0:.3f} s ({len(run.ttft)}), evictions {run.evictions}, "
-                          f"lines failed {run.lines_failed}", flush=True)
+                          f"sent ahead {run.cached_first}, lines failed {run.lines_failed}", flush=True)
     return runs
 
 

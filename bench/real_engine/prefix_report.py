@@ -38,9 +38,13 @@ RATIOS = (
     Ratio("shared", "makespan", "plan", "vllm-priority", at_least=False),
     Ratio("shared", "makespan", "plan-off", "vllm-priority", at_least=False),
     Ratio("shared", "makespan", "plan", "plan-off", at_least=False),
-    Ratio("no-shared", "tokens_per_step", "plan", "plan-off", 0.99),
-    Ratio("no-shared", "ttft_p95", "plan", "plan-off", at_least=False),
-    Ratio("no-shared", "makespan", "plan", "plan-off", at_least=False),
+    Ratio("shared", "tokens_per_step", "plan-off", "line-order"),
+    Ratio("shared", "ttft_p95", "plan-off", "line-order", at_least=False),
+    Ratio("shared", "makespan", "plan-off", "line-order", at_least=False),
+    Ratio("shared", "tokens_per_step", "line-order", "vllm-priority"),
+    Ratio("no-shared", "tokens_per_step", "plan", "line-order", 0.99),
+    Ratio("no-shared", "ttft_p95", "plan", "line-order", at_least=False),
+    Ratio("no-shared", "makespan", "plan", "line-order", at_least=False),
 )
 LABELS = {"tokens_per_step": "batch tokens per engine step", "ttft_p95": "realtime p95 TTFT",
           "makespan": "makespan (wall clock)"}
@@ -66,16 +70,18 @@ def summarise(runs: list[dict]) -> dict:
         est = bootstrap_median(values)
         ratios[ratio.name] = {**est.as_dict(), "per_group": values, "goal": ratio.goal, "at_least": ratio.at_least,
                               "verdict": verdict(est, ratio.goal, ratio.at_least) if ratio.goal else None}
-    hit_rate, evictions = {}, {}
+    hit_rate, evictions, ahead = {}, {}, {}
     for workload, arm in sorted({(r["workload"], r["arm"]) for r in runs}):
         mine = [r for r in runs if (r["workload"], r["arm"]) == (workload, arm)]
         hit_rate[f"{workload}: {arm}"] = {**bootstrap_median([r["hit_rate"] for r in mine]).as_dict(),
                                           "per_group": [r["hit_rate"] for r in mine]}
         if arm != "vllm-priority":
             evictions[f"{workload}: {arm}"] = [r["evictions"] for r in mine]
+            ahead[f"{workload}: {arm}"] = [r.get("cached_first", 0) for r in mine]
     return {"groups": len({r["group"] for r in runs}), "ratios": ratios, "hit_rate": hit_rate,
             "lines_failed": sum(r["lines_failed"] for r in runs),
-            "realtime_failed": sum(r["realtime_failed"] for r in runs), "evictions_per_group": evictions}
+            "realtime_failed": sum(r["realtime_failed"] for r in runs), "evictions_per_group": evictions,
+            "cached_first_per_group": ahead}
 
 
 def markdown(summary: dict, args: argparse.Namespace) -> str:
@@ -92,7 +98,8 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
     hits += [f"| {name} | {fig(e)} | {', '.join(f'{x:.3f}' for x in e['per_group'])} |"
              for name, e in summary["hit_rate"].items()]
     tail = (f"lines not completed {summary['lines_failed']}; realtime without a first token "
-            f"{summary['realtime_failed']}; evictions per group {summary['evictions_per_group']}")
+            f"{summary['realtime_failed']}; evictions per group {summary['evictions_per_group']}; requests sent "
+            f"ahead by cached-first dispatch per group {summary['cached_first_per_group']}")
     return "\n".join([head, "", *rows, "", *hits, "", tail])
 
 

@@ -42,7 +42,7 @@ def test_one_tiny_group_on_the_simulator_runs_every_arm_and_writes_the_report(tm
                     "3", "--doc-words", "150", "--max-tokens", "4", "--slots", "2", "--kv-blocks", "40", "--rate", "20",
                     "--sim-arg=--decode-base-ms=1", "--sim-arg=--prefill-ms-per-token=0.01", "--out", str(tmp_path)])
     raw = json.loads((tmp_path / "raw.json").read_text())
-    assert [r["arm"] for r in raw["runs"]] == ["vllm-priority", "plan", "plan-off"]
+    assert [r["arm"] for r in raw["runs"]] == ["vllm-priority", "plan", "plan-off", "line-order"]
     for run in raw["runs"]:
         assert run["lines_failed"] == 0 and run["batch_tokens"] == 12 * 4, run
         assert run["steps"] > 0 and run["queries"] > 0, run
@@ -53,6 +53,8 @@ def test_one_tiny_group_on_the_simulator_runs_every_arm_and_writes_the_report(tm
     # Every step and makespan ratio of the workload (realtime's need vLLM alone to have had realtime).
     assert {r.name for r in RATIOS if r.workload == "shared" and r.figure != "ttft_p95"} <= set(summary["ratios"])
     assert all(len(e["per_group"]) == 1 for e in summary["ratios"].values())
-    assert set(summary["hit_rate"]) == {"shared: vllm-priority", "shared: plan", "shared: plan-off"}
+    assert set(summary["hit_rate"]) == {"shared: vllm-priority", "shared: plan", "shared: plan-off",
+                                        "shared: line-order"}
+    assert summary["cached_first_per_group"]["shared: line-order"] == [0]  # cachedFirstLookahead: 0 in that arm
     text = (tmp_path / "summary.md").read_text()
     assert "shared: tokens_per_step plan ÷ vllm-priority" in text and (tmp_path / "prefix_ratios.png").stat().st_size
