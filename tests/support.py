@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from holdback.cli.listeners import free_port, free_port_block
+from holdback.contract import wake_channel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,6 +55,30 @@ def poll(predicate, timeout: float, what: str, detail=lambda: "", interval: floa
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail()}")
         time.sleep(interval)
+
+
+class WakeListener:
+    """Subscribed to the processors' wake channel (`holdback.contract.wake_channel`) from its creation: the batch
+    ids published there since, for a test that waits for the wake-up naming its batch."""
+
+    def __init__(self, connection, namespace: str):  # noqa: ANN001 (a redis.Redis)
+        # Kept: a redis.Redis collected closes its pool's connections, the subscription's among them.
+        self.connection = connection
+        self.pubsub = connection.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(wake_channel(namespace))
+        self.heard: list[str] = []
+
+    def named(self, batch_id: str) -> bool:
+        message = self.pubsub.get_message(timeout=0.5)
+        if message is not None:
+            self.heard.append(message["data"].decode())
+        return batch_id in self.heard
+
+    def wait_for(self, batch_id: str, timeout: float, what: str, detail=lambda: "") -> None:  # noqa: ANN001
+        poll(lambda: self.named(batch_id), timeout, what, lambda: f"heard {self.heard}\n{detail()}", interval=0)
+
+    def close(self) -> None:
+        self.pubsub.close()
 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:

@@ -28,11 +28,11 @@ from rq.worker import Worker
 
 from holdback.contract import requests_queue_name
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.contract import at_risk_key, circuit_key, wake_channel
+from holdback.contract import at_risk_key, circuit_key
 from holdback.models import Attempt, Batch, RequestRow, Tenant
 from holdback.results import close_unfinished, output_line
 from holdback.models import RequestStatus
-from tests.support import Processes, free_port, free_ports, poll, wait_http
+from tests.support import Processes, WakeListener, free_port, free_ports, poll, wait_http
 
 FAST = ["--backoff-base", "0.05", "--backoff-cap", "0.2", "--heartbeat-ttl", "6", "--scheduler-interval", "0.05",
         "--drain-timeout", "2"]
@@ -221,20 +221,11 @@ def scripted():
 def test_success_is_recorded_with_usage_and_the_job_leaves_redis(stack):
     sim = stack.sim("--decode-base-ms", "1", "--step-overhead-ms", "0.5")
     batch_id, _, row_ids = stack.batch(30)
-    wakes = stack.redis.pubsub(ignore_subscribe_messages=True)
-    wakes.subscribe(wake_channel(stack.backend.namespace))
+    wakes = WakeListener(stack.redis, stack.backend.namespace)
     proc = stack.worker(sim)
     rows = stack.wait_final(row_ids)
     # The worker that made the last row final told the processors (jobqueue.Wakes): they finalize it now.
-    heard: list[str] = []
-
-    def woken() -> bool:
-        message = wakes.get_message(timeout=0.5)
-        if message is not None:
-            heard.append(message["data"].decode())
-        return batch_id in heard
-
-    poll(woken, 20, "a wake-up naming the batch", lambda: f"heard {heard}\n{stack.procs.log('worker')}")
+    wakes.wait_for(batch_id, 20, "a wake-up naming the batch", lambda: stack.procs.log("worker"))
     wakes.close()
     assert {r.status for r in rows} == {"succeeded"}
     assert all(r.output_tokens == 4 and r.input_tokens > 0 and r.attempts == 1 for r in rows)

@@ -10,9 +10,8 @@ from sqlalchemy import update
 
 from batch_api.schemas import batch_to_api
 from holdback.db import make_engine, make_sessionmaker, transaction
-from holdback.contract import wake_channel
 from holdback.models import Batch
-from tests.support import poll
+from tests.support import WakeListener
 
 BATCH_KEYS = {
     "id", "object", "endpoint", "input_file_id", "completion_window", "status", "created_at", "in_progress_at",
@@ -85,26 +84,17 @@ def test_create_retrieve_list_cancel(api):
 
 def test_a_batch_created_or_cancelled_wakes_the_processors(api, backend):
     # The processors take a new batch up (and a cancel) at once, not at their next poll (jobqueue.Wakes).
-    pubsub = backend.redis().pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(wake_channel(backend.namespace))
-    heard: list[str] = []
-
-    def wake_for(batch_id: str) -> bool:
-        message = pubsub.get_message(timeout=0.5)
-        if message is not None:
-            heard.append(message["data"].decode())
-        return batch_id in heard
-
+    wakes = WakeListener(backend.redis(), backend.namespace)
     try:
         client = api.openai(api.create_key("acme"))
         batch = client.batches.create(input_file_id=upload_batch_file(client), endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        poll(lambda: wake_for(batch.id), 30, "a wake-up naming the new batch", lambda: f"heard {heard}")
-        heard.clear()
+        wakes.wait_for(batch.id, 30, "a wake-up naming the new batch")
+        wakes.heard.clear()
         assert client.batches.cancel(batch.id).status == "cancelling"
-        poll(lambda: wake_for(batch.id), 30, "a wake-up naming the cancelled batch", lambda: f"heard {heard}")
+        wakes.wait_for(batch.id, 30, "a wake-up naming the cancelled batch")
     finally:
-        pubsub.close()
+        wakes.close()
 
 
 def test_completion_window_durations(api):

@@ -9,10 +9,9 @@ import httpx
 from sqlalchemy import select
 
 from batch_processor.sync_handoff import Aimd
-from holdback.contract import wake_channel
 from holdback.models import Attempt
 from tests.batch_processor.test_processor_support import Harness, chat, jsonl
-from tests.support import Processes, free_port, wait_http
+from tests.support import Processes, WakeListener, free_port, wait_http
 
 
 def test_aimd_halves_once_per_round_trip_and_adds_one_per_success():
@@ -84,21 +83,12 @@ def test_the_sync_hand_off_that_ends_a_batch_s_last_row_wakes_the_processors(bac
                           "--decode-base-ms", "1", "--step-overhead-ms", "0", name="sim")
         wait_http(f"{sim_url}/health", proc=sim)
         harness = Harness(backend, gateway_url=sim_url)
-        wakes = harness.redis.pubsub(ignore_subscribe_messages=True)
-        wakes.subscribe(wake_channel(backend.namespace))
-        heard: list[str] = []
-
-        def woken(batch_id: str) -> bool:
-            message = wakes.get_message(timeout=0.5)
-            if message is not None:
-                heard.append(message["data"].decode())
-            return batch_id in heard
-
+        wakes = WakeListener(harness.redis, backend.namespace)
         try:
             batch_id = harness.submit(jsonl([chat(i, model="sim-model", max_tokens=4) for i in range(3)]))
             p = harness.processor(dispatch="sync", sync_concurrency=4, window=6)
             p.tick()  # expands the batch and sends its three rows
-            _wait(lambda: woken(batch_id), 30, "a wake-up naming the batch once its last row ended")
+            wakes.wait_for(batch_id, 30, "a wake-up naming the batch once its last row ended")
             assert {r.status for r in harness.rows(batch_id)} == {"succeeded"}
         finally:
             wakes.close()
