@@ -25,7 +25,7 @@ from holdback.logs import log_event
 from holdback import lifecycle
 from holdback.db import transaction
 from holdback.models import Batch, BatchStatus, File, RequestRow, RequestStatus
-from holdback.results import count_unfinished, output_line
+from holdback.results import any_unfinished, output_line
 from holdback.retention import DEFAULT_FILE_TTL
 from holdback.storage import FileStore, StoredFileWriter
 
@@ -67,7 +67,7 @@ class NotFinished(Exception):
 def begin_finalizing(factory: sessionmaker[Session], batch_id: str, owner: str | None) -> bool:
     """in_progress -> finalizing (every row is final); False if the batch moved on or is not ours."""
     with transaction(factory) as session:
-        if count_unfinished(session, batch_id):
+        if any_unfinished(session, batch_id):
             return False
         return lifecycle.begin_finalizing(session, batch_id, int(time.time()), held_by(owner))
 
@@ -94,7 +94,7 @@ def finalize_batch(
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in allowed:
             return None
-        if count_unfinished(session, batch_id):
+        if any_unfinished(session, batch_id):
             raise NotFinished(f"batch {batch_id} still has unfinished rows")
         tenant_id, ttl = batch.tenant_id, batch.output_expires_after or DEFAULT_OUTPUT_TTL
 

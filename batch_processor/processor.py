@@ -43,7 +43,7 @@ from holdback.attempts import RetryPolicy
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, BatchStatus
 from holdback.probes import Heartbeat
-from holdback.results import count_unfinished
+from holdback.results import any_unfinished
 from holdback.retention import FileCollector, RetentionMetrics
 from holdback.settings import Settings
 from holdback.storage import FileStore, open_file_store
@@ -279,7 +279,7 @@ class Processor:
 
     def _has_unfinished(self, batch_id: str) -> bool:
         with self.factory() as session:
-            return count_unfinished(session, batch_id) > 0
+            return any_unfinished(session, batch_id)
 
     def _finish(self, batch: _Owned, done: Round, result: FinalizeResult | None) -> None:
         if result is None:
