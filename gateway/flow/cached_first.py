@@ -4,10 +4,11 @@ cached there, and sends that one first.
 
 What is cached, as flow control can know it: the prefix blocks (gateway/bodies.py `prefix_blocks`, chained hashes
 under the tenant's cache salt, so a tenant's prefix never matches another's) of the requests running on each
-replica, which hold their blocks in the engine's KV for certain, and of the last requests that ended there (as many
-as the replica has slots), whose blocks vLLM keeps in its prefix cache until the pool needs them. Anything that
-ended longer ago is not counted: the pool turns over within a generation or two of its slots, and a prefix the
-engine dropped would reorder the queue for nothing.
+replica, which hold their blocks in the engine's KV, and of the last requests that ended there, whose blocks vLLM
+keeps in its prefix cache until it hands them out again, those freed longest ago first. So of what ended, only the
+latest that fit in the replica's free KV count (with KV admission on: its pool less what is taken there), and at
+most as many as it has slots. Anything older is not counted: a prefix the engine dropped would reorder the queue
+for nothing.
 
 Bounded and fair: only the flow whose turn it is (the band's fairness policy named it) is looked at, so no tenant
 gains on another; only its first `lookahead` requests in the band's order; and a request passed over `lookahead`
@@ -27,54 +28,77 @@ class CachedPrefixes:
     """Per replica, the prefix blocks of what runs there and of the last requests that ended there."""
 
     def __init__(self) -> None:
-        self._running: dict[str, Counter[int]] = {}
-        self._ended: dict[str, deque[Sequence[int]]] = {}
-        self._ended_blocks: dict[str, Counter[int]] = {}
+        self._replicas: dict[str, _Replica] = {}
 
     def ran(self, url: str, prefix: Sequence[int]) -> None:
         """A request with this prefix was dispatched to (or adopted on) `url`."""
         if prefix:
-            self._running.setdefault(url, Counter()).update(prefix)
+            self._of(url).running.update(prefix)
 
-    def ended(self, url: str, prefix: Sequence[int], keep: int) -> None:
-        """It ended there (finished, failed or evicted): its blocks count among the last `keep` that ended."""
+    def ended(self, url: str, prefix: Sequence[int], tokens: int, keep: int) -> None:
+        """It ended there (finished, failed or evicted) holding `tokens` of KV: its blocks count among the last
+        `keep` that ended (the replica's slots), while the replica's free KV holds them (`trim`)."""
         if not prefix:
             return
-        self._drop_running(url, prefix)
-        ended = self._ended.setdefault(url, deque())
-        blocks = self._ended_blocks.setdefault(url, Counter())
-        ended.append(prefix)
-        blocks.update(prefix)
-        while len(ended) > max(keep, 0):
-            _forget(blocks, ended.popleft())
+        r = self._of(url)
+        _forget(r.running, prefix)
+        r.ended.append((prefix, tokens))
+        r.ended_blocks.update(prefix)
+        r.ended_tokens += tokens
+        while len(r.ended) > max(keep, 0):
+            r.forget_oldest()
+
+    def trim(self, url: str, free_tokens: float) -> None:
+        """Forget the oldest that ended until the rest fit in `free_tokens`, the KV the replica has free: vLLM hands
+        out the blocks freed longest ago first, so of what ended only the latest that much can still be cached."""
+        r = self._replicas.get(url)
+        while r is not None and r.ended and r.ended_tokens > free_tokens:
+            r.forget_oldest()
 
     def moved(self, old: str, new: str, prefix: Sequence[int]) -> None:
         """A dispatched request moved to another replica before it ran (its replica refused the connection)."""
         if prefix:
-            self._drop_running(old, prefix)
+            _forget(self._of(old).running, prefix)
             self.ran(new, prefix)
 
     def knows(self, url: str) -> bool:
         """Whether anything is counted as cached on `url` (else no request can go ahead of another there)."""
-        return bool(self._running.get(url) or self._ended_blocks.get(url))
+        r = self._replicas.get(url)
+        return r is not None and bool(r.running or r.ended_blocks)
 
     def held(self, url: str, prefix: Sequence[int]) -> int:
         """How many of the prompt's leading blocks are cached on `url` as far as flow control knows (the chained
         hashes: the first block missing ends the run)."""
-        running, ended = self._running.get(url), self._ended_blocks.get(url)
-        if not prefix or (not running and not ended):
+        r = self._replicas.get(url)
+        if r is None:
             return 0
         n = 0
         for block in prefix:
-            if not ((running and block in running) or (ended and block in ended)):
+            if block not in r.running and block not in r.ended_blocks:
                 break
             n += 1
         return n
 
-    def _drop_running(self, url: str, prefix: Sequence[int]) -> None:
-        running = self._running.get(url)
-        if running is not None:
-            _forget(running, prefix)
+    def _of(self, url: str) -> "_Replica":
+        r = self._replicas.get(url)
+        if r is None:
+            r = self._replicas[url] = _Replica()
+        return r
+
+
+class _Replica:
+    __slots__ = ("running", "ended", "ended_blocks", "ended_tokens")
+
+    def __init__(self) -> None:
+        self.running: Counter[int] = Counter()
+        self.ended: deque[tuple[Sequence[int], int]] = deque()
+        self.ended_blocks: Counter[int] = Counter()
+        self.ended_tokens = 0
+
+    def forget_oldest(self) -> None:
+        prefix, tokens = self.ended.popleft()
+        _forget(self.ended_blocks, prefix)
+        self.ended_tokens -= tokens
 
 
 def _forget(counts: Counter[int], prefix: Sequence[int]) -> None:

@@ -282,6 +282,8 @@ class FlowController(RunningRequests):
                 or head.passed_over >= self.lookahead):
             return None
         url = placed.replica.url
+        if self.admission is not None:
+            self.cached.trim(url, self.admission.pool_tokens(placed.replica) - self.admission.occupancy(placed.replica))
         if not self.cached.knows(url):
             return None
         best, most = head, self.cached.held(url, head.ask.prefix)

@@ -64,7 +64,8 @@ class RunningRequests:
         if not req.slot_released:
             self.release_slot(req)
         replica = req.leased().replica
-        self.cached.ended(replica.url, req.ask.prefix, replica.capacity or self.loaded.config.saturation.maxConcurrency)
+        self.cached.ended(replica.url, req.ask.prefix, req.reservation.used_kv_tokens if req.reservation else 0,
+                          replica.capacity or self.loaded.config.saturation.maxConcurrency)
         self.floor.ended(req)
         if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):

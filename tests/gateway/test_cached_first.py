@@ -36,13 +36,19 @@ def test_what_runs_and_the_last_that_ended_count_as_cached_and_older_ones_do_not
     cached.ran("r1", DOC_A)
     assert cached.held("r1", DOC_A) == 4 and cached.held("r2", DOC_A) == 0
     assert cached.held("r1", DOC_A[:2] + (99, 14)) == 2  # the first block missing ends the run
-    cached.ended("r1", DOC_A, keep=2)
+    cached.ended("r1", DOC_A, 600, keep=2)
     assert cached.held("r1", DOC_A) == 4  # just ended: vLLM keeps its blocks until the pool needs them
     cached.ran("r1", DOC_B)
-    cached.ended("r1", DOC_B, keep=2)
+    cached.ended("r1", DOC_B, 600, keep=2)
     cached.ran("r1", (31, 32))
-    cached.ended("r1", (31, 32), keep=2)
+    cached.ended("r1", (31, 32), 300, keep=2)
     assert cached.held("r1", DOC_A) == 0 and cached.held("r1", DOC_B) == 4  # two more ended since A
+    cached.trim("r1", 900)  # B and (31, 32) still fit in the free KV
+    assert cached.held("r1", DOC_B) == 4
+    cached.trim("r1", 899)  # no longer: B, freed longest ago, is handed out first
+    assert cached.held("r1", DOC_B) == 0 and cached.held("r1", (31, 32)) == 2
+    cached.trim("r1", 0)
+    assert not cached.knows("r1")
     cached.ran("r1", DOC_A)
     cached.moved("r1", "r2", DOC_A)  # its replica refused the connection: it runs on r2
     assert cached.held("r2", DOC_A) == 4 and cached.held("r1", DOC_A) == 0
