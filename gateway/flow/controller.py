@@ -294,8 +294,8 @@ class FlowController(RunningRequests):
         if best is head:
             return None
         ahead = self._place(best, healthy, now, saturation, prefer=url)
-        if ahead.verdict is not Verdict.RUN:
-            return None  # it needs KV room the head does not: it waits for its own turn
+        if ahead.verdict is not Verdict.RUN or ahead.replica is not placed.replica:
+            return None  # no KV room for it there, or it must run elsewhere (a pinned turn): it waits for its turn
         head.passed_over += 1
         self.tally.cached_first += 1
         return best, ahead

@@ -4,6 +4,7 @@ and never more than `lookahead` times past one request."""
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -126,6 +127,33 @@ def test_a_request_passed_over_lookahead_times_goes_next_whatever_is_cached():
         assert order == [sharing[0], sharing[1], head, sharing[2]]
         assert head.passed_over == 2 and fc.tally.cached_first == 2
     run(main())
+
+
+def test_what_ended_counts_while_the_replicas_free_kv_holds_it():
+    # 100 KV blocks of 16 tokens (tests/gateway/test_kv_wait_eviction.py's pool).
+    kv = ("admission: {enabled: true, kvPoolBlocks: 100, tenantMaxShare: 1.0, tenantSoftShare: 1.0}\n" + STRICT)
+
+    def sized(clock, objective, blocks, prefix=()):
+        r = ask(clock, prefix, objective=objective, fid=objective)
+        r.ask = replace(r.ask, prompt_tokens=blocks * 16 - 16, max_new_tokens=16)
+        return r
+
+    async def main(realtime_blocks: int) -> str:
+        fc, clock = controller(kv, max_concurrency=2)
+        doc, other = sized(clock, "batch", 32, DOC_A), sized(clock, "batch", 5)
+        assert [fc.submit(r) for r in (doc, other)] == [Outcome.DISPATCHED] * 2
+        fc.finish(doc)  # its 31 blocks of prompt are cached, free
+        assert fc.submit(sized(clock, "realtime", realtime_blocks)) is Outcome.DISPATCHED
+        head, sharing = sized(clock, "batch", 5, DOC_B), sized(clock, "batch", 5, DOC_A)
+        assert [fc.submit(r) for r in (head, sharing)] == [Outcome.QUEUED] * 2
+        fc.finish(other)
+        fc.cycle()
+        return "sharing" if sharing.status is Status.DISPATCHED else "head"
+
+    # Realtime took 40 blocks: 60 free hold the document's 31. It took 70: 30 free, the document's blocks were
+    # handed out again (vLLM gives the ones freed longest ago first), so nothing is cached and the head goes.
+    assert asyncio.run(main(40)) == "sharing"
+    assert asyncio.run(main(70)) == "head"
 
 
 def test_only_the_flow_whose_turn_it_is_is_looked_at_and_realtime_keeps_its_order():
