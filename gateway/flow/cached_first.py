@@ -6,9 +6,9 @@ What is cached, as flow control can know it: the prefix blocks (gateway/bodies.p
 under the tenant's cache salt, so a tenant's prefix never matches another's) of the requests running on each
 replica, which hold their blocks in the engine's KV, and of the last requests that ended there, whose blocks vLLM
 keeps in its prefix cache until it hands them out again, those freed longest ago first. So of what ended, only the
-latest that fit in the replica's free KV count (with KV admission on: its pool less what is taken there), and at
-most as many as it has slots. Anything older is not counted: a prefix the engine dropped would reorder the queue
-for nothing.
+latest that fit in the replica's free KV count (KV admission knows it: the pool less what is taken there); with
+admission off, as many as the replica has slots. Anything older is not counted: a prefix the engine dropped would
+reorder the queue for nothing.
 
 Bounded and fair: only the flow whose turn it is (the band's fairness policy named it) is looked at, so no tenant
 gains on another; only its first `lookahead` requests in the band's order; and a request passed over `lookahead`
@@ -22,6 +22,8 @@ from collections import Counter, deque
 from typing import Sequence
 
 from gateway.settings import GatewayConfig
+
+ENDED_MAX = 10_000  # requests that ended remembered per replica at most, whatever its free KV holds
 
 
 class CachedPrefixes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gateway.flow import moves
 from gateway.flow.band import PriorityBand
+from gateway.flow.cached_first import ENDED_MAX
 from gateway.flow.request import End, FlowRequest, Lease, Status
 from gateway.replicas import Replica
 
@@ -64,8 +65,11 @@ class RunningRequests:
         if not req.slot_released:
             self.release_slot(req)
         replica = req.leased().replica
-        self.cached.ended(replica.url, req.ask.prefix, req.reservation.used_kv_tokens if req.reservation else 0,
-                          replica.capacity or self.loaded.config.saturation.maxConcurrency)
+        if req.reservation is not None:  # KV admission on: the replica's free KV bounds what counts (`_cached_first`)
+            self.cached.ended(replica.url, req.ask.prefix, req.reservation.used_kv_tokens, ENDED_MAX)
+        else:
+            self.cached.ended(replica.url, req.ask.prefix, 0,
+                              replica.capacity or self.loaded.config.saturation.maxConcurrency)
         self.floor.ended(req)
         if req.reservation is not None and self.ledger is not None:
             if self.ledger.release(req.reservation, now):

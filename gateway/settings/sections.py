@@ -47,7 +47,7 @@ class FlowControlSettings(SettingsModel):
     atRiskFloor: float = Field(default=0.1, ge=0, le=0.5)
     # Cached-first dispatch (gateway/flow/cached_first.py): how far down the queue of the flow whose turn it is a
     # batch band looks for a request whose prefix is cached on the replica with room; 0: off, strict order.
-    cachedFirstLookahead: int = Field(default=32, ge=0, le=1024)
+    cachedFirstLookahead: int = Field(default=64, ge=0, le=1024)
     # How often flow control and each relay send each other a heartbeat on their channel; a peer silent for three
     # of them is cut off (gateway/relays/channel.py). The top level's applies; a pool's is not read.
     heartbeatSeconds: float = Field(default=1.0, ge=0.05, le=60)
