@@ -216,7 +216,7 @@ def test_through_the_gateway_the_question_about_the_document_just_run_goes_first
             finished.append(name)
 
         async with httpx.AsyncClient(base_url=gw.url, timeout=120) as client:
-            running = asyncio.create_task(call(client, "A0", 7000))  # a minute or more: cancelled first
+            running = asyncio.create_task(call(client, "A0", 7000))  # cancelled long before its end
             await wait_until(lambda: gw.band(-10)["in_flight"] == 1, 60, what=gw.state)
             waiting = []
             for i, name in enumerate(("B1", "B2", "A1")):  # one at a time: their order in the queue is this
@@ -227,7 +227,8 @@ def test_through_the_gateway_the_question_about_the_document_just_run_goes_first
             await asyncio.gather(*waiting)
         return finished
 
-    sims = stack.sim(1, "--enable-prefix-caching")
+    # 30 ms a decode step: A0's 7,000 tokens take 3.5 minutes, far longer than queueing three requests takes.
+    sims = stack.sim(1, "--enable-prefix-caching", "--decode-base-ms", "30")
     settings = "saturation: {maxConcurrency: 1}\nusageLimit: {policy: static}\neviction: {enabled: false}\n"
     gw = stack.gateway(sims, settings)
     assert asyncio.run(order(gw)) == ["A1", "B1", "B2"]  # one slot: completion order is dispatch order
