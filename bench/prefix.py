@@ -58,6 +58,30 @@ def questions_about(documents: int, questions: int, doc_tokens: int, shared: boo
     return out
 
 
+def one_system_prompt(lines: int, words: int, seed: int) -> list[tuple[str, str]]:
+    """Every line the same long instructions (`words` words, as an eval's system prompt or few-shot block), then an
+    input of its own (40 words) and its question: one prefix shared by the whole file."""
+    rng = random.Random(seed)
+    instructions = document(rng, words)
+    return [(f"s{i}", f"{instructions}\n\nInput {i}: {document(rng, 40)}\nWhat does input {i} say?")
+            for i in range(lines)]
+
+
+def branched_conversations(conversations: int, branches: int, words: int, seed: int) -> list[tuple[str, str]]:
+    """Conversations of five turns (`words` words in all), each branched `branches` ways after a turn drawn at
+    random: the transcript up to that turn, then the branch's own message; shuffled. The branches of a conversation
+    share prefixes of different lengths, a tree, not one block."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(conversations):
+        turns = [f"User: {document(rng, words // 10)}\nAssistant: {document(rng, words // 10)}" for _ in range(5)]
+        for b in range(branches):
+            depth = rng.randint(1, len(turns))
+            out.append((f"c{c}-b{b}", "\n".join(turns[:depth]) + f"\nUser: branch {b}: go on from turn {depth}."))
+    rng.shuffle(out)
+    return out
+
+
 def lines(documents: int, questions: int, doc_tokens: int, max_tokens: int, shared: bool, seed: int) -> bytes:
     """The batch file: `questions_about` as chat completions."""
     out = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",

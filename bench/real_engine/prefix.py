@@ -7,8 +7,10 @@ process and the holdback stack run on CPU 1. The engine is sized so that order m
 blocks of 128 tokens) holds what its slots run plus a few documents, far fewer than the file's documents;
 its step token budget (`--step-tokens`, vLLM's `--max-num-batched-tokens`) makes a document's prefill take several
 engine steps, as a long prompt's prefill costs several decode steps of a 7-8B model on a GPU. Workloads (the texts
-of bench/prefix.py, sent as completions): `shared`, `--documents` × `--questions` shuffled in the file, and
-`no-shared`, as many lines each with a document of its own.
+of bench/prefix.py, sent as completions): `shared`, `--documents` × `--questions` shuffled in the file;
+`no-shared`, as many lines each with a document of its own; `system-prompt`, one long system prompt for every line
+and each line's own input; `branched`, `--documents` conversations of five turns, each branched `--questions` ways
+after a turn drawn at random (prefixes of different lengths, a tree). By default `shared` and `no-shared`.
 
 Arms, per group in alternating order, each in a cache scope of its own (a `cache_salt` for vLLM alone, a new tenant
 in holdback) so that none finds what another cached:
@@ -20,7 +22,8 @@ in holdback) so that none finds what another cached:
   gateway's cached-first dispatch is on in both (as shipped).
 - `line-order`: the plan off and the gateway's cached-first dispatch off too (`flowControl.cachedFirstLookahead:
   0`): rows dispatched in line order, holdback before either; `plan-off` ÷ `line-order` is cached-first's share.
-The no-shared workload runs `plan` and `line-order` only. Realtime throughout every arm: Poisson `--rate`/s streamed
+The no-shared workload runs `plan` and `line-order` only, the system-prompt workload `vllm-priority`, `plan` and
+`line-order` (one prefix: there is nothing to order). Realtime throughout every arm: Poisson `--rate`/s streamed
 completions of 8 tokens (bench/makespan.py `realtime`).
 
 Figures per arm: batch output tokens per engine step (the completed lines' tokens ÷ the engine's steps,
@@ -48,11 +51,13 @@ from bench.lib.engines import CPU_BLOCK_TOKENS, KV_BOUND_CONTEXT, one_engine, wa
 from bench.lib.holdback_up import HoldbackUp, warm_up
 from bench.lib.prometheus import metric_sum, parse_prometheus
 from bench.makespan import MakespanRun, batch_lines, holdback_arm, vllm_arm
-from bench.prefix import SYSTEM, questions_about
+from bench.prefix import SYSTEM, branched_conversations, one_system_prompt, questions_about
 from bench.real_engine.prefix_report import make_plots, markdown, summarise
 from bench.stats import percentile
 
-WORKLOADS = {"shared": ("vllm-priority", "plan", "plan-off", "line-order"), "no-shared": ("plan", "line-order")}
+WORKLOADS = {"shared": ("vllm-priority", "plan", "plan-off", "line-order"), "no-shared": ("plan", "line-order"),
+             "system-prompt": ("vllm-priority", "plan", "line-order"),
+             "branched": ("vllm-priority", "plan", "plan-off", "line-order")}
 PLAN_ENV = "HOLDBACK_PROCESSOR_PREFIX_PLAN"
 
 
@@ -77,11 +82,19 @@ class PrefixRun:
     engine: dict[str, float] = field(default_factory=dict)  # the engine's counters moved (bench/makespan.py)
 
 
-def completion_lines(args: argparse.Namespace, model: str, shared: bool, seed: int) -> list[dict]:
-    """bench/prefix.py's documents × questions (or lines sharing nothing) as completions: the system line, the
-    document, the question; `--max-tokens` output tokens each (`ignore_eos`)."""
+def completion_lines(args: argparse.Namespace, model: str, workload: str, seed: int) -> list[dict]:
+    """A workload's texts (bench/prefix.py) as completions: the system line, then documents × questions (`shared`;
+    `no-shared`: each line a document of its own), one long system prompt and each line's own input
+    (`system-prompt`), or `--documents` conversations branched `--questions` ways (`branched`), `--doc-words` words
+    of shared text a document, system prompt or conversation; `--max-tokens` output tokens each (`ignore_eos`)."""
+    if workload == "system-prompt":
+        texts = one_system_prompt(args.documents * args.questions, args.doc_words, seed)
+    elif workload == "branched":
+        texts = branched_conversations(args.documents, args.questions, args.doc_words, seed)
+    else:
+        texts = questions_about(args.documents, args.questions, args.doc_words, workload == "shared", seed)
     return [{"model": model, "prompt": f"{SYSTEM}\n\n{text}", "max_tokens": args.max_tokens, "ignore_eos": True}
-            for _, text in questions_about(args.documents, args.questions, args.doc_words, shared, seed)]
+            for _, text in texts]
 
 
 def cache_counters(engine: str) -> tuple[float, float]:
@@ -161,7 +174,7 @@ def run_groups(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Pre
     with one_engine(p, args, "hb-prefix-", kv_blocks=args.kv_blocks, vllm_flags=flags) as engine:
         for group in range(args.groups):
             for workload in args.workloads:
-                lines = completion_lines(args, engine.model, workload == "shared", args.seed + group)
+                lines = completion_lines(args, engine.model, workload, args.seed + group)
                 arms = WORKLOADS[workload]
                 for arm in (arms if group % 2 == 0 else arms[::-1]):
                     run = run_arm(engine.url, engine.tmp, engine.pin, workload, arm, lines, args, group)
@@ -178,8 +191,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="the engine (default %(default)s)")
     p.add_argument("--groups", type=int, default=3, help="groups of every arm (default %(default)s)")
-    p.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS),
-                   help="which workloads each group runs (default: both)")
+    p.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=["shared", "no-shared"],
+                   help="which workloads each group runs (default: shared no-shared)")
     p.add_argument("--documents", type=int, default=60, help="distinct documents in the file (default %(default)s)")
     p.add_argument("--questions", type=int, default=10, help="questions per document (default %(default)s)")
     p.add_argument("--doc-words", type=int, default=200,

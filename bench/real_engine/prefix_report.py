@@ -45,6 +45,15 @@ RATIOS = (
     Ratio("no-shared", "tokens_per_step", "plan", "line-order", 0.99),
     Ratio("no-shared", "ttft_p95", "plan", "line-order", at_least=False),
     Ratio("no-shared", "makespan", "plan", "line-order", at_least=False),
+    Ratio("system-prompt", "tokens_per_step", "plan", "vllm-priority"),
+    Ratio("system-prompt", "ttft_p95", "plan", "vllm-priority", at_least=False),
+    Ratio("system-prompt", "tokens_per_step", "plan", "line-order"),
+    Ratio("system-prompt", "makespan", "plan", "vllm-priority", at_least=False),
+    Ratio("branched", "tokens_per_step", "plan", "vllm-priority"),
+    Ratio("branched", "ttft_p95", "plan", "vllm-priority", at_least=False),
+    Ratio("branched", "tokens_per_step", "plan-off", "line-order"),
+    Ratio("branched", "tokens_per_step", "plan", "plan-off"),
+    Ratio("branched", "makespan", "plan", "vllm-priority", at_least=False),
 )
 LABELS = {"tokens_per_step": "batch tokens per engine step", "ttft_p95": "realtime p95 TTFT",
           "makespan": "makespan (wall clock)"}
