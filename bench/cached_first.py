@@ -32,6 +32,7 @@ from bench.lib.processes import Children, start_gateway, start_sims
 from bench.lib.prometheus import metric_sum, parse_prometheus
 from bench.prefix import SYSTEM, questions_about
 from bench.stats import bootstrap_median
+from holdback.contract import OBJECTIVE_HEADER
 
 ARMS = ("on", "off")
 MODEL = "sim-model"
@@ -62,7 +63,7 @@ async def send(gateway: str, prompts: list[str], args: argparse.Namespace) -> No
     async with httpx.AsyncClient(base_url=gateway, timeout=args.timeout) as client:
         async def client_loop() -> None:
             for prompt in waiting:
-                r = await client.post("/v1/completions", headers={"x-llm-d-inference-objective": "batch"}, json={
+                r = await client.post("/v1/completions", headers={OBJECTIVE_HEADER: "batch"}, json={
                     "model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True})
                 if r.status_code != 200:
                     raise SystemExit(f"a batch request failed: {r.status_code} {r.text[:300]}")
