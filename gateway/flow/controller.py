@@ -279,8 +279,9 @@ class FlowController(RunningRequests):
         """A request of the head's flow, within the lookahead, with more of its prefix cached on the replica the
         head would run on, and its placement there; None: the head goes (gateway/flow/cached_first.py)."""
         if (placed.verdict is not Verdict.RUN or not head.sheddable or self.lookahead == 0
-                or head.passed_over >= self.lookahead):
-            return None
+                or head.passed_over >= self.lookahead or head.evictions or not head.ask.prefix):
+            return None  # an evicted request's retry keeps its place: its blocks were just cached; so does a prompt
+            # whose blocks are not known (token ids: the workers resume an evicted request so)
         url = placed.replica.url
         if self.admission is not None:
             self.cached.trim(url, self.admission.pool_tokens(placed.replica) - self.admission.occupancy(placed.replica))

@@ -156,6 +156,27 @@ def test_what_ended_counts_while_the_replicas_free_kv_holds_it():
     assert asyncio.run(main(70)) == "head"
 
 
+def test_an_evicted_requests_retry_and_a_prompt_of_unknown_blocks_are_not_passed_over():
+    async def main(head_kind: str) -> bool:
+        fc, clock = controller(STRICT, max_concurrency=1)
+        running = ask(clock, DOC_A)
+        assert fc.submit(running) is Outcome.DISPATCHED
+        head = ask(clock, () if head_kind == "token ids" else DOC_B)
+        sharing = ask(clock, DOC_A)
+        assert [fc.submit(r) for r in (head, sharing)] == [Outcome.QUEUED] * 2
+        if head_kind == "evicted retry":
+            head.evictions = 1  # what submit's restore_place sets for the retry of an evicted request
+        fc.finish(running)
+        fc.cycle()
+        return head.status is Status.DISPATCHED
+
+    # The workers resume an evicted request from its token ids (no text, so no blocks known): passed over up to
+    # the lookahead, it waited while the blocks it had just computed were handed out again.
+    assert asyncio.run(main("token ids"))
+    assert asyncio.run(main("evicted retry"))
+    assert not asyncio.run(main("new"))
+
+
 def test_only_the_flow_whose_turn_it_is_is_looked_at_and_realtime_keeps_its_order():
     async def main():
         fc, clock = controller(STRICT + "flowControl: {bands: [{priority: -10, fairness: round-robin}]}\n",
