@@ -29,8 +29,8 @@ import yaml
 
 from bench.lib.holdback_up import BUILT_IN_CONFIG
 from bench.lib.processes import Children, start_gateway, start_sims
-from bench.lib.prometheus import metric_sum, parse_prometheus
-from bench.prefix import SYSTEM, questions_about
+from bench.prefix import SYSTEM, questions_about, ratios
+from bench.real_engine.prefix import cache_counters
 from bench.stats import bootstrap_median
 from holdback.contract import OBJECTIVE_HEADER
 
@@ -50,11 +50,6 @@ def gateway_config(lookahead: int) -> str:
     config["flowControl"]["cachedFirstLookahead"] = lookahead
     config["admission"].update(tenantMaxShare=1.0, tenantSoftShare=1.0)
     return yaml.safe_dump(config)
-
-
-def cache_counters(url: str) -> tuple[float, float]:
-    m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
-    return metric_sum(m, "vllm:prefix_cache_hits_total"), metric_sum(m, "vllm:prefix_cache_queries_total")
 
 
 async def send(gateway: str, prompts: list[str], args: argparse.Namespace) -> None:
@@ -91,14 +86,6 @@ def run_arm(arm: str, prompts: list[str], args: argparse.Namespace, tmp: Path) -
     hit, queried = hits_now - hits, queries_now - queries
     return {"arm": arm, "makespan": makespan, "hit_rate": hit / queried if queried else 0.0,
             "computed_prompt_tokens": queried - hit, "sent_ahead": totals["cached_first"]}
-
-
-def ratio(runs: list[dict], figure: str) -> dict:
-    per_round: dict[int, dict[str, float]] = {}
-    for r in runs:
-        per_round.setdefault(r["round"], {})[r["arm"]] = r[figure]
-    values = [arms["on"] / arms["off"] for arms in per_round.values() if arms.get("off") and "on" in arms]
-    return {**bootstrap_median(values).as_dict(), "per_round": values}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r} {arm}: hit rate {run['hit_rate']:.3f}, prompt tokens computed "
                   f"{run['computed_prompt_tokens']:.0f}, makespan {run['makespan']:.1f} s, sent ahead "
                   f"{run['sent_ahead']}", flush=True)
-    summary = {"rounds": args.rounds, "makespan_on_over_off": ratio(runs, "makespan"),
-               "computed_prompt_tokens_on_over_off": ratio(runs, "computed_prompt_tokens"),
+    summary = {"rounds": args.rounds, "makespan_on_over_off": ratios(runs, "makespan", "on", "off"),
+               "computed_prompt_tokens_on_over_off": ratios(runs, "computed_prompt_tokens", "on", "off"),
                "hit_rate": {arm: bootstrap_median([r["hit_rate"] for r in runs if r["arm"] == arm]).as_dict()
                             for arm in ARMS}}
     for name in ("makespan_on_over_off", "computed_prompt_tokens_on_over_off"):

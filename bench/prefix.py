@@ -145,14 +145,14 @@ def run_arm(stack: Stack, arm: str, content: bytes, timeout: float) -> dict:
             "hit_rate": moved["hits"] / moved["queries"] if moved["queries"] else 0.0, "requests": counts["total"]}
 
 
-def ratios(runs: list[dict], name: str) -> dict:
-    """Median over rounds of plan ÷ file order for the figure `name`, with its bootstrap interval."""
+def ratios(runs: list[dict], name: str, num: str = "plan", den: str = "file-order") -> dict:
+    """Median over rounds of arm `num` ÷ arm `den` for the figure `name`, with its bootstrap interval and the
+    per-round ratios."""
     per_round: dict[int, dict[str, float]] = {}
     for r in runs:
         per_round.setdefault(r["round"], {})[r["arm"]] = r[name]
-    values = [arms["plan"] / arms["file-order"] for arms in per_round.values()
-              if arms.get("file-order") and "plan" in arms]
-    return bootstrap_median(values).as_dict()
+    values = [arms[num] / arms[den] for arms in per_round.values() if arms.get(den) and num in arms]
+    return {**bootstrap_median(values).as_dict(), "per_round": values}
 
 
 def run_setting(args: argparse.Namespace, replicas: int, shared: bool, out: Path) -> dict:
