@@ -50,15 +50,22 @@ def prefix_blocks(doc: object, path: str, salt: str | None) -> tuple[int, ...]:
     (the i-th hash stands for the salt and the first i + 1 blocks, so a replica holding it holds the whole prefix
     that far, in that tenant's scope): what the prefix-affinity picker remembers per replica. Stable across
     processes (a relay computes it, flow control compares). () when the body renders no text prompt."""
+    return prefix_share(doc, path, salt)[0]
+
+
+def prefix_share(doc: object, path: str, salt: str | None) -> tuple[tuple[int, ...], float]:
+    """`prefix_blocks`, and the share of the prompt's characters those blocks cover (1.0 for a prompt of at most
+    PREFIX_MAX_BLOCKS blocks): of its tokens, KV admission takes that share as what the blocks hold."""
     text = prompt_text(path, doc) if isinstance(doc, dict) else None
     if not text:
-        return ()
+        return (), 0.0
     chain = hashlib.blake2b((salt or "").encode("utf-8", "surrogatepass"), digest_size=8)
     out = []
-    for start in range(0, min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS), PREFIX_BLOCK_CHARS):
+    covered = min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS)
+    for start in range(0, covered, PREFIX_BLOCK_CHARS):
         chain.update(text[start:start + PREFIX_BLOCK_CHARS].encode("utf-8", "surrogatepass"))
         out.append(int.from_bytes(chain.digest(), "big"))
-    return tuple(out)
+    return tuple(out), covered / len(text)
 
 
 def route_not_found(body: bytes) -> bool:

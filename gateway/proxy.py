@@ -31,11 +31,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.bodies import document, prefix_blocks, responses_as_chat, route_not_found
+from gateway.bodies import document, responses_as_chat, route_not_found
 from gateway.cache_salt import salted_body
 from gateway.classification import ClassificationError, Classifier
 from gateway.failover import Failover
-from gateway.flow.cached_first import wants_prefix
+from gateway.flow.cached_first import request_prefix
 from gateway.flow.interface import FlowControl, FlowPools, Outcome
 from gateway.flow.request import Ask, DropReason, End, FlowRequest, Status
 from gateway.forwarded_headers import HOP_BY_HOP, to_caller, to_replica
@@ -159,14 +159,14 @@ class Proxy:
             if isinstance(turn, web.Response):
                 return turn
             body = turn.body
+        prefix, share = request_prefix(controller.loaded.config, cls.priority, doc, request.path, cls.cache_salt)
         ask = Ask(request_id=request_id, objective=cls.objective, priority=cls.priority,
                   fairness_id=cls.fairness_id, tenant=cls.tenant, arrived=arrived, pool=pool,
                   expires_at=arrived + cls.wait_limit, deadline=arrived + cls.deadline_in,
                   resumable=headers.get(RESUMABLE_HEADER, "").strip() == "1",
                   streamed=isinstance(doc, dict) and doc.get("stream") is True,
                   at_risk=cls.at_risk and cls.priority < 0, home=turn.home if turn is not None else None,
-                  prefix=prefix_blocks(doc, request.path, cls.cache_salt)
-                  if wants_prefix(controller.loaded.config, cls.priority) else ())
+                  prefix=prefix, prefix_share=share)
         if controller.admission_enabled:
             counted = await self._count_tokens(controller, ask, doc, endpoint)
             if isinstance(counted, web.Response):

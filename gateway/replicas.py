@@ -68,6 +68,9 @@ class Replica(SlotLearning):
     num_gpu_blocks: int | None = None
     kv_cache_size_tokens: int | None = None
     kv_block_size: int | None = None
+    # Its prefix cache is on (`enable_prefix_caching` of the same series; None: not reported): running requests
+    # that share a prompt prefix hold its blocks once there (gateway/flow/ledger.py).
+    prefix_caching: bool | None = None
     # What the replica says it serves (GET /v1/models, /version), read before it takes work, again after it was
     # down: `model` is the served name (vLLM's `id`), `model_root` where its weights came from (a path or a hub
     # name, where its tokenizer is).
@@ -337,6 +340,8 @@ class ReplicaPool:
             replica.kv_block_size = int(values["block_size"])
         if "kv_cache_size_tokens" in values:
             replica.kv_cache_size_tokens = int(values["kv_cache_size_tokens"])
+        if "enable_prefix_caching" in values:
+            replica.prefix_caching = values["enable_prefix_caching"] == 1.0
         if replica.identified and pool_before != (replica.num_gpu_blocks, replica.kv_block_size,
                                                   replica.kv_cache_size_tokens):
             self.on_identify(replica)  # its KV pool is known (or changed): the growth-room check reads it

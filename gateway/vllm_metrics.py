@@ -23,13 +23,15 @@ _ENGINE = re.compile(r'[{,]engine="([^"]*)"')
 # `(?<![a-z_])`: `block_size` must not match inside `mamba_block_size` or `user_specified_block_size`.
 _CACHE_INFO = {name: re.compile(rf'(?<![a-z_]){name}="(\d+)"')
                for name in ("num_gpu_blocks", "block_size", "kv_cache_size_tokens")}
+_PREFIX_CACHING = re.compile(r'[{,]enable_prefix_caching="([^"]*)"')
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The vLLM gauges we use, summed over their label sets, and the KV pool of `vllm:cache_config_info`.
 
     Keys: the gauge names (`vllm:kv_cache_usage_perc` is the engines' average; `kv_cache_usage_max` the fullest
-    engine's), and `num_gpu_blocks`, `block_size`, `kv_cache_size_tokens` when exported. vLLM writes one
+    engine's), and `num_gpu_blocks`, `block_size`, `kv_cache_size_tokens`, `enable_prefix_caching` (1 or 0) when
+    exported. vLLM writes one
     cache_config_info series per data-parallel engine from the front end's one CacheConfig, in which it has
     summed `num_gpu_blocks` over the engines and kept `kv_cache_size_tokens` per engine
     (vLLM's engine client, `_apply_ready_response`): so the blocks are read once, the tokens summed
@@ -54,6 +56,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
                 found = pattern.search(labels)
                 if found:
                     info[key] = float(found.group(1))
+            caching = _PREFIX_CACHING.search(labels)
+            if caching:
+                info["enable_prefix_caching"] = 1.0 if caching.group(1) == "True" else 0.0
             continue
         if name not in wanted:
             continue
@@ -81,6 +86,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         out["num_gpu_blocks"] = max(blocks)  # every engine's series carries the replica's total
     if sizes:
         out["block_size"] = max(sizes)
+    caching = [e["enable_prefix_caching"] for e in engines.values() if "enable_prefix_caching" in e]
+    if caching:
+        out["enable_prefix_caching"] = min(caching)  # on only where every engine has it on
     if tokens:
         out["kv_cache_size_tokens"] = sum(tokens)
     elif blocks and sizes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Sequence
 
+from gateway.bodies import prefix_share
 from gateway.settings import GatewayConfig
 
 ENDED_MAX = 10_000  # requests that ended remembered per replica at most, whatever its free KV holds
@@ -113,6 +114,15 @@ def _forget(counts: Counter[int], prefix: Sequence[int]) -> None:
 
 
 def wants_prefix(config: GatewayConfig, priority: int) -> bool:
-    """Whether a request's prefix blocks are computed (by the relay that takes it): for the prefix-affinity picker,
-    every request; for cached-first dispatch, batch requests (priority below 0), the only ones it reorders."""
-    return config.picker.policy == "prefix-affinity" or (priority < 0 and config.flowControl.cachedFirstLookahead > 0)
+    """Whether a request's prefix blocks are computed (by the relay that takes it): for the prefix-affinity picker
+    and for KV admission (a prefix shared with what runs is held once), every request; for cached-first dispatch,
+    batch requests (priority below 0), the only ones it reorders."""
+    return (config.picker.policy == "prefix-affinity" or config.admission.enabled
+            or (priority < 0 and config.flowControl.cachedFirstLookahead > 0))
+
+
+def request_prefix(config: GatewayConfig, priority: int, doc: object, path: str,
+                   salt: str | None) -> tuple[tuple[int, ...], float]:
+    """The request's prefix blocks and the share of its prompt they cover (gateway/bodies.py `prefix_share`), where
+    `wants_prefix`; else ((), 0.0)."""
+    return prefix_share(doc, path, salt) if wants_prefix(config, priority) else ((), 0.0)

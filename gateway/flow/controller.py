@@ -402,4 +402,5 @@ class FlowController(RunningRequests):
 
     def demand(self, req: FlowRequest) -> Demand:
         return Demand(req.prompt_tokens, req.max_new_tokens, req.priority, req.traffic_class, req.fairness_id,
-                      sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact)
+                      sequences=req.sequences, limit_param=req.limit_param, prompt_exact=req.prompt_exact,
+                      prefix=req.ask.prefix, prefix_tokens=req.prefix_tokens)

@@ -121,9 +121,10 @@ class Evictor:
         return EvictionDecision(victims, demand.priority, deficit, credit)
 
     def decide_kv(self, replica: object, excess_blocks: float, grace: float, now: float,
-                  limit: int | None = None) -> list[FlowRequest]:
+                  limit: int | None = None, frees: Callable[[FlowRequest], float] | None = None) -> list[FlowRequest]:
         """Victims on `replica` whose reservations cover `excess_blocks` (KV occupancy over the hard watermark, or
-        what requests waiting for KV need), at most `limit` (None: `maxPerDecision`)."""
+        what requests waiting for KV need), at most `limit` (None: `maxPerDecision`); `frees`: the blocks a
+        victim's end gives back (None: its reservation's)."""
         if not self.kv_gate_open(now, grace):
             return []
         eligible = self._ordered([r for r in self.candidates if r.replica is replica], now)
@@ -134,7 +135,10 @@ class Evictor:
             if freed >= excess_blocks or len(victims) >= most:
                 break
             victims.append(req)
-            freed += req.reservation.blocks if req.reservation is not None else 0
+            if frees is not None:
+                freed += frees(req)
+            elif req.reservation is not None:
+                freed += req.reservation.blocks
         self._mark(victims, now)
         return victims
 

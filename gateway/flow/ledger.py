@@ -9,6 +9,12 @@ shrinks to what is used, and at end, cancel, disconnect or eviction it is releas
 a reservation when its blocks change (a block boundary, the output limit, the finish marker), so held tokens
 and token-seconds follow the stream block by block. Totals are kept per replica, per fairness id and per
 traffic class, plus occupied token-seconds (tokens held × seconds) over a window.
+
+A prompt prefix that running requests on one replica share is held there once: vLLM's prefix cache hands a request
+the blocks of its prefix that another running request already holds. Each reservation keeps its own worst case;
+the totals take off, per replica and per traffic class and fairness id on it, the prefix blocks counted more than
+once (`SharedPrefixes`). So a batch whose every line starts with one long system prompt is counted as vLLM holds it,
+not once per line.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ class Reservation:
     revised_at: float = 0.0
     generation_done: bool = False
     released: bool = False
+    # The prompt's leading blocks as chained hashes (gateway/bodies.py `prefix_blocks`) and the prompt tokens they
+    # cover (estimated from characters): what other requests on its replica may share with it, where its replica's
+    # prefix cache is on (`sharing`).
+    prefix: tuple[int, ...] = ()
+    prefix_tokens: int = 0
+    sharing: bool = False
 
     @property
     def held_tokens(self) -> int:
@@ -100,6 +112,72 @@ def whole_blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size) * block_size
 
 
+def shared_whole_blocks(tokens: float, block_size: int) -> int:
+    """Of a prefix of `tokens` (estimated) that two prompts share, the KV tokens vLLM shares between them: its whole
+    blocks, less one for where the prompts part (the estimate's error and the template's tokens fall there)."""
+    return max(0, math.floor(tokens / block_size) - 1) * block_size
+
+
+class SharedPrefixes:
+    """The prefix blocks of the reservations in one scope (a replica; a traffic class or a fairness id on it), each
+    block with how many hold it. `counted_twice` is what summing the reservations counts more than once: for each
+    block, its tokens once per holder after the first; less, per holder that shares a first block with another, the
+    block where its prompt parts from the other (vLLM shares whole KV blocks only)."""
+
+    __slots__ = ("holders", "tokens", "extra", "sharers")
+
+    def __init__(self) -> None:
+        self.holders: Counter[int] = Counter()
+        self.tokens: dict[int, float] = {}
+        self.extra = 0.0
+        self.sharers = 0
+
+    def add(self, prefix: tuple[int, ...], per_block: float) -> None:
+        for block in prefix:
+            held = self.holders[block]
+            if held:
+                self.extra += self.tokens[block]
+            else:
+                self.tokens[block] = per_block
+            self.holders[block] = held + 1
+        if self.holders[prefix[0]] > 1:
+            self.sharers += 1
+
+    def remove(self, prefix: tuple[int, ...]) -> None:
+        if self.holders[prefix[0]] > 1:
+            self.sharers -= 1
+        for block in prefix:
+            left = self.holders[block] - 1
+            if left:
+                self.holders[block] = left
+                self.extra -= self.tokens[block]
+            else:
+                del self.holders[block]
+                del self.tokens[block]
+
+    def counted_twice(self, block_size: int) -> int:
+        """KV tokens (whole blocks) the scope's reservations count more than once."""
+        return max(0, math.floor((self.extra - self.sharers * block_size) / block_size + 1e-9)) * block_size
+
+    def held(self, prefix: tuple[int, ...]) -> float:
+        """Tokens of `prefix`'s leading blocks held here (the chained hashes: the first block missing ends it)."""
+        tokens = 0.0
+        for block in prefix:
+            if block not in self.holders:
+                break
+            tokens += self.tokens[block]
+        return tokens
+
+    def held_by_others(self, prefix: tuple[int, ...]) -> float:
+        """Tokens of the leading blocks of `prefix` (one of the holders) that another holder holds too."""
+        tokens = 0.0
+        for block in prefix:
+            if self.holders.get(block, 0) < 2:
+                break
+            tokens += self.tokens[block]
+        return tokens
+
+
 class KvLedger:
     def __init__(self, *, block_tokens: int, safety_factor: float, window: float):
         self.configure(block_tokens=block_tokens, safety_factor=safety_factor, window=window)
@@ -109,6 +187,8 @@ class KvLedger:
         # Batch-class KV tokens per replica: the interactive reserve caps them.
         self.batch_kv_tokens: Counter[str] = Counter()
         self.active: set[Reservation] = set()
+        # Per scope (the replica; ("class", name, replica); ("tenant", fairness id, replica)): shared prefixes.
+        self.shared: dict[object, SharedPrefixes] = {}
 
     def configure(self, *, block_tokens: int, safety_factor: float, window: float) -> None:
         """New settings apply to new reservations; the ones held keep their sizes. `block_tokens` is only the
@@ -127,15 +207,20 @@ class KvLedger:
 
     # -- life cycle -------------------------------------------------------------------------------------------
     def reserve(self, *, request_id: str, fairness_id: str, traffic_class: str, priority: int, replica: str,
-                prompt_tokens: int, max_new_tokens: int, now: float, block_size: int | None = None) -> Reservation:
-        """`max_new_tokens`: every sequence's output together; `block_size`: the replica's (None: blockTokens)."""
+                prompt_tokens: int, max_new_tokens: int, now: float, block_size: int | None = None,
+                prefix: tuple[int, ...] = (), prefix_tokens: int = 0, sharing: bool = True) -> Reservation:
+        """`max_new_tokens`: every sequence's output together; `block_size`: the replica's (None: blockTokens);
+        `prefix`, `prefix_tokens`: the prompt's prefix blocks and the tokens they cover (nothing shared: ());
+        `sharing`: the replica's prefix cache is on (else nothing is shared there)."""
         size = block_size or self.block_tokens
         kv_tokens = self.kv_tokens_for(prompt_tokens, max_new_tokens, size)
         res = Reservation(request_id, fairness_id, traffic_class, priority, replica, prompt_tokens,
                           max_new_tokens, size, kv_tokens, min(whole_blocks(prompt_tokens, size), kv_tokens),
-                          accrued_at=now, revised_at=now)
+                          accrued_at=now, revised_at=now, prefix=prefix if prefix_tokens > 0 else (),
+                          prefix_tokens=min(prefix_tokens, prompt_tokens), sharing=sharing)
         self.active.add(res)
         self._apply(res, +1)
+        self._share(res, +1)
         return res
 
     def revise(self, res: Reservation, output_tokens: int, now: float, *, done: bool = False) -> None:
@@ -159,20 +244,25 @@ class KvLedger:
         held tokens, or the output limit): the relay revises only then, not on every streamed chunk."""
         return min(res.max_new_tokens, res.used_kv_tokens - res.prompt_tokens + 1)
 
-    def move(self, res: Reservation, replica: str, block_size: int | None = None) -> None:
-        """To another replica: what is held is rounded to that replica's blocks (None: keep the block size)."""
+    def move(self, res: Reservation, replica: str, block_size: int | None = None, sharing: bool = True) -> None:
+        """To another replica: what is held is rounded to that replica's blocks (None: keep the block size);
+        `sharing`: that replica's prefix cache is on."""
+        self._share(res, -1)
         self._apply(res, -1)
         res.replica = replica
+        res.sharing = sharing
         if block_size and block_size != res.block_size:
             res.block_size = block_size
             res.used_kv_tokens = whole_blocks(res.held_tokens, block_size)
             res.kv_tokens = max(whole_blocks(res.kv_tokens, block_size), res.used_kv_tokens)
         self._apply(res, +1)
+        self._share(res, +1)
 
     def release(self, res: Reservation, now: float) -> bool:
         if res.released:
             return False
         self._accrue(res, now)
+        self._share(res, -1)
         self._apply(res, -1)
         res.released = True
         self.active.discard(res)
@@ -218,6 +308,54 @@ class KvLedger:
             for table, key in ((self.by_tenant, res.fairness_id), (self.by_class, res.traffic_class)):
                 if table[key].active <= 0:
                     del table[key]
+
+    # -- shared prefixes --------------------------------------------------------------------------------------
+    def _scopes(self, res: Reservation) -> tuple[tuple[object, Totals], ...]:
+        """Each scope a reservation's prefix counts in, with the totals its double count comes off."""
+        return ((res.replica, self.by_replica[res.replica]),
+                (("class", res.traffic_class, res.replica), self.by_class[res.traffic_class]),
+                (("tenant", res.fairness_id, res.replica), self.by_tenant[res.fairness_id]))
+
+    def _share(self, res: Reservation, sign: int) -> None:
+        """Add (+1) or take out (-1) the reservation's prefix in its scopes, and the totals' double count with it."""
+        if not (res.prefix and res.sharing):
+            return
+        per_block = res.prefix_tokens / len(res.prefix)
+        for key, totals in self._scopes(res):
+            scope = self.shared.get(key)
+            if scope is None:
+                scope = self.shared[key] = SharedPrefixes()
+            before = scope.counted_twice(res.block_size)
+            if sign > 0:
+                scope.add(res.prefix, per_block)
+            else:
+                scope.remove(res.prefix)
+            change = scope.counted_twice(res.block_size) - before
+            totals.kv_tokens -= change
+            totals.used_kv_tokens -= change
+            if key == ("class", "batch", res.replica):
+                self.batch_kv_tokens[res.replica] -= change
+            if not scope.holders:
+                del self.shared[key]
+
+    def shared_on(self, replica: str, block_size: int, prefix: tuple[int, ...], prefix_tokens: int,
+                  traffic_class: str | None = None) -> int:
+        """KV tokens of a new request's prompt that it would share with what runs on `replica` (among that traffic
+        class's requests there, if named): what its reservation would not add to the replica's (or class's) total."""
+        if not prefix or prefix_tokens <= 0:
+            return 0
+        scope = self.shared.get(replica if traffic_class is None else ("class", traffic_class, replica))
+        if scope is None:
+            return 0
+        return shared_whole_blocks(min(scope.held(prefix), prefix_tokens), block_size)
+
+    def unshared(self, res: Reservation, tokens: int) -> int:
+        """Of `tokens` that `res` holds, what its end frees: the blocks of its prefix that another request running
+        on its replica holds stay held."""
+        scope = self.shared.get(res.replica) if res.prefix and res.sharing else None
+        if scope is None:
+            return tokens
+        return max(0, tokens - shared_whole_blocks(scope.held_by_others(res.prefix), res.block_size))
 
     def kv_tokens_on(self, replica: str) -> int:
         totals = self.by_replica.get(replica)

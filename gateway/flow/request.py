@@ -95,9 +95,13 @@ class Ask:
     # `previous_response_id`, gateway/stored_responses.py). None: any.
     home: str | None = None
     # The prompt's leading blocks as chained hashes under its cache salt (gateway/bodies.py `prefix_blocks`), for
-    # the prefix-affinity picker and cached-first dispatch; () when neither is on for it or the body renders no
-    # prompt.
+    # the prefix-affinity picker, cached-first dispatch and KV admission; () when none is on for it or the body
+    # renders no prompt.
     prefix: tuple[int, ...] = ()
+    # The share of the prompt's characters the prefix blocks cover: of prompt_tokens, that share is what a prompt
+    # sharing the prefix with a running one shares with it in KV (gateway/flow/ledger.py). Added within version 3
+    # of the relays' protocol.
+    prefix_share: float = 0.0
 
     @property
     def sheddable(self) -> bool:
@@ -217,6 +221,11 @@ class FlowRequest:
     @property
     def prompt_exact(self) -> bool:
         return self.ask.prompt_exact
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Of its prompt tokens, those its prefix blocks cover (estimated from characters)."""
+        return math.floor(self.ask.prompt_tokens * self.ask.prefix_share) if self.ask.prefix else 0
 
     @property
     def resumable(self) -> bool:

@@ -47,7 +47,8 @@ class RunningRequests:
             lease.reservation = self.ledger.reserve(
                 request_id=req.request_id, fairness_id=req.fairness_id, traffic_class=req.traffic_class,
                 priority=req.priority, replica=replica.url, prompt_tokens=req.prompt_tokens,
-                max_new_tokens=demand.output_tokens, block_size=self.admission.block_size(replica), now=now)
+                max_new_tokens=demand.output_tokens, block_size=self.admission.block_size(replica), now=now,
+                prefix=req.ask.prefix, prefix_tokens=req.prefix_tokens, sharing=bool(replica.prefix_caching))
         if req.sheddable and not req.in_floor:
             self.eviction.evictor.track(req)
 
@@ -72,9 +73,10 @@ class RunningRequests:
                               replica.capacity or self.loaded.config.saturation.maxConcurrency)
         self.floor.ended(req)
         if req.reservation is not None and self.ledger is not None:
+            freed = self.ledger.unshared(req.reservation, req.reservation.used_kv_tokens)
             if self.ledger.release(req.reservation, now):
                 if self.admission is not None:
-                    self.admission.released(req.leased().replica, req.reservation.used_kv_tokens, now)
+                    self.admission.released(req.leased().replica, freed, now)
                 if evicted:
                     self.tally.release(req, "evict", req.evicted_at, now, closed)
                 else:
@@ -115,7 +117,8 @@ class RunningRequests:
         new.in_flight += 1
         new.dispatches += 1
         if res is not None and self.ledger is not None:
-            self.ledger.move(res, new.url, admission.block_size(new) if admission else None)
+            self.ledger.move(res, new.url, admission.block_size(new) if admission else None,
+                             sharing=bool(new.prefix_caching))
         lease.replica = new
         self.cached.moved(old.url, new.url, req.ask.prefix)
         self.eviction.dispatched(req)  # it may wait inside the new replica as well

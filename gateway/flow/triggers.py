@@ -69,7 +69,7 @@ class HardWatermark:
                 continue
             # The evictor counts the victims' blocks, all of this replica's block size.
             victims = control.evictor.decide_kv(replica, excess / admission.block_size(replica) + 1, grace,
-                                                moment.now)
+                                                moment.now, frees=lambda victim: admission.frees(victim.reservation))
             for victim in victims:
                 control.evict(victim, moment.now, self.trigger, replica=replica.url,
                               occupancy=round(admission.occupancy(replica) / pool, 4))
@@ -143,7 +143,7 @@ class KvWait:
         for victim in evictor.candidates:  # all sheddable: below `req`
             res = victim.reservation
             if res is not None:
-                held[victim.leased().replica] += res.kv_tokens
+                held[victim.leased().replica] += admission.frees(res) * res.block_size
         choice: tuple[float, Replica] | None = None
         for replica in healthy:
             short = admission.shortfall(demand, replica, soft)
@@ -161,7 +161,8 @@ class KvWait:
                 if other is not req:
                     short += admission.kv_tokens(admission.within_context(host.demand(other), healthy), replica)
         victims = evictor.decide_kv(replica, short / admission.block_size(replica), grace, now,
-                                    limit=len(evictor.candidates))
+                                    limit=len(evictor.candidates),
+                                    frees=lambda victim: admission.frees(victim.reservation))
         for victim in victims:
             control.evict(victim, now, self.trigger, replica=replica.url, waiting=req.request_id,
                           shortfall_tokens=round(short))

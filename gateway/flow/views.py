@@ -111,6 +111,9 @@ class ReplicaView(Protocol):
     @property
     def max_model_len(self) -> int | None: ...
 
+    @property
+    def prefix_caching(self) -> bool | None: ...
+
     def metrics_fresh(self, now: float, staleness: float) -> bool: ...
 
     # Monotonic time its last good scrape began (0: never): what it reported is at least as recent.
@@ -131,6 +134,22 @@ class TotalsView(Protocol):
     def active(self) -> int: ...
 
 
+class ReservationView(Protocol):
+    """One KV reservation, as admission reads it (flow/ledger.py `Reservation`)."""
+
+    @property
+    def replica(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_tokens(self) -> int: ...
+
+    @property
+    def prefix(self) -> tuple[int, ...]: ...
+
+
 class LedgerView(Protocol):
     """The KV ledger as admission reads it: sizes, and what is reserved per replica, tenant and class."""
 
@@ -140,6 +159,11 @@ class LedgerView(Protocol):
     def kv_tokens_for(self, prompt_tokens: int, max_new_tokens: int, block_size: int | None = None) -> int: ...
 
     def kv_tokens_on(self, replica: str) -> int: ...
+
+    def shared_on(self, replica: str, block_size: int, prefix: tuple[int, ...], prefix_tokens: int,
+                  traffic_class: str | None = None) -> int: ...
+
+    def unshared(self, res: ReservationView, tokens: int) -> int: ...
 
     def tenant(self, fairness_id: str) -> TotalsView: ...
 

@@ -4,7 +4,8 @@ Read-only over the ledger and the replicas, and counted in KV tokens (whole bloc
 size). A replica's pool is what it reports (`vllm:cache_config_info` kv_cache_size_tokens, else num_gpu_blocks ×
 block_size), else the calibration profile's, else the configured one; its occupancy is the larger of its
 scraped KV usage × pool and what the ledger has reserved there. A request may go to a replica only if the
-occupancy after adding its reservation stays under the step of the pressure ladder that applies to it:
+occupancy after adding its reservation (less the prompt prefix it shares with a request running there: vLLM holds
+that once) stays under the step of the pressure ladder that applies to it:
   every request            ≤ hardWatermark (0.92)
   priority ≤ 0, long       ≤ admissionWatermark (0.82)   (long: prompt + n × max new ≥ longRequestTokens)
   batch class              ≤ batchPauseWatermark (0.88), and batch reservations ≤ (1 − interactiveReserve)
@@ -24,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from gateway.flow.views import LedgerView, ReplicaView
+from gateway.flow.views import LedgerView, ReplicaView, ReservationView
 from gateway.settings import Admission, Quota
 from holdback.contract import DropReason
 
@@ -58,6 +59,10 @@ class Demand:
     # The prompt was counted by the model's tokenizer; an estimate (from characters) never refuses a request
     # for its length: the replica's own 400 does, if it is too long.
     prompt_exact: bool = True
+    # The prompt's prefix blocks and the tokens they cover (gateway/flow/ledger.py): what a running request on a
+    # replica shares of it is not added there again.
+    prefix: tuple[int, ...] = ()
+    prefix_tokens: int = 0
 
     @property
     def room(self) -> int:
@@ -178,6 +183,22 @@ class KvAdmission:
         """The reservation `d` takes on `replica` (d within the context), in KV tokens."""
         return self.ledger.kv_tokens_for(d.prompt_tokens, d.output_tokens, self.block_size(replica))
 
+    def added(self, d: Demand, kv_tokens: int, replica: ReplicaView, traffic_class: str | None = None) -> int:
+        """What `d`'s reservation of `kv_tokens` adds to the replica's reserved total (or its traffic class's there):
+        less the prompt prefix it shares with a request running there, which vLLM holds once (where its prefix
+        cache is on)."""
+        if not replica.prefix_caching:
+            return kv_tokens
+        return kv_tokens - self.ledger.shared_on(replica.url, self.block_size(replica), d.prefix, d.prefix_tokens,
+                                                 traffic_class)
+
+    def frees(self, res: ReservationView | None) -> float:
+        """The blocks ending a reservation (evicting its request) gives back on its replica: its own, less the prompt
+        prefix another request running there holds too."""
+        if res is None:
+            return 0.0
+        return self.ledger.unshared(res, res.kv_tokens) / res.block_size
+
     def _cap(self, d: Demand, soft_over: bool) -> float:
         cfg = self.cfg
         cap = cfg.hardWatermark
@@ -192,15 +213,16 @@ class KvAdmission:
     def shortfall(self, d: Demand, replica: ReplicaView, soft_over: bool = False) -> float:
         """KV tokens to free on `replica` before `d` (within the context) fits there under its step of the
         ladder; 0 when it fits."""
-        need = self.kv_tokens(d, replica)
+        need = self.added(d, self.kv_tokens(d, replica), replica)
         return max(0.0, self.occupancy(replica) + need - self._cap(d, soft_over) * self.pool_tokens(replica))
 
     def fits(self, d: Demand, kv_tokens: int, replica: ReplicaView, soft_over: bool = False) -> bool:
         pool = self.pool_tokens(replica)
-        if self.occupancy(replica) + kv_tokens > self._cap(d, soft_over) * pool:
+        if self.occupancy(replica) + self.added(d, kv_tokens, replica) > self._cap(d, soft_over) * pool:
             return False
         if d.traffic_class == "batch":
-            return self.ledger.batch_kv_tokens[replica.url] + kv_tokens <= self.batch_cap * pool
+            return (self.ledger.batch_kv_tokens[replica.url] + self.added(d, kv_tokens, replica, "batch")
+                    <= self.batch_cap * pool)
         return True
 
     # -- quotas -----------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def _finite_or_infinite(value: float) -> float:
 
 
 def _ask_without_nan(ask: Ask) -> Ask:
-    for name in ("arrived", "expires_at", "deadline"):
+    for name in ("arrived", "expires_at", "deadline", "prefix_share"):
         _finite_or_infinite(getattr(ask, name))
     return ask
 

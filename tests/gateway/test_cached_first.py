@@ -210,13 +210,16 @@ def test_only_the_flow_whose_turn_it_is_is_looked_at_and_realtime_keeps_its_orde
     run(main())
 
 
-def test_prefixes_are_computed_for_batch_requests_and_for_every_request_under_prefix_affinity():
-    shipped = parse_config("replicas: []\n", "test").config
-    assert wants_prefix(shipped, -10) and not wants_prefix(shipped, 100)
-    off = parse_config("replicas: []\nflowControl: {cachedFirstLookahead: 0}\n", "test").config
+def test_prefixes_are_computed_for_batch_requests_and_for_every_request_under_prefix_affinity_or_admission():
+    shipped = parse_config("replicas: []\n", "test").config  # KV admission on: every request's prefix
+    assert wants_prefix(shipped, -10) and wants_prefix(shipped, 100)
+    cached_first = parse_config("replicas: []\nadmission: {enabled: false}\n", "test").config
+    assert wants_prefix(cached_first, -10) and not wants_prefix(cached_first, 100)
+    off = parse_config("replicas: []\nadmission: {enabled: false}\nflowControl: {cachedFirstLookahead: 0}\n",
+                       "test").config
     assert not wants_prefix(off, -10)
-    affinity = parse_config("replicas: []\nflowControl: {cachedFirstLookahead: 0}\npicker: {policy: prefix-affinity}\n",
-                            "test").config
+    affinity = parse_config("replicas: []\nadmission: {enabled: false}\nflowControl: {cachedFirstLookahead: 0}\n"
+                            "picker: {policy: prefix-affinity}\n", "test").config
     assert wants_prefix(affinity, 100) and wants_prefix(affinity, -10)
 
 

@@ -33,7 +33,9 @@ asks = st.builds(Ask, request_id=texts, objective=texts, priority=st.integers(-1
                  tenant=texts, arrived=times, pool=texts, expires_at=times, deadline=times,
                  prompt_tokens=st.integers(0, 2**31), max_new_tokens=st.integers(0, 2**31),
                  limit_param=st.none() | texts, sequences=st.integers(1, 16), prompt_exact=st.booleans(),
-                 resumable=st.booleans(), streamed=st.booleans(), at_risk=st.booleans())
+                 resumable=st.booleans(), streamed=st.booleans(), at_risk=st.booleans(),
+                 prefix=st.lists(st.integers(0, 2**64 - 1), max_size=4).map(tuple),
+                 prefix_share=st.floats(0, 1))
 replica_views = st.builds(m.ReplicaFacts, url=texts, healthy=st.booleans(), refused=st.none() | texts,
                           model=st.none() | texts, model_root=st.none() | texts, runtime_version=st.none() | texts,
                           max_model_len=st.none() | st.integers(0, 2**31), pool=st.none() | texts,
@@ -98,6 +100,15 @@ def test_a_malformed_frame_is_refused_saying_what_is_wrong(body, says):
     with pytest.raises(m.Malformed) as refused:
         m.decode(body)
     assert says in str(refused.value)
+
+
+def test_an_ask_whose_prefix_share_is_nan_is_refused():
+    ask = Ask(request_id="r", objective="o", priority=0, fairness_id="f", tenant="t", arrived=0.0, prefix=(7,),
+              prefix_share=0.5)
+    frame = m.encode(m.Submit(rid=1, ask=ask))[4:]
+    assert b'"prefix_share":0.5' in frame
+    with pytest.raises(m.Malformed, match="NaN is not a time or a count"):
+        m.decode(frame.replace(b'"prefix_share":0.5', b'"prefix_share":NaN'))
 
 
 def test_an_oversized_frame_is_refused_before_it_is_read():
