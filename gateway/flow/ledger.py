@@ -44,9 +44,9 @@ class Reservation:
     revised_at: float = 0.0
     generation_done: bool = False
     released: bool = False
-    # The prompt's leading blocks as chained hashes (gateway/bodies.py `prefix_blocks`) and the prompt tokens they
-    # cover (estimated from characters): what other requests on its replica may share with it, where its replica's
-    # prefix cache is on (`sharing`).
+    # The prompt's leading blocks as chained hashes (gateway/bodies.py `prefix_blocks`, every SHARE_STRIDE-th) and
+    # the prompt tokens they cover (estimated from characters): what other requests on its replica may share with
+    # it, where its replica's prefix cache is on (`sharing`).
     prefix: tuple[int, ...] = ()
     prefix_tokens: int = 0
     sharing: bool = False
@@ -112,6 +112,21 @@ def whole_blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size) * block_size
 
 
+# The ledger follows a prefix in steps of this many of its 128-character blocks (about 128 tokens of English): each
+# step is one dictionary entry per scope, updated at every dispatch and end; a finer step would find at most a
+# step's tokens more shared per request.
+SHARE_STRIDE = 4
+
+
+def coarse_prefix(prefix: tuple[int, ...], tokens: int) -> tuple[tuple[int, ...], int]:
+    """Every SHARE_STRIDE-th of a prompt's chained block hashes (each stands for the prompt up to its end) and the
+    tokens they cover, of the `tokens` the whole `prefix` covers."""
+    coarse = prefix[SHARE_STRIDE - 1::SHARE_STRIDE]
+    if not coarse or tokens <= 0:
+        return (), 0
+    return coarse, tokens * len(coarse) * SHARE_STRIDE // len(prefix)
+
+
 def shared_whole_blocks(tokens: float, block_size: int) -> int:
     """Of a prefix of `tokens` (estimated) that two prompts share, the KV tokens vLLM shares between them: its whole
     blocks, less one for where the prompts part (the estimate's error and the template's tokens fall there)."""
@@ -122,60 +137,74 @@ class SharedPrefixes:
     """The prefix blocks of the reservations in one scope (a replica; a traffic class or a fairness id on it), each
     block with how many hold it. `counted_twice` is what summing the reservations counts more than once: for each
     block, its tokens once per holder after the first; less, per holder that shares a first block with another, the
-    block where its prompt parts from the other (vLLM shares whole KV blocks only)."""
+    block where its prompt parts from the other (vLLM shares whole KV blocks only).
 
-    __slots__ = ("holders", "tokens", "extra", "sharers")
+    The hashes are chained, so whoever holds a block holds every block before it: along a prompt's prefix the
+    holders' count never grows, and how far a count holds is found by bisection. Each block keeps the tokens from
+    the prompt's start to its end (`upto`, as its first holder estimated them), so a shared run's tokens are one
+    lookup, and a prefix is added with C-level bulk updates: flow control does this for every dispatch."""
+
+    __slots__ = ("holders", "upto", "extra", "sharers")
 
     def __init__(self) -> None:
-        self.holders: Counter[int] = Counter()
-        self.tokens: dict[int, float] = {}
+        self.holders: dict[int, int] = {}
+        self.upto: dict[int, float] = {}
         self.extra = 0.0
         self.sharers = 0
 
-    def add(self, prefix: tuple[int, ...], per_block: float) -> None:
-        for block in prefix:
-            held = self.holders[block]
-            if held:
-                self.extra += self.tokens[block]
+    def _depth(self, prefix: tuple[int, ...], holders: int) -> int:
+        """How many of the prefix's leading blocks at least `holders` hold."""
+        lo, hi = 0, len(prefix)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.holders.get(prefix[mid - 1], 0) >= holders:
+                lo = mid
             else:
-                self.tokens[block] = per_block
-            self.holders[block] = held + 1
-        if self.holders[prefix[0]] > 1:
+                hi = mid - 1
+        return lo
+
+    def _tokens(self, prefix: tuple[int, ...], depth: int) -> float:
+        return self.upto[prefix[depth - 1]] if depth else 0.0
+
+    def add(self, prefix: tuple[int, ...], per_block: float) -> None:
+        held = self._depth(prefix, 1)
+        base = self._tokens(prefix, held)
+        holders = self.holders
+        if held:
+            self.extra += base
             self.sharers += 1
+            for block in prefix[:held]:
+                holders[block] += 1
+        rest = prefix[held:]
+        holders.update(dict.fromkeys(rest, 1))
+        self.upto.update(zip(rest, [base + per_block * (i + 1) for i in range(len(rest))]))
 
     def remove(self, prefix: tuple[int, ...]) -> None:
-        if self.holders[prefix[0]] > 1:
+        shared = self._depth(prefix, 2)
+        if shared:
+            self.extra -= self._tokens(prefix, shared)
             self.sharers -= 1
-        for block in prefix:
-            left = self.holders[block] - 1
-            if left:
-                self.holders[block] = left
-                self.extra -= self.tokens[block]
-            else:
-                del self.holders[block]
-                del self.tokens[block]
+            if not self.sharers:  # no block has two holders: nothing is counted twice (no float residue kept)
+                self.extra = 0.0
+        holders, upto = self.holders, self.upto
+        for block in prefix[:shared]:
+            holders[block] -= 1
+        for block in prefix[shared:]:  # held by this one alone
+            del holders[block], upto[block]
 
     def counted_twice(self, block_size: int) -> int:
         """KV tokens (whole blocks) the scope's reservations count more than once."""
+        if not self.sharers:
+            return 0
         return max(0, math.floor((self.extra - self.sharers * block_size) / block_size + 1e-9)) * block_size
 
     def held(self, prefix: tuple[int, ...]) -> float:
-        """Tokens of `prefix`'s leading blocks held here (the chained hashes: the first block missing ends it)."""
-        tokens = 0.0
-        for block in prefix:
-            if block not in self.holders:
-                break
-            tokens += self.tokens[block]
-        return tokens
+        """Tokens of `prefix`'s leading blocks held here."""
+        return self._tokens(prefix, self._depth(prefix, 1))
 
     def held_by_others(self, prefix: tuple[int, ...]) -> float:
         """Tokens of the leading blocks of `prefix` (one of the holders) that another holder holds too."""
-        tokens = 0.0
-        for block in prefix:
-            if self.holders.get(block, 0) < 2:
-                break
-            tokens += self.tokens[block]
-        return tokens
+        return self._tokens(prefix, self._depth(prefix, 2))
 
 
 class KvLedger:
@@ -214,10 +243,10 @@ class KvLedger:
         `sharing`: the replica's prefix cache is on (else nothing is shared there)."""
         size = block_size or self.block_tokens
         kv_tokens = self.kv_tokens_for(prompt_tokens, max_new_tokens, size)
+        coarse, covered = coarse_prefix(prefix, min(prefix_tokens, prompt_tokens))
         res = Reservation(request_id, fairness_id, traffic_class, priority, replica, prompt_tokens,
                           max_new_tokens, size, kv_tokens, min(whole_blocks(prompt_tokens, size), kv_tokens),
-                          accrued_at=now, revised_at=now, prefix=prefix if prefix_tokens > 0 else (),
-                          prefix_tokens=min(prefix_tokens, prompt_tokens), sharing=sharing)
+                          accrued_at=now, revised_at=now, prefix=coarse, prefix_tokens=covered, sharing=sharing)
         self.active.add(res)
         self._apply(res, +1)
         self._share(res, +1)
@@ -342,7 +371,8 @@ class KvLedger:
                   traffic_class: str | None = None) -> int:
         """KV tokens of a new request's prompt that it would share with what runs on `replica` (among that traffic
         class's requests there, if named): what its reservation would not add to the replica's (or class's) total."""
-        if not prefix or prefix_tokens <= 0:
+        prefix, prefix_tokens = coarse_prefix(prefix, prefix_tokens)
+        if not prefix:
             return 0
         scope = self.shared.get(replica if traffic_class is None else ("class", traffic_class, replica))
         if scope is None:
