@@ -72,8 +72,11 @@ class Relay:
                                  ["token", "outcome"], registry=self.metrics.registry)
         self.pools: RemotePools | None = None
         self.proxy: Proxy | None = None
+        # Set once flow control sent both its config and its first view of the replicas: a relay that listened
+        # between the two would answer a request for a model it serves 404 (no pool known yet).
         self.configured: asyncio.Future = asyncio.get_running_loop().create_future()
         self._view = m.PoolView(replicas=(), routing=())
+        self._viewed = False
         self._reported: dict | None = None
         # The newest fencing token a flow control sent: a decision with an older one comes from a deposed leader.
         self.token = 0
@@ -87,9 +90,10 @@ class Relay:
             case m.Dispatched() | m.Evict() | m.Rejected() if pools is not None:
                 pools.decided(message)
             case m.PoolView():
-                self._view = message
+                self._view, self._viewed = message, True
                 if pools is not None:
                     pools.update(message)
+                self._ready()
             case m.Configure():
                 self.uplink.set_heartbeat(message.loaded.config.flowControl.heartbeatSeconds)
                 self._configure(message)
@@ -115,11 +119,15 @@ class Relay:
         if self.pools is None:
             self.pools = RemotePools(self.uplink, message, self._view, waits=self.index is None)
             self.proxy = Proxy(self.pools, self.metrics)
-            self.configured.set_result(None)
+            self._ready()
         else:
             self.pools.configure(message)
             assert self.proxy is not None
             self.proxy.reconfigure()
+
+    def _ready(self) -> None:
+        if self.pools is not None and self._viewed and not self.configured.done():
+            self.configured.set_result(None)
 
     def _proxy(self) -> Proxy:
         assert self.proxy is not None, "the relay serves only once flow control configured it"

@@ -237,3 +237,28 @@ def test_a_relay_turned_away_by_a_standby_asks_again_every_quarter_second_and_jo
     after, asked = asyncio.run(main())
     # Backing off, the sixth attempt would come 3.2 s after the fifth; asking every quarter second, 0.25 s after.
     assert asked == refusals + 1 and after < STANDBY_RETRY + 1.0, after
+
+
+def test_a_relay_serves_only_once_it_has_both_the_config_and_the_view_of_the_replicas():
+    """Flow control sends a joining relay its config, then its view of the replicas, in two frames: a relay that
+    listened on the config alone would answer a request for a model it serves 404, no pool being known yet (seen on
+    a loaded machine, where the two frames came in two reads)."""
+    async def run() -> None:
+        ledger = m.LedgerSettings(block_tokens=16, safety_factor=1.0, window=30.0)
+        configure = m.Configure(token=1, loaded=LOADED, pools=(m.PoolConfig(name="default", loaded=LOADED,
+                                                                            ledger=ledger),))
+        view = m.PoolView(replicas=(m.ReplicaFacts(url="http://r:8000", healthy=True, refused=None, model="m",
+                                                   model_root=None, runtime_version=None, max_model_len=None,
+                                                   pool="default", listed=()),), routing=())
+        first = Relay(FakeUplink(), 0, "127.0.0.1:0")  # type: ignore[arg-type]
+        first.handle(configure)
+        assert not first.configured.done()
+        first.handle(view)
+        assert first.configured.done() and first.pools is not None
+        assert [r.url for r in first.pools.flow("default").pool.replicas] == ["http://r:8000"]
+        other = Relay(FakeUplink(), 1, "127.0.0.1:0")  # type: ignore[arg-type]
+        other.handle(view)  # the other order
+        assert not other.configured.done()
+        other.handle(configure)
+        assert other.configured.done()
+    asyncio.run(run())
