@@ -227,11 +227,13 @@ COUNTERS = {"steps": "vllm:iteration_tokens_total_count", "prompt": "vllm:prompt
 
 
 def engine_counters(engine: str) -> dict[str, float]:
+    """The engine's counters (summed over several, comma-separated)."""
     out = dict.fromkeys(COUNTERS, 0.0)
-    for line in httpx.get(engine + "/metrics", timeout=10).text.splitlines():
-        for key, name in COUNTERS.items():
-            if line.startswith(name):
-                out[key] += float(line.rsplit(" ", 1)[1])
+    for url in engine.split(","):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            for key, name in COUNTERS.items():
+                if line.startswith(name):
+                    out[key] += float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -77,10 +77,11 @@ def engine_paths(p: argparse.ArgumentParser) -> tuple[str, str]:
 
 def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: int, pin: bool = True,
                block_size: int | None = None, cpu: int = ENGINE_CPU, kv_blocks: int | None = None,
-               flags: Sequence[str] = ()) -> str:
+               flags: Sequence[str] = (), favoured: bool = True) -> str:
     """vLLM on `cpu` alone (`pin`), or where the kernel and vLLM's own thread binding put it; `block_size` its KV
     blocks' tokens (None: the CPU backend's 128); `kv_blocks` the KV-bound replica's pool (None: 1 GiB); `flags`
-    more of vLLM's own (a study's step token budget)."""
+    more of vLLM's own (a study's step token budget); `favoured`: ahead of other work on its core (not when the
+    stack shares that core and must run ahead of it)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -96,7 +97,8 @@ def start_vllm(children: Children, tmp: Path, python: str, model: str, slots: in
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     children.procs.append(proc)
-    favour(proc.pid, NICE)  # before its engine process starts: that one inherits both
+    if favoured:
+        favour(proc.pid, NICE)  # before its engine process starts: that one inherits both
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc, timeout=600, what=f"vLLM (log: {log})")
     return url
@@ -117,7 +119,7 @@ def start_sim(children: Children, tmp: Path, flags: list[str], log: str = "sim.l
 
 @dataclass(frozen=True)
 class StartedEngine:
-    url: str
+    url: str  # with several replicas, their URLs joined by commas (as `holdback up --replicas` takes them)
     model: str  # the model it serves
     tmp: Path  # the run's scratch directory
     pin: bool  # pinned to its CPU (the stack and the load on the other)
@@ -125,39 +127,48 @@ class StartedEngine:
 
 @contextlib.contextmanager
 def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str, kv_blocks: int | None = None,
-               vllm_flags: Sequence[str] = ()) -> Iterator[StartedEngine]:
+               vllm_flags: Sequence[str] = (), replicas: int = 1) -> Iterator[StartedEngine]:
     """The run's one engine (`--engine`: vllm, or the simulator with `--sim-arg`s), stopped with its scratch
     directory at the end; pinned, this process moves to the other CPU. `kv_blocks`, `vllm_flags`: vLLM's, as
-    `start_vllm` takes them."""
+    `start_vllm` takes them. `replicas` 2: two of it; pinned, each vLLM on a CPU of its own and not favoured (the
+    stack, unpinned, is to run ahead of them: bench/lib/holdback_up.py `ahead`; this process is)."""
     pin = args.engine == "vllm" and not args.unpinned
-    if pin:
+    if pin and replicas == 1:
         os.sched_setaffinity(0, {RELAY_CPU})
+    elif pin:
+        favour(os.getpid(), NICE)
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     children = Children()
     try:
-        if args.engine == "vllm":
-            python, model_path = engine_paths(p)
-            url = start_vllm(children, tmp, python, model_path, args.slots, pin, cpu=ENGINE_CPU, kv_blocks=kv_blocks,
-                             flags=vllm_flags)
-        else:
-            # Prefix caching on, as vLLM (V1) has it by default: a resumed request finds its kept prefix cached.
-            url = start_sim(children, tmp, ["--replicas", "1", "--scheduling-policy", "priority",
-                                            "--enable-prefix-caching", "--max-num-seqs", str(args.slots),
-                                            *args.sim_arg])
-        yield StartedEngine(url, httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], tmp, pin)
+        urls = []
+        for i, cpu in enumerate((ENGINE_CPU, RELAY_CPU)[:replicas]):
+            if args.engine == "vllm":
+                python, model_path = engine_paths(p)
+                urls.append(start_vllm(children, tmp, python, model_path, args.slots, pin, cpu=cpu,
+                                       kv_blocks=kv_blocks, flags=vllm_flags, favoured=replicas == 1))
+            else:
+                # Prefix caching on, as vLLM (V1) has it by default: a resumed request finds its kept prefix cached.
+                urls.append(start_sim(children, tmp, ["--replicas", "1", "--scheduling-policy", "priority",
+                                                      "--enable-prefix-caching", "--max-num-seqs", str(args.slots),
+                                                      *args.sim_arg], log=f"sim-{i}.log"))
+        model = httpx.get(urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+        yield StartedEngine(",".join(urls), model, tmp, pin and replicas == 1)
     finally:
         children.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_idle(engine: str, timeout: float = 300.0) -> None:
-    """Until the engine runs and holds nothing (an arm's aborted streams may still be leaving it)."""
+    """Until the engine (each of several, comma-separated) runs and holds nothing (an arm's aborted streams may still
+    be leaving it)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = httpx.get(engine + "/metrics", timeout=10).text
-        busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
-        if busy == 0:
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"the engine {engine} still had requests after {timeout} s")
+    for url in engine.split(","):
+        while True:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+            if busy == 0:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the engine {url} still had requests after {timeout} s")
+            time.sleep(0.5)

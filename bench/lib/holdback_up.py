@@ -1,5 +1,5 @@
-"""`holdback up --replicas ENGINE` as an operator starts it in front of one engine (a fresh data dir, the built-in
-gateway config or overrides of it), and what a bench asks of it through the Batch API: a file of completions
+"""`holdback up --replicas ENGINE` as an operator starts it in front of one engine or two (a fresh data dir, the
+built-in gateway config or overrides of it), and what a bench asks of it through the Batch API: a file of completions
 uploaded, a batch created over it and waited for, a warm-up batch that lets the gateway learn the engine's slots."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.lib.engines import RELAY_CPU, pinned
+from bench.lib.engines import NICE, RELAY_CPU, favour, pinned
 from bench.lib.processes import holdback, stop_processes
 from bench.lib.readiness import free_port_block, wait_http
 
@@ -28,10 +28,11 @@ class HoldbackUp:
     """`holdback up --replicas ENGINE` with a fresh data dir, as an operator starts it; the keys it made."""
 
     def __init__(self, engine: str, tmp: Path, group: int | str, pin: bool, overrides: dict | None = None,
-                 keep: Path | None = None, env: dict[str, str] | None = None):
+                 keep: Path | None = None, env: dict[str, str] | None = None, ahead: bool = False):
         """`overrides`: merged key by key over the built-in gateway config; `keep`: where its components' logs are
         copied when it stops; `env`: more of its environment (its components' settings, e.g.
-        `HOLDBACK_PROCESSOR_PREFIX_PLAN`). Use as `with HoldbackUp(...) as up:`."""
+        `HOLDBACK_PROCESSOR_PREFIX_PLAN`); `ahead`: run ahead of other work (engines sharing its cores). Use as
+        `with HoldbackUp(...) as up:`."""
         self.data = tmp / f"holdback-{group}"
         self.keep = keep
         config: list[str] = []
@@ -50,6 +51,8 @@ class HoldbackUp:
                                                 str(gateway), "--processor-metrics-port", str(m1),
                                                 "--worker-metrics-port", str(m2), *config)],
             env=env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        if ahead:
+            favour(self.proc.pid, NICE)  # its session: every component it starts
         wait_http(self.api + "/readyz", self.proc, 120, what=f"holdback up's API (log {self.log})")
         keys = json.loads((self.data / "local-keys.json").read_text())
         self.tenant = {"Authorization": f"Bearer {keys['tenant']}"}

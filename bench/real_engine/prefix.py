@@ -23,7 +23,12 @@ in holdback) so that none finds what another cached:
 - `line-order`: the plan off and the gateway's cached-first dispatch off too (`flowControl.cachedFirstLookahead:
   0`): rows dispatched in line order, holdback before either; `plan-off` ÷ `line-order` is cached-first's share.
 The no-shared workload runs `plan` and `line-order` only, the system-prompt workload `vllm-priority`, `plan` and
-`line-order` (one prefix: there is nothing to order). Realtime throughout every arm: Poisson `--rate`/s streamed
+`line-order` (one prefix: there is nothing to order). With `--replicas 2` two engines serve the run, one pinned to
+each CPU, and the stack and this process run unpinned ahead of them (a nice of -15 for their sessions, the engines
+at 0: the stack takes what it needs and the engines the rest, as in the real-engine tier); each workload's arms are
+then `least-loaded` and `prefix-affinity`: holdback as shipped (the plan on) with the gateway's picker by load (its
+default) or by prefix (gateway/policies/prefix_affinity.py), the plan on in both (`--picker-plan off`: off in
+both), and batch tokens per second (wall clock, the two engines together) is the figure the picker moves. Realtime throughout every arm: Poisson `--rate`/s streamed
 completions of 8 tokens (bench/makespan.py `realtime`).
 
 Figures per arm: batch output tokens per engine step (the completed lines' tokens ÷ the engine's steps,
@@ -58,6 +63,9 @@ from bench.stats import percentile
 WORKLOADS = {"shared": ("vllm-priority", "plan", "plan-off", "line-order"), "no-shared": ("plan", "line-order"),
              "system-prompt": ("vllm-priority", "plan", "line-order"),
              "branched": ("vllm-priority", "plan", "plan-off", "line-order")}
+# With two replicas (`--replicas 2`), every workload: holdback as shipped (the plan on) with the gateway's picker by
+# load (the shipped default) and by prefix (gateway/policies/prefix_affinity.py).
+PICKERS = ("least-loaded", "prefix-affinity")
 PLAN_ENV = "HOLDBACK_PROCESSOR_PREFIX_PLAN"
 
 
@@ -73,6 +81,7 @@ class PrefixRun:
     hits: float  # prefix-cache tokens hit ÷ queried during the arm
     queries: float
     hit_rate: float
+    tokens_per_second: float = 0.0  # batch_tokens ÷ makespan
     ttft: list[float] = field(default_factory=list)  # realtime's, seconds; inf: no first token
     ttft_p95: float | None = None
     lines_failed: int = 0
@@ -98,9 +107,13 @@ def completion_lines(args: argparse.Namespace, model: str, workload: str, seed: 
 
 
 def cache_counters(engine: str) -> tuple[float, float]:
-    """The engine's prefix-cache hits and queries (tokens) so far."""
-    m = parse_prometheus(httpx.get(engine + "/metrics", timeout=10).text)
-    return metric_sum(m, "vllm:prefix_cache_hits_total"), metric_sum(m, "vllm:prefix_cache_queries_total")
+    """The engine's prefix-cache hits and queries (tokens) so far (summed over several, comma-separated)."""
+    hits = queries = 0.0
+    for url in engine.split(","):
+        m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+        hits += metric_sum(m, "vllm:prefix_cache_hits_total")
+        queries += metric_sum(m, "vllm:prefix_cache_queries_total")
+    return hits, queries
 
 
 def new_tenant(up: HoldbackUp, name: str) -> dict[str, str]:
@@ -120,7 +133,11 @@ def run_holdback(engine: str, tmp: Path, pin: bool, lines: list[dict], args: arg
     config: dict = {"admission": {"tenantMaxShare": args.tenant_share, "tenantSoftShare": args.tenant_share}}
     if arm == "line-order":
         config["flowControl"] = {"cachedFirstLookahead": 0}
-    with HoldbackUp(engine, tmp, label, pin, config, keep, env={PLAN_ENV: "on" if arm == "plan" else "off"}) as up:
+    if arm in PICKERS:
+        config["picker"] = {"policy": arm}
+    plan = "on" if arm == "plan" or (arm in PICKERS and args.picker_plan == "on") else "off"
+    ahead = args.replicas > 1 and args.engine == "vllm" and not args.unpinned  # engines pinned on both CPUs
+    with HoldbackUp(engine, tmp, label, pin, config, keep, env={PLAN_ENV: plan}, ahead=ahead) as up:
         warm = batch_lines(args.seed + 1000 + group, 8 * args.slots, (8, 8), lines[0]["model"])
         slots = asyncio.run(warm_up(up, warm, args))
         wait_idle(engine)
@@ -156,7 +173,8 @@ def run_arm(engine: str, tmp: Path, pin: bool, workload: str, arm: str, lines: l
     return PrefixRun(
         workload, arm, group, run.makespan, done * args.max_tokens, steps,
         done * args.max_tokens / steps if steps else 0.0, hits_now - hits, queries_now - queries,
-        (hits_now - hits) / (queries_now - queries) if queries_now > queries else 0.0, run.ttft,
+        (hits_now - hits) / (queries_now - queries) if queries_now > queries else 0.0,
+        done * args.max_tokens / run.makespan if run.makespan else 0.0, run.ttft,
         percentile(run.ttft, 0.95), run.lines_failed, run.realtime_failed, sum(run.evictions), ahead, run.engine)
 
 
@@ -171,16 +189,18 @@ def run_groups(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Pre
     if args.engine == "sim":
         args.sim_arg = [*sim_flags(args), *args.sim_arg]
     flags = ["--max-num-batched-tokens", str(args.step_tokens)]
-    with one_engine(p, args, "hb-prefix-", kv_blocks=args.kv_blocks, vllm_flags=flags) as engine:
+    with one_engine(p, args, "hb-prefix-", kv_blocks=args.kv_blocks, vllm_flags=flags,
+                    replicas=args.replicas) as engine:
         for group in range(args.groups):
             for workload in args.workloads:
                 lines = completion_lines(args, engine.model, workload, args.seed + group)
-                arms = WORKLOADS[workload]
+                arms = WORKLOADS[workload] if args.replicas == 1 else PICKERS
                 for arm in (arms if group % 2 == 0 else arms[::-1]):
                     run = run_arm(engine.url, engine.tmp, engine.pin, workload, arm, lines, args, group)
                     runs.append(run)
                     print(f"group {group} {workload} {arm}: {run.tokens_per_step:.3f} batch tokens/step "
-                          f"({run.steps:.0f} steps), makespan {run.makespan:.1f} s, hit rate {run.hit_rate:.2f}, "
+                          f"({run.steps:.0f} steps), {run.tokens_per_second:.1f} tokens/s, makespan "
+                          f"{run.makespan:.1f} s, hit rate {run.hit_rate:.2f}, "
                           f"realtime p95 {run.ttft_p95 or 0:.3f} s ({len(run.ttft)}), evictions {run.evictions}, "
                           f"sent ahead {run.cached_first}, lines failed {run.lines_failed}", flush=True)
     return runs
@@ -201,6 +221,13 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     p.add_argument("--max-tokens", type=int, default=16, help="each answer's tokens (default %(default)s)")
     p.add_argument("--rate", type=float, default=2.0, help="realtime arrivals per second (default %(default)s)")
     p.add_argument("--slots", type=int, default=8, help="the engine's --max-num-seqs (default %(default)s)")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+                   help="engines (default %(default)s); 2: one on each CPU, the stack and the load run ahead of them "
+                        "unpinned, and each workload's arms are the gateway's picker by load against by prefix "
+                        "(the plan on in both, or off: --picker-plan)")
+    p.add_argument("--picker-plan", choices=("on", "off"), default="on",
+                   help="with --replicas 2: the processor's prefix plan in both picker arms (default %(default)s; "
+                        "off: rows in line order, what the picker alone finds)")
     p.add_argument("--kv-blocks", type=int, default=104,
                    help="the engine's KV pool in blocks of 128 tokens (vLLM --num-gpu-blocks-override, with a "
                         "2,048-token context: the tiny model's; default %(default)s: eight unshared sequences of a "

@@ -54,9 +54,16 @@ RATIOS = (
     Ratio("branched", "tokens_per_step", "plan-off", "line-order"),
     Ratio("branched", "tokens_per_step", "plan", "plan-off"),
     Ratio("branched", "makespan", "plan", "vllm-priority", at_least=False),
+    # Two replicas (`--replicas 2`): the gateway's picker by prefix ÷ by load.
+    Ratio("shared", "tokens_per_second", "prefix-affinity", "least-loaded", 1.3),
+    Ratio("shared", "ttft_p95", "prefix-affinity", "least-loaded", at_least=False),
+    Ratio("shared", "tokens_per_step", "prefix-affinity", "least-loaded"),
+    Ratio("shared", "makespan", "prefix-affinity", "least-loaded", at_least=False),
+    Ratio("no-shared", "tokens_per_second", "prefix-affinity", "least-loaded", 0.99),
+    Ratio("no-shared", "ttft_p95", "prefix-affinity", "least-loaded", at_least=False),
 )
-LABELS = {"tokens_per_step": "batch tokens per engine step", "ttft_p95": "realtime p95 TTFT",
-          "makespan": "makespan (wall clock)"}
+LABELS = {"tokens_per_step": "batch tokens per engine step", "tokens_per_second": "batch tokens per second",
+          "ttft_p95": "realtime p95 TTFT", "makespan": "makespan (wall clock)"}
 
 
 def per_group(runs: list[dict], ratio: Ratio) -> list[float]:
@@ -96,8 +103,8 @@ def summarise(runs: list[dict]) -> dict:
 def markdown(summary: dict, args: argparse.Namespace) -> str:
     head = (f"Batches planned for the prefix cache ({args.engine}; {args.documents} documents of {args.doc_words} "
             f"words × {args.questions} questions, {args.max_tokens} output tokens each; KV pool {args.kv_blocks} "
-            f"blocks, step budget {args.step_tokens} tokens, {args.slots} slots; realtime {args.rate}/s; "
-            f"{summary['groups']} groups)")
+            f"blocks, step budget {args.step_tokens} tokens, {args.slots} slots, {getattr(args, 'replicas', 1)} "
+            f"replica(s); realtime {args.rate}/s; {summary['groups']} groups)")
     rows = ["| figure | median [95% interval] | per group | goal | verdict |", "|---|---|---|---|---|"]
     for name, e in summary["ratios"].items():
         goal = "—" if e["goal"] is None else f"{'≥' if e['at_least'] else '≤'} {e['goal']}"
@@ -116,8 +123,10 @@ def make_plots(out_dir: Path, summary: dict, runs: list[dict]) -> list[str]:
     """The ratios (each group a dot, the median a bar with its interval, the goal dashed) and the hit rates;
     the file names written into `out_dir`."""
     plt = pyplot()
-    panels = [("tokens_per_step", False), ("makespan", False), ("ttft_p95", True)]
-    fig_, axes = plt.subplots(1, len(panels) + 1, figsize=(20, 5.2))
+    panels = [(figure, figure == "ttft_p95") for figure in LABELS
+              if any(f": {figure} " in name for name in summary["ratios"])]
+    fig_, grid = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 5.2), squeeze=False)
+    axes = grid[0]
     for ax, (figure, log) in zip(axes, panels):
         _ratio_panel(ax, summary, figure, log)
     _hit_panel(axes[-1], summary)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.real_engine.prefix import main
+from bench.real_engine.prefix import PICKERS, main
 from bench.real_engine.prefix_report import RATIOS, per_group, summarise
 
 
@@ -51,10 +51,26 @@ def test_one_tiny_group_on_the_simulator_runs_every_arm_and_writes_the_report(tm
     # 0.3 s since the workers stream 8 tokens an event, could end before it.
     assert all(r["ttft"] for r in raw["runs"] if r["arm"] != "vllm-priority")
     # Every step and makespan ratio of the workload (realtime's need vLLM alone to have had realtime).
-    assert {r.name for r in RATIOS if r.workload == "shared" and r.figure != "ttft_p95"} <= set(summary["ratios"])
+    assert {r.name for r in RATIOS if r.workload == "shared" and r.figure != "ttft_p95" and r.num not in PICKERS
+            } <= set(summary["ratios"])
     assert all(len(e["per_group"]) == 1 for e in summary["ratios"].values())
     assert set(summary["hit_rate"]) == {"shared: vllm-priority", "shared: plan", "shared: plan-off",
                                         "shared: line-order"}
     assert summary["cached_first_per_group"]["shared: line-order"] == [0]  # cachedFirstLookahead: 0 in that arm
     text = (tmp_path / "summary.md").read_text()
     assert "shared: tokens_per_step plan ÷ vllm-priority" in text and (tmp_path / "prefix_ratios.png").stat().st_size
+
+
+@pytest.mark.e2e
+def test_two_tiny_replicas_on_the_simulator_run_the_picker_by_load_and_by_prefix(tmp_path: Path) -> None:
+    summary = main(["--engine", "sim", "--replicas", "2", "--groups", "1", "--workloads", "shared", "--documents",
+                    "4", "--questions", "3", "--doc-words", "150", "--max-tokens", "4", "--slots", "2", "--kv-blocks",
+                    "40", "--rate", "20", "--sim-arg=--decode-base-ms=1", "--sim-arg=--prefill-ms-per-token=0.01",
+                    "--out", str(tmp_path)])
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert [r["arm"] for r in raw["runs"]] == list(PICKERS)
+    for run in raw["runs"]:
+        assert run["lines_failed"] == 0 and run["batch_tokens"] == 12 * 4 and run["tokens_per_second"] > 0, run
+        assert run["steps"] > 0 and run["queries"] > 0 and run["ttft"], run
+    assert "shared: tokens_per_second prefix-affinity ÷ least-loaded" in summary["ratios"]
+    assert "2 replica(s)" in (tmp_path / "summary.md").read_text()
