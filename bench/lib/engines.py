@@ -141,9 +141,9 @@ def one_engine(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str
     children = Children()
     try:
         urls = []
+        python, model_path = engine_paths(p) if args.engine == "vllm" else ("", "")
         for i, cpu in enumerate((ENGINE_CPU, RELAY_CPU)[:replicas]):
             if args.engine == "vllm":
-                python, model_path = engine_paths(p)
                 urls.append(start_vllm(children, tmp, python, model_path, args.slots, pin, cpu=cpu,
                                        kv_blocks=kv_blocks, flags=vllm_flags, favoured=replicas == 1))
             else:

@@ -28,8 +28,8 @@ each CPU, and the stack and this process run unpinned ahead of them (a nice of -
 at 0: the stack takes what it needs and the engines the rest, as in the real-engine tier); each workload's arms are
 then `least-loaded` and `prefix-affinity`: holdback as shipped (the plan on) with the gateway's picker by load (its
 default) or by prefix (gateway/policies/prefix_affinity.py), the plan on in both (`--picker-plan off`: off in
-both), and batch tokens per second (wall clock, the two engines together) is the figure the picker moves. Realtime throughout every arm: Poisson `--rate`/s streamed
-completions of 8 tokens (bench/makespan.py `realtime`).
+both), and batch tokens per second (wall clock, the two engines together) is the figure the picker moves. Realtime
+throughout every arm: Poisson `--rate`/s streamed completions of 8 tokens (bench/makespan.py `realtime`).
 
 Figures per arm: batch output tokens per engine step (the completed lines' tokens ÷ the engine's steps,
 `vllm:iteration_tokens_total_count`, moved during the arm), makespan, realtime p95 TTFT, and the prefix cache's hit
