@@ -9,8 +9,11 @@ STAMP := $(VENV)/.installed
 # The second test pass runs against real services; override to point elsewhere.
 TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
-# Test processes per pass (pytest-xdist): most tests wait on child processes, so two share two cores well.
-TEST_WORKERS ?= 2
+# Test processes per pass (pytest-xdist). Most tests wait on the processes they start: with one worker per core the
+# two cores sat idle 36% of the embedded pass (process accounting, docs/ci.md), so two per core; an idle worker
+# takes tests queued at a busy one (worksteal), so a pass does not end with one worker through a queue of drills.
+CORES := $(shell nproc 2>/dev/null || echo 2)
+TEST_WORKERS ?= $(shell echo $$(( $(CORES) * 2 )))
 
 .PHONY: up test test-fast test-embedded test-services test-vllm bench install clean
 
@@ -44,11 +47,11 @@ test: $(STAMP)
 
 # The tests that start no process (marked `unit` at collection): seconds, no services needed.
 test-fast: $(STAMP)
-	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q -n $(TEST_WORKERS)
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -m unit -q -n $(CORES)
 
 # Pass 1: the embedded defaults (SQLite, embedded Redis), every test.
 test-embedded: $(STAMP)
-	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS)
+	HOLDBACK_TEST_BACKEND=embedded $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # Pass 2: PostgreSQL and the machine's Redis server, only the tests whose outcome depends on them (those that use
 # the `backend` fixture, or are marked `services`; tests/conftest.py deselects the rest, which pass 1 ran). The
@@ -56,7 +59,7 @@ test-embedded: $(STAMP)
 # tests/batch_api/test_admin_dashboard.py.
 test-services: $(STAMP)
 	HOLDBACK_TEST_BACKEND=services HOLDBACK_TEST_POSTGRES_URL=$(TEST_POSTGRES_URL) \
-	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not browser" \
+	HOLDBACK_TEST_REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not browser" \
 	--ignore=tests/real_vllm
 
 # The real-engine tier: real vLLM (its CPU build, a tiny random-weight model built here) in front of and behind
