@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
 import redis
 from sqlalchemy import create_engine, text
@@ -35,6 +36,14 @@ BACKEND = os.environ.get("HOLDBACK_TEST_BACKEND", "embedded")
 POSTGRES_URL = os.environ.get("HOLDBACK_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("HOLDBACK_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "hb-admin-test-key"
+# What a test's own HTTP calls wait for an answer, unless the call says (`timeout=`). httpx's default, 5 s, is less
+# than a server under test can take on a loaded two-core machine: an API in a test's own process took longer to
+# answer a 404 beside two CPU burners and four test workers. Set here once for every httpx call in the test
+# processes (not in the processes the tests start, which set their own).
+TEST_HTTP_TIMEOUT = httpx.Timeout(60.0)
+for _call in (httpx.request, httpx.get, httpx.options, httpx.head, httpx.post, httpx.put, httpx.patch, httpx.delete,
+              httpx.stream.__wrapped__, httpx.Client.__init__, httpx.AsyncClient.__init__):
+    _call.__kwdefaults__["timeout"] = TEST_HTTP_TIMEOUT
 # Fixtures that start processes (the embedded Redis, simulators, gateways, workers): their tests are not unit.
 PROCESS_FIXTURES = {"backend", "stack", "scripted", "platform_factory", "browser", "vllm", "one_at_a_time_vllm"}
 # A module that imports these can start processes itself (`holdback ...` children via tests.support).
