@@ -122,7 +122,7 @@ class Stack:
 def metric(url: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include `labels`."""
     total = 0.0
-    for line in httpx.get(url, timeout=5).text.splitlines():
+    for line in httpx.get(url).text.splitlines():
         if not line.startswith(name):
             continue
         head, _, value = line.rpartition(" ")
@@ -560,13 +560,13 @@ def test_processes_share_the_queue_each_registered_with_rq(stack):
     urls = [f"http://127.0.0.1:{port + i}/metrics" for i in range(2)]
     for i, url in enumerate(urls):
         assert metric(url, "holdback_worker_in_flight", worker=f"pool.{i}") == 0
-        assert f'holdback_worker_in_flight{{worker="pool.{1 - i}"}}' not in httpx.get(url, timeout=5).text
+        assert f'holdback_worker_in_flight{{worker="pool.{1 - i}"}}' not in httpx.get(url).text
 
     def depth_exporters() -> list[str]:
-        return [url for url in urls if 'holdback_worker_queue_depth{state="queued"}' in httpx.get(url, timeout=5).text]
+        return [url for url in urls if 'holdback_worker_queue_depth{state="queued"}' in httpx.get(url).text]
 
     poll(lambda: len(depth_exporters()) == 1, 30, "exactly one worker process exporting the queue depth",
-         lambda: "\n".join(httpx.get(url, timeout=5).text for url in urls))
+         lambda: "\n".join(httpx.get(url).text for url in urls))
     # Killing only the supervisor takes its children down too (they get SIGTERM and unregister).
     children = psutil.Process(proc.pid).children()
     assert len(children) == 2

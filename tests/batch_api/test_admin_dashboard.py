@@ -292,7 +292,7 @@ def test_gateway_page_reads_the_gateway_with_the_admin_key_and_shows_kv_admissio
                          f"http://127.0.0.1:{sim_port}", name="gateway")
         gw_url = f"http://127.0.0.1:{gw_port}"
         wait_http(gw_url + "/health", proc=gw)
-        assert httpx.get(gw_url + "/admin/state", timeout=5).status_code == 401  # the page needs the key
+        assert httpx.get(gw_url + "/admin/state").status_code == 401  # the page needs the key
         page_api = start_api(gateway_url=gw_url)
         client, _ = signed_in(page_api)
         page = client.get("/dashboard/gateway").text

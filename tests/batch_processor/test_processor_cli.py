@@ -75,9 +75,9 @@ def test_two_processor_processes_expand_each_batch_once(harness: Harness, tmp_pa
         _wait(lambda: all(harness.batch(b_id).status == "in_progress" for b_id in batches), 30,
               "every batch in_progress", procs)
         _wait(lambda: len(harness.queued_job_ids()) == 6 * 20, 10, "every first window queued", procs)
-        scrapes = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for port in ports]
+        scrapes = [httpx.get(f"http://127.0.0.1:{port}/metrics").text for port in ports]
         for port in ports:  # the metrics port also answers the probes: its loop turns, its database, Redis and
-            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)  # gateway answer
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz")  # gateway answer
             assert ready.status_code == 200, ready.text
             assert ready.json()["checks"] == {"main_loop": "ok", "database": "ok", "redis": "ok", "gateway": "ok"}
         for child in children:
@@ -134,7 +134,7 @@ def test_a_processor_whose_gateway_is_down_is_unready_naming_it_and_claims_once_
     with Processes(env=env, log_dir=tmp_path) as procs:
         child = procs.start("processor", "--metrics-port", "0", "--poll-interval", "0.05", name="processor")
         readyz = f"http://127.0.0.1:{_listening_port(tmp_path / 'processor-0.log', child, procs)}/readyz"
-        unready = poll(lambda: (r := httpx.get(readyz, timeout=5)).status_code == 503 and r.json(), 30,
+        unready = poll(lambda: (r := httpx.get(readyz)).status_code == 503 and r.json(), 30,
                        "/readyz failing on the gateway", lambda: procs.log("processor"))
         reason = unready["checks"]["gateway"]
         assert gateway_url in reason and "ConnectError" in reason, unready
@@ -145,7 +145,7 @@ def test_a_processor_whose_gateway_is_down_is_unready_naming_it_and_claims_once_
         gw = procs.start("gateway", "--port", str(gateway_port), "--replicas", "http://127.0.0.1:9", name="gateway")
         wait_http(f"{gateway_url}/health", timeout=60, proc=gw)
         _wait(lambda: harness.batch(batch_id).status == "in_progress", 30, "the batch claimed and expanded", procs)
-        ready = httpx.get(readyz, timeout=5)
+        ready = httpx.get(readyz)
         assert ready.status_code == 200 and ready.json()["checks"]["gateway"] == "ok", ready.text
         logs = procs.log("processor")
     (down,) = _events(logs, "gateway_unreachable")

@@ -31,7 +31,7 @@ def test_aimd_halves_once_per_round_trip_and_adds_one_per_success():
 
 
 def _sim_state(url: str) -> dict:
-    return httpx.get(f"{url}/admin/state", timeout=5).json()
+    return httpx.get(f"{url}/admin/state").json()
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

@@ -73,7 +73,7 @@ class PoolsStack:
         poll(self.all_healthy, 30, "every replica of both pools to be healthy", lambda: self.procs.log("gateway"))
 
     def all_healthy(self) -> bool:
-        state = httpx.get(f"{self.gateway_url}/admin/state", timeout=5,
+        state = httpx.get(f"{self.gateway_url}/admin/state",
                           headers={"Authorization": f"Bearer {self.admin_key}"}).json()
         pools = state.get("pools") or {}
         return set(pools) == {"pool-a", "pool-b"} and all(r["healthy"] for p in pools.values() for r in p["replicas"])

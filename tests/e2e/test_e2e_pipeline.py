@@ -113,7 +113,7 @@ class Platform:
         return self.client.batches.retrieve(batch_id).request_counts.completed
 
     def sim_running(self) -> int:
-        return sum(httpx.get(f"{u}/admin/state", timeout=5).json()["running"] for u in self.sim_urls)
+        return sum(httpx.get(f"{u}/admin/state").json()["running"] for u in self.sim_urls)
 
     def wait_in_flight(self, n: int, what: str, timeout: float = 30.0) -> None:
         """Wait until at least n requests run at the simulator (sampling once races the worker's claims)."""

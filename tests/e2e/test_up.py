@@ -150,12 +150,11 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
         # KV admission is on under `holdback up`, the gateway's admin state needs the admin key, and the
         # batch went through the ledger (every reservation released at the end).
         gw_url = f"http://127.0.0.1:{gateway}"
-        assert httpx.get(gw_url + "/admin/state", timeout=5).status_code == 401
-        state = httpx.get(gw_url + "/admin/state", headers={"Authorization": f"Bearer {keys['admin']}"},
-                          timeout=5).json()
+        assert httpx.get(gw_url + "/admin/state").status_code == 401
+        state = httpx.get(gw_url + "/admin/state", headers={"Authorization": f"Bearer {keys['admin']}"}).json()
         assert state["kv"]["enabled"] and state["kv"]["tenants"] == {}
         assert sum(r["total_blocks"] for r in state["kv"]["replicas"].values()) > 0
-        assert httpx.get(f"http://127.0.0.1:{sim}/admin/faults", timeout=5).status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{sim}/admin/faults").status_code == 401
 
         children = _descendants(proc.pid)
         assert len(children) >= 5, f"expected sim, gateway, api, processor and worker, got {children}"

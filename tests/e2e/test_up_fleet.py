@@ -27,7 +27,7 @@ ROWS = 80
 
 def _leadership(gateway: str, admin: str) -> dict | None:
     try:
-        answer = httpx.get(gateway + "/admin/state", headers={"Authorization": f"Bearer {admin}"}, timeout=5)
+        answer = httpx.get(gateway + "/admin/state", headers={"Authorization": f"Bearer {admin}"})
     except httpx.HTTPError:
         return None
     return answer.json().get("leadership") if answer.status_code == 200 else None

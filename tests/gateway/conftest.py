@@ -69,7 +69,7 @@ class Gateway:
         self.procs = procs
 
     def state(self) -> dict:
-        return httpx.get(self.url + "/admin/state", timeout=5).json()
+        return httpx.get(self.url + "/admin/state").json()
 
     def band(self, priority: int) -> dict:
         return next(b for b in self.state()["bands"] if b["priority"] == priority)
@@ -83,12 +83,12 @@ class Gateway:
 
 
 def sim_state(url: str) -> dict:
-    return httpx.get(url + "/admin/state", timeout=5).json()
+    return httpx.get(url + "/admin/state").json()
 
 
 def sim_metric(url: str, name: str) -> float:
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -40,7 +40,7 @@ def test_a_relay_asked_to_stop_drains_finishes_what_it_can_and_cuts_the_rest_at_
                              name="relay-a", env={SECRET_ENV: SECRET})
     relay = f"http://127.0.0.1:{port}"
     wait_http(relay + "/health", proc=proc)
-    poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "relay-a to be ready")
+    poll(lambda: httpx.get(relay + "/readyz").status_code == 200, 60, "relay-a to be ready")
     poll(lambda: len(relays_seen(observer)) == 2, 60, "flow control to list both relays", fleet.log)
 
     async def main() -> tuple[Held, Held, float]:
@@ -51,7 +51,7 @@ def test_a_relay_asked_to_stop_drains_finishes_what_it_can_and_cuts_the_rest_at_
             await wait_until(lambda: short.chunks and long.chunks, 60)
             asked = time.time()
             proc.send_signal(signal.SIGTERM)
-            answer = await wait_until(lambda: (r := httpx.get(relay + "/readyz", timeout=5)).status_code == 503
+            answer = await wait_until(lambda: (r := httpx.get(relay + "/readyz")).status_code == 503
                                       and r.json(), 30, what=lambda: stack.procs.log("relay-a"))
             assert answer["status"] == "draining" and answer["drain_deadline"] >= asked + GRACE + DRAIN - 1
             seen = await wait_until(lambda: [r for r in relays_seen(observer) if r["draining"]], 30)
@@ -73,7 +73,7 @@ def test_a_relay_asked_to_stop_drains_finishes_what_it_can_and_cuts_the_rest_at_
     assert drained["cut"] == 1 and drained["seconds"] >= GRACE + DRAIN - 0.1
     assert not _accepts(port)
     # Flow control released what the cut stream held: nothing in flight, nothing reserved.
-    poll(lambda: (s := httpx.get(observer + "/admin/state", timeout=5).json())["in_flight"] == 0
+    poll(lambda: (s := httpx.get(observer + "/admin/state").json())["in_flight"] == 0
          and s["kv"]["replicas"][sim]["reserved_blocks"] == 0, 30, "the cut stream to be released", fleet.log)
     assert [r["listen"] for r in relays_seen(observer)] == [observer.removeprefix("http://")]
 
@@ -97,7 +97,7 @@ def test_a_leader_asked_to_stop_hands_the_lease_over_and_the_standby_leads_at_on
     poll(lambda: fleet.events("lease_watched", "flow-b"), 60, "flow-b to watch the lease",
          lambda: stack.procs.log("flow-b"))
     relay = fleet.relay("relay", ["flow-a", "flow-b"])
-    poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to be ready",
+    poll(lambda: httpx.get(relay + "/readyz").status_code == 200, 60, "the relay to be ready",
          lambda: stack.procs.log("relay"))
     _, token = fleet.leader()
 

@@ -89,7 +89,7 @@ def _accepts(port: int) -> bool:
 
 def state(relay: str) -> dict | None:
     try:
-        answer = httpx.get(relay + "/admin/state", timeout=5)
+        answer = httpx.get(relay + "/admin/state")
     except httpx.HTTPError:
         return None
     return answer.json() if answer.status_code == 200 else None
@@ -147,7 +147,7 @@ def test_a_killed_leaders_streams_run_on_and_are_re_registered_with_the_standby_
     poll(lambda: _accepts(fleet.ports["flow-b"]), 60, "flow-b to listen for relays", lambda: stack.procs.log("flow-b"))
     # The standby is listed first: the relay is turned away there and serves through the leader.
     relay = fleet.relay("relay", ["flow-b", "flow-a"])
-    poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to be ready",
+    poll(lambda: httpx.get(relay + "/readyz").status_code == 200, 60, "the relay to be ready",
          lambda: stack.procs.log("relay"))
     standby = fleet.events("flow_control_standby", "relay")
     assert standby and standby[0]["peer"] == f"127.0.0.1:{fleet.ports['flow-b']}"
@@ -206,7 +206,7 @@ WAITING = 3
 
 
 def _ready(relay: str) -> int:
-    return httpx.get(relay + "/readyz", timeout=5).status_code
+    return httpx.get(relay + "/readyz").status_code
 
 
 def test_requests_sent_while_no_leader_leads_wait_at_the_relay_and_are_answered_once_the_standby_leads(fleet, stack):

@@ -125,13 +125,13 @@ def test_a_relay_without_flow_control_finishes_its_stream_keeps_requests_until_t
     [sim] = stack.sim(1, *SIM_ARGS)
     fleet = Fleet(stack, [sim])
     relay = fleet.relay("relay-a")
-    poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to be ready")
+    poll(lambda: httpx.get(relay + "/readyz").status_code == 200, 60, "the relay to be ready")
     body = {"model": "sim-model", "prompt": "hello", "max_tokens": 200, "stream": True}
     with httpx.stream("POST", relay + "/v1/completions", json=body, headers=hdr("standard"), timeout=60) as running:
         lines = running.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         stack.procs.stop(fleet.flow)  # flow control goes away mid-stream
-        poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 503, 30, "the relay to be unready",
+        poll(lambda: httpx.get(relay + "/readyz").status_code == 503, 30, "the relay to be unready",
              lambda: fleet.log("relay"))
         # A request that may wait 1 s waits that long for a flow control, then is answered as before.
         refused = httpx.post(relay + "/v1/completions", json={**body, "stream": False},
@@ -150,7 +150,7 @@ def test_a_relay_without_flow_control_finishes_its_stream_keeps_requests_until_t
              lambda: fleet.log("relay-a"))
         fleet.flow = fleet.start_flow_control()
         assert waiting.result(timeout=120).status_code == 200
-    poll(lambda: httpx.get(relay + "/readyz", timeout=5).status_code == 200, 60, "the relay to connect again",
+    poll(lambda: httpx.get(relay + "/readyz").status_code == 200, 60, "the relay to connect again",
          lambda: fleet.log("relay-a"))
     assert stream(relay)[-1] == "data: [DONE]"
     assert len(relays_seen(relay)) == 1

@@ -280,7 +280,7 @@ def test_keys_objectives_models_and_sse_passthrough(stack):
 
     # The TTFT histogram tells the event stream (its first token) from the answers read whole (end to end).
     ttft: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(gw.url + "/metrics", timeout=5).text):
+    for family in text_string_to_metric_families(httpx.get(gw.url + "/metrics").text):
         if family.name == "holdback_gateway_ttft_seconds":
             for sample in family.samples:
                 if sample.name.endswith("_count"):

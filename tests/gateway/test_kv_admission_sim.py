@@ -85,7 +85,7 @@ def kv(gw, url: str) -> dict:
 
 
 def release_count(gw, cause: str) -> float:
-    for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(gw.url + "/metrics").text.splitlines():
         if line.startswith(f'holdback_gateway_kv_release_seconds_count{{cause="{cause}",pool="default"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -246,7 +246,7 @@ def test_by_default_prompts_are_counted_in_the_gateway_once_its_tokenizer_agrees
     gw = stack.gateway([sim], AUTO)  # no admission.tokenizer: the default, auto
 
     def counted(source: str) -> float:
-        for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
+        for line in httpx.get(gw.url + "/metrics").text.splitlines():
             if line.startswith(f'holdback_gateway_prompt_counts_total{{source="{source}"}}'):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
@@ -457,15 +457,15 @@ def test_rollback_returns_to_the_previous_digest_keeping_the_lower_watermark(sta
     admin = {"Authorization": "Bearer admin-k"}
 
     def state():
-        return httpx.get(gw.url + "/admin/state", headers=admin, timeout=5).json()
+        return httpx.get(gw.url + "/admin/state", headers=admin).json()
     first_digest = state()["config"]["digest"]
     gw.config_path.write_text(keys + BASE.replace("queueDeadlineMs: 30000", "queueDeadlineMs: 1234\n"
                                                   "  admissionWatermark: 0.8"))
     gw.reload()
     asyncio.run(wait_until(lambda: state()["config"]["digest"] != first_digest))
     second_digest = state()["config"]["digest"]
-    assert httpx.post(gw.url + "/admin/rollback", timeout=5).status_code == 401
-    assert httpx.post(gw.url + "/admin/rollback", headers={"Authorization": "Bearer rt-k"}, timeout=5).status_code == 403
+    assert httpx.post(gw.url + "/admin/rollback").status_code == 401
+    assert httpx.post(gw.url + "/admin/rollback", headers={"Authorization": "Bearer rt-k"}).status_code == 403
     out = subprocess.run([sys.executable, "-m", "holdback.cli", "gateway", "rollback", "--url", gw.url,
                           "--key", "admin-k"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -476,7 +476,7 @@ def test_rollback_returns_to_the_previous_digest_keeping_the_lower_watermark(sta
     assert s["admission"]["queueDeadlineMs"] == 30000 and s["admission"]["admissionWatermark"] == 0.8
     assert s["kv"]["enabled"] and [h["digest"] for h in s["config"]["history"]][:2] == [first_digest, second_digest]
     assert '"event":"config_rolled_back"' in gw.log() and first_digest in gw.log()
-    bad = httpx.post(gw.url + "/admin/rollback", headers=admin, json={"admissionWatermark": 2}, timeout=5)
+    bad = httpx.post(gw.url + "/admin/rollback", headers=admin, json={"admissionWatermark": 2})
     assert bad.status_code == 400 and "admissionWatermark" in bad.json()["error"]["message"]
 
 
@@ -494,25 +494,24 @@ def test_admin_routes_need_an_admin_key_and_anonymous_callers_get_batch_only(sta
     from gateway.settings import DEFAULT_CONFIG_PATH
     gw = stack.gateway([sim], DEFAULT_CONFIG_PATH.read_text(),
                        env={"HOLDBACK_ADMIN_KEY": "adm", "HOLDBACK_GATEWAY_REALTIME_KEY": "rt"})
-    assert httpx.get(gw.url + "/admin/state", timeout=5).status_code == 401
-    assert httpx.get(gw.url + "/admin/state", headers={"Authorization": "Bearer rt"}, timeout=5).status_code == 403
-    assert httpx.get(gw.url + "/admin/state", headers={"Authorization": "Bearer adm"}, timeout=5).status_code == 200
+    assert httpx.get(gw.url + "/admin/state").status_code == 401
+    assert httpx.get(gw.url + "/admin/state", headers={"Authorization": "Bearer rt"}).status_code == 403
+    assert httpx.get(gw.url + "/admin/state", headers={"Authorization": "Bearer adm"}).status_code == 200
     anon_rt = httpx.post(gw.url + "/v1/completions", json=blocks_body(2, 5, False), headers=hdr("realtime"), timeout=10)
     assert anon_rt.status_code == 403
     anon = httpx.post(gw.url + "/v1/completions", json=blocks_body(2, 5, False), timeout=30)
     assert anon.status_code == 200  # served, as batch
-    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    metrics = httpx.get(gw.url + "/metrics").text
     assert 'holdback_gateway_dispatches_total{band="-10",path="inline",pool="default"} 1.0' in metrics
 
 
 def test_simulator_faults_need_its_admin_key_when_one_is_set(stack):
     [sim] = stack.sim(1, "--admin-key", "sim-adm")
-    assert httpx.get(sim + "/admin/faults", timeout=5).status_code == 401
-    assert httpx.post(sim + "/admin/faults", json={"rate_503": 1.0}, timeout=5).status_code == 401
-    assert httpx.post(sim + "/admin/faults", json={"rate_503": 0.0}, headers={"Authorization": "Bearer wrong"},
-                      timeout=5).status_code == 401
-    ok = httpx.post(sim + "/admin/faults", json={"rate_503": 0.0}, headers={"Authorization": "Bearer sim-adm"},
-                    timeout=5)
+    assert httpx.get(sim + "/admin/faults").status_code == 401
+    assert httpx.post(sim + "/admin/faults", json={"rate_503": 1.0}).status_code == 401
+    wrong = {"Authorization": "Bearer wrong"}
+    assert httpx.post(sim + "/admin/faults", json={"rate_503": 0.0}, headers=wrong).status_code == 401
+    ok = httpx.post(sim + "/admin/faults", json={"rate_503": 0.0}, headers={"Authorization": "Bearer sim-adm"})
     assert ok.status_code == 200
 
 

@@ -186,7 +186,7 @@ def test_a_replica_whose_kv_binds_first_never_learns_fewer_slots_than_it_runs(st
     gw = stack.gateway([sim], "usageLimit: {policy: static, threshold: 1.0}\nmetrics: {scrapeIntervalSeconds: 0.5}\n"
                        "admission: {tenantMaxShare: 1.0, tenantSoftShare: 1.0, interactiveReserve: 0.1}\n")
     # Both reach the replica 300 ms after they were sent, the gateway's while its KV still looked empty.
-    httpx.post(sim + "/admin/faults", json={"delay_ms": 300}, timeout=5).raise_for_status()
+    httpx.post(sim + "/admin/faults", json={"delay_ms": 300}).raise_for_status()
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=sim, timeout=60) as direct, \
