@@ -288,6 +288,18 @@ class Fleet(ProcessSet):
             return 0
         return sum(1 for row in rows if row.startswith("relays,relay-") and ",UP" in row and "-any," not in row)
 
+    def relays_on(self, token: int) -> int:
+        """How many relays the leader of fencing token `token` holds a channel with, as its /admin/state says
+        (through any relay connected to it); 0 while none answers for that leader."""
+        for url in self.relay_urls.values():
+            try:
+                lead = httpx.get(url + "/admin/state", timeout=10).json().get("leadership") or {}
+            except (httpx.HTTPError, ValueError):
+                continue
+            if lead.get("leading") and lead.get("token") == token:
+                return int(lead.get("relays", 0))
+        return 0
+
     def decisions(self) -> dict[str, float]:
         """holdback_gateway_relay_decisions_total by token and outcome, summed over the relays (as the leader
         collects them); {} while no relay reaches a leader."""

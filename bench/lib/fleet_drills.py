@@ -122,16 +122,33 @@ def pause_leader(seconds: float) -> Strike:
         fleet.signal(name, signal.SIGSTOP)
         try:
             await asyncio.sleep(seconds)
-            # What the relays heard of each term before the old leader runs again (through the new leader).
-            run.seen["decisions_at_resume"] = await _until(fleet.decisions, 60, "a relay to answer /metrics", 0.2)
+            # What the relays heard of each term before the old leader runs again, read through the new leader once
+            # every relay holds a channel with it: a relay still on its way there (it notices the silence after
+            # three heartbeats, then may wait out a handshake with the paused one) would be missing from the sum.
+            # The pause lasts until then.
+            await _new_leader(fleet, run, token)
+            await _until(lambda: fleet.relays_on(run.seen["new_token"]) == len(fleet.relay_urls), 120,
+                         "every relay to hold a channel with the new leader", 0.2)
+            run.seen["decisions_at_resume"] = await _until(lambda: _settled_term(fleet, token), 60,
+                                                           "the old term's decisions, read twice alike", 0.2)
         finally:
             fleet.signal(name, signal.SIGCONT)
         run.seen["resumed_after"] = time.time() - run.struck_wall
-        await _new_leader(fleet, run, token)
         lost = await _until(lambda: _event(fleet, name, "leadership_lost", run.struck_wall), 60,
                             f"{name} to step down")
         run.seen["old_leader_lost_after"] = lost["ts"] - run.struck_wall
     return strike
+
+
+def _settled_term(fleet: Fleet, token: int) -> dict[str, float] | None:
+    """The relays' decision counters when two reads in a row agree on term `token`'s (a relay whose counters the
+    leader has not collected yet would change them), else None."""
+    first = fleet.decisions()
+    term = f'token="{token}"'
+    if not first or {k: v for k, v in first.items() if term in k} != {
+            k: v for k, v in fleet.decisions().items() if term in k}:
+        return None
+    return first
 
 
 def kill_relay(name: str) -> Strike:
