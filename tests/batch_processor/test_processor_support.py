@@ -85,6 +85,9 @@ class Harness:
         tests run none; tests/batch_processor/test_gateway_reach.py has a gateway come and go)."""
         config.setdefault("name", f"p{len(self.processors)}")
         config.setdefault("reconcile_interval", 3600.0)  # tests reconcile explicitly
+        # One tick does every batch's whole-batch step (the round budget's own tests set theirs): on a loaded machine
+        # one batch's validation outlasted the default second, and the next batch waited for the next round.
+        config.setdefault("round_work_seconds", 600.0)
         p = Processor(self.settings, ProcessorConfig(**config), factory=self.factory,
                       connection=self.backend.redis(), store=self.store, gateway=gateway or GatewayReach(None))
         self.processors.append(p)
