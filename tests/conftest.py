@@ -30,6 +30,7 @@ from holdback.broker import ensure_embedded_redis, stop_embedded_redis
 from holdback.db import make_engine
 from holdback.schema import upgrade
 from holdback.settings import Settings
+from bench.lib import forkserver
 from tests import reaper
 
 BACKEND = os.environ.get("HOLDBACK_TEST_BACKEND", "embedded")
@@ -65,6 +66,7 @@ def pytest_configure(config):  # noqa: ANN001
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
     reaper.watch(report_dir)
+    forkserver.enable()  # after the reaper's token is in the environment: the server and its forks carry it
 
 
 @pytest.hookimpl(tryfirst=True)  # before the tier's own order (tests/real_vllm/conftest.py), which it keeps
@@ -110,16 +112,23 @@ def _unit_starts_no_process(request, monkeypatch):  # noqa: ANN001
     if request.node.get_closest_marker("unit") is None:
         return
 
+    def refused(args) -> AssertionError:  # noqa: ANN001
+        return AssertionError(f"a unit test started a process ({args!r}): mark the test e2e, or add the fixture "
+                              "that starts it to PROCESS_FIXTURES in tests/conftest.py")
+
     def refuse(self, args, *rest, **kw):  # noqa: ANN001
         if list(args)[:1] == ["fc-list"]:
             # matplotlib's font manager lists the system's fonts once, the first time it is imported on a machine
             # (it then keeps a cache): a library's own probe, not a process the test starts.
             return real(self, args, *rest, **kw)
-        raise AssertionError(f"a unit test started a process ({args!r}): mark the test e2e, or add the fixture "
-                             "that starts it to PROCESS_FIXTURES in tests/conftest.py")
+        raise refused(args)
+
+    def refuse_fork(self, args, **kw):  # noqa: ANN001 - a child this process's fork server would fork
+        raise refused(args)
 
     real = subprocess.Popen._execute_child
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(forkserver.ForkServer, "spawn", refuse_fork)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.lib import forkserver
 from holdback.cli.listeners import free_port, free_port_block
 from holdback.contract import wake_channel
 
@@ -130,7 +131,7 @@ class Processes:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}-{len(self.children)}.log", "wb")
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [sys.executable, "-m", "holdback.cli", *args],
             cwd=REPO,
             env={**self.env, **(env or {})},

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from bench.lib import forkserver
 from bench.lib.readiness import free_port, free_port_block, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ class Children:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, args: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        proc = forkserver.popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
         return proc

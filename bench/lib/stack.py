@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.lib import forkserver
 from bench.lib.processes import stop_processes
 from bench.lib.prometheus import parse_prometheus
 from bench.lib.readiness import ProcessSet, free_port_block, wait_http
@@ -86,7 +87,7 @@ class Stack(ProcessSet):
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "holdback.cli", *args], env=self.env, stdout=out,
+            proc = forkserver.popen([sys.executable, "-m", "holdback.cli", *args], env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc

@@ -1,0 +1,414 @@
+"""A fork server for the `python -m holdback.cli ...` children a test starts: the same command, started in a few
+milliseconds of CPU instead of the 0.3-1.3 s its imports cost (FastAPI, SQLAlchemy, pydantic, aiohttp, RQ).
+
+The suite starts about 500 such children a pass, and the embedded pass spent more of its CPU importing them than
+running them (docs/ci.md, "The fork server"). A server process per test process imports the platform's modules
+once, with no thread running, and forks each child from that state; the child then runs the command as `python -m`
+would: its own session, argv, environment, working directory and standard streams, the command's module run as
+`__main__`, the exit status of a fresh process (`-N` when a signal ended it). What a fresh process reads at start
+but a fork keeps from the server (`PYTHON*` variables other than PYTHONUNBUFFERED, interpreter flags, another source
+tree) is not forked: such a command is started with `subprocess.Popen` as before, as is everything when the server
+cannot start.
+
+Only tests use it (`enable()` in tests/conftest.py); benchmarks start every child as a fresh process, so that each
+one's CPU is what a user's would be. The reaper (tests/reaper.py) still finds every forked child: the kernel shows a
+fork the environment its server was started with, and the server carries its test process's token.
+
+Run as `python -m bench.lib.forkserver SOCKET`: it serves until its standard input ends (its test process is gone).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import io
+import json
+import os
+import runpy
+import select
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODULES = ("holdback.cli",)  # what may be forked: `python -m holdback.cli ...`
+PRELOAD = ("holdback.cli.main", "holdback.cli.up", "holdback.cli.db", "holdback.cli.keys", "holdback.cli.data",
+           "holdback.cli.files", "holdback.cli.submit", "holdback.tracing", "batch_api.cli", "batch_api.app",
+           "batch_processor.cli", "batch_processor.processor", "async_processor.cli", "async_processor.worker",
+           "gateway.cli", "gateway.app", "model_sim.cli", "model_sim.server")
+START_SECONDS = 120.0  # the server's imports, on a machine as loaded as CI's
+_HEADER = struct.Struct("!I")
+_ENABLED = False
+_server: ForkServer | None = None
+_lock = threading.Lock()
+
+
+def enable() -> None:
+    """Start this process's `holdback` children through a fork server (started at the first one)."""
+    global _ENABLED
+    _ENABLED = True
+
+
+def popen(args: list[str], *, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+          stdin=None, stdout=None, stderr=None, text: bool = False,
+          start_new_session: bool = False):  # noqa: ANN001, ANN201
+    """`subprocess.Popen(args, ...)` with these arguments: forked by the fork server when enabled and the command
+    allows it (a `ForkedProcess`, which answers as a Popen does), else a `subprocess.Popen`."""
+    if _ENABLED and stdin != subprocess.PIPE and forkable(args, env):
+        server = _get_server()
+        if server is not None:
+            return server.spawn(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=start_new_session)
+    return subprocess.Popen(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                            start_new_session=start_new_session)
+
+
+def forkable(args: list[str], env: dict[str, str] | None) -> bool:
+    """A command a fork of this interpreter runs as a fresh one would: `python -m MODULE ...` in this interpreter,
+    with no variable that changes how the interpreter starts."""
+    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES:
+        return False
+    env = os.environ if env is None else env
+    start_up = {k for k in (*env, *os.environ) if k.startswith("PYTHON") and k != "PYTHONUNBUFFERED"}
+    return all(env.get(k) == os.environ.get(k) for k in start_up)
+
+
+def _get_server() -> ForkServer | None:
+    global _server
+    with _lock:
+        if _server is None or not _server.alive():
+            try:
+                _server = ForkServer.start()
+            except OSError as e:
+                print(f"fork server: not started ({e}); children start as fresh processes", file=sys.stderr)
+                _server = None
+        return _server
+
+
+class ForkServer:
+    """The test process's end: one server, one connection per child."""
+
+    def __init__(self, proc: subprocess.Popen, path: str) -> None:
+        self.proc = proc
+        self.path = path
+
+    @classmethod
+    def start(cls) -> ForkServer:
+        path = os.path.join(tempfile.mkdtemp(prefix="hbfork-"), "socket")
+        proc = subprocess.Popen([sys.executable, "-m", "bench.lib.forkserver", path], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, start_new_session=True)
+        server = cls(proc, path)
+        deadline = time.monotonic() + START_SECONDS
+        while not os.path.exists(path + ".ready"):
+            if proc.poll() is not None:
+                raise OSError(f"the fork server exited with {proc.returncode} before it listened")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise OSError(f"the fork server did not listen within {START_SECONDS:.0f} s")
+            time.sleep(0.02)
+        return server
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, args: list[str], *, cwd, env, stdin, stdout, stderr, text,  # noqa: ANN001
+              start_new_session) -> ForkedProcess:
+        request = json.dumps({
+            "module": args[2], "argv": args[3:], "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+            "env": dict(os.environ if env is None else env), "session": bool(start_new_session),
+        }).encode()
+        opened: list[int] = []  # fds this end opened for the child: closed here once it holds them
+        child_in = _child_fd(stdin, 0, opened, "r")
+        pipes: list[int] = []  # the read ends of PIPE streams, this end's
+        child_out = _child_fd(stdout, 1, opened, "w", pipes)
+        child_err = child_out if stderr == subprocess.STDOUT else _child_fd(stderr, 2, opened, "w", pipes)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [child_in, child_out, child_err])
+            lines = _Lines(conn)
+            line = lines.next(None)
+        except (OSError, EOFError) as e:
+            conn.close()
+            for fd in pipes:
+                os.close(fd)
+            raise OSError(f"the fork server did not start {args[2:]!r}: {e}") from e
+        finally:
+            for fd in opened:
+                os.close(fd)
+        pid = int(line.split()[1])
+
+        def reader(spec) -> io.IOBase | None:  # noqa: ANN001
+            if spec != subprocess.PIPE:
+                return None
+            stream = os.fdopen(pipes.pop(0), "rb")
+            return io.TextIOWrapper(stream) if text else stream
+        out = reader(stdout)
+        return ForkedProcess(args, pid, lines, out, None if stderr == subprocess.STDOUT else reader(stderr))
+
+
+class _Lines:
+    """The lines the server sends on one child's connection, read with a deadline (a socket file object cannot be
+    read again once a read timed out)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buffer = b""
+        self.poller = select.poll()
+        self.poller.register(conn, select.POLLIN)
+
+    def next(self, timeout: float | None) -> bytes | None:
+        """The next line; None if none came within `timeout` seconds (None: wait as long as it takes); EOFError if
+        the server closed the connection first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.poller.poll(None if left is None else left * 1000):
+                return None
+            chunk = self.conn.recv(256)
+            if not chunk:
+                raise EOFError("the fork server closed the connection")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _child_fd(spec, default: int, opened: list[int], mode: str, pipes: list[int] | None = None) -> int:  # noqa: ANN001
+    if spec is None:
+        return default
+    if spec == subprocess.PIPE and pipes is not None:
+        read_end, write_end = os.pipe()
+        pipes.append(read_end)
+        opened.append(write_end)
+        return write_end
+    if spec == subprocess.DEVNULL:
+        fd = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+        opened.append(fd)
+        return fd
+    if isinstance(spec, int):
+        return spec
+    return spec.fileno()
+
+
+class ForkedProcess:
+    """A forked child as a `subprocess.Popen` shows it: pid, args, returncode, stdout (a PIPE's read end), poll(),
+    wait(timeout), send_signal(), terminate(), kill(). Its exit status comes from the server, its parent."""
+
+    def __init__(self, args: list[str], pid: int, lines: _Lines, stdout, stderr) -> None:  # noqa: ANN001
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = None
+        self.stdout = stdout
+        self.stderr = stderr
+        self._lines = lines
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self._status(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def _status(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    line = self._lines.next(timeout)
+                except (OSError, EOFError) as e:  # the server is gone, and the reaper stopped its children
+                    raise OSError(f"the fork server ended before pid {self.pid} did ({e})") from e
+                if line is None:
+                    return None
+                self.returncode = int(line.split()[1])
+                self._lines.close()
+            return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+# -- the server ---------------------------------------------------------------------------------------------------
+
+def serve(path: str) -> int:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork would copy another thread's locks, held, with no thread to free them
+        print(f"fork server: {threading.active_count()} threads after the imports; refusing to fork",
+              file=sys.stderr)
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up fd is written to; the handler has nothing to do
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
+    selector.register(wake_read, selectors.EVENT_READ, "child")
+    children: dict[int, socket.socket | None] = {}
+    Path(path + ".ready").touch()
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    return 0  # the test process is gone; the reaper stops what it started
+            elif key.data == "child":
+                os.read(wake_read, 4096)
+                _reap(children)
+            else:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError) as e:
+                    conn.close()
+                    print(f"fork server: a bad request ({e})", file=sys.stderr)
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _run(request, fds)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                try:
+                    conn.sendall(b"P %d\n" % pid)
+                except OSError:
+                    children[pid] = None
+                    conn.close()
+        _reap(children)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    if len(fds) != 3 or len(data) < _HEADER.size:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected a header and 3 descriptors, got {len(data)} bytes and {len(fds)} descriptors")
+    (size,) = _HEADER.unpack_from(data)
+    body = bytearray(data[_HEADER.size:])
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ValueError("the request ended early")
+        body += chunk
+    return json.loads(body), fds
+
+
+def _reap(children: dict[int, socket.socket | None]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(b"X %d\n" % os.waitstatus_to_exitcode(status))
+            except OSError:
+                pass
+            conn.close()
+
+
+def _run(request: dict, fds: list[int]) -> None:
+    """In the fork: become `python -m MODULE ARGV...` started with the request's session, streams, directory and
+    environment, run it, and exit as that process would."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if request["session"]:
+            os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=sys.stdin.encoding)
+        sys.stdout = sys.__stdout__ = _text(1, unbuffered, "strict")
+        sys.stderr = sys.__stderr__ = _text(2, unbuffered, "backslashreplace", line_buffering=True)
+        sys.path[0] = os.getcwd()
+        sys.argv = ["-m", *request["argv"]]
+        code = _exit_code(request["module"])
+    except BaseException:  # noqa: BLE001 - a fork must never return into the server's loop
+        traceback.print_exc()
+    finally:
+        try:
+            threading._shutdown()  # as the interpreter does at its exit: wait for the non-daemon threads, then atexit
+            atexit._run_exitfuncs()
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _exit_code(module: str) -> int:
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a fresh interpreter ends by SIGINT itself
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _text(fd: int, unbuffered: bool, errors: str, line_buffering: bool = False) -> io.TextIOWrapper:
+    raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+    return io.TextIOWrapper(raw, encoding=sys.stdout.encoding, errors=errors, write_through=unbuffered,
+                            line_buffering=line_buffering or os.isatty(fd))
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1]))
