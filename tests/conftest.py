@@ -48,7 +48,7 @@ for _call in (httpx.request, httpx.get, httpx.options, httpx.head, httpx.post, h
 # Fixtures that start processes (the embedded Redis, simulators, gateways, workers): their tests are not unit.
 PROCESS_FIXTURES = {"backend", "stack", "scripted", "platform_factory", "browser", "vllm", "one_at_a_time_vllm"}
 # A module that imports these can start processes itself (`holdback ...` children via tests.support).
-PROCESS_NAMES = ("subprocess", "Processes")
+PROCESS_NAMES = ("subprocess", "Processes", "forkserver")
 NOT_UNIT_MARKERS = ("e2e", "browser")
 
 

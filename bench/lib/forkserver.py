@@ -71,6 +71,20 @@ def popen(args: list[str], *, cwd: str | os.PathLike | None = None, env: dict[st
                             start_new_session=start_new_session)
 
 
+def run(args: list[str], *, capture_output: bool = False, text: bool = False, timeout: float | None = None,
+        cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, ...)` with these arguments, the child started as `popen` starts it."""
+    pipe = subprocess.PIPE if capture_output else None
+    with popen(args, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=text) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def forkable(args: list[str], env: dict[str, str] | None) -> bool:
     """A command a fork of this interpreter runs as a fresh one would: `python -m MODULE ...` in this interpreter,
     with no variable that changes how the interpreter starts."""
@@ -236,6 +250,37 @@ class ForkedProcess:
                 self.returncode = int(line.split()[1])
                 self._lines.close()
             return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple:
+        """What the PIPE streams carried to their end, then the child's end, as `Popen.communicate` (no input)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = [stream for stream in (self.stdout, self.stderr) if stream is not None]
+        chunks: dict[int, list[bytes]] = {stream.fileno(): [] for stream in streams}
+        with selectors.DefaultSelector() as selector:
+            for stream in streams:
+                selector.register(stream.fileno(), selectors.EVENT_READ)
+            while selector.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(left):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        results = []
+        for stream in (self.stdout, self.stderr):
+            if stream is None:
+                results.append(None)
+                continue
+            data = b"".join(chunks[stream.fileno()])
+            if isinstance(stream, io.TextIOWrapper):  # as subprocess gives text: universal newlines
+                data = data.decode(stream.encoding).replace("\r\n", "\n").replace("\r", "\n")
+            results.append(data)
+            stream.close()
+        return tuple(results)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

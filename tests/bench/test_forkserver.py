@@ -61,6 +61,13 @@ def test_a_forked_child_ends_with_the_status_a_fresh_one_would(probe_forkable): 
     assert failing.stdout.read() == "" and "RuntimeError: the probe failed" in failing.stderr.read()
 
 
+def test_run_captures_each_stream_apart_and_keeps_its_deadline(probe_forkable):  # noqa: ANN001
+    done = forkserver.run([sys.executable, "-m", PROBE, "streams"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "to stdout\n", "to stderr\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkserver.run([sys.executable, "-m", PROBE, "wait"], capture_output=True, timeout=0.5)
+
+
 def test_a_command_a_fork_would_run_differently_starts_fresh(probe_forkable):  # noqa: ANN001
     env = {**os.environ, "PYTHONPATH": "/nonexistent"}  # read by an interpreter at its start: a fork keeps its own
     proc = forkserver.popen([sys.executable, "-m", PROBE, "exit", "0"], env=env, stdout=subprocess.DEVNULL)
@@ -82,6 +89,10 @@ def _main(argv: list[str]) -> int:
         return 0
     if what == "exit":
         return int(argv[1])
+    if what == "streams":
+        print("to stdout")
+        print("to stderr", file=sys.stderr)
+        return 4
     if what == "wait":
         signal.pause()
         return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.lib import forkserver
 from tests.support import REPO
 
 DEPLOY = REPO / "deploy"
@@ -147,7 +148,7 @@ def compose_invocations(doc: dict) -> list[Invocation]:
 @lru_cache(maxsize=None)
 def cli_help(words: tuple[str, ...]) -> str | None:
     """`holdback WORDS --help`, or None when that is not a command."""
-    out = subprocess.run([sys.executable, "-m", "holdback.cli", *words, "--help"], capture_output=True, text=True,
+    out = forkserver.run([sys.executable, "-m", "holdback.cli", *words, "--help"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     return out.stdout if out.returncode == 0 else None
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 from sqlalchemy import select
 
+from bench.lib import forkserver
 from holdback.db import make_engine, make_sessionmaker, transaction
 from holdback.models import Batch, File
 from holdback.retention import DEFAULT_FILE_TTL, FileCollector
@@ -110,7 +110,7 @@ def test_collector_deletes_expired_bytes_then_old_rows_in_bounded_batches(backen
         with transaction(factory) as s:
             s.get(Batch, "batch_busy").status = "completed"
         env = {**os.environ, **backend.env, **{f"HOLDBACK_{k.upper()}": str(v) for k, v in store_settings.items()}}
-        out = subprocess.run([sys.executable, "-m", "holdback.cli", "files", "gc", "--grace-seconds", "0"],
+        out = forkserver.run([sys.executable, "-m", "holdback.cli", "files", "gc", "--grace-seconds", "0"],
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -123,6 +123,6 @@ def test_collector_deletes_expired_bytes_then_old_rows_in_bounded_batches(backen
 
 
 def test_files_gc_rejects_bad_flags() -> None:
-    out = subprocess.run([sys.executable, "-m", "holdback.cli", "files", "gc", "--batch-size", "0"],
+    out = forkserver.run([sys.executable, "-m", "holdback.cli", "files", "gc", "--batch-size", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--batch-size and --max-batches must be at least 1" in out.stderr

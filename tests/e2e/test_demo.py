@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from bench.lib import forkserver
 from holdback.cli.demo import _parser
 from holdback.cli.demo_traffic import DirectBatch, GatewayAdminClient, RealtimeTraffic, quantile
 from holdback.settings import Settings
@@ -191,7 +191,7 @@ def test_the_demo_starts_its_own_platform_shows_three_ways_and_leaves_nothing_be
     the machine's; the closing figures are measured on a quiet one (docs/benchmarks.md)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOLDBACK_")}
     env["HOLDBACK_REPLICAS"] = "http://127.0.0.1:9"  # ignored: the demo's platform takes nothing of ours
-    demo = subprocess.run([sys.executable, "-m", "holdback.cli", "demo", "--seconds", "4", "--realtime-rate", "3"],
+    demo = forkserver.run([sys.executable, "-m", "holdback.cli", "demo", "--seconds", "4", "--realtime-rate", "3"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = demo.stdout
     assert demo.returncode == 0, out + demo.stderr

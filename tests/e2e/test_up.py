@@ -23,6 +23,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from bench.lib import forkserver
 from holdback.cli.instance_lock import InstanceLock
 from holdback.cli.supervisor import Child, Supervisor
 from tests.deploy.dashboard_names import dashboard_expressions, exported_names, rule_expressions, unknown_names
@@ -93,7 +94,7 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
     api, gateway, sim = free_port(), free_port(), free_ports(2)
     env = up_env(backend, data_dir)
     # A platform started before with another admin key: the key from the environment must win and be stored.
-    made = subprocess.run([sys.executable, "-m", "holdback.cli", "keys", "create", "--tenant", "default", "--create"],
+    made = forkserver.run([sys.executable, "-m", "holdback.cli", "keys", "create", "--tenant", "default", "--create"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     (data_dir / "local-keys.json").write_text(json.dumps(
@@ -176,7 +177,7 @@ def test_up_completes_a_batch_and_stops_without_orphans(backend):
 
         # A second `holdback up` on the same data dir refuses at once, naming the live one.
         other = [str(p) for p in (free_port(), free_port(), free_ports(2), free_port(), free_port())]
-        second = subprocess.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", other[0],
+        second = forkserver.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", other[0],
                                  "--gateway-port", other[1], "--sim-port", other[2],
                                  "--processor-metrics-port", other[3], "--worker-metrics-port", other[4]],
                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
@@ -262,7 +263,7 @@ def test_a_port_answered_by_another_process_fails_start_up(tmp_path):
             child.proc.wait()
         # And `holdback up` checks its ports before starting anything.
         env = {**os.environ, "HOLDBACK_DATA_DIR": str(tmp_path / "data")}
-        refused = subprocess.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", str(port)],
+        refused = forkserver.run([sys.executable, "-m", "holdback.cli", "up", "--api-port", str(port)],
                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1
         assert f"api port {port} is in use (pid {os.getpid()})" in refused.stdout, refused.stdout

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
+from bench.lib import forkserver
 from tests.gateway.conftest import sim_state
 from tests.gateway.test_gateway_sim import wait_until
 
@@ -424,7 +424,7 @@ def test_soft_quota_waits_only_under_pressure(stack):
 def test_calibration_profile_mismatch_refuses_the_replica(stack, tmp_path):
     [sim] = stack.sim(1, *SIM_ARGS)
     good = tmp_path / "profile.json"
-    out = subprocess.run([sys.executable, "-m", "holdback.cli", "gateway", "calibrate", "--replica", sim,
+    out = forkserver.run([sys.executable, "-m", "holdback.cli", "gateway", "calibrate", "--replica", sim,
                           "--gpu", "H100-80GB", "--out", str(good)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     profile = json.loads(good.read_text())
@@ -466,7 +466,7 @@ def test_rollback_returns_to_the_previous_digest_keeping_the_lower_watermark(sta
     second_digest = state()["config"]["digest"]
     assert httpx.post(gw.url + "/admin/rollback").status_code == 401
     assert httpx.post(gw.url + "/admin/rollback", headers={"Authorization": "Bearer rt-k"}).status_code == 403
-    out = subprocess.run([sys.executable, "-m", "holdback.cli", "gateway", "rollback", "--url", gw.url,
+    out = forkserver.run([sys.executable, "-m", "holdback.cli", "gateway", "rollback", "--url", gw.url,
                           "--key", "admin-k"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
