@@ -129,6 +129,10 @@ def pause_leader(seconds: float) -> Strike:
             await _new_leader(fleet, run, token)
             await _until(lambda: fleet.relays_on(run.seen["new_token"]) == len(fleet.relay_urls), 120,
                          "every relay to hold a channel with the new leader", 0.2)
+            joined = await _until(lambda: all(found := [_event(fleet, relay, "flow_control_connected", run.struck_wall)
+                                                        for relay in fleet.relay_urls]) and found, 30,
+                                  "every relay to log its channel to the new leader")
+            run.seen["relays_joined_after"] = max(e["ts"] for e in joined) - run.struck_wall
             run.seen["decisions_at_resume"] = await _until(lambda: _settled_term(fleet, token), 60,
                                                            "the old term's decisions, read twice alike", 0.2)
         finally:

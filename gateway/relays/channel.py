@@ -195,7 +195,11 @@ async def open_channel(address: str, secret: bytes, role: Role, heartbeat: float
     else:
         host, port = split_address(address)
         reader, writer = await asyncio.open_connection(host, port)
-    return await secure_channel(reader, writer, secret, role, heartbeat, peer=address)
+    try:
+        return await secure_channel(reader, writer, secret, role, heartbeat, peer=address)
+    except BaseException:  # a handshake timed out or cancelled (a silent peer) must not leave its socket open
+        writer.close()
+        raise
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -1,6 +1,9 @@
 """A relay's link to flow control, whichever channel carries it at the moment.
 
-It connects to the first of its addresses that answers and passes the handshake, in the order given. A relay of
+It asks every one of its addresses at once and keeps the first that passes the handshake: a flow control paused
+mid-handshake (SIGSTOP, a long GC pause, a partition) accepts the connection and answers nothing until the handshake
+times out, and asked in order it held back every address after it (a relay found the standby that led 6-16 s after
+its leader paused). A relay of
 `--workers N` has one address (its parent's Unix socket) and stops when the channel closes; a relay run alone
 (`--role relay`) connects again, over every address in turn, after a pause that doubles up to `BACKOFF_CAP`; while
 one of them answers as a standby (a leader is being elected: the old one's lease has yet to lapse), it tries again
@@ -41,6 +44,8 @@ class Uplink:
         self.channel: Channel | None = None
         # Whether one of the addresses answered as a standby at the last attempt to connect.
         self.standby_answered = False
+        # Handshakes under way, by address; one a silent peer holds is asked on by the next `connect`, not again.
+        self._attempts: dict[str, asyncio.Task[Channel]] = {}
 
     @property
     def closed(self) -> bool:
@@ -65,25 +70,70 @@ class Uplink:
             self.channel.heartbeat = seconds
 
     async def connect(self) -> Channel:
-        """A channel to the first address that passes the handshake; `ConnectionError` saying why each failed."""
-        failures = []
+        """A channel to the first address that passes the handshake, all of them asked at once; `ConnectionError`
+        saying why each failed once none can pass now: every one answered and refused, or was unreachable, or a
+        standby answered while the others are still silent (the standby is asked again soon; a silent one's
+        handshake goes on until it answers or times out, and is not begun again meanwhile)."""
         self.standby_answered = False
+        failures: dict[str, str] = {}
         for address in self.addresses:
-            try:
-                async with asyncio.timeout(HANDSHAKE_SECONDS + 5):
-                    self.channel = await open_channel(address, self.secret, "relay", self.heartbeat)
-                return self.channel
-            except PeerRefused as exc:
-                self.standby_answered |= isinstance(exc, Standby)
-                failures.append(f"{address}: {exc.reason}")
-            except (OSError, TimeoutError) as exc:
-                failures.append(f"{address}: {type(exc).__name__}: {exc}")
-        raise ConnectionError("; ".join(failures))
+            if address not in self._attempts:
+                self._attempts[address] = asyncio.create_task(self._open(address))
+        try:
+            while True:
+                winner = None
+                for address, task in list(self._attempts.items()):
+                    if not task.done():
+                        continue
+                    del self._attempts[address]
+                    try:
+                        channel = task.result()
+                    except PeerRefused as exc:
+                        self.standby_answered |= isinstance(exc, Standby)
+                        failures[address] = exc.reason
+                    except (OSError, TimeoutError) as exc:
+                        failures[address] = f"{type(exc).__name__}: {exc}"
+                    else:
+                        if winner is None:
+                            winner = channel
+                        else:  # two passed at once (only a leader accepts a relay): keep the first
+                            channel.close()
+                if winner is not None:
+                    await self._abandon()
+                    self.channel = winner
+                    return winner
+                if not self._attempts or self.standby_answered:
+                    raise ConnectionError("; ".join(f"{a}: {failures.get(a, 'no answer yet (asked on)')}"
+                                                    for a in self.addresses))
+                await asyncio.wait(self._attempts.values(), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self._abandon()
+            raise
+
+    async def _open(self, address: str) -> Channel:
+        async with asyncio.timeout(HANDSHAKE_SECONDS + 5):
+            return await open_channel(address, self.secret, "relay", self.heartbeat)
+
+    async def _abandon(self) -> None:
+        """Cancel the handshakes still under way (each closes its connection)."""
+        attempts, self._attempts = list(self._attempts.values()), {}
+        for task in attempts:
+            task.cancel()
+        for result in await asyncio.gather(*attempts, return_exceptions=True):
+            if isinstance(result, Channel):  # it passed as it was cancelled
+                result.close()
 
     async def run(self, handle: Callable[[m.Message], None], joined: Callable[[], None],
                   left: Callable[[str], None], reconnect: bool) -> None:
         """Connect and serve the channel; when it closes, `left(reason)`, and connect again if `reconnect` (else
         return). Without `reconnect`, a first connection that fails raises its `ConnectionError`."""
+        try:
+            await self._serve(handle, joined, left, reconnect)
+        finally:
+            await self._abandon()
+
+    async def _serve(self, handle: Callable[[m.Message], None], joined: Callable[[], None],
+                     left: Callable[[str], None], reconnect: bool) -> None:
         pause, electing_since = BACKOFF_FIRST, None  # since when a standby answers (a leader being elected)
         loop = asyncio.get_running_loop()
         while True:

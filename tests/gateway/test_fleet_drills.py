@@ -84,7 +84,8 @@ def test_a_leader_paused_past_its_lease_decides_nothing_after_it_resumes(settled
     fleet = settled
     run = asyncio.run(drill(fleet, LOAD, pause_leader(10)))
     seen = run.seen
-    print(f"SIGSTOP {seen['old_leader']} 10 s: {seen['new_leader']} led after {seen['led_after']:.2f}s")
+    print(f"SIGSTOP {seen['old_leader']} 10 s: {seen['new_leader']} led after {seen['led_after']:.2f}s, "
+          f"every relay joined it after {seen['relays_joined_after']:.2f}s")
     assert seen["new_leader"] != seen["old_leader"] and seen["new_token"] > seen["old_token"]
     # The old leader stepped down when it resumed, and no relay heard a decision of its term after that.
     assert seen["old_leader_lost_after"] >= seen["resumed_after"] - 0.5

@@ -239,6 +239,64 @@ def test_a_relay_turned_away_by_a_standby_asks_again_every_quarter_second_and_jo
     assert asked == refusals + 1 and after < STANDBY_RETRY + 1.0, after
 
 
+def test_a_relay_whose_first_address_is_silent_asks_the_next_at_once_and_joins_it_when_it_leads():
+    # A leader paused mid-handshake (SIGSTOP, a GC pause, a partition) accepts the connection (the kernel does) and
+    # answers nothing. Asked in order, it held the relay for the handshake's timeout before the standby was asked.
+    # Here the first address is such a peer, the second a standby that turns the relay away three times, then
+    # leads: the relay asks both at once, asks the standby again meanwhile (the silent one once only), and the
+    # standby leads for it while the silent handshake still waits; the relay then gives that one up.
+    from gateway.relays.channel import secure_channel
+    from gateway.relays.handshake import PeerRefused, run_secret
+    from gateway.relays.uplink import Uplink
+
+    secret, refusals = run_secret(), 3
+
+    async def main() -> list[str]:
+        events: list[str] = []
+        asked = [0]
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            events.append("silent asked")
+            await reader.read()  # nothing is answered; returns when the relay closes the connection
+            events.append("silent given up")
+
+        async def standby(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            asked[0] += 1
+            events.append("standby asked")
+            try:
+                channel = await secure_channel(reader, writer, secret, "flow-control", 1.0,
+                                               standby=asked[0] <= refusals)
+            except PeerRefused:
+                return
+            if asked[0] <= refusals:
+                channel.close()
+                return
+            events.append("led")
+            await channel.serve(lambda message: None)
+
+        servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (silent, standby)]
+        uplink = Uplink([f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers], secret)
+        joined = asyncio.Event()
+        running = asyncio.create_task(uplink.run(lambda message: None, joined.set, lambda reason: None, True))
+        try:
+            await asyncio.wait_for(joined.wait(), 60)
+            events.append("joined")
+            async with asyncio.timeout(60):
+                while "silent given up" not in events:
+                    await asyncio.sleep(0.01)
+            return events
+        finally:
+            running.cancel()
+            if uplink.channel is not None:
+                uplink.channel.close()
+            for server in servers:
+                server.close()
+
+    events = asyncio.run(main())
+    assert events.count("silent asked") == 1 and events.count("standby asked") == refusals + 1, events
+    assert events.index("led") < events.index("silent given up"), events  # not given up by its own timeout
+
+
 def test_a_relay_serves_only_once_it_has_both_the_config_and_the_view_of_the_replicas():
     """Flow control sends a joining relay its config, then its view of the replicas, in two frames: a relay that
     listened on the config alone would answer a request for a model it serves 404, no pool being known yet (seen on
