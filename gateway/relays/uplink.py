@@ -3,7 +3,8 @@
 It asks every one of its addresses at once and keeps the first that passes the handshake: a flow control paused
 mid-handshake (SIGSTOP, a long GC pause, a partition) accepts the connection and answers nothing until the handshake
 times out, and asked in order it held back every address after it (a relay found the standby that led 6-16 s after
-its leader paused). A relay of
+its leader paused). While its leader is quiet for a heartbeat and a half, it asks the others whether one leads now,
+and moves to one that does without waiting for the channel's silence cut. A relay of
 `--workers N` has one address (its parent's Unix socket) and stops when the channel closes; a relay run alone
 (`--role relay`) connects again, over every address in turn, after a pause that doubles up to `BACKOFF_CAP`; while
 one of them answers as a standby (a leader is being elected: the old one's lease has yet to lapse), it tries again
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from pydantic import JsonValue
@@ -34,6 +36,10 @@ STANDBY_RETRY = 0.25
 # Longer than a lease (default 6 s) plus a relay's notice of a silent leader: a standby that still stands by after
 # this is not about to lead (the leader is alive and out of this relay's reach), and the capped backoff applies.
 STANDBY_RETRY_FOR = 15.0
+# A leader silent for this many of its heartbeats may be paused: the relay asks its other addresses whether one of
+# them leads now (a standby that took the lease passes the handshake), instead of waiting for the channel's
+# silence cut (three heartbeats), and moves to it at once.
+QUIET_HEARTBEATS = 1.5
 
 
 class Uplink:
@@ -46,6 +52,8 @@ class Uplink:
         self.standby_answered = False
         # Handshakes under way, by address; one a silent peer holds is asked on by the next `connect`, not again.
         self._attempts: dict[str, asyncio.Task[Channel]] = {}
+        # A channel to a flow control found leading while the one in use was quiet: the next one to serve.
+        self._successor: Channel | None = None
 
     @property
     def closed(self) -> bool:
@@ -110,6 +118,28 @@ class Uplink:
             await self._abandon()
             raise
 
+    async def _watch(self, channel: Channel) -> None:
+        """While `channel` serves: each time its peer has been quiet for `QUIET_HEARTBEATS` of its heartbeats, ask
+        the other addresses whether one leads; if one does, keep that channel for next and close this one."""
+        others = [address for address in self.addresses if address != channel.peer]
+        while others and channel.judges_silence and not channel.closed:
+            await asyncio.sleep(channel.peer_heartbeat / 2)
+            if time.monotonic() - channel.heard < QUIET_HEARTBEATS * channel.peer_heartbeat:
+                continue
+            found = await asyncio.gather(*(self._open(address) for address in others), return_exceptions=True)
+            leaders = [c for c in found if isinstance(c, Channel)]
+            for extra in leaders[1:]:
+                extra.close()
+            if leaders and not channel.closed:
+                self._successor = leaders[0]
+                channel.reason = (f"{leaders[0].peer} leads now, while {channel.peer} has been silent for "
+                                  f"{time.monotonic() - channel.heard:.1f}s")
+                log_event(logger, "flow_control_moved", level=logging.WARNING, reason=channel.reason)
+                channel.close()
+                return
+            for extra in leaders:
+                extra.close()
+
     async def _open(self, address: str) -> Channel:
         async with asyncio.timeout(HANDSHAKE_SECONDS + 5):
             return await open_channel(address, self.secret, "relay", self.heartbeat)
@@ -131,6 +161,8 @@ class Uplink:
             await self._serve(handle, joined, left, reconnect)
         finally:
             await self._abandon()
+            if self._successor is not None:
+                self._successor.close()
 
     async def _serve(self, handle: Callable[[m.Message], None], joined: Callable[[], None],
                      left: Callable[[str], None], reconnect: bool) -> None:
@@ -138,7 +170,7 @@ class Uplink:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                channel = await self.connect()
+                channel, self._successor = self._successor or await self.connect(), None
             except ConnectionError as exc:
                 if not reconnect:
                     raise
@@ -155,10 +187,16 @@ class Uplink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BACKOFF_CAP)
                 continue
+            self.channel = channel
             pause, electing_since = BACKOFF_FIRST, None
             log_event(logger, "flow_control_connected", address=channel.peer)
             joined()
-            await channel.serve(handle)
+            watch = asyncio.create_task(self._watch(channel), name="leader watch")
+            try:
+                await channel.serve(handle)
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
             left(channel.reason or "flow control closed the channel")
             if not reconnect:
                 return

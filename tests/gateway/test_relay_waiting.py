@@ -281,20 +281,78 @@ def test_a_relay_whose_first_address_is_silent_asks_the_next_at_once_and_joins_i
         try:
             await asyncio.wait_for(joined.wait(), 60)
             events.append("joined")
-            async with asyncio.timeout(60):
-                while "silent given up" not in events:
-                    await asyncio.sleep(0.01)
+            await _until(lambda: "silent given up" in events)
             return events
         finally:
-            running.cancel()
-            if uplink.channel is not None:
-                uplink.channel.close()
-            for server in servers:
-                server.close()
+            _stop(running, uplink, servers)
 
     events = asyncio.run(main())
     assert events.count("silent asked") == 1 and events.count("standby asked") == refusals + 1, events
     assert events.index("led") < events.index("silent given up"), events  # not given up by its own timeout
+
+
+def test_a_relay_whose_leader_goes_quiet_moves_to_a_standby_that_leads_before_the_silence_cut():
+    # The leader passes the handshake, saying it beats every 2 s, then sends nothing (paused). The standby turns the
+    # relay's first ask away (the lease is the leader's), then leads. The relay asks it again once the leader has
+    # missed a heartbeat and moves to it: the channel it leaves closes with the standby named, not by the silence
+    # cut (three of the leader's heartbeats, 6 s).
+    from gateway.relays.channel import secure_channel
+    from gateway.relays.handshake import PeerRefused, run_secret
+    from gateway.relays.uplink import Uplink
+
+    secret = run_secret()
+
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        asked, reasons, held = [0], [], []
+
+        async def leader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(await secure_channel(reader, writer, secret, "flow-control", 2.0))  # then silent
+
+        async def standby(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            asked[0] += 1
+            try:
+                channel = await secure_channel(reader, writer, secret, "flow-control", 1.0, standby=asked[0] == 1)
+            except PeerRefused:
+                return
+            await channel.serve(lambda message: None)
+
+        servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (leader, standby)]
+        addresses = [f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers]
+        uplink = Uplink(addresses, secret)
+        joined = []
+        moved = asyncio.Event()
+
+        def left(reason: str) -> None:
+            reasons.append(reason)
+            moved.set()
+        running = asyncio.create_task(uplink.run(lambda message: None, lambda: joined.append(uplink.channel.peer),
+                                                 left, True))
+        try:
+            await asyncio.wait_for(moved.wait(), 60)
+            await _until(lambda: len(joined) == 2)
+            return addresses, joined, reasons
+        finally:
+            for channel in held:
+                channel.close()
+            _stop(running, uplink, servers)
+
+    (leader, standby), joined, reasons = asyncio.run(main())
+    assert joined == [leader, standby], joined
+    assert reasons[0].startswith(f"{standby} leads now, while {leader} has been silent"), reasons
+
+
+async def _until(predicate, timeout: float = 60) -> None:  # noqa: ANN001
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def _stop(running: asyncio.Task, uplink, servers: list) -> None:  # noqa: ANN001 - an Uplink, asyncio servers
+    running.cancel()
+    if uplink.channel is not None:
+        uplink.channel.close()
+    for server in servers:
+        server.close()
 
 
 def test_a_relay_serves_only_once_it_has_both_the_config_and_the_view_of_the_replicas():
