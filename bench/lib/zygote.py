@@ -15,6 +15,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -28,6 +29,14 @@ PRELOAD = ("holdback.cli.main", "holdback.cli.up", "holdback.cli.db", "holdback.
            "batch_processor.cli", "batch_processor.processor", "async_processor.cli", "async_processor.worker",
            "gateway.cli", "gateway.app", "model_sim.cli", "model_sim.server")
 HEADER = struct.Struct("!I")  # a request's length, before its JSON; its three descriptors ride on the first bytes
+
+
+def main(path: str) -> int:
+    """Serve at `path` (a Unix socket in a directory of its own), and remove that directory when done."""
+    try:
+        return serve(path)
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def serve(path: str) -> int:
@@ -179,4 +188,4 @@ def _text(fd: int, unbuffered: bool, errors: str, line_buffering: bool = False) 
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1]))
+    sys.exit(main(sys.argv[1]))

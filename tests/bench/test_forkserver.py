@@ -77,6 +77,14 @@ def test_a_command_a_fork_would_run_differently_starts_fresh(probe_forkable):  #
     assert not forkserver.forkable(["/usr/bin/python3", "-m", "holdback.cli", "sim"], None)
 
 
+def test_a_server_whose_test_process_is_gone_exits_and_removes_its_socket():
+    server = forkserver.ForkServer.start()
+    assert server.alive() and os.path.exists(server.path)
+    server.proc.stdin.close()  # as when the test process ends, however it ends
+    assert server.proc.wait(60) == 0
+    assert not os.path.exists(os.path.dirname(server.path))
+
+
 def _main(argv: list[str]) -> int:
     what = argv[0]
     if what == "report":
