@@ -65,8 +65,7 @@ def serve(path: str) -> int:
                 if not os.read(sys.stdin.fileno(), 4096):
                     return 0  # the test process is gone; the reaper stops what it started
             elif key.data == "child":
-                os.read(wake_read, 4096)
-                _reap(children)
+                os.read(wake_read, 4096)  # a child ended: reaped below, with any that ended meanwhile
             else:
                 conn, _ = listener.accept()
                 try:
